@@ -1,0 +1,137 @@
+"""Distribution applied in one place: precision cast, memory techniques, then the engine.
+
+Order follows torchtitan: activation checkpointing → compile → sharding (FSDP2) or
+DeepSpeed's initialize. The model code is never edited; everything wraps it from outside.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness.config import RunConfig
+from harness.distributed import DistInfo
+from harness.engine import DeepSpeedEngine, Engine, LossFn, TorchEngine
+from harness.models import decoder_blocks
+from harness.optim import build_optimizer, build_scheduler, lr_lambda
+from harness.precision import PrecisionPolicy
+from harness.strategies import Strategy, resolve_deepspeed_config
+
+
+def apply_memory_techniques(model: nn.Module, cfg: RunConfig) -> None:
+    """Activation checkpointing and compile, before any sharding wraps the blocks."""
+    mem = cfg.memory
+    if mem.activation_checkpointing != "none":
+        from harness.activation_checkpoint import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, mem.activation_checkpointing, mem.ac_every)
+    if mem.compile != "none" or mem.activation_memory_budget is not None:
+        from harness.compile import apply_compile
+
+        apply_compile(model, mem.compile if mem.compile != "none" else "model", mem.activation_memory_budget)
+
+
+def _fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
+    """FSDP2: shard embeddings, each block, (final norm + head) and the root.
+
+    Sharding the head with the final norm, apart from the root, lets the chunked loss call
+    the body and the head separately while each still gathers its own parameters.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
+    if policy.mode == "bf16":
+        reduce = torch.float32 if strategy.reduce_dtype == "fp32" else torch.bfloat16
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+    if strategy.offload_params != "none":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "embed_tokens"):
+        fully_shard(inner.embed_tokens, **kwargs)
+    for block in decoder_blocks(model):
+        fully_shard(block, **kwargs)
+    head = [m for m in (getattr(inner, "norm", None), getattr(model, "lm_head", None)) if m is not None]
+    if head:
+        # The last group is gathered again at once by backward: keep it unsharded after forward.
+        fully_shard(head, **{**kwargs, "reshard_after_forward": False})
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _torch_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo, loss_fn: LossFn) -> Engine:
+    model.to(device=info.device, dtype=policy.param_dtype)
+    apply_memory_techniques(model, cfg)
+    kind = "single" if not info.distributed else strategy.kind
+    wrapped: nn.Module = model
+    if kind == "fsdp":
+        wrapped = _fsdp_wrap(model, strategy, policy, info)
+    elif kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [info.device.index] if info.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+    oib = None
+    if cfg.memory.optimizer_in_backward:
+        from harness.optimizer_in_backward import OptimizerInBackward
+
+        oib = OptimizerInBackward(wrapped, cfg.optim, cfg.steps)
+        optimizer, scheduler = oib, oib.scheduler
+    else:
+        optimizer = build_optimizer(wrapped.parameters(), cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
+    return TorchEngine(
+        kind, model, wrapped, optimizer, scheduler, policy, loss_fn, cfg.grad_accum, cfg.optim.grad_clip, info.device, oib
+    )
+
+
+def _deepspeed_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo, loss_fn: LossFn) -> Engine:
+    import deepspeed
+
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    ds_config = resolve_deepspeed_config(strategy, cfg, info.world_size, hidden)
+    model.to(device=info.device, dtype=torch.float32)
+    apply_memory_techniques(model, cfg)
+    optimizer = None
+    if "optimizer" not in ds_config:
+        optimizer = _client_optimizer(model, cfg, strategy, ds_config)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        optimizer=optimizer,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.optim, cfg.steps)),
+        config=ds_config,
+        dist_init_required=False,
+    )
+    return DeepSpeedEngine(engine, policy, loss_fn, cfg.grad_accum, info.device)
+
+
+def _client_optimizer(model: nn.Module, cfg: RunConfig, strategy: Strategy, ds_config: dict[str, Any]):
+    """Our optimizer for DeepSpeed; with optimizer offload, DeepSpeed's CPU Adam if it builds.
+
+    DeepSpeedCPUAdam is the fast path on GPU machines. Where its C++ op cannot be built, we
+    pass torch's AdamW and tell DeepSpeed to accept it (`zero_force_ds_cpu_optimizer`).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if strategy.offload_optimizer != "none" and cfg.optim.name in ("adamw", "adam"):
+        if os.environ.get("HARNESS_DS_CPU_ADAM", "1") == "1":
+            try:
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(
+                    params, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+                    weight_decay=cfg.optim.weight_decay, adamw_mode=cfg.optim.name == "adamw",
+                )
+            except Exception as exc:  # the op needs a compiler and DeepSpeed's build deps
+                print(f"[harness] DeepSpeedCPUAdam unavailable ({type(exc).__name__}); using torch AdamW on CPU", flush=True)
+        ds_config["zero_force_ds_cpu_optimizer"] = False
+    return build_optimizer(params, cfg.optim)
+
+
+def build_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo, loss_fn: LossFn) -> Engine:
+    if strategy.kind == "deepspeed":
+        return _deepspeed_engine(model, cfg, strategy, policy, info, loss_fn)
+    return _torch_engine(model, cfg, strategy, policy, info, loss_fn)

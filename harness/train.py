@@ -1,0 +1,155 @@
+"""Train a causal LM under any strategy: the recipe, readable end to end.
+
+    accelerate launch harness/train.py --config <file> [key=value ...]
+    deepspeed --num_gpus=8 harness/train.py --config <file> [key=value ...]
+    torchrun --nproc_per_node=2 harness/train.py --config <file>
+    python -m harness.train --config <file>
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a file by a launcher: make `harness` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from harness import distributed as dist_utils
+from harness.config import ConfigError, RunConfig, config_to_dict, load_config
+from harness.data import BatchSampler, PackedData, load_packed, prepare_data, split_batches
+from harness.engine import Engine
+from harness.models import build_model, count_parameters
+from harness.parallelize import build_engine
+from harness.precision import precision_policy
+from harness.state_bytes import engine_state_bytes
+from harness.strategies import Strategy, load_strategy
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="harness.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="run config (YAML or JSON); omitted: the embedded default")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    return parser.parse_known_args(argv)
+
+
+def prepare(cfg: RunConfig, info: dist_utils.DistInfo) -> PackedData:
+    """Rank 0 tokenizes and packs into the cache while the others wait, then all load it."""
+    if info.is_main:
+        prepare_data(cfg.model.name, cfg.data)
+    if info.distributed:
+        torch.distributed.barrier()
+    return load_packed(prepare_data(cfg.model.name, cfg.data))  # cached: returns at once
+
+
+def write_state_bytes(output_dir: str, info: dist_utils.DistInfo, points: list[dict[str, int]]) -> None:
+    """Per-rank bytes held in the first step (max over its phases): the proof of sharding."""
+    peak = {k: max(p[k] for p in points) for k in points[0]}
+    os.makedirs(os.path.join(output_dir, "state_bytes"), exist_ok=True)
+    with open(os.path.join(output_dir, "state_bytes", f"rank{info.rank}.json"), "w") as f:
+        json.dump({"rank": info.rank, "world_size": info.world_size, "peak": peak, "phases": points}, f, indent=1)
+
+
+def evaluate(engine: Engine, data: PackedData, cfg: RunConfig, info: dist_utils.DistInfo, split: str = "eval") -> dict[str, float]:
+    """Mean token loss and perplexity over the same global set of blocks at any world size."""
+    engine.train(False)
+    total, count = 0.0, 0.0
+    for batch in split_batches(data, split, cfg.micro_batch_size, cfg.eval_batches, info.world_size, info.rank):
+        loss = engine.eval_loss(batch.to(info.device))
+        total += float(loss) * batch.shape[0]
+        count += batch.shape[0]
+    total, count = dist_utils.all_reduce_sum([total, count], info)
+    engine.train(True)
+    mean = total / max(count, 1.0)
+    return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
+
+
+def train(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> dict[str, float]:
+    from harness.loss import causal_lm_loss
+    from harness.memory_tracking import StepMemoryTracker
+    from harness.observability.observer import Observer
+
+    torch.manual_seed(cfg.seed)
+    data = prepare(cfg, info)
+    model = build_model(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
+    policy = precision_policy(cfg.precision, info.device, strategy.kind)
+    loss_fn = functools.partial(causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
+    engine = build_engine(model, cfg, strategy, policy, info, loss_fn)
+    sampler = BatchSampler(data, cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank, cfg.data.seed)
+    observer = Observer(cfg.output_dir, config_to_dict(cfg), cfg.logging, info.rank, info.world_size, cfg.steps)
+    tracker = StepMemoryTracker(engine.model, engine.optimizer, enabled=cfg.memory.track)
+    tokens_per_step = sampler.global_batch * cfg.data.seq_len
+    if info.is_main:
+        print(f"[harness] {strategy.name} ({strategy.kind}) x{info.world_size} on {info.device}, {cfg.precision}, "
+              f"{count_parameters(engine.module) * (1 if not strategy.shards_params else info.world_size):,} params, "
+              f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens", flush=True)
+
+    engine.train(True)
+    skipped = 0
+    state_points: list[dict[str, int]] = []
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        with tracker.step():
+            step_loss = 0.0
+            for micro in range(cfg.grad_accum):
+                batch = sampler.batch(step, micro).to(info.device)
+                loss = engine.forward_loss(batch)
+                engine.backward(loss, last_micro=micro == cfg.grad_accum - 1)
+                step_loss += float(loss.detach()) / cfg.grad_accum
+                if step == 0:
+                    state_points.append(engine_state_bytes(engine))
+            lr = engine.lr
+            result = engine.step()
+        if step == 0:
+            state_points.append(engine_state_bytes(engine))
+            write_state_bytes(cfg.output_dir, info, state_points)
+        elapsed = time.perf_counter() - t0
+        skipped += int(result.skipped)
+        loss_mean = dist_utils.all_reduce_mean(step_loss, info)
+        metrics = {
+            "train/loss": loss_mean, "train/lr": lr, "train/grad_norm": result.grad_norm, "train/skipped_steps": skipped,
+            "perf/step_time_s": elapsed, "perf/tokens_per_s": tokens_per_step / elapsed,
+            "perf/samples_per_s": sampler.global_batch / elapsed,
+            "perf/tokens_per_s_per_device": tokens_per_step / elapsed / info.world_size,
+            "perf/samples_per_s_per_device": sampler.global_batch / elapsed / info.world_size,
+        }
+        metrics.update({f"memory/{k}_peak_bytes": v for k, v in tracker.last_peaks().items()})
+        observer.log_step(step + 1, metrics)
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            observer.log_eval(step + 1, evaluate(engine, data, cfg, info))
+    final = evaluate(engine, data, cfg, info)
+    observer.log_eval(cfg.steps, final)
+    summary = {"final_train_loss": loss_mean, "final_eval_loss": final["eval/loss"], "final_eval_perplexity": final["eval/perplexity"], "skipped_steps": skipped}
+    observer.log_summary(summary)
+    observer.close()
+    if info.is_main:
+        print(f"[harness] final eval perplexity {final['eval/perplexity']:.2f}; outputs in {os.path.abspath(cfg.output_dir)}", flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    try:
+        cfg = load_config(args.config, overrides)
+        strategy = load_strategy(cfg.strategy)
+        from harness.preflight import preflight
+
+        preflight(cfg, strategy)
+    except ConfigError as exc:  # one line, before any process group starts
+        print(f"harness: error: {exc}", file=sys.stderr)
+        return 2
+    info = dist_utils.init_distributed(cfg.device, force_group=strategy.kind == "deepspeed")
+    try:
+        train(cfg, strategy, info)
+    finally:
+        dist_utils.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
