@@ -110,14 +110,16 @@ def _deepspeed_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, poli
 
 
 def _client_optimizer(model: nn.Module, cfg: RunConfig, strategy: Strategy, ds_config: dict[str, Any]):
-    """Our optimizer for DeepSpeed; with optimizer offload, DeepSpeed's CPU Adam if it builds.
+    """Our optimizer for DeepSpeed; with optimizer offload on a GPU machine, DeepSpeed's CPU Adam.
 
-    DeepSpeedCPUAdam is the fast path on GPU machines. Where its C++ op cannot be built, we
-    pass torch's AdamW and tell DeepSpeed to accept it (`zero_force_ds_cpu_optimizer`).
+    DeepSpeedCPUAdam is the fast path when the model lives on a GPU and its optimizer on the
+    host. On a CPU-only machine both already share the host, and its C++ op costs a minute of
+    JIT build, so we pass torch's AdamW and tell DeepSpeed to accept it; likewise where the
+    op cannot be built (`zero_force_ds_cpu_optimizer: false`).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if strategy.offload_optimizer != "none" and cfg.optim.name in ("adamw", "adam"):
-        if os.environ.get("HARNESS_DS_CPU_ADAM", "1") == "1":
+        if torch.cuda.is_available() and os.environ.get("HARNESS_DS_CPU_ADAM", "1") == "1":
             try:
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 

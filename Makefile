@@ -1,0 +1,22 @@
+# The README's two commands: `make train` (the main job) and `make test` (the suite).
+# Both create .venv and install harness with pinned torch on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export OMP_NUM_THREADS ?= 2
+
+$(VENV)/.installed: setup.cfg constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+train: $(VENV)/.installed
+	$(PY) -m harness.train --config configs/default.yaml
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+.PHONY: install train test
