@@ -156,7 +156,9 @@ class DeepSpeedEngine(Engine):
         super().__init__(policy, loss_fn, grad_accum, device)
         self.ds = ds_engine
         self.module = ds_engine.module
-        self.model = ds_engine.module  # ZeRO-3 gathers through hooks on the submodules
+        # Forward must go through the DeepSpeed engine: calling the module directly skips its
+        # per-micro-step bookkeeping, and ZeRO-3 then loses the first micro-batches' gradients.
+        self.model = ds_engine
         self._skipped_before = 0
 
     @property

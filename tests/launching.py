@@ -1,0 +1,90 @@
+"""Helpers for tests that launch real training processes through the user's entry points."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TRAIN = str(REPO / "harness" / "train.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_config(path: Path, cache: Path, output: Path, **extra) -> Path:
+    """A run config small enough for 2 CPU ranks on 2 cores: tiny Llama, 32-token blocks."""
+    cfg = {
+        "model": {"name": "tiny-llama"},
+        "data": {"seq_len": 32, "max_tokens": 20000, "vocab_size": 512, "cache_dir": str(cache)},
+        "micro_batch_size": 2,
+        "grad_accum": 2,
+        "steps": 3,
+        "eval_batches": 2,
+        "optim": {"lr": 0.01, "warmup_steps": 1},
+        "logging": {"wandb": False, "progress": False, "plots": False},
+        "memory": {"track": False},
+        "output_dir": str(output),
+    }
+    for key, value in extra.items():
+        node = cfg
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    for key in list(e):  # a test must not inherit a launcher's identity
+        if key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") or key.startswith(("ACCELERATE_", "FSDP_")):
+            del e[key]
+    return e
+
+
+def launch_command(launcher: str, nproc: int, config: Path, overrides: list[str]) -> list[str]:
+    port = str(free_port())
+    if launcher == "python":
+        return [sys.executable, "-m", "harness.train", "--config", str(config), *overrides]
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={port}", TRAIN, "--config", str(config), *overrides]
+    if launcher == "accelerate":
+        return [str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "launch" / "accelerate_cpu.yaml"),
+                "--num_processes", str(nproc), "--main_process_port", port, TRAIN, "--config", str(config), *overrides]
+    if launcher == "deepspeed":
+        return [str(BIN / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={port}", TRAIN, "--config", str(config), *overrides]
+    raise ValueError(launcher)
+
+
+def run(cmd: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def step_losses(output: Path) -> list[float]:
+    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["train/loss"] for r in rows if "train/loss" in r]
+
+
+def final_eval(output: Path) -> float:
+    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["eval/loss"] for r in rows if "eval/loss" in r][-1]
+
+
+def state_bytes(output: Path, rank: int) -> dict[str, int]:
+    return json.loads((output / "state_bytes" / f"rank{rank}.json").read_text())["peak"]
