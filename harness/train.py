@@ -81,7 +81,8 @@ def train(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> dict
     loss_fn = functools.partial(causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
     engine = build_engine(model, cfg, strategy, policy, info, loss_fn)
     sampler = BatchSampler(data, cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank, cfg.data.seed)
-    observer = Observer(cfg.output_dir, config_to_dict(cfg), cfg.logging, info.rank, info.world_size, cfg.steps)
+    observer = Observer(cfg.output_dir, config_to_dict(cfg), cfg.logging, info.rank, info.world_size, cfg.steps,
+                        model_config=engine.module.config)
     tracker = StepMemoryTracker(engine.model, engine.optimizer, enabled=cfg.memory.track)
     tokens_per_step = sampler.global_batch * cfg.data.seq_len
     if info.is_main:
@@ -115,8 +116,6 @@ def train(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> dict
             "train/loss": loss_mean, "train/lr": lr, "train/grad_norm": result.grad_norm, "train/skipped_steps": skipped,
             "perf/step_time_s": elapsed, "perf/tokens_per_s": tokens_per_step / elapsed,
             "perf/samples_per_s": sampler.global_batch / elapsed,
-            "perf/tokens_per_s_per_device": tokens_per_step / elapsed / info.world_size,
-            "perf/samples_per_s_per_device": sampler.global_batch / elapsed / info.world_size,
         }
         metrics.update({f"memory/{k}_peak_bytes": v for k, v in tracker.last_peaks().items()})
         observer.log_step(step + 1, metrics)

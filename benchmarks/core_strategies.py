@@ -1,0 +1,78 @@
+"""Per-strategy table for notes/core.md: per-rank bytes, tokens/s and final loss at world N.
+
+    python benchmarks/core_strategies.py --nproc 2 --steps 20 [--out notes/core_table.md]
+
+Each strategy runs through `torchrun harness/train.py` (the user's entry point) on the
+tiny Llama and the embedded corpus; bytes come from the run's state_bytes/rank*.json
+(tensors actually held), speed and loss from its metrics.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+STRATEGIES = ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp", "fsdp_grad_op"]
+
+
+def run_one(strategy: str, nproc: int, steps: int, work: Path, precision: str) -> dict:
+    out = work / strategy
+    cfg = {
+        "model": {"name": "tiny-llama"}, "data": {"seq_len": 128}, "strategy": strategy, "precision": precision,
+        "micro_batch_size": 8, "grad_accum": 1, "steps": steps, "eval_batches": 4,
+        "logging": {"wandb": False, "progress": False, "plots": False}, "memory": {"track": False}, "output_dir": str(out),
+    }
+    path = work / f"{strategy}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)), WANDB_MODE="disabled")
+    cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={nproc}", "--master_port=29731",
+           str(REPO / "harness" / "train.py"), "--config", str(path)]
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/loss" in r]
+    steady = [r["perf/tokens_per_s"] for r in train[2:]] or [r["perf/tokens_per_s"] for r in train]
+    ranks = [json.loads((out / "state_bytes" / f"rank{r}.json").read_text())["peak"] for r in range(nproc)]
+    return {
+        "strategy": strategy, "bytes": ranks[0], "tokens_per_s": statistics.median(steady),
+        "final_loss": train[-1]["train/loss"], "eval_loss": [r["eval/loss"] for r in rows if "eval/loss" in r][-1],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    args = parser.parse_args()
+    kib = lambda b: f"{b / 1024:,.0f}"
+    lines = [
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{'GPU ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only (gloo)'}; "
+        f"world {args.nproc}, tiny-llama, seq 128, micro 8, {args.steps} steps, {args.precision}.",
+        "",
+        "| strategy | params KiB/rank | master KiB/rank | grads KiB/rank | optim state KiB/rank | tokens/s (global, median) | final train loss | eval loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy in args.strategies.split(","):
+            r = run_one(strategy, args.nproc, args.steps, Path(tmp), args.precision)
+            b = r["bytes"]
+            lines.append(f"| {strategy} | {kib(b['params'])} | {kib(b['master_params'])} | {kib(b['grads'])} | {kib(b['optim_state'])} "
+                         f"| {r['tokens_per_s']:,.0f} | {r['final_loss']:.4f} | {r['eval_loss']:.4f} |")
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
