@@ -103,6 +103,12 @@ class PruneConfig:
     exact_target: bool = True
     scope: str = "per_matrix"  # per_matrix | global
     targets: str = "decoder_linears"  # decoder_linears | all_linears
+    pool: float = 0.25  # exact-target GradProbe: probe (1 + pool) x target candidates
+    sequential: bool | None = None  # apply each group's mask before probing the next (None: SparseGPT only)
+    schedule: list[float] | None = None  # iterative targets, e.g. [0.3, 0.4, 0.5]
+    max_metric_increase: float = 0.1  # iterative schedule stops when eval loss rises more than this
+    stat_dtype: str = "bf16"  # storage of gradient statistics: bf16 | fp16
+    finetune_steps: int = 0  # training steps after pruning (masks enforced)
 
 
 @dataclass
@@ -145,6 +151,10 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
                 return None
         non_none = [a for a in args if a is not type(None)]
         return _coerce(value, non_none[0], where)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], where) for v in value]
     if origin is tuple:
         if isinstance(value, str):
             value = [v for v in value.strip("()[]").split(",") if v.strip()]
@@ -314,6 +324,7 @@ def check_values(cfg: RunConfig) -> None:
         "prune.base": (cfg.prune.base, ("magnitude", "wanda")),
         "prune.scope": (cfg.prune.scope, ("per_matrix", "global")),
         "prune.targets": (cfg.prune.targets, ("decoder_linears", "all_linears")),
+        "prune.stat_dtype": (cfg.prune.stat_dtype, ("bf16", "fp16")),
         "device": (cfg.device, ("auto", "cpu", "cuda")),
     }
     for key, (value, allowed) in choices.items():
@@ -341,6 +352,8 @@ def check_values(cfg: RunConfig) -> None:
             raise ConfigError(f"prune.pattern={cfg.prune.pattern!r} must be 'unstructured' or N:M like 2:4") from None
         if not 0 < n < m:
             raise ConfigError(f"prune.pattern={cfg.prune.pattern}: N:M needs 0 < N < M")
+        if cfg.prune.method != "none" and abs(cfg.prune.sparsity - (m - n) / m) > 1e-9:
+            raise ConfigError(f"prune.pattern={cfg.prune.pattern} prunes {(m - n) / m:g} of each group but prune.sparsity={cfg.prune.sparsity}; set prune.sparsity={(m - n) / m:g}")
     for key, frac in (("data.eval_fraction", cfg.data.eval_fraction), ("data.calib_fraction", cfg.data.calib_fraction)):
         if not 0.0 < frac < 0.5:
             raise ConfigError(f"{key}={frac} must be in (0, 0.5)")

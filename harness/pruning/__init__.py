@@ -1,0 +1,18 @@
+"""Pruning stage (issue 5): magnitude, Wanda, SparseGPT and GradProbe on sharded models.
+
+Entry points for the trainer:
+    run_pruning(model_or_engine, calib_batches, cfg.prune, loss_fn, grad_accum=...) -> PruneReport
+    MaskEnforcer(model_or_engine, report.masks, cfg.prune.targets)  # call after each optimizer step
+    report.masks.save(dir, views, comm) / MaskSet.load(dir, views, comm)
+"""
+from harness.pruning.calibration import calibration_samples, shard_calibration
+from harness.pruning.comm import Comm
+from harness.pruning.masks import MaskEnforcer, MaskSet
+from harness.pruning.schedule import ScheduleReport, run_schedule
+from harness.pruning.shards import ShardView, build_views
+from harness.pruning.stage import LayerReport, PruneReport, run_pruning
+
+__all__ = [
+    "Comm", "LayerReport", "MaskEnforcer", "MaskSet", "PruneReport", "ScheduleReport", "ShardView",
+    "build_views", "calibration_samples", "run_pruning", "run_schedule", "shard_calibration",
+]

@@ -1,0 +1,291 @@
+"""Calibration passes through the trainer's own model or engine, and the statistics they feed.
+
+Three statistics, all gathered with hooks or from the engine's own reduced gradients:
+- input-activation norms ||X_j||_2 per input feature (Wanda), from forward pre-hooks;
+- input Hessians H = X^T X (SparseGPT), from the same hooks, all-reduced across ranks;
+- G = element-wise max over probe steps of |dL/dW| (GradProbe), read from each rank's
+  gradient shard after the engine's backward (already reduce-scattered), stored in bf16.
+
+Why nothing is frozen: freezing a layer does not save the backward through it, it only
+drops its gradient; one backward yields every layer's gradient, so a group of K layers
+costs the same passes as one layer. K only bounds the memory of the statistics.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from harness.pruning.comm import Comm
+from harness.pruning.shards import ShardView, is_deepspeed_engine, unwrap
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+# Bytes per local weight element held while a group is probed: G0 and G1 in 2-byte
+# floats, the pool/candidate masks, the saved values of scaled weights (fp32, at most
+# all of them), and the int64 keys + indices built while selecting.
+PROBE_BYTES_PER_ELEMENT = 2 + 2 + 2 + 4 + 16
+# Fraction of the free memory the statistics may use when K is chosen automatically:
+# the rest is left for activations, allocator fragmentation and the engine's buffers.
+MEMORY_FRACTION = 0.5
+
+
+class Ledger:
+    """Bytes held by the stage's own buffers (statistics, masks, saved weights), with peak.
+
+    A ledger instead of the allocator's peak because on CPU there is no resettable peak,
+    and because the quantity the issue bounds is exactly these buffers.
+    """
+
+    def __init__(self) -> None:
+        self.held: dict[str, int] = {}
+        self.peak = 0
+
+    def add(self, key: str, t: torch.Tensor | int) -> None:
+        self.held[key] = self.held.get(key, 0) + (t if isinstance(t, int) else t.numel() * t.element_size())
+        self.peak = max(self.peak, sum(self.held.values()))
+
+    def drop(self, prefix: str) -> None:
+        for key in [k for k in self.held if k.startswith(prefix)]:
+            del self.held[key]
+
+
+class Runner:
+    """Forward and backward passes of the trainer's model/engine, the way its strategy needs.
+
+    A probe step is `accum` micro-batches per rank: for a DeepSpeed engine its own
+    gradient_accumulation_steps (its backward divides the loss), otherwise `grad_accum`
+    (the loss is divided here). A world-1 run with accum 2 therefore sees bit-identical
+    gradients to a world-2 run with accum 1 on the same micro-batches.
+    """
+
+    def __init__(self, model_or_engine: Any, loss_fn: LossFn, grad_accum: int | None = None) -> None:
+        self.target = model_or_engine
+        self.loss_fn = loss_fn
+        self.module: nn.Module = unwrap(model_or_engine)
+        self.deepspeed = is_deepspeed_engine(model_or_engine)
+        if self.deepspeed:
+            gas = model_or_engine.gradient_accumulation_steps()
+            if grad_accum not in (None, gas):
+                raise ValueError(f"grad_accum={grad_accum} differs from the DeepSpeed engine's gradient_accumulation_steps={gas}")
+            self.accum = gas
+        else:
+            self.accum = grad_accum or 1
+        self.fwd_batches = 0  # micro-batches run forward only
+        self.fwd_bwd_batches = 0  # micro-batches run forward + backward
+
+    def steps(self, batches: list[Any]) -> list[list[Any]]:
+        if len(batches) % self.accum:
+            raise ValueError(f"{len(batches)} calibration micro-batches is not a multiple of the accumulation {self.accum}")
+        return [batches[i : i + self.accum] for i in range(0, len(batches), self.accum)]
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """Dropout off during probing (as the reference does); restores the previous mode."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            yield
+        finally:
+            self.module.train(was_training)
+
+    def forward(self, batch: Any) -> None:
+        with torch.no_grad():
+            self.loss_fn(self.target, batch)
+        self.fwd_batches += 1
+
+    def forward_backward(self, step: list[Any]) -> None:
+        """Accumulate the reduced gradient of one probe step; the caller reads then zeroes it."""
+        if not self.deepspeed:
+            for batch in step:
+                (self.loss_fn(self.target, batch) / self.accum).backward()
+                self.fwd_bwd_batches += 1
+            return
+        engine = self.target
+        # Our probe steps are not the engine's optimizer steps, so its micro-step counter
+        # cannot tell where they end: mark the boundary (the ZeRO-1/2 gradient reduction)
+        # ourselves, then hand the decision back (the engine re-pushes it to its optimizer
+        # at every backward).
+        saved = engine._is_gradient_accumulation_boundary
+        try:
+            for i, batch in enumerate(step):
+                engine.set_gradient_accumulation_boundary(i == len(step) - 1)
+                engine.backward(self.loss_fn(engine, batch))
+                self.fwd_bwd_batches += 1
+        finally:
+            engine._is_gradient_accumulation_boundary = saved
+
+    def zero_grad(self) -> None:
+        if self.deepspeed:
+            opt = self.target.optimizer
+            if opt is not None and hasattr(opt, "zero_grad"):
+                opt.zero_grad()
+            else:
+                self.target.zero_grad()
+        else:
+            self.module.zero_grad(set_to_none=True)
+
+
+class InputStats:
+    """Forward pre-hooks accumulating, per target, sum_t x_tj^2 and optionally X^T X (fp64).
+
+    Linears fed the very same input tensor (q/k/v, gate/up) share one accumulator, which
+    cuts Hessian memory by up to 3x on transformer blocks.
+    """
+
+    def __init__(self, views: list[ShardView], hessian: bool, ledger: Ledger | None = None) -> None:
+        self.views = views
+        self.hessian = hessian
+        self.ledger = ledger
+        self.sumsq: dict[str, torch.Tensor] = {}
+        self.H: dict[str, torch.Tensor] = {}
+        self.alias: dict[str, str] = {}
+        self._handles: list[Any] = []
+        self._last: tuple[Any, str] | None = None
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0]
+            if self._last is not None and self._last[0] is x:
+                source = self._last[1]
+                if self.alias.setdefault(name, source) != source:
+                    raise RuntimeError(f"{name}: input sharing changed between batches")
+                return
+            if name in self.alias:
+                raise RuntimeError(f"{name}: input sharing changed between batches")
+            self._last = (x, name)
+            x2 = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+            if name not in self.sumsq:
+                self.sumsq[name] = torch.zeros(x2.shape[1], dtype=torch.float64, device=x2.device)
+                if self.hessian:
+                    self.H[name] = torch.zeros(x2.shape[1], x2.shape[1], dtype=torch.float64, device=x2.device)
+                    if self.ledger is not None:
+                        self.ledger.add(f"stats/H/{name}", self.H[name])
+            self.sumsq[name] += (x2 * x2).sum(0)
+            if self.hessian:
+                self.H[name] += x2.T @ x2
+
+        return hook
+
+    def __enter__(self) -> "InputStats":
+        for v in self.views:
+            self._handles.append(v.target.module.register_forward_pre_hook(self._hook(v.name)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._last = None
+
+    def finalize(self, comm: Comm) -> None:
+        """Sum the statistics of all ranks (each saw its own micro-batches); one collective per kind."""
+        names = sorted(self.sumsq)
+        missing = [v.name for v in self.views if v.name not in self.sumsq and v.name not in self.alias]
+        if missing:
+            raise RuntimeError(f"no calibration input reached {missing[0]}")
+        if names:
+            flat = comm.all_reduce_sum(torch.cat([self.sumsq[n] for n in names]))
+            for n, part in zip(names, torch.split(flat, [self.sumsq[n].numel() for n in names])):
+                self.sumsq[n] = part
+            if self.hessian:
+                for n in names:  # one per matrix: a flat concat would double the peak
+                    self.H[n] = comm.all_reduce_sum(self.H[n])
+
+    def norms(self, name: str) -> torch.Tensor:
+        """||X_j||_2 per input feature j (fp64)."""
+        return self.sumsq[self.alias.get(name, name)].sqrt()
+
+    def hessian_of(self, name: str) -> torch.Tensor:
+        return self.H[self.alias.get(name, name)]
+
+
+def gradient_max(
+    runner: Runner, steps: list[list[Any]], views: list[ShardView], dtype: torch.dtype,
+    stats: InputStats | None = None, ledger: Ledger | None = None, tag: str = "G",
+) -> dict[str, torch.Tensor]:
+    """One pass of fwd+bwd over the calibration steps; per view, max_t |grad_t| of its shard.
+
+    One backward per step serves every view passed in, whatever their number.
+    """
+    out: dict[str, torch.Tensor] = {}
+    runner.zero_grad()
+    with stats if stats is not None else contextlib.nullcontext():
+        for step in steps:
+            runner.forward_backward(step)
+            for v in views:
+                g = v.grad().abs().to(dtype)
+                out[v.name] = g if v.name not in out else torch.maximum(out[v.name], g)
+            runner.zero_grad()
+    if ledger is not None:
+        for name, t in out.items():
+            ledger.add(f"{tag}/{name}", t)
+    return out
+
+
+def forward_pass(runner: Runner, batches: list[Any], stats: InputStats) -> None:
+    """One forward-only pass over the calibration micro-batches with `stats` hooked in."""
+    with stats:
+        for batch in batches:
+            runner.forward(batch)
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory this rank may count on: free GPU memory, or host memory / local ranks."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return int(psutil.virtual_memory().available // max(1, local))
+
+
+def default_group_size(views: list[ShardView], units: list[int], comm: Comm, hessian: bool, device: torch.device) -> int:
+    """The largest K whose heaviest group of K consecutive units fits MEMORY_FRACTION of the
+    free memory (min over ranks, so every rank runs the same groups)."""
+    cost = {u: 0 for u in units}
+    for v in views:
+        cost[v.target.unit] += v.local_numel * PROBE_BYTES_PER_ELEMENT + (v.cols * v.cols * 8 if hessian else 0)
+    budget = available_bytes(device) * MEMORY_FRACTION
+    seq = [cost[u] for u in units]
+    k = 1
+    for size in range(1, len(seq) + 1):
+        heaviest = max(sum(seq[i : i + size]) for i in range(0, len(seq), size))
+        if heaviest <= budget:
+            k = size
+    return comm.all_reduce_min_int(k)
+
+
+def calibration_samples(pool: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """`n` sequences drawn without replacement from `pool` [N, T] by `seed` (same on every rank).
+
+    The pool must be the calibration split: the evaluation split never enters it.
+    """
+    if n > pool.shape[0]:
+        raise ValueError(f"calib_samples={n} but the calibration split has {pool.shape[0]} sequences")
+    g = torch.Generator().manual_seed(seed)
+    return pool[torch.randperm(pool.shape[0], generator=g)[:n]]
+
+
+def shard_calibration(samples: torch.Tensor, micro_batch: int, grad_accum: int, comm: Comm) -> list[torch.Tensor]:
+    """This rank's calibration micro-batches, laid out so that every (world, accum) pair with
+    the same world x accum puts the same global micro-batches in the same probe step.
+
+    Global micro-batch j is samples[j*mb:(j+1)*mb]; probe step t holds global micro-batches
+    t*W*A .. (t+1)*W*A - 1; rank r's i-th micro-batch in step t is t*W*A + i*W + r. A tail
+    that does not fill a whole probe step is dropped (logged by the caller via the count).
+    """
+    per_step = micro_batch * grad_accum * comm.world
+    steps = samples.shape[0] // per_step
+    if steps == 0:
+        raise ValueError(f"{samples.shape[0]} calibration samples cannot fill one probe step of {per_step}")
+    out = []
+    for t in range(steps):
+        for i in range(grad_accum):
+            j = t * comm.world * grad_accum + i * comm.world + comm.rank
+            out.append(samples[j * micro_batch : (j + 1) * micro_batch])
+    return out

@@ -1,0 +1,158 @@
+"""GradProbe: let the loss gradient veto a base pruner's candidates, group by group.
+
+For each group of K layers (two passes of forward+backward over the calibration steps,
+whatever K is): G0 = max over steps of |grad| with the dense weights; shrink the group's
+candidates by `reduction` (not to zero: the probe asks "does the loss start leaning on
+these weights?"); G1 the same way; restore the weights bit-exactly. Then
+- original mode: prune a candidate iff G1 <= G0 * (1 + threshold) (sparsity may fall short);
+- exact-target mode: the candidate pool is `pool` x larger than the target, ranked by
+  G1/G0 (at the stored bf16 precision; ties by base score, then index); the lowest
+  ranked are pruned up to exactly the target and the worst offenders are kept.
+
+G0 is always taken on the model as it was when the stage started unless `sequential` is
+set, so K=1 and K=all see the same G0 and K is a memory knob. G1 differs with K by
+design: it measures shrinking the candidates of the probed group only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.pruning.calibration import InputStats, Ledger, Runner, gradient_max
+from harness.pruning.comm import Comm
+from harness.pruning.masks import MaskSet
+from harness.pruning.methods import (
+    COMPOSITE_BITS, Rule, exact_keys, gradient_ratio, magnitude_scores, original_decision, score_keys, select,
+    wanda_scores, widen,
+)
+from harness.pruning.select import FLOAT_KEY_BITS
+from harness.pruning.shards import ShardView, sync_views
+
+
+@dataclass
+class ProbeSettings:
+    base: str  # magnitude | wanda
+    reduction: float
+    threshold: float
+    exact: bool
+    pool: float
+    stat_dtype: torch.dtype
+    sequential: bool
+    keep_g0: bool = False
+    g0: dict[str, torch.Tensor] = field(default_factory=dict)  # filled when keep_g0
+
+
+def _base_scores(v: ShardView, base: str, stats: InputStats | None) -> torch.Tensor:
+    w = v.weight()
+    if base == "wanda":
+        assert stats is not None and v.layout is not None
+        return wanda_scores(w, v.layout, stats.norms(v.name))
+    return magnitude_scores(w)
+
+
+@torch.no_grad()
+def _scale(views: list[ShardView], pools: dict[str, torch.Tensor], factor: float, comm: Comm) -> dict[str, torch.Tensor]:
+    """Multiply each pool's working weights by `factor`; returns the exact old values."""
+    saved = {}
+    for v in views:
+        pool = pools[v.name].to(v.lp().device)
+        saved[v.name] = v.lp()[pool].clone()
+        v.write(pool, (saved[v.name].float() * factor), master=False)
+    sync_views(views, comm)
+    return saved
+
+
+@torch.no_grad()
+def _restore(views: list[ShardView], pools: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], comm: Comm) -> None:
+    for v in views:
+        v.write(pools[v.name].to(v.lp().device), saved[v.name], master=False)
+    sync_views(views, comm)
+
+
+def run_gradprobe(
+    groups: list[list[ShardView]], rule: Rule, settings: ProbeSettings, runner: Runner, steps: list[list[Any]],
+    comm: Comm, ledger: Ledger, forced: dict[str, torch.Tensor] | None,
+) -> MaskSet:
+    """The masks GradProbe chooses for every view (applied per group if `sequential`)."""
+    if rule.kind == "global" and settings.base == "wanda":
+        raise ValueError("GradProbe on a Wanda base compares within rows; scope=global does not apply")
+    if rule.kind == "global" and settings.sequential:
+        raise ValueError("a global selection needs every layer probed before any is pruned; sequential=True contradicts it")
+    if rule.kind == "nm" and not settings.exact:
+        raise ValueError(
+            "N:M with exact_target=false: the original veto leaves some groups with fewer than M-N zeros, which no N:M "
+            "kernel can store; use exact_target=true"
+        )
+    forced = forced or {}
+    cand_rule = widen(rule, settings.pool) if settings.exact else rule
+    all_views = [v for g in groups for v in g]
+    global_pool: dict[str, torch.Tensor] = {}
+    if rule.kind == "global":
+        keys = [score_keys(magnitude_scores(v.weight()), forced.get(v.name)) for v in all_views]
+        global_pool = dict(zip([v.name for v in all_views], select(cand_rule, [v.layout for v in all_views], keys, comm, FLOAT_KEY_BITS)))
+        del keys
+        for name, m in global_pool.items():
+            ledger.add(f"pool/{name}", m)
+    masks: dict[str, torch.Tensor] = {}
+    deferred: dict[str, torch.Tensor] = {}  # global exact mode: bf16 ratios until every group is probed
+    for gi, views in enumerate(groups):
+        stats = InputStats(views, hessian=False, ledger=ledger) if settings.base == "wanda" else None
+        g0 = gradient_max(runner, steps, views, settings.stat_dtype, stats, ledger, tag=f"G0/{gi}/")
+        if stats is not None:
+            stats.finalize(comm)
+        if settings.keep_g0:
+            settings.g0.update({k: t.clone() for k, t in g0.items()})
+        base = {v.name: _base_scores(v, settings.base, stats) for v in views}
+        if rule.kind == "global":
+            pools = {v.name: global_pool[v.name] for v in views}
+        else:
+            keys = [score_keys(base[v.name], forced.get(v.name)) for v in views]
+            pools = dict(zip([v.name for v in views], select(cand_rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS)))
+            del keys
+            for name, m in pools.items():
+                ledger.add(f"pool/{name}", m)
+        saved = _scale(views, pools, settings.reduction, comm)
+        for name, t in saved.items():
+            ledger.add(f"saved/{name}", t)
+        g1 = gradient_max(runner, steps, views, settings.stat_dtype, None, ledger, tag=f"G1/{gi}/")
+        _restore(views, pools, saved, comm)
+        ledger.drop("saved/")
+        if not settings.exact:
+            for v in views:
+                masks[v.name] = original_decision(pools[v.name], g0[v.name], g1[v.name], settings.threshold, forced.get(v.name))
+        elif rule.kind == "global":
+            for v in views:
+                deferred[v.name] = gradient_ratio(g0[v.name], g1[v.name]).to(torch.bfloat16)
+                ledger.add(f"ratio/{v.name}", deferred[v.name])
+        else:
+            keys = [exact_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], forced.get(v.name)) for v in views]
+            chosen = select(rule, [v.layout for v in views], keys, comm, COMPOSITE_BITS + 1)
+            for v, k, m in zip(views, keys, chosen):
+                if (k[m] == (1 << COMPOSITE_BITS)).any():
+                    raise RuntimeError(f"{v.name}: the selection reached outside the candidate pool")
+                masks[v.name] = m
+            del keys
+        for v in views:
+            if v.name in masks:
+                ledger.add(f"mask/{v.name}", masks[v.name])
+        ledger.drop(f"G0/{gi}/")
+        ledger.drop(f"G1/{gi}/")
+        if rule.kind != "global":
+            ledger.drop("pool/")
+        if settings.sequential:
+            MaskSet({v.name: masks[v.name] for v in views}).apply(views, comm)
+        del g0, g1, base
+    if deferred:
+        ones = {v.name: torch.ones_like(deferred[v.name]) for v in all_views}
+        keys = [
+            exact_keys(global_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), forced.get(v.name))
+            for v in all_views
+        ]
+        chosen = select(rule, [v.layout for v in all_views], keys, comm, COMPOSITE_BITS + 1)
+        for v, k, m in zip(all_views, keys, chosen):
+            if (k[m] == (1 << COMPOSITE_BITS)).any():
+                raise RuntimeError(f"{v.name}: the selection reached outside the candidate pool")
+            masks[v.name] = m
+    return MaskSet(masks)

@@ -1,0 +1,92 @@
+"""GradProbe's iterative schedule: raise the target sparsity step by step, stop at a metric limit.
+
+Each round prunes from the previous round's result (its mask is `prior`, so it stays
+pruned), then evaluates `metric_fn`. The first round whose metric is worse than the
+dense model's by more than `max_increase` (relative) is rolled back exactly: every target
+shard (working copy and fp32 master) is snapshotted before a round, which costs 4-6
+bytes x parameters / world for the duration of the schedule.
+
+`metric_fn` must score a split the calibration set and the final evaluation never touch
+(a validation split), lower is better (loss or perplexity), and be collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from harness.config import PruneConfig
+from harness.pruning.calibration import LossFn
+from harness.pruning.comm import Comm
+from harness.pruning.shards import ShardView, build_views, sync_views
+from harness.pruning.stage import PruneReport, run_pruning
+
+
+@dataclass
+class ScheduleReport:
+    baseline: float
+    rounds: list[tuple[float, float, float]] = field(default_factory=list)  # (target, achieved, metric)
+    accepted: PruneReport | None = None  # the last round kept (None: even the first was too costly)
+    stopped_at: float | None = None  # the target that broke the limit, if any
+
+
+def snapshot_views(views: list[ShardView]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Copies of every view's local working weights and fp32 master, for an exact rollback."""
+    out = []
+    for v in views:
+        m = v.master()
+        out.append((v.lp().detach().clone(), None if m is None else m.detach().clone()))
+    return out
+
+
+def restore_views(views: list[ShardView], snap: list[tuple[torch.Tensor, torch.Tensor | None]], comm: Comm) -> None:
+    """Put a `snapshot_views` result back (collective: re-syncs replicated copies)."""
+    for v, (lp, master) in zip(views, snap):
+        everything = torch.ones(v.local_numel, dtype=torch.bool, device=lp.device)
+        v.write(everything, master if master is not None else lp, master=master is not None)
+        if master is not None:  # the working copy may be lower precision than the master
+            v.lp().copy_(lp)
+    sync_views(views, comm)
+
+
+def run_schedule(
+    model_or_engine: Any,
+    calib_batches: Iterable[Any],
+    cfg: PruneConfig,
+    loss_fn: LossFn,
+    metric_fn: Callable[[Any], float],
+    targets: list[float],
+    max_increase: float,
+    *,
+    comm: Comm | None = None,
+    **kwargs: Any,
+) -> ScheduleReport:
+    """Prune at each sparsity of `targets` (increasing) until the metric limit is hit."""
+    if cfg.pattern != "unstructured":
+        raise ValueError("an iterative schedule raises an unstructured target; N:M fixes the sparsity")
+    if any(b <= a for a, b in zip(targets, targets[1:])):
+        raise ValueError(f"schedule targets must increase, got {targets}")
+    comm = comm or Comm()
+    batches = list(calib_batches)
+    views = build_views(model_or_engine, cfg.targets, comm)
+
+    def metric() -> float:
+        value = torch.tensor([float(metric_fn(model_or_engine))], dtype=torch.float64)
+        return float(comm.all_reduce_sum(value)[0]) / comm.world  # identical decision on every rank
+
+    report = ScheduleReport(baseline=metric())
+    prior = None
+    for target in targets:
+        snap = snapshot_views(views)
+        result = run_pruning(model_or_engine, batches, dataclasses.replace(cfg, sparsity=target), loss_fn, comm=comm, prior=prior, **kwargs)
+        value = metric()
+        report.rounds.append((target, result.achieved_sparsity, value))
+        if value > report.baseline * (1.0 + max_increase):
+            restore_views(views, snap, comm)
+            report.stopped_at = target
+            break
+        report.accepted, prior = result, result.masks
+        del snap
+    return report

@@ -1,0 +1,213 @@
+"""Each pruning method on a case small enough to work out by hand, through `run_pruning`,
+plus exact-target sparsity and 2:4 validity on the tiny Llama."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from harness.config import PruneConfig
+from harness.models import build_model, decoder_blocks
+from harness.pruning import run_pruning
+from harness.pruning.select import count_for
+
+
+class Toy(nn.Module):
+    """One 'decoder block' holding one Linear, so target discovery works as on an HF model."""
+
+    def __init__(self, weight: list[list[float]]) -> None:
+        super().__init__()
+        w = torch.tensor(weight)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([nn.Module()])
+        self.model.layers[0].proj = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        with torch.no_grad():
+            self.model.layers[0].proj.weight.copy_(w)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.model.layers[0].proj.weight.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.layers[0].proj(x)
+
+
+def pruned(model: Toy) -> set[tuple[int, int]]:
+    return {tuple(ij) for ij in (model.weight == 0).nonzero().tolist()}
+
+
+W = [[0.5, -2.0, 0.1, 3.0], [-1.0, 0.2, 4.0, -0.3]]
+
+
+def forward_loss(m: Toy, x: torch.Tensor) -> torch.Tensor:
+    return m(x).pow(2).mean()
+
+
+def test_magnitude_hand_case() -> None:
+    toy = Toy(W)
+    report = run_pruning(toy, [], PruneConfig(method="magnitude", sparsity=0.5), forward_loss)
+    # the four smallest |w|: 0.1 (0,2), 0.2 (1,1), 0.3 (1,3), 0.5 (0,0)
+    assert pruned(toy) == {(0, 2), (1, 1), (1, 3), (0, 0)}
+    assert report.achieved_sparsity == 0.5
+    assert report.fwd_passes == 0 and report.fwd_bwd_passes == 0
+
+
+def test_wanda_hand_case() -> None:
+    toy = Toy(W)
+    # tokens x1 = [1,0,0,2], x2 = [1,0,1,0]: ||X_j|| = [sqrt2, 0, 1, 2]
+    x = torch.tensor([[[1.0, 0.0, 0.0, 2.0], [1.0, 0.0, 1.0, 0.0]]])
+    run_pruning(toy, [x], PruneConfig(method="wanda", sparsity=0.5), forward_loss)
+    # row 0 scores [0.707, 0, 0.1, 6] -> prune cols 1, 2; row 1 [1.414, 0, 4, 0.6] -> cols 1, 3
+    # (magnitude alone would prune cols 0 and 2 of row 0)
+    assert pruned(toy) == {(0, 1), (0, 2), (1, 1), (1, 3)}
+
+
+def test_sparsegpt_hand_case() -> None:
+    toy = Toy([[3.0, 1.0], [0.5, 2.0]])
+    # tokens [1,1], [1,0], [0,1]: H = X^T X = [[2,1],[1,2]]; 1% dampening of mean diag -> H' = H + 0.02 I
+    x = torch.tensor([[[1.0, 1.0], [1.0, 0.0], [0.0, 1.0]]])
+    run_pruning(toy, [x], PruneConfig(method="sparsegpt", sparsity=0.5), forward_loss)
+    h = [[2.02, 1.0], [1.0, 2.02]]
+    det = h[0][0] * h[1][1] - h[0][1] * h[1][0]
+    hinv00 = h[1][1] / det
+    # OBS saliency w_j^2 / [H'^-1]_jj-after-elimination: col 0 uses [H'^-1]_00, the last col 1/H'_11
+    scores = {(0, 0): 9.0 / hinv00, (0, 1): 1.0 * h[1][1], (1, 0): 0.25 / hinv00, (1, 1): 4.0 * h[1][1]}
+    expected = set(sorted(scores, key=scores.get)[:2])
+    assert expected == {(1, 0), (0, 1)}
+    assert pruned(toy) == expected
+    # row 0 lost its last column: nothing to compensate; row 1 lost col 0:
+    # w_11 += -w_10 * [H'^-1]_10 / [H'^-1]_00 = 2 + 0.5 * H'_01 / H'_11
+    torch.testing.assert_close(toy.weight, torch.tensor([[3.0, 0.0], [0.0, 2.0 + 0.5 * h[0][1] / h[1][1]]]))
+
+
+def probe_loss(m: Toy, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, t = batch
+    return 0.5 * (m(x) - t).pow(2).sum()
+
+
+# L_b = (w.x_b - t_b)^2 / 2, so dL/dw = r_b x_b with r_b = w.x_b - t_b.
+PROBE_W = [[1.0, 2.0, 3.0, 4.0]]
+PROBE_BATCHES = [
+    (torch.tensor([[1.0, 0.0, 0.0, 0.0]]), torch.tensor([[2.0]])),
+    (torch.tensor([[0.0, 1.0, 1.0, 0.0]]), torch.tensor([[3.0]])),
+]
+
+
+def hand_g(w: list[float]) -> list[float]:
+    """max over the two batches of |r_b x_b| (every value here is exact in bf16)."""
+    out = [0.0] * 4
+    for x, t in PROBE_BATCHES:
+        r = sum(a * b for a, b in zip(w, x[0].tolist())) - float(t)
+        out = [max(o, abs(r * xi)) for o, xi in zip(out, x[0].tolist())]
+    return out
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.6])
+def test_gradprobe_original_mode_hand_case(threshold: float) -> None:
+    toy = Toy(PROBE_W)
+    cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, threshold=threshold, exact_target=False)
+    report = run_pruning(toy, PROBE_BATCHES, cfg, probe_loss)
+    w = PROBE_W[0]
+    candidates = [0, 1]  # the two smallest |w|
+    g0 = hand_g(w)  # [1, 2, 2, 0]
+    g1 = hand_g([w[0] * 0.5, w[1] * 0.5, w[2], w[3]])  # [1.5, 1, 1, 0]
+    expected = {(0, j) for j in candidates if g1[j] <= g0[j] * (1 + threshold)}
+    assert expected == ({(0, 1)} if threshold == 0.0 else {(0, 0), (0, 1)})  # the veto bites only at 0
+    assert pruned(toy) == expected
+    assert report.achieved_sparsity == len(expected) / 4
+    assert report.fwd_bwd_passes == 2  # G0 and G1: one pass each for the whole (one-group) model
+
+
+def test_gradprobe_exact_mode_hand_case() -> None:
+    toy = Toy(PROBE_W)
+    cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, exact_target=True)
+    report = run_pruning(toy, PROBE_BATCHES, cfg, probe_loss, pool=0.5)
+    w = PROBE_W[0]
+    pool = [0, 1, 2]  # floor(0.5 * 1.5 * 4) = 3 smallest |w|
+    g0 = hand_g(w)  # [1, 2, 2, 0]
+    g1 = hand_g([w[0] * 0.5, w[1] * 0.5, w[2] * 0.5, w[3]])  # [1.5, 0.5, 0.5, 0]
+    ratio = {j: g1[j] / g0[j] for j in pool}  # {0: 1.5, 1: 0.25, 2: 0.25}
+    keep_worst = sorted(pool, key=lambda j: (ratio[j], abs(w[j]), j))[:2]
+    assert sorted(keep_worst) == [1, 2]  # w0's gradient grew 1.5x: it is the offender kept
+    assert pruned(toy) == {(0, j) for j in keep_worst}
+    assert report.achieved_sparsity == 0.5
+
+
+def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch).loss
+
+
+def calib() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 2048, (2, 16), generator=g) for _ in range(2)]
+
+
+METHODS = [
+    ("magnitude", {}), ("wanda", {}), ("sparsegpt", {}),
+    ("gradprobe", {"base": "wanda"}), ("gradprobe", {"base": "magnitude"}),
+]
+
+
+def target_linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for b in decoder_blocks(model) for m in b.modules() if isinstance(m, nn.Linear)]
+
+
+@pytest.mark.parametrize("method,extra", METHODS)
+def test_exact_target_sparsity(method: str, extra: dict) -> None:
+    model = build_model("tiny-llama")
+    sparsity = 0.37
+    report = run_pruning(model, calib(), PruneConfig(method=method, sparsity=sparsity, group_size=1, **extra), lm_loss)
+    per_row = method == "wanda" or extra.get("base") == "wanda"
+    for lin in target_linears(model):
+        rows, cols = lin.weight.shape
+        zeros = (lin.weight == 0)
+        if per_row:
+            assert torch.all(zeros.sum(1) == count_for(sparsity, cols))
+        else:
+            assert int(zeros.sum()) == count_for(sparsity, rows * cols)
+    expected = sum(
+        (lin.weight.shape[0] * count_for(sparsity, lin.weight.shape[1])) if per_row else count_for(sparsity, lin.weight.numel())
+        for lin in target_linears(model)
+    )
+    assert report.achieved_sparsity == expected / sum(lin.weight.numel() for lin in target_linears(model))
+    assert {x.name for x in report.layers} == {n for n, m in model.named_modules() if m in target_linears(model)}
+
+
+@pytest.mark.parametrize("method,extra", METHODS)
+def test_two_four_validity(method: str, extra: dict) -> None:
+    model = build_model("tiny-llama")
+    report = run_pruning(model, calib(), PruneConfig(method=method, pattern="2:4", sparsity=0.5, group_size=2, **extra), lm_loss)
+    for lin in target_linears(model):
+        nonzero_per_group = (lin.weight != 0).reshape(-1, 4).sum(1)
+        assert torch.all(nonzero_per_group == 2), lin
+    assert report.achieved_sparsity == 0.5
+    # untouched: embeddings and the LM head are not targets
+    assert int((model.lm_head.weight == 0).sum()) == 0
+    assert int((model.model.embed_tokens.weight == 0).sum()) == 0
+
+
+def test_gradprobe_original_mode_undershoots_and_stays_within_candidates() -> None:
+    dense = build_model("tiny-llama")
+    model = build_model("tiny-llama")
+    cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, exact_target=False, group_size=0)
+    report = run_pruning(model, calib(), cfg, lm_loss)
+    mag = build_model("tiny-llama")
+    run_pruning(mag, [], PruneConfig(method="magnitude", sparsity=0.5), lm_loss)
+    vetoed = 0
+    for a, b, d in zip(target_linears(model), target_linears(mag), target_linears(dense)):
+        assert torch.all((a.weight == 0) <= (b.weight == 0))  # pruned only among magnitude's candidates
+        vetoed += int(((b.weight == 0) & (a.weight != 0)).sum())
+        kept = a.weight != 0
+        assert torch.equal(a.weight[kept], d.weight[kept])  # the probe restored every weight exactly
+    assert vetoed > 0 and report.achieved_sparsity < 0.5
+    assert report.achieved_sparsity == 0.5 - vetoed / sum(x.numel for x in report.layers)
+
+
+def test_refusals_are_explicit() -> None:
+    model = build_model("tiny-llama")
+    with pytest.raises(ValueError, match="exact_target"):
+        run_pruning(model, calib(), PruneConfig(method="gradprobe", pattern="2:4", exact_target=False), lm_loss)
+    with pytest.raises(ValueError, match="sparsity"):
+        run_pruning(model, calib(), PruneConfig(method="magnitude", pattern="2:4", sparsity=0.6), lm_loss)
+    with pytest.raises(ValueError, match="row"):
+        run_pruning(model, calib(), PruneConfig(method="wanda", scope="global"), lm_loss)
