@@ -63,6 +63,7 @@ class MemoryConfig:
     optimizer_in_backward: bool = False
     loss_chunk_size: int = 0  # 0: plain fp32 cross-entropy; >0: chunked over the sequence
     track: bool = True  # per-step peak memory by category
+    track_every: int = 1  # split peaks into categories every k-th step (the split costs ~2x a step on CPU)
     snapshot: bool = False  # memory snapshot (GPU pickle / CPU per-module report)
     layer_hooks: bool = False  # per-block memory after forward (debug)
 

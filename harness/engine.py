@@ -38,8 +38,15 @@ class Engine:
         self.grad_accum = grad_accum
         self.device = device
 
+    activation_offload: bool = False  # memory.activation_offload: saved activations go to host memory
+
     def forward_loss(self, input_ids: torch.Tensor) -> torch.Tensor:
-        with self.policy.autocast_context(self.device):
+        offload = contextlib.nullcontext()
+        if self.activation_offload and torch.is_grad_enabled():
+            from harness.activation_offload import ActivationOffload
+
+            offload = ActivationOffload()
+        with self.policy.autocast_context(self.device), offload:
             return self.loss_fn(self.model, input_ids)
 
     @torch.no_grad()
@@ -117,7 +124,8 @@ class TorchEngine(Engine):
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.grad is not None]
 
-    def step(self) -> StepResult:
+    def step(self, skip: bool = False) -> StepResult:
+        """`skip`: every rank agreed this step's loss is non-finite (harness.failures): drop the update."""
         if self.oib is not None:
             # The optimizer already stepped inside backward; it reports the norm it saw.
             norm = self.oib.last_grad_norm()
@@ -132,9 +140,10 @@ class TorchEngine(Engine):
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         norm_f = float(norm)
-        skipped = not math.isfinite(norm_f)
+        skipped = skip or not math.isfinite(norm_f)
         if self.scaler is not None:
-            self.scaler.step(self._optimizer)  # skips the step itself on inf/nan
+            if not skip:
+                self.scaler.step(self._optimizer)  # skips the step itself on inf/nan
             self.scaler.update()
         elif not skipped:
             self._optimizer.step()
@@ -171,14 +180,32 @@ class DeepSpeedEngine(Engine):
         if not last_micro:
             self.ds.step()  # a no-op apart from DeepSpeed's micro-step bookkeeping
 
-    def step(self) -> StepResult:
+    def step(self, skip: bool = False) -> StepResult:
+        """`skip`: every rank agreed this step's loss is non-finite (harness.failures): drop the update."""
+        # --- non-finite steps (harness.failures): ZeRO and DeepSpeed's bf16/fp16 optimizers detect
+        # a non-finite gradient and skip the step themselves. A bare torch optimizer (no ZeRO, fp32)
+        # has no such check: DeepSpeed would apply the NaN update. Dropping every gradient first
+        # makes that step a no-op (torch optimizers skip parameters without a gradient).
+        own_norm, dropped = None, False
+        if not hasattr(self.ds.optimizer, "overflow"):
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            if params:
+                own_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])))
+            dropped = skip or (own_norm is not None and not math.isfinite(own_norm))
+            if dropped:
+                for p in params:
+                    p.grad = None
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
-        norm_f = float(norm) if norm is not None else float("nan")
+        norm_f = float(norm) if norm is not None else (own_norm if own_norm is not None else float("nan"))
         skipped_now = int(getattr(self.ds, "skipped_steps", 0))
-        skipped = skipped_now > self._skipped_before or not math.isfinite(norm_f)
+        skipped = dropped or skipped_now > self._skipped_before or not math.isfinite(norm_f)
         self._skipped_before = skipped_now
         return StepResult(norm_f, skipped)
+
+    def checkpoint_loaded(self) -> None:
+        """After a resume (harness.checkpoint): DeepSpeed restored its skipped-step counter; count from it."""
+        self._skipped_before = int(getattr(self.ds, "skipped_steps", 0))
 
     @property
     def lr(self) -> float:

@@ -134,6 +134,7 @@ def _client_optimizer(model: nn.Module, cfg: RunConfig, strategy: Strategy, ds_c
 
 
 def build_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo, loss_fn: LossFn) -> Engine:
-    if strategy.kind == "deepspeed":
-        return _deepspeed_engine(model, cfg, strategy, policy, info, loss_fn)
-    return _torch_engine(model, cfg, strategy, policy, info, loss_fn)
+    build = _deepspeed_engine if strategy.kind == "deepspeed" else _torch_engine
+    engine = build(model, cfg, strategy, policy, info, loss_fn)
+    engine.activation_offload = cfg.memory.activation_offload
+    return engine

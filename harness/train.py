@@ -73,6 +73,8 @@ def train(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> dict
     from harness.loss import causal_lm_loss
     from harness.memory_tracking import StepMemoryTracker
     from harness.observability.observer import Observer
+    from harness.checkpoint import CheckpointManager
+    from harness.failures import StepGuard
 
     torch.manual_seed(cfg.seed)
     data = prepare(cfg, info)
@@ -80,10 +82,17 @@ def train(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> dict
     policy = precision_policy(cfg.precision, info.device, strategy.kind)
     loss_fn = functools.partial(causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
     engine = build_engine(model, cfg, strategy, policy, info, loss_fn)
+    ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir)  # harness/checkpoint.py
+    resumed = ckpt.restore()  # step 0, or the checkpoint's step (= data position) with optimizer, RNG, schedule
     sampler = BatchSampler(data, cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank, cfg.data.seed)
     observer = Observer(cfg.output_dir, config_to_dict(cfg), cfg.logging, info.rank, info.world_size, cfg.steps,
-                        model_config=engine.module.config)
-    tracker = StepMemoryTracker(engine.model, engine.optimizer, enabled=cfg.memory.track)
+                        model_config=engine.module.config, start_step=resumed.step)
+    tracker = StepMemoryTracker(
+        engine.model, engine.optimizer, enabled=cfg.memory.track, category_every=cfg.memory.track_every,
+        snapshot_dir=os.path.join(cfg.output_dir, "memory_snapshot") if cfg.memory.snapshot else None,
+        layer_hooks=cfg.memory.layer_hooks,
+    )
+    guard = StepGuard(cfg, info, engine, tracker, lambda: ckpt.last_path, resumed.step)  # NaN policy, stop signals: harness/failures.py
     tokens_per_step = sampler.global_batch * cfg.data.seq_len
     if info.is_main:
         print(f"[harness] {strategy.name} ({strategy.kind}) x{info.world_size} on {info.device}, {cfg.precision}, "
@@ -91,9 +100,9 @@ def train(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> dict
               f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens", flush=True)
 
     engine.train(True)
-    skipped = 0
+    skipped, loss_mean = int(resumed.counters.get("skipped_steps", 0)), float("nan")
     state_points: list[dict[str, int]] = []
-    for step in range(cfg.steps):
+    for step in range(resumed.step, cfg.steps):
         t0 = time.perf_counter()
         with tracker.step():
             step_loss = 0.0
@@ -105,12 +114,13 @@ def train(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> dict
                 if step == 0:
                     state_points.append(engine_state_bytes(engine))
             lr = engine.lr
-            result = engine.step()
+            result = engine.step(skip=guard.pre_step(step_loss))  # all ranks agree on a non-finite loss first
         if step == 0:
             state_points.append(engine_state_bytes(engine))
             write_state_bytes(cfg.output_dir, info, state_points)
         elapsed = time.perf_counter() - t0
         skipped += int(result.skipped)
+        guard.post_step(result)  # checkpoint.on_nonfinite: skip (counted) or stop naming the last good checkpoint
         loss_mean = dist_utils.all_reduce_mean(step_loss, info)
         metrics = {
             "train/loss": loss_mean, "train/lr": lr, "train/grad_norm": result.grad_norm, "train/skipped_steps": skipped,
@@ -121,9 +131,13 @@ def train(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> dict
         observer.log_step(step + 1, metrics)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             observer.log_eval(step + 1, evaluate(engine, data, cfg, info))
+        if ckpt.after_step(step + 1, {"skipped_steps": skipped}, stop=guard.stop_requested):
+            observer.close()  # SIGTERM/SIGUSR1: saved; exit cleanly so the job can requeue
+            return {"preempted_at_step": step + 1, "skipped_steps": skipped}
     final = evaluate(engine, data, cfg, info)
     observer.log_eval(cfg.steps, final)
     summary = {"final_train_loss": loss_mean, "final_eval_loss": final["eval/loss"], "final_eval_perplexity": final["eval/perplexity"], "skipped_steps": skipped}
+    ckpt.finish(cfg.steps, {"skipped_steps": skipped})  # the final checkpoint and HF export, if configured
     observer.log_summary(summary)
     observer.close()
     if info.is_main:
@@ -142,9 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # one line, before any process group starts
         print(f"harness: error: {exc}", file=sys.stderr)
         return 2
-    info = dist_utils.init_distributed(cfg.device, force_group=strategy.kind == "deepspeed")
+    from harness.failures import Supervisor, collective_timeout_s
+
+    info = dist_utils.init_distributed(cfg.device, collective_timeout_s(), force_group=strategy.kind == "deepspeed")
     try:
-        train(cfg, strategy, info)
+        with Supervisor(cfg, info):  # OOM, dead ranks, NaN stop, SIGTERM -> a message and an exit code
+            train(cfg, strategy, info)
     finally:
         dist_utils.teardown()
     return 0

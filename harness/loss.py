@@ -1,0 +1,212 @@
+"""Causal-LM loss in fp32 that never keeps a full fp32 logits tensor around.
+
+The logits are the largest activation of a small-hidden / large-vocabulary LM: B*S*V
+values, and HF's loss upcasts them to fp32 and lets ``log_softmax`` save an fp32 copy
+for backward. Two variants, both equal to HF's ``ForCausalLMLoss`` (labels shifted
+inside, ``-100`` ignored, mean over counted tokens):
+
+- ``chunk_size == 0``: the model returns logits as usual; a fused cross-entropy upcasts
+  a block of rows at a time and computes the loss *and its gradient* in forward, keeping
+  only the gradient, in the logits' dtype, for backward (HF keeps an fp32 ``log_softmax``
+  and creates two more fp32 logits-sized tensors in backward): as many bytes held as HF
+  in fp32, half as many in bf16, and one to two logits-sized tensors less at the peak.
+- ``chunk_size > 0``: the model body runs to the final hidden states and, for each chunk
+  of ``chunk_size`` tokens (over the flattened batch*sequence axis), ``lm_head`` + fp32
+  upcast + fused cross-entropy run in a checkpointed region. No B*S*V tensor exists at
+  any time; at most one chunk's logits (chunk_size*V) live, in forward and in backward.
+  The price is one more ``lm_head`` matmul per chunk in backward (the recomputation).
+
+A loss from here supports one backward (no ``retain_graph`` second pass): the saved
+gradient is scaled in place.
+
+The chunked variant must run *inside* the root module's forward: FSDP2 unshards the
+root's parameters (embeddings, final norm, ``lm_head``) only around that call, and a
+DeepSpeed engine or DDP wrapper only forwards through ``module.__call__``. So a small
+forward override is installed on the HF module's *instance* (class code untouched): with
+the ``harness_targets`` keyword it returns the loss sum, without it it is the original
+forward. The override is one stable bound method, so torch.compile guards stay valid.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+_ORIG_FORWARD = "_harness_original_forward"
+
+
+def shift_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Targets for next-token prediction: position t predicts labels[t+1]; the last position is ignored."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+
+
+def _blockwise_ce(logits: torch.Tensor, targets: torch.Tensor, rows: int,
+                  grad: torch.Tensor | None) -> torch.Tensor:
+    """Summed fp32 CE over ``rows``-row blocks; with ``grad``, also write softmax - onehot into it.
+
+    Only one block is ever upcast to fp32. The gradient is written *unscaled* (entries in
+    [-1, 1]) so that fp16 can hold it; the 1/token-count and loss-scaler factors are applied
+    in backward, where autograd's own cross-entropy would apply them before its fp16 cast.
+    """
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], rows):
+        x = logits[start:start + rows].float()
+        t = targets[start:start + rows]
+        valid = t != IGNORE_INDEX
+        safe = torch.where(valid, t, 0).unsqueeze(1)
+        lse = torch.logsumexp(x, dim=-1)
+        total += ((lse - x.gather(1, safe).squeeze(1)) * valid).sum()
+        if grad is not None:
+            g = x.sub_(lse.unsqueeze(1)).exp_()  # softmax, in x's memory
+            g.scatter_add_(1, safe, -valid.unsqueeze(1).to(g.dtype))
+            grad[start:start + rows] = g.mul_(valid.unsqueeze(1))
+    return total
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """scale * summed fp32 cross-entropy whose gradient is computed in forward.
+
+    Autograd's ``cross_entropy`` saves the fp32 ``log_softmax`` (4 bytes per logit) and
+    its backward creates two more logits-sized fp32 tensors. Here forward computes loss
+    and ``softmax - onehot`` block by block and keeps that gradient in the logits' dtype:
+    backward only scales it, in place. No full fp32 tensor ever exists, the logits are not
+    kept, and the held bytes are one logits-sized tensor in the model's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, scale: float | torch.Tensor,
+                rows: int) -> torch.Tensor:
+        grad = torch.empty_like(logits)
+        total = _blockwise_ce(logits, targets, rows, grad)
+        ctx.save_for_backward(grad)
+        ctx.scale, ctx.used = scale, False
+        return total * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.used:
+            raise RuntimeError("causal_lm_loss: a second backward through the same loss (retain_graph) is not supported")
+        ctx.used = True
+        (grad,) = ctx.saved_tensors
+        # In place: a scaled copy would be one more logits-sized tensor at the backward peak.
+        return grad.mul_(grad_out * ctx.scale), None, None, None
+
+
+def _rows_per_block(rows: int, vocab: int) -> int:
+    # At most ~16M fp32 values (64 MiB) per block, and at least 8 blocks, so the fp32
+    # temporaries stay a small fraction of the logits whatever their size.
+    return max(1, min((1 << 24) // max(1, vocab), -(-rows // 8)))
+
+
+def _ce_sum(logits: torch.Tensor, targets: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """scale * summed fp32 cross-entropy of ``logits`` (any leading shape) against ``targets``."""
+    flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    rows = _rows_per_block(flat.shape[0], flat.shape[-1])
+    if not (torch.is_grad_enabled() and flat.requires_grad):  # evaluation: no gradient to prepare
+        return _blockwise_ce(flat, flat_targets, rows, None) * scale
+    return _FusedCrossEntropy.apply(flat, flat_targets, scale, rows)
+
+
+def _head_ce_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return _ce_sum(head(hidden), targets)
+
+
+def chunked_ce_sum(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Sum over tokens of fp32 CE(head(hidden), targets), ``chunk_size`` tokens at a time.
+
+    Each chunk is a non-reentrant checkpoint: only the chunk's hidden slice (a view of
+    ``hidden``) and targets are saved; its logits are recomputed in backward.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    total = flat_hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat_hidden.shape[0], chunk_size):
+        end = start + chunk_size
+        total = total + checkpoint(
+            _head_ce_sum, head, flat_hidden[start:end], flat_targets[start:end], use_reentrant=False
+        )
+    return total
+
+
+def _forward_with_loss(self: nn.Module, *args: Any, harness_targets: torch.Tensor | None = None,
+                       harness_chunk_size: int = 0, **kwargs: Any) -> Any:
+    """The installed forward: the original one, or (with ``harness_targets``) body + chunked loss sum."""
+    if harness_targets is None:
+        return getattr(self, _ORIG_FORWARD)(*args, **kwargs)
+    body = self.get_decoder()
+    head = self.get_output_embeddings()
+    if body is None or head is None:
+        raise TypeError(f"{type(self).__name__} has no decoder/output embeddings; chunked loss needs an HF causal LM")
+    out = body(*args, **kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return chunked_ce_sum(hidden, head, harness_targets, harness_chunk_size)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The HF module inside DDP / DeepSpeed engine (``.module``) and torch.compile (``._orig_mod``) wrappers."""
+    seen = 0
+    while seen < 8:
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        elif hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module) and not hasattr(model, "get_decoder"):
+            model = model.module
+        else:
+            return model
+        seen += 1
+    return model
+
+
+def install_loss_forward(model: nn.Module) -> nn.Module:
+    """Install the chunked-loss forward on the HF module inside ``model`` (idempotent); returns that module.
+
+    Call it before torch.compile of the whole model so the compiled graph includes it;
+    :func:`causal_lm_loss` installs it lazily otherwise.
+    """
+    hf = unwrap_model(model)
+    if _ORIG_FORWARD not in hf.__dict__:
+        hf.__dict__[_ORIG_FORWARD] = hf.forward
+        hf.forward = types.MethodType(_forward_with_loss, hf)
+    return hf
+
+
+def causal_lm_loss(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    chunk_size: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    num_items: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32 of ``model`` on ``input_ids``; same value as HF's loss.
+
+    ``model`` is whatever the trainer calls: the HF model, an FSDP2 root, a DDP wrapper or
+    a DeepSpeed engine. ``labels`` defaults to ``input_ids`` (shifted inside; ``-100`` is
+    ignored). ``num_items``: divide the summed loss by this count instead of this batch's
+    token count, so that gradient accumulation over micro-batches of uneven token counts
+    equals one big batch (HF's ``num_items_in_batch``).
+    """
+    targets = shift_targets(input_ids if labels is None else labels)
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if chunk_size > 0:
+        install_loss_forward(model)
+        total = model(**kwargs, harness_targets=targets, harness_chunk_size=chunk_size)
+    else:
+        out = model(**kwargs)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        del out  # the logits are not needed after the loss: let them go
+        denom = (targets != IGNORE_INDEX).sum() if num_items is None else num_items
+        return _ce_sum(logits, targets, scale=1.0 / denom)
+    denom = (targets != IGNORE_INDEX).sum() if num_items is None else num_items
+    return total / denom
+
+
+__all__ = ["IGNORE_INDEX", "causal_lm_loss", "chunked_ce_sum", "install_loss_forward", "shift_targets", "unwrap_model"]

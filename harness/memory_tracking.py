@@ -1,0 +1,502 @@
+"""Per-step peak memory by category: parameters, gradients, optimizer state, activations, ...
+
+Users come because of OOM, so every run says *what* filled memory at its peak. Sources:
+
+- Eager models: torch's ``MemTracker`` (``FSDPMemTracker`` for an FSDP2 root, whose
+  all-gather / reduce-scatter buffers are the ``communication`` category). A dispatch
+  mode sees every tensor allocation, so on CPU tensors the split is byte-exact. A fresh
+  tracker per measured step (MemTracker refuses a second forward of the same root).
+- Compiled models: a dispatch mode makes dynamo skip compiled frames (torch.compile
+  under a non-infra TorchDispatchMode runs eagerly), so MemTracker would measure the eager
+  program. Instead :class:`_LiveBytes` follows storages by weakref: activations are what
+  autograd saves (``saved_tensors_hooks``, which compiled graphs go through), gradients
+  come from gradient hooks, parameters and optimizer state are counted. Temporaries,
+  communication buffers and the common total are not seen there: those keys are absent.
+- CUDA: ``max_memory_allocated`` / ``max_memory_reserved``, reset every step, the
+  allocator's truth (``device_allocated`` / ``device_reserved``), cheap, every step.
+
+Two views per step: :meth:`StepMemoryTracker.last_peaks` is the split *at the moment
+the total peaked* (the stacked bar); :meth:`last_category_maxima` is each category's own
+maximum over the step (what "cuts the gradient peak" means).
+
+Attribution limits, measured: MemTracker labels a tensor by the phase that allocates it.
+Optimizer-step temporaries count as optimizer state; under FSDP2 with
+optimizer-in-backward each sharded gradient is consumed inside FSDP's post-backward before
+it can be labelled, so it shows as a temporary. DeepSpeed: ZeRO's fp32 masters and Adam
+state live in its optimizer wrapper, created before any per-step tracker, so they are
+counted directly (:func:`optimizer_tensors`; ZeRO-3 partitions from ``ds_tensor``); ZeRO's
+own flat gradient partitions and buckets appear as temporaries/activations, not gradients.
+DDP: its C++ reducer allocates the gradient buckets at construction; with
+``gradient_as_bucket_view`` the gradients are views of them, counted once a backward has
+made them ``.grad`` (step 0 under-reports gradients; later steps are right).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from harness.loss import unwrap_model
+from harness.models import decoder_blocks
+
+CATEGORIES = ("parameters", "model_buffers", "gradients", "optimizer_state", "activations", "temporaries",
+              "communication", "other")
+_TRACKER_TO_CATEGORY = {
+    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
+    "Buffer": "model_buffers",
+    "Gradient": "gradients", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
+    "Optstate": "optimizer_state", "OptState": "optimizer_state",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "All Gather": "communication", "Reduce Scatter": "communication",
+    "Other": "other", "Inputs": "other",
+}
+
+
+def _category(reftype: Any) -> str | None:
+    return _TRACKER_TO_CATEGORY.get(getattr(reftype, "value", reftype))
+
+
+class _CategoryMaxima:
+    """Mixin: each category's running maximum, updated on every change of the live snapshot.
+
+    A category made of several tracker types (sharded + unsharded gradients, all-gather +
+    reduce-scatter buffers) is maximised as their *sum* at each instant.
+    """
+
+    def _init_maxima(self) -> None:
+        self.raw_max: dict[tuple[torch.device, Any], int] = {}
+        self.category_max: dict[tuple[torch.device, str], int] = {}
+
+    def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)  # type: ignore[misc]
+        snap = self._curr_mem_snap.get(winfo.device)  # type: ignore[attr-defined]
+        if snap is None:
+            return
+        key = (winfo.device, winfo.reftype)
+        if snap[winfo.reftype] > self.raw_max.get(key, 0):
+            self.raw_max[key] = snap[winfo.reftype]
+        category = _category(winfo.reftype)
+        if category is not None:
+            total = sum(v for k, v in snap.items() if _category(k) == category)
+            ckey = (winfo.device, category)
+            if total > self.category_max.get(ckey, 0):
+                self.category_max[ckey] = total
+
+
+def _retry_on_repeat(tracker: MemTracker, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a pre-forward hook; on MemTracker's "multiple iterative calls" refusal, reset and rerun.
+
+    A step with gradient accumulation runs the root forward once per micro-batch. Only the
+    per-module stats need a fresh start (peaks and followed tensors carry over), and the
+    refusal is raised before the hook mutates anything, so rerunning is safe.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError as e:
+        if "multiple iterative calls" not in str(e):
+            raise
+        tracker.reset_mod_stats()
+        return fn(*args, **kwargs)
+
+
+class _Tracker(_CategoryMaxima, MemTracker):
+    def __init__(self) -> None:
+        super().__init__()
+        self._init_maxima()
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        _retry_on_repeat(self, super()._pre_fw_hook, module, inputs)
+
+
+class _FSDPTracker(_CategoryMaxima, FSDPMemTracker):
+    """FSDPMemTracker that follows any number of optimizers (optimizer-in-backward has one per parameter)."""
+
+    def __init__(self, root: nn.Module, optimizers: list[Any]) -> None:
+        super().__init__(root, None)
+        self._init_maxima()
+        self._optimizers = optimizers
+
+    def _instrument_optimizer(self) -> None:
+        opt_type = self._ref_class("OptState")
+        for optimizer in self._optimizers:
+            self._track_optimizer_states(opt_type, optimizer)
+
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            self._in_opt = True
+
+        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            self._track_optimizer_states(opt_type, optimizer)
+            self._in_opt = False
+
+        self._optimizer_hook_handles = (register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post))
+
+    def _fsdp_state_pre_forward(self, fsdp_mod: Any, orig: Any) -> Any:
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+        return lambda *args, **kwargs: _retry_on_repeat(self, inner, *args, **kwargs)
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return [local.untyped_storage()]
+
+
+def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        for st in _storages(t):
+            seen[st.data_ptr() or id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+class _LiveBytes:
+    """Live bytes of a set of storages, followed by weakref (dies with the storage)."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        for st in _storages(t):
+            key = id(st)
+            if key in self._refs and self._refs[key]() is st:
+                continue
+            nbytes = st.nbytes()
+            self._refs[key] = weakref.ref(st, lambda _r, n=nbytes, k=key: self._dead(k, n))
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    def _dead(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._refs.pop(key, None)
+
+
+def optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
+    """Every state tensor of a torch optimizer, an OptimizerInBackward or a DeepSpeed ZeRO optimizer.
+
+    For DeepSpeed the inner torch optimizer's parameters are ZeRO's fp32 master
+    partitions (not module parameters), so they count as optimizer state here.
+    """
+    if optimizer is None:
+        return
+    if hasattr(optimizer, "optimizers") and isinstance(optimizer.optimizers, dict):  # OptimizerInBackward
+        for inner in optimizer.optimizers.values():
+            yield from optimizer_tensors(inner)
+        return
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is not None and hasattr(inner, "state"):  # DeepSpeed wrapper around a torch optimizer
+        # fp32 masters: ZeRO-1/2 `single_partition_of_fp32_groups`, ZeRO-3
+        # `fp32_partitioned_groups_flat` (ZeRO-3 empties the inner param_groups outside step()).
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            yield from (t for t in getattr(optimizer, attr, None) or [] if isinstance(t, torch.Tensor))
+        for group in inner.param_groups:
+            yield from (p for p in group["params"] if isinstance(p, torch.Tensor))
+        optimizer = inner
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def parameter_storages(model: nn.Module) -> set[int]:
+    """Data pointers of the storages holding ``model``'s parameters (ZeRO-3: their ``ds_tensor`` partitions)."""
+    ptrs = set()
+    for p in model.parameters():
+        for t in (p, getattr(p, "ds_tensor", None)):
+            if isinstance(t, torch.Tensor):
+                ptrs.update(st.data_ptr() for st in _storages(t) if st.nbytes())
+    return ptrs
+
+
+def optimizer_state_bytes(optimizer: Any, model: nn.Module | None = None) -> int:
+    """Bytes of optimizer state, each storage once, not counting storages that are ``model``'s parameters.
+
+    (ZeRO-3 with fp32 parameters uses the parameter partition itself as the fp32 master.)
+    """
+    exclude = parameter_storages(model) if model is not None else set()
+    seen: dict[int, int] = {}
+    for t in optimizer_tensors(optimizer):
+        for st in _storages(t):
+            if st.data_ptr() not in exclude and st.nbytes():
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _torch_optimizers(optimizer: Any) -> list[Any]:
+    if optimizer is None:
+        return []
+    if hasattr(optimizer, "optimizers") and isinstance(optimizer.optimizers, dict):
+        return list(optimizer.optimizers.values())
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether any part of ``model`` runs through torch.compile."""
+    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
+
+
+class StepMemoryTracker:
+    """Measure each training step's memory peaks by category; ``enabled=False`` costs nothing.
+
+    ``with tracker.step(): forward, backward, optimizer step`` then :meth:`last_peaks`.
+    ``category_every``: split by category on steps 0, 1 and every k-th after (the
+    dispatch-mode tracker slows a step several-fold); CUDA allocator peaks every step.
+    ``snapshot_dir``: on step ``snapshot_step`` write a CUDA memory-history pickle
+    (pytorch.org/memory_viz) or, on CPU, the per-module report as JSON (eager models).
+    ``layer_hooks``: record the bytes held after each decoder block's forward (eager models).
+    ``optimizer``: a torch optimizer, an OptimizerInBackward or a DeepSpeed ZeRO optimizer.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any = None, enabled: bool = True, *, category_every: int = 1,
+                 snapshot_dir: str | None = None, snapshot_step: int = 1, layer_hooks: bool = False,
+                 compiled: bool | None = None) -> None:
+        self.model, self.optimizer, self.enabled = model, optimizer, enabled
+        self.category_every = category_every
+        self.snapshot_dir, self.snapshot_step = snapshot_dir, snapshot_step
+        self.compiled = is_compiled(model) if compiled is None else compiled
+        if layer_hooks and enabled and self.compiled:
+            # Hooks added to compiled modules each step would be traced and force recompiles.
+            warnings.warn("memory layer hooks are a debug option for eager models; ignored for a compiled model", stacklevel=2)
+        self.layer_hooks = layer_hooks and enabled and not self.compiled
+        self.cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+        self.history: list[dict[str, Any]] = []
+        self.snapshot_path: str | None = None
+        self._step_index = 0
+        self._layer_bytes: list[dict[str, Any]] = []
+        self._current: Any = None  # the active tracker or _LiveBytes, for layer hooks
+
+    # ------------------------------------------------------------------ measurement
+    def _splits_this_step(self) -> bool:
+        i, k = self._step_index, self.category_every
+        return k > 0 and (i < 2 or i % k == 0)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Measure everything run inside (micro-batches, backward, optimizer step) as one step."""
+        if not self.enabled:
+            yield
+            return
+        record: dict[str, Any] = {"step": self._step_index}
+        snapshot = self.snapshot_dir is not None and self._step_index == self.snapshot_step
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            if snapshot:
+                torch.cuda.memory._record_memory_history(max_entries=200_000)
+        hooks = self._install_layer_hooks() if self.layer_hooks else []
+        try:
+            if not self._splits_this_step():
+                yield
+            elif self.compiled:
+                with self._live_step(record):
+                    yield
+            else:
+                with self._dispatch_step(record, snapshot):
+                    yield
+        finally:
+            for h in hooks:
+                h.remove()
+            self._current = None
+        if self.cuda:
+            record["device_allocated"] = torch.cuda.max_memory_allocated()
+            record["device_reserved"] = torch.cuda.max_memory_reserved()
+            if snapshot:
+                self.snapshot_path = os.path.join(self.snapshot_dir, f"memory_snapshot_step{self._step_index}.pickle")
+                os.makedirs(self.snapshot_dir, exist_ok=True)
+                torch.cuda.memory._dump_snapshot(self.snapshot_path)
+                torch.cuda.memory._record_memory_history(enabled=None)
+        if self._layer_bytes:
+            record["layers"] = self._layer_bytes
+            self._layer_bytes = []
+        self.history.append(record)
+        self._step_index += 1
+
+    def _make_tracker(self) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(self.model, FSDPModule):
+            return _FSDPTracker(self.model, _torch_optimizers(self.optimizer))
+        tracker = _Tracker()
+        tracker.track_external(self.model, *_torch_optimizers(self.optimizer))
+        # ZeRO-3 keeps each parameter's shard in `ds_tensor`; ZeRO's fp32 master
+        # partitions are parameters of the inner optimizer, not of the module.
+        for p in self.model.parameters():
+            if isinstance(getattr(p, "ds_tensor", None), torch.Tensor):
+                tracker._update_and_maybe_create_winfos(p.ds_tensor, tracker._ref_class("Parameter"))
+        for t in optimizer_tensors(self.optimizer):
+            if not any(st in tracker._WINFO for st in _storages(t)):  # a ZeRO-3 fp32 master may be the parameter
+                tracker._update_and_maybe_create_winfos(t, tracker._ref_class("Optstate"))
+        return tracker
+
+    @contextlib.contextmanager
+    def _dispatch_step(self, record: dict[str, Any], snapshot: bool) -> Iterator[None]:
+        tracker = self._make_tracker()
+        self._current = tracker
+        record["method"] = "dispatch"
+        with warnings.catch_warnings():
+            # MemTracker's grad hook warns when optimizer-in-backward already freed .grad.
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+            with tracker:
+                yield
+        peak = tracker.get_tracker_snapshot("peak")
+        device = self._device()
+        record["peak"] = _to_categories(peak.get(device, {}))
+        record["detail"] = {getattr(k, "value", str(k)): v for k, v in peak.get(device, {}).items()}
+        maxima: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        maxima.update({cat: v for (dev, cat), v in tracker.category_max.items() if dev == device})
+        record["category_max"] = maxima
+        record["detail_max"] = {getattr(k, "value", str(k)): v for (dev, k), v in tracker.raw_max.items() if dev == device}
+        if device.type != "cpu" and torch.device("cpu") in peak:
+            record["host_peak"] = _to_categories(peak[torch.device("cpu")])
+        if snapshot and self.snapshot_dir is not None and not self.cuda:
+            self.snapshot_path = write_module_report(tracker, os.path.join(self.snapshot_dir, f"memory_report_step{self._step_index}.json"))
+
+    @contextlib.contextmanager
+    def _live_step(self, record: dict[str, Any]) -> Iterator[None]:
+        acts, grads = _LiveBytes(), _LiveBytes()
+        self._current = acts
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is not None:
+                grads.add(p.grad)
+        handles = []
+        for p in params:
+            handles.append(p.register_post_accumulate_grad_hook(lambda q: grads.add(q.grad) if q.grad is not None else None))
+            if not hasattr(p, "to_local"):  # FSDP2 sharded params get no autograd gradient
+                handles.append(p.register_hook(lambda g: grads.add(g)))
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not isinstance(t, nn.Parameter) and not isinstance(getattr(t, "_base", None), nn.Parameter):
+                acts.add(t)
+            return t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+        maxima = {
+            "parameters": _tensor_bytes(self.model.parameters()),
+            "model_buffers": _tensor_bytes(self.model.buffers()),
+            "gradients": grads.peak,
+            "optimizer_state": optimizer_state_bytes(self.optimizer, self.model),
+            "activations": acts.peak,
+        }  # temporaries, communication and the common total are not observable here: absent
+        record["method"] = "saved-tensors"
+        record["category_max"] = maxima
+        record["peak"] = dict(maxima)  # no common instant is observable; each category's own peak
+
+    def _device(self) -> torch.device:
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            return torch.device(local.device.type, local.device.index) if local.device.type == "cuda" else local.device
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------ layer hooks
+    def _current_bytes(self) -> int | None:
+        if self.cuda:
+            return torch.cuda.memory_allocated()
+        tracker = self._current
+        if isinstance(tracker, _LiveBytes):
+            return tracker.live
+        if tracker is not None:
+            return sum(snap.get("Total", 0) for snap in tracker.get_tracker_snapshot().values())
+        return None
+
+    def _install_layer_hooks(self) -> list[Any]:
+        handles = []
+        for i, block in enumerate(decoder_blocks(unwrap_model(self.model))):
+            def pre(mod: nn.Module, args: Any, i: int = i) -> None:
+                if torch.is_grad_enabled() and not _in_backward():
+                    self._layer_bytes.append({"block": i, "before": self._current_bytes()})
+
+            def post(mod: nn.Module, args: Any, out: Any, i: int = i) -> None:
+                if self._layer_bytes and self._layer_bytes[-1]["block"] == i and "after" not in self._layer_bytes[-1]:
+                    entry = self._layer_bytes[-1]
+                    entry["after"] = self._current_bytes()
+                    if entry["before"] is not None and entry["after"] is not None:
+                        entry["held"] = entry["after"] - entry["before"]
+
+            handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+        return handles
+
+    # ------------------------------------------------------------------ results
+    def current(self) -> dict[str, int]:
+        """Bytes per category right now, inside a category-split eager step (for debugging and tests)."""
+        tracker = self._current
+        if tracker is None or isinstance(tracker, _LiveBytes):
+            raise RuntimeError("current() needs an active eager step with the category split")
+        return _to_categories(tracker.get_tracker_snapshot().get(self._device(), {}))
+
+    def last_peaks(self) -> dict[str, int | None]:
+        """Bytes per category at the step's total peak, plus ``total`` (CUDA: also allocator peaks)."""
+        return _peaks(self.history[-1]) if self.history else {}
+
+    def last_category_maxima(self) -> dict[str, int | None]:
+        """Each category's own maximum during the last step."""
+        return dict(self.history[-1].get("category_max", {})) if self.history else {}
+
+    def last_layer_bytes(self) -> list[dict[str, Any]]:
+        return list(self.history[-1].get("layers", [])) if self.history else []
+
+    def peak_so_far(self) -> dict[str, int | None]:
+        """Peaks of the step with the largest total so far (CUDA: largest allocator peak), with its index."""
+        measured = [(_peaks(r).get("device_allocated" if self.cuda else "total"), r) for r in self.history]
+        measured = [(v, r) for v, r in measured if v is not None]
+        if not measured:
+            return {}
+        rec = max(measured, key=lambda vr: vr[0])[1]
+        return {**_peaks(rec), "step": rec["step"]}
+
+
+def _peaks(rec: dict[str, Any]) -> dict[str, Any]:
+    return {**rec.get("peak", {}), **{k: rec[k] for k in ("device_allocated", "device_reserved") if k in rec}}
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _to_categories(snap: dict[Any, int]) -> dict[str, int]:
+    out = dict.fromkeys(CATEGORIES, 0)
+    for reftype, value in snap.items():
+        cat = _category(reftype)
+        if cat is not None:
+            out[cat] += value
+    out["total"] = snap.get("Total", sum(out.values()))
+    return out
+
+
+def write_module_report(tracker: MemTracker, path: str) -> str:
+    """The tracker's per-module report (sizes and per-state snapshots by category) as JSON."""
+    modules = {}
+    for stats in tracker.memory_tracking.values():
+        entry: dict[str, Any] = {k: getattr(stats, k) for k in ("parameter_mem", "buffer_mem", "input_mem", "output_mem")
+                                 if hasattr(stats, k)}
+        for state, snaps in stats.snapshots.items():
+            entry[getattr(state, "value", str(state))] = [
+                {str(dev): _to_categories(snap) for dev, snap in s.items()} for s in snaps
+            ]
+        modules[stats.mod_fqn] = entry
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"peak": {str(d): _to_categories(s) for d, s in tracker.get_tracker_snapshot("peak").items()},
+                   "modules": modules}, f, indent=1)
+    return path
+
+
+__all__ = ["CATEGORIES", "StepMemoryTracker", "is_compiled", "optimizer_state_bytes", "optimizer_tensors",
+           "write_module_report"]
