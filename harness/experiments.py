@@ -98,14 +98,20 @@ def summarize(run: Run, run_dir: Path, wall: float) -> dict[str, Any]:
     evals = [r for r in rows if r.get("kind") == "eval" and r.get("eval/perplexity") is not None]
     steady = train[WARMUP_STEPS:] or train
     step_times = [r["perf/step_time_s"] for r in steady]
-    peak = {c: max((r.get(f"memory/{c}_peak_bytes") or 0) for r in train) for c in CATEGORIES}
-    total = max((r.get("memory/total_peak_bytes") or 0) for r in train)
+    cat_max = {c: max((r.get(f"memory/{c}_max_bytes") or 0) for r in train) for c in CATEGORIES}
+    totals = [(r.get("memory/total_peak_bytes") or 0) for r in train]
+    total = max(totals)
+    at_peak_row = train[totals.index(total)]
+    at_peak = {c: at_peak_row.get(f"memory/{c}_peak_bytes") or 0 for c in CATEGORIES}
+    if not total:  # compiled models: the tracker cannot see inductor's temporaries; sum what it sees
+        at_peak = {c: max((r.get(f"memory/{c}_peak_bytes") or 0) for r in train) for c in CATEGORIES}
     device_peak = max((r.get("memory/max_allocated_bytes") or 0) for r in train)
     warmup = sum(r["perf/step_time_s"] for r in train[:WARMUP_STEPS]) - WARMUP_STEPS * statistics.median(step_times)
     return {
         "name": run.name, "nproc": run.nproc, "overrides": run.overrides,
-        "peak_bytes": device_peak or total, "peak_source": "max_memory_allocated" if device_peak else "MemTracker",
-        "peak_by_category": peak, "tracked_total_bytes": total,
+        "peak_bytes": device_peak or total or sum(at_peak.values()),
+        "peak_source": "max_memory_allocated" if device_peak else "MemTracker" if total else "sum of categories (compiled)",
+        "peak_by_category": at_peak, "category_max": cat_max, "tracked_total_bytes": total,
         "samples_per_s": statistics.median(r["perf/samples_per_s"] for r in steady),
         "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in steady),
         "step_time_s": statistics.median(step_times), "train_time_s": sum(step_times), "warmup_s": max(0.0, warmup),
@@ -126,14 +132,21 @@ def write_table(results: list[dict[str, Any]], control: str | None, out: Path, t
     for r in results:
         red = 1 - r["peak_bytes"] / ctrl["peak_bytes"] if ctrl["peak_bytes"] else 0.0
         ppl = f"{r['eval_perplexity']:.2f}" if r["eval_perplexity"] is not None else "-"
-        lines.append(f"| {r['name']} | {r['nproc']} | {_gib(r['peak_bytes'])} | {red:+.1%} | {r['samples_per_s']:.2f} "
+        mark = "*" if r["peak_source"].startswith("sum") else ""
+        lines.append(f"| {r['name']} | {r['nproc']} | {_gib(r['peak_bytes'])}{mark} | {red:+.1%} | {r['samples_per_s']:.2f} "
                      f"| {r['tokens_per_s']:,.0f} | {r['step_time_s']:.3f} | {r['train_time_s']:.1f} | {r['warmup_s']:.1f} | {ppl} |")
-    lines += ["", "Peak memory is per rank: " + ("`torch.cuda.max_memory_allocated`" if ctrl["peak_source"] != "MemTracker"
-              else "torch's MemTracker on real CPU tensors (sum of categories at the peak moment)") + ".",
-              "Peak by category (MiB, per rank, each category's own maximum over the run):", "",
+    lines += ["", "Peak memory is per rank: " + ("`torch.cuda.max_memory_allocated`" if ctrl["peak_source"] == "max_memory_allocated"
+              else "torch's MemTracker on real CPU tensors (all live tensors at the peak moment)") + ". "
+              "`*`: a compiled model, whose inductor temporaries the CPU tracker cannot see: the sum of the "
+              "categories it does see (a lower bound).",
+              "", "Split at the peak moment (MiB per rank; the stacked chart):", "",
               "| configuration | " + " | ".join(CATEGORIES) + " |", "|---|" + "---:|" * len(CATEGORIES)]
     for r in results:
         lines.append(f"| {r['name']} | " + " | ".join(f"{r['peak_by_category'][c] / 2**20:.2f}" for c in CATEGORIES) + " |")
+    lines += ["", "Each category's own maximum over the run (MiB per rank; not simultaneous):", "",
+              "| configuration | " + " | ".join(CATEGORIES) + " |", "|---|" + "---:|" * len(CATEGORIES)]
+    for r in results:
+        lines.append(f"| {r['name']} | " + " | ".join(f"{r['category_max'][c] / 2**20:.2f}" for c in CATEGORIES) + " |")
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -154,7 +167,7 @@ def plot(results: list[dict[str, Any]], out: Path, pareto: bool) -> list[Path]:
         vals = [r["peak_by_category"][c] / 2**20 for r in results]
         ax.bar(names, vals, bottom=bottom, label=c)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_ylabel("MiB per rank (each category's peak)")
+    ax.set_ylabel("MiB per rank, split at the peak moment")
     ax.set_title("Peak memory by category")
     ax.legend(fontsize=7)
     plt.setp(ax.get_xticklabels(), rotation=40, ha="right", fontsize=8)
@@ -173,7 +186,7 @@ def plot(results: list[dict[str, Any]], out: Path, pareto: bool) -> list[Path]:
     if pareto:
         fig, ax = plt.subplots(figsize=(6, 4.5))
         xs = [r["step_time_s"] for r in results]
-        ys = [r["peak_by_category"]["activations"] / 2**20 for r in results]
+        ys = [r["category_max"]["activations"] / 2**20 for r in results]
         ax.plot(xs, ys, "o-")
         for r, x, y in zip(results, xs, ys):
             ax.annotate(r["name"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
@@ -193,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output directory (default runs/experiments/<matrix name>)")
     parser.add_argument("--only", default=None, help="comma-separated run names")
     parser.add_argument("--set", nargs="*", default=[], help="base overrides key=value applied to every run")
+    parser.add_argument("--resume", action="store_true", help="reuse rows that already finished in --out")
     args = parser.parse_args(argv)
     try:
         base, runs, meta = load_matrix(args.matrix)
@@ -207,8 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = []
     for i, (run, config) in enumerate(configs):
-        print(f"[{i + 1}/{len(configs)}] {run.name} ...", flush=True)
-        wall = execute(run, config, config.parent / "log.txt", 29600 + i)
+        done = config.parent / "done.json"
+        if args.resume and done.exists():
+            wall = json.loads(done.read_text())["wall_s"]
+            print(f"[{i + 1}/{len(configs)}] {run.name}: reusing the finished run", flush=True)
+        else:
+            print(f"[{i + 1}/{len(configs)}] {run.name} ...", flush=True)
+            wall = execute(run, config, config.parent / "log.txt", 29600 + i)
+            done.write_text(json.dumps({"wall_s": wall}))
         results.append(summarize(run, config.parent / "run", wall))
     print(write_table(results, meta.get("control"), out, meta.get("title") or Path(args.matrix).stem))
     for p in plot(results, out, bool(meta.get("pareto"))):

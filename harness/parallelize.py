@@ -34,10 +34,12 @@ def apply_memory_techniques(model: nn.Module, cfg: RunConfig) -> None:
 
 
 def _fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
-    """FSDP2: shard embeddings, each block, (final norm + head) and the root.
+    """FSDP2: shard the embeddings, each decoder block, the LM head, and the root.
 
-    Sharding the head with the final norm, apart from the root, lets the chunked loss call
-    the body and the head separately while each still gathers its own parameters.
+    The head is its own unit (kept gathered after forward: backward needs it at once), so
+    its large weight is not gathered with the root's small leftovers (final norm, rotary
+    buffers). One module per `fully_shard` call: torch's FSDPMemTracker instruments each
+    module's parameter group once, and a group shared by two modules breaks its tracking.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -54,9 +56,8 @@ def _fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, in
         fully_shard(inner.embed_tokens, **kwargs)
     for block in decoder_blocks(model):
         fully_shard(block, **kwargs)
-    head = [m for m in (getattr(inner, "norm", None), getattr(model, "lm_head", None)) if m is not None]
-    if head:
-        # The last group is gathered again at once by backward: keep it unsharded after forward.
+    head = getattr(model, "lm_head", None)
+    if head is not None and not getattr(model.config, "tie_word_embeddings", False):
         fully_shard(head, **{**kwargs, "reshard_after_forward": False})
     fully_shard(model, **kwargs)
     return model

@@ -7,6 +7,8 @@ bytes come from the tensors each rank actually holds (harness/state_bytes.py).
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from harness.models import build_model, count_parameters
@@ -76,8 +78,13 @@ def test_bf16_world_two_matches_world_one_within_bf16_tolerance(workspace):
     root = workspace["root"]
     ref_out, out = root / "bf16-ref", root / "bf16-fsdp"
     run(launch_command("python", 1, tiny_config(root / "bf16-ref.yaml", workspace["cache"], ref_out, grad_accum=4, precision="bf16", strategy="fsdp"), []))
-    run(launch_command("torchrun", 2, tiny_config(root / "bf16-fsdp.yaml", workspace["cache"], out, precision="bf16", strategy="fsdp"), []))
+    # with per-step memory tracking on: FSDPMemTracker must follow the trainer's FSDP layout
+    config = tiny_config(root / "bf16-fsdp.yaml", workspace["cache"], out, precision="bf16", strategy="fsdp", **{"memory.track": True})
+    run(launch_command("torchrun", 2, config, []))
     assert step_losses(out) == pytest.approx(step_losses(ref_out), rel=2e-2)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    tracked = [r for r in rows if r.get("kind") == "train"]
+    assert all(r["memory/total_peak_bytes"] > 0 and r["memory/communication_max_bytes"] > 0 for r in tracked)
 
 
 def test_fsdp_offload_is_refused_on_cpu_before_launch(workspace):
