@@ -184,18 +184,25 @@ class DeepSpeedEngine(Engine):
         """`skip`: every rank agreed this step's loss is non-finite (harness.failures): drop the update."""
         # --- non-finite steps (harness.failures): ZeRO and DeepSpeed's bf16/fp16 optimizers detect
         # a non-finite gradient and skip the step themselves. A bare torch optimizer (no ZeRO, fp32)
-        # has no such check: DeepSpeed would apply the NaN update. Dropping every gradient first
-        # makes that step a no-op (torch optimizers skip parameters without a gradient).
+        # has no such check: DeepSpeed calls its step() unconditionally and would apply the NaN
+        # update. For that one step we zero the gradients (DeepSpeed still clips them) and make the
+        # optimizer's step() a no-op, so weights and optimizer state stay exactly as they were.
         own_norm, dropped = None, False
-        if not hasattr(self.ds.optimizer, "overflow"):
+        optimizer = self.ds.optimizer
+        if not hasattr(optimizer, "overflow"):
             params = [p for p in self.module.parameters() if p.grad is not None]
             if params:
                 own_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])))
             dropped = skip or (own_norm is not None and not math.isfinite(own_norm))
             if dropped:
                 for p in params:
-                    p.grad = None
-        self.ds.step()
+                    p.grad.zero_()
+                optimizer.step = lambda *args, **kwargs: None  # instance attribute: shadows the class's step
+        try:
+            self.ds.step()
+        finally:
+            if dropped:
+                del optimizer.step
         norm = self.ds.get_global_grad_norm()
         norm_f = float(norm) if norm is not None else (own_norm if own_norm is not None else float("nan"))
         skipped_now = int(getattr(self.ds, "skipped_steps", 0))

@@ -149,7 +149,7 @@ def check_batch(cfg: RunConfig, world: int) -> None:
 
 def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> None:
     """Never overwrite silently; a resume must be able to continue the same run."""
-    from harness.checkpoint import CheckpointError, check_compatible, checkpoint_root, read_meta, resume_path
+    from harness.checkpoint_files import CheckpointError, check_compatible, checkpoint_root, read_meta, resume_path
 
     c = cfg.checkpoint
     if c.keep < 1:

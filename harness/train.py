@@ -14,6 +14,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file by a launcher: make `harness` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,11 +68,85 @@ def evaluate(engine: Engine, data: PackedData, cfg: RunConfig, info: dist_utils.
         count += batch.shape[0]
     total, count = dist_utils.all_reduce_sum([total, count], info)
     engine.train(True)
+    if engine.kind == "fsdp":  # a no-grad forward leaves reshard_after_forward=False groups unsharded: their
+        from torch.distributed.fsdp import FSDPModule  # parameters would not be the optimizer's (checkpoint save fails)
+
+        for module in engine.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
     mean = total / max(count, 1.0)
     return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
 
 
-def train(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> dict[str, float]:
+@dataclass
+class Loop:
+    """Everything the steps touch, so one loop serves training, fine-tuning after pruning
+    (`after_step` keeps pruned weights at zero) and `python -m harness.prune`."""
+
+    cfg: RunConfig
+    info: dist_utils.DistInfo
+    engine: Engine
+    data: PackedData
+    sampler: BatchSampler
+    observer: Any
+    tracker: Any
+    guard: Any
+    ckpt: Any
+    skipped: int = 0
+    loss_mean: float = float("nan")
+    stopped_at: int | None = None  # the step a stop request ended the run at (checkpoint saved)
+    after_step: Callable[[], None] | None = None  # run after every engine.step(), e.g. harness/prune.py's mask enforcer
+
+    def run(self, first: int, stop: int) -> bool:
+        """Train steps [first, stop); False when a stop request ended the run (saved, observer closed)."""
+        cfg, info, engine, sampler, tracker, guard, observer = self.cfg, self.info, self.engine, self.sampler, self.tracker, self.guard, self.observer
+        tokens_per_step = sampler.global_batch * cfg.data.seq_len
+        engine.train(True)
+        state_points: list[dict[str, int]] = []
+        for step in range(first, stop):
+            t0 = time.perf_counter()
+            with tracker.step():
+                step_loss = 0.0
+                for micro in range(cfg.grad_accum):
+                    batch = sampler.batch(step, micro).to(info.device)
+                    loss = engine.forward_loss(batch)
+                    engine.backward(loss, last_micro=micro == cfg.grad_accum - 1)
+                    step_loss += float(loss.detach()) / cfg.grad_accum
+                    if step == 0:
+                        state_points.append(engine_state_bytes(engine))
+                lr = engine.lr
+                result = engine.step(skip=guard.pre_step(step_loss))  # all ranks agree on a non-finite loss first
+                if self.after_step is not None:
+                    self.after_step()
+            if step == 0:
+                state_points.append(engine_state_bytes(engine))
+                write_state_bytes(cfg.output_dir, info, state_points)
+            elapsed = time.perf_counter() - t0
+            self.skipped += int(result.skipped)
+            guard.post_step(result)  # checkpoint.on_nonfinite: skip (counted) or stop naming the last good checkpoint
+            self.loss_mean = dist_utils.all_reduce_mean(step_loss, info)
+            metrics = {
+                "train/loss": self.loss_mean, "train/lr": lr, "train/grad_norm": result.grad_norm, "train/skipped_steps": self.skipped,
+                "perf/step_time_s": elapsed, "perf/tokens_per_s": tokens_per_step / elapsed,
+                "perf/samples_per_s": sampler.global_batch / elapsed,
+            }
+            # `_peak_bytes`: the split at the step's peak moment (sums to the total; the stacked
+            # panel); `_max_bytes`: each category's own maximum in the step.
+            metrics.update({f"memory/{k}_peak_bytes": v for k, v in tracker.last_peaks().items()})
+            metrics.update({f"memory/{k}_max_bytes": v for k, v in tracker.last_category_maxima().items()})
+            observer.log_step(step + 1, metrics)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
+                observer.log_eval(step + 1, evaluate(engine, self.data, cfg, info))
+            if self.ckpt.after_step(step + 1, {"skipped_steps": self.skipped}, stop=guard.stop_requested):
+                observer.close()  # SIGTERM/SIGUSR1: saved; exit cleanly so the job can requeue
+                self.stopped_at = step + 1
+                return False
+        return True
+
+
+def build_run(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> tuple[Loop, Any]:
+    """Data, model, engine, checkpoint restore, observer: everything before the first step
+    (shared with `python -m harness.prune`). Returns the loop and the restored state."""
     from harness.loss import causal_lm_loss
     from harness.memory_tracking import StepMemoryTracker
     from harness.observability.observer import Observer
@@ -93,51 +170,31 @@ def train(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> dict
         layer_hooks=cfg.memory.layer_hooks,
     )
     guard = StepGuard(cfg, info, engine, tracker, lambda: ckpt.last_path, resumed.step)  # NaN policy, stop signals: harness/failures.py
-    tokens_per_step = sampler.global_batch * cfg.data.seq_len
     if info.is_main:
         print(f"[harness] {strategy.name} ({strategy.kind}) x{info.world_size} on {info.device}, {cfg.precision}, "
               f"{count_parameters(engine.module) * (1 if not strategy.shards_params else info.world_size):,} params, "
               f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens", flush=True)
+    loop = Loop(cfg, info, engine, data, sampler, observer, tracker, guard, ckpt, skipped=int(resumed.counters.get("skipped_steps", 0)))
+    return loop, resumed
 
-    engine.train(True)
-    skipped, loss_mean = int(resumed.counters.get("skipped_steps", 0)), float("nan")
-    state_points: list[dict[str, int]] = []
-    for step in range(resumed.step, cfg.steps):
-        t0 = time.perf_counter()
-        with tracker.step():
-            step_loss = 0.0
-            for micro in range(cfg.grad_accum):
-                batch = sampler.batch(step, micro).to(info.device)
-                loss = engine.forward_loss(batch)
-                engine.backward(loss, last_micro=micro == cfg.grad_accum - 1)
-                step_loss += float(loss.detach()) / cfg.grad_accum
-                if step == 0:
-                    state_points.append(engine_state_bytes(engine))
-            lr = engine.lr
-            result = engine.step(skip=guard.pre_step(step_loss))  # all ranks agree on a non-finite loss first
-        if step == 0:
-            state_points.append(engine_state_bytes(engine))
-            write_state_bytes(cfg.output_dir, info, state_points)
-        elapsed = time.perf_counter() - t0
-        skipped += int(result.skipped)
-        guard.post_step(result)  # checkpoint.on_nonfinite: skip (counted) or stop naming the last good checkpoint
-        loss_mean = dist_utils.all_reduce_mean(step_loss, info)
-        metrics = {
-            "train/loss": loss_mean, "train/lr": lr, "train/grad_norm": result.grad_norm, "train/skipped_steps": skipped,
-            "perf/step_time_s": elapsed, "perf/tokens_per_s": tokens_per_step / elapsed,
-            "perf/samples_per_s": sampler.global_batch / elapsed,
-        }
-        metrics.update({f"memory/{k}_peak_bytes": v for k, v in tracker.last_peaks().items()})
-        observer.log_step(step + 1, metrics)
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            observer.log_eval(step + 1, evaluate(engine, data, cfg, info))
-        if ckpt.after_step(step + 1, {"skipped_steps": skipped}, stop=guard.stop_requested):
-            observer.close()  # SIGTERM/SIGUSR1: saved; exit cleanly so the job can requeue
-            return {"preempted_at_step": step + 1, "skipped_steps": skipped}
+
+def train(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> dict[str, float]:
+    loop, resumed = build_run(cfg, strategy, info)
+    engine, data, observer, ckpt = loop.engine, loop.data, loop.observer, loop.ckpt
+    last = cfg.steps
+    if not loop.run(resumed.step, cfg.steps):
+        return {"preempted_at_step": loop.stopped_at, "skipped_steps": loop.skipped}
+    if cfg.prune.method != "none":  # prune, then fine-tune with the masks enforced: harness/prune.py
+        from harness.prune import run_prune_stage
+
+        loop.after_step = run_prune_stage(engine, data, cfg, info, observer, cfg.steps, ckpt=ckpt, resumed=resumed).after_step
+        last = cfg.steps + cfg.prune.finetune_steps
+        if not loop.run(max(resumed.step, cfg.steps), last):
+            return {"preempted_at_step": loop.stopped_at, "skipped_steps": loop.skipped}
     final = evaluate(engine, data, cfg, info)
-    observer.log_eval(cfg.steps, final)
-    summary = {"final_train_loss": loss_mean, "final_eval_loss": final["eval/loss"], "final_eval_perplexity": final["eval/perplexity"], "skipped_steps": skipped}
-    ckpt.finish(cfg.steps, {"skipped_steps": skipped})  # the final checkpoint and HF export, if configured
+    observer.log_eval(last, final)
+    summary = {"final_train_loss": loop.loss_mean, "final_eval_loss": final["eval/loss"], "final_eval_perplexity": final["eval/perplexity"], "skipped_steps": loop.skipped}
+    ckpt.finish(last, {"skipped_steps": loop.skipped})  # the final checkpoint and HF export, if configured
     observer.log_summary(summary)
     observer.close()
     if info.is_main:
