@@ -35,9 +35,16 @@ def run_one(strategy: str, nproc: int, steps: int, work: Path, precision: str) -
     path = work / f"{strategy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)), WANDB_MODE="disabled")
-    cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={nproc}", "--master_port=29731",
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={port}",
            str(REPO / "harness" / "train.py"), "--config", str(path)]
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{strategy} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/loss" in r]
     steady = [r["perf/tokens_per_s"] for r in train[2:]] or [r["perf/tokens_per_s"] for r in train]

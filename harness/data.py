@@ -251,6 +251,7 @@ def split_batches(data: PackedData, split: str, micro: int, max_batches: int, wo
     """The first `max_batches * micro` blocks of a fixed split, strided over ranks."""
     arr = data.blocks[split]
     total = min(arr.shape[0], max_batches * micro)  # global: the same blocks at any world size
+    total -= total % world  # every rank runs the same number of forwards (sharded engines gather in them)
     mine = np.arange(rank, total, world)
     for i in range(0, len(mine), micro):
         idx = mine[i : i + micro]

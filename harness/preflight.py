@@ -195,6 +195,10 @@ def preflight(cfg: RunConfig, strategy: Strategy) -> None:
 
         check_optimizer_in_backward(cfg, strategy.kind, world)
     check_batch(cfg, world)
+    if cfg.prune.method != "none":
+        from harness.prune import check_prune_config
+
+        check_prune_config(cfg, world)
     if strategy.kind == "deepspeed":
         resolve_deepspeed_config(strategy, cfg, world, hidden_size=1)  # contradictions and 'auto' holes
     amp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
