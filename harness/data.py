@@ -153,7 +153,7 @@ class PackedData:
         return int(self.blocks[split].shape[0])
 
 
-def _cache_dir(model_name: str, cfg: DataConfig) -> str:
+def cache_dir_for(model_name: str, cfg: DataConfig) -> str:
     root = cfg.cache_dir or os.environ.get("HARNESS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "harness")
     key = json.dumps({"data": asdict(cfg) | {"cache_dir": None}, "model": model_name if not os.path.isdir(model_name) else os.path.abspath(model_name),
                       "py": sys.version_info[:2]}, sort_keys=True, default=str)
@@ -171,7 +171,7 @@ def _pack(token_lists: list[list[int]], eos_id: int, seq_len: int) -> np.ndarray
 
 def prepare_data(model_name: str, cfg: DataConfig) -> str:
     """Tokenize and pack into the cache (idempotent). Run on one rank; others wait, then load."""
-    cache = _cache_dir(model_name, cfg)
+    cache = cache_dir_for(model_name, cfg)
     if os.path.exists(os.path.join(cache, "meta.json")):
         return cache
     os.makedirs(cache, exist_ok=True)

@@ -33,7 +33,7 @@ def apply_memory_techniques(model: nn.Module, cfg: RunConfig) -> None:
         apply_compile(model, mem.compile if mem.compile != "none" else "model", mem.activation_memory_budget)
 
 
-def _fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
+def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
     """FSDP2: shard the embeddings, each decoder block, the LM head, and the root.
 
     The head is its own unit (kept gathered after forward: backward needs it at once), so
@@ -69,7 +69,7 @@ def _torch_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: 
     kind = "single" if not info.distributed else strategy.kind
     wrapped: nn.Module = model
     if kind == "fsdp":
-        wrapped = _fsdp_wrap(model, strategy, policy, info)
+        wrapped = fsdp_wrap(model, strategy, policy, info)
     elif kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

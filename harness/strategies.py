@@ -204,6 +204,7 @@ def resolve_deepspeed_config(strategy: Strategy, cfg: RunConfig, world_size: int
     zero = ds.get("zero_optimization", {})
     size_autos = {
         "reduce_bucket_size": (hidden_size or 0) ** 2,
+        "allgather_bucket_size": (hidden_size or 0) ** 2,
         "stage3_prefetch_bucket_size": int(0.9 * (hidden_size or 0) ** 2),
         "stage3_param_persistence_threshold": 10 * (hidden_size or 0),
     }

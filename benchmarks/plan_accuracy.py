@@ -1,0 +1,83 @@
+"""Predicted vs measured per-rank peak, side by side with DeepSpeed's and accelerate's estimators.
+
+    python benchmarks/plan_accuracy.py > table.md
+
+For every CPU-runnable strategy x {fp32, bf16} x {AC none, full} x world {1, 2} on the tiny
+Llama (micro-batch 2, seq 64): the real run measured with MemTracker over every storage
+(``harness.planner.measure``), the same run as the trainer's own ``StepMemoryTracker``
+sees it, our prediction, DeepSpeed's ``estimate_zero2/3_model_states_mem_needs`` and the
+formula of ``accelerate estimate-memory`` (its CLI needs a Hub model: with a local
+directory it stops with ``HFValidationError: Repo id must be in the form 'repo_name'``, so
+its ``estimate_training_usage`` is applied to our meta model, exactly what the CLI does
+after loading). Errors are against the measured peak.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness.config import load_config  # noqa: E402
+from harness.planner.estimate import estimate  # noqa: E402
+from harness.planner.measure import launch  # noqa: E402
+
+STRATEGIES = ["ddp", "fsdp", "fsdp_grad_op", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+SHAPE = ["model.name=tiny-llama", "micro_batch_size=2", "data.seq_len=64"]
+VOCAB = 2048
+
+
+def deepspeed_estimate(strategy: str, total: int, largest: int, world: int) -> int | None:
+    """DeepSpeed's own per-rank model-state estimate (GPU + this rank's share of the node's CPU), or None."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    if strategy in ("zero2", "zero2_offload"):
+        cpu, gpu = estimate_zero2_model_states_mem_needs(total, world, 1, cpu_offload=strategy == "zero2_offload")
+    elif strategy in ("zero3", "zero3_offload"):
+        off = strategy == "zero3_offload"
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, world, 1, cpu_offload=off,
+                                                            cpu_offload_params=off, zero_init=True)
+    else:
+        return None
+    # The CPU figure is for the node; with offload it is real per-rank memory on a CPU run.
+    return int(gpu + (cpu / world if "offload" in strategy else 0))
+
+
+def accelerate_estimate(total_bytes_fp32: int, precision: str) -> int:
+    from accelerate.commands.estimate import estimate_training_usage
+
+    usage = estimate_training_usage(total_bytes_fp32, "float32" if precision == "fp32" else "bfloat16")
+    return max(usage.values())
+
+
+def main() -> None:
+    rows = []
+    for world in (1, 2):
+        for strategy in STRATEGIES:
+            runs = [[f"strategy={strategy}", *SHAPE, f"precision={p}", f"memory.activation_checkpointing={ac}"]
+                    for p in ("fp32", "bf16") for ac in ("none", "full")]
+            results = launch(runs, world, steps=3, vocab_size=VOCAB, trainer_view=True)
+            for overrides, ranks in zip(runs, results):
+                measured = max(r["peak"] for r in ranks)
+                trainer = [r["trainer_tracker_peak"] for r in ranks]
+                est = estimate(load_config(None, overrides), world, target="cpu", vocab_size=VOCAB)
+                total = est.params_total
+                ds = deepspeed_estimate(strategy, total, est.largest_param, world)
+                acc = accelerate_estimate(total * 4, overrides[-2].split("=")[1])
+                rows.append((strategy, world, overrides[-2].split("=")[1], overrides[-1].split("=")[1], measured,
+                             max(t for t in trainer if t is not None) if any(t is not None for t in trainer) else None,
+                             est.total, est.peak.name, ds, acc))
+            print(f"... {strategy} world {world} done", file=sys.stderr, flush=True)
+    print("| strategy | world | precision | AC | measured peak | trainer tracker | ours | ours err | "
+          "DeepSpeed est. | DS err | accelerate est. | acc. err | our peak moment |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for s, w, p, ac, m, t, ours, moment, ds, acc in rows:
+        def err(x: int | None) -> str:
+            return "n/a" if x is None else f"{(x - m) / m:+.1%}"
+        print(f"| {s} | {w} | {p} | {ac} | {m:,} | {t if t is None else f'{t:,}'} | {ours:,} | {err(ours)} | "
+              f"{'n/a' if ds is None else f'{ds:,}'} | {err(ds)} | {acc:,} | {err(acc)} | {moment} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Plan a run before launching it: per-rank peak memory, and the fastest config that fits.
+
+    python -m harness.plan --config run.yaml --gpus 8 --gpu-mem 48GiB [--cpu-mem 512GiB] [--nvme]
+    python -m harness.plan --config run.yaml --gpus 8 --gpu-mem 48GiB --recommend [--out best.yaml]
+    python -m harness.plan --config run.yaml --gpus 2 --gpu-mem 80GiB precision=bf16 micro_batch_size=2
+
+No GPU is needed and no weights are loaded: the model is built from its config with fake
+storage and one training step is traced on rank 0 of a fake process group (see
+``harness.planner``). Overrides are the trainer's ``key=value`` ones.
+
+Exit status: 0 the config fits (or --recommend wrote one that does); 1 it does not fit
+(something else would: see --recommend); 2 bad input; 3 nothing fits even with full
+offload.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 0, 1, 2, 3
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="harness.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="run config (YAML or JSON); omitted: the trainer's defaults")
+    parser.add_argument("--gpus", type=int, default=1, help="world size: GPUs (ranks) in the run")
+    parser.add_argument("--gpu-mem", required=True, help="memory of one GPU, e.g. 48GiB, 80GB")
+    parser.add_argument("--cpu-mem", help="host memory per node, e.g. 512GiB (checked for offload and model build)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="ranks sharing one node's host memory (default: --gpus)")
+    parser.add_argument("--nvme", action="store_true", help="NVMe offload is available (lets --recommend use zero3_nvme)")
+    parser.add_argument("--recommend", action="store_true", help="search for the fastest config that fits and write it")
+    parser.add_argument("--out", help="where --recommend writes the config (default: <config>.recommended.yaml)")
+    parser.add_argument("--json", help="also write the result as JSON here")
+    parser.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda: plan for GPUs (default); cpu: plan a CPU run, where host and device are one memory")
+    parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary the trainer will use (default: resolved from the data)")
+    return parser.parse_known_args(argv)
+
+
+def _estimate_json(est: Any, gpu_mem: int, cpu_mem: int | None, per_node: int) -> dict[str, Any]:
+    from harness.planner.report import gpu_allowance, verdict
+
+    v = verdict(est, gpu_mem, cpu_mem, per_node)
+    allow = gpu_allowance(est)
+    return {
+        "engine": est.engine, "world_size": est.world_size, "rank": est.rank, "target": est.target,
+        "peak_bytes": est.total, "peak_moment": est.peak.name, "peak_by_category": est.peak.categories,
+        "moments": {m.name: m.total for m in est.moments},
+        "allowance_bytes": {"cuda_context": allow.context, "nccl": allow.nccl, "workspaces": allow.workspaces,
+                            "fragmentation": allow.fragmentation, "total": allow.total},
+        "device_need_bytes": v.device_need, "host_bytes_per_rank": est.host, "host_step_peak_bytes": est.host_peak,
+        "host_model_build_bytes": est.host_init_peak, "host_need_per_node_bytes": v.host_need_per_node,
+        "fits": v.fits, "verdict": v.reason, "trace_seconds": est.trace_seconds, "params": est.params_total,
+    }
+
+
+def _frugal_fits(cfg: Any, world: int, gpu_mem: int, cpu_mem: int | None, per_node: int, nvme: bool, target: str,
+                 vocab: int | None) -> bool:
+    """Does the most frugal configuration (bf16, full AC, micro-batch 1, everything offloaded) fit?"""
+    from harness.planner.estimate import estimate
+    from harness.planner.recommend import most_frugal, with_candidate
+    from harness.planner.report import verdict
+
+    est = estimate(with_candidate(cfg, most_frugal(cfg, world, nvme)), world, target=target, vocab_size=vocab)
+    return verdict(est, gpu_mem, cpu_mem, per_node).fits
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only; never reach for a hub at planning time
+    args, overrides = parse_args(argv)
+    from harness.config import ConfigError, load_config
+    from harness.planner.estimate import estimate, resolve_vocab
+    from harness.planner.report import format_estimate, gib, parse_size, verdict
+    from harness.planner.trace import PlanError
+
+    try:
+        if args.gpus < 1:
+            raise PlanError(f"--gpus must be >= 1 (the world size), got {args.gpus}")
+        gpu_mem = parse_size(args.gpu_mem)
+        cpu_mem = parse_size(args.cpu_mem) if args.cpu_mem else None
+        per_node = args.gpus_per_node or args.gpus
+        if per_node < 1:
+            raise PlanError(f"--gpus-per-node must be >= 1, got {per_node}")
+        unknown = [o for o in overrides if "=" not in o]
+        if unknown:
+            raise PlanError(f"unrecognised argument '{unknown[0]}' (options start with --, overrides are key=value)")
+        cfg = load_config(args.config, overrides)
+        vocab = args.vocab_size or resolve_vocab(cfg)
+        if args.recommend:
+            return _recommend(args, overrides, cfg, gpu_mem, cpu_mem, per_node, vocab)
+        est = estimate(cfg, args.gpus, target=args.target, vocab_size=vocab)
+        fits = verdict(est, gpu_mem, cpu_mem, per_node).fits
+        if not fits and not _frugal_fits(cfg, args.gpus, gpu_mem, cpu_mem, per_node, args.nvme, args.target, vocab):
+            print(f"harness.plan: error: nothing fits in {gib(gpu_mem)} per GPU x {args.gpus}, even bf16 + full activation "
+                  f"checkpointing + micro-batch 1 + {'NVMe' if args.nvme else 'CPU'} offload "
+                  f"(this config needs {gib(verdict(est, gpu_mem, cpu_mem, per_node).device_need)})", file=sys.stderr)
+            return EXIT_NOTHING_FITS
+        title = f"Plan: {cfg.model.name} x {args.gpus} rank(s), strategy {cfg.strategy or 'ddp'}, {cfg.precision}, " \
+                f"micro-batch {cfg.micro_batch_size} x seq {cfg.data.seq_len}, AC {cfg.memory.activation_checkpointing}"
+        print(format_estimate(est, gpu_mem, cpu_mem, per_node, title))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(_estimate_json(est, gpu_mem, cpu_mem, per_node), f, indent=1)
+        if fits:
+            return EXIT_FITS
+        print("hint: run with --recommend for the fastest configuration that fits")
+        return EXIT_DOES_NOT_FIT
+    except (ConfigError, PlanError) as exc:
+        print(f"harness.plan: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _recommend(args: argparse.Namespace, overrides: list[str], cfg: Any, gpu_mem: int, cpu_mem: int | None,
+               per_node: int, vocab: int | None) -> int:
+    from harness.config import read_config_file
+    from harness.planner.recommend import recommend, recommended_config, write_recommended
+    from harness.planner.report import format_estimate, gib
+
+    rec = recommend(cfg, args.gpus, gpu_mem, cpu_mem=cpu_mem, gpus_per_node=per_node, nvme=args.nvme,
+                    target=args.target, vocab_size=vocab)
+    print(f"Searched precision x activation checkpointing x micro-batch x strategy x offload for {cfg.model.name} "
+          f"on {args.gpus} x {gib(gpu_mem)} ({len(rec.evaluated)} configurations evaluated, fastest first):")
+    for ev in sorted(rec.evaluated, key=lambda e: e.cost):
+        mark = "fits " if ev.fits else "     "
+        print(f"  {mark} x{ev.cost:5.2f}  {ev.candidate.label():<68}  {ev.reason}")
+    best = rec.best
+    if best is None:
+        print(f"harness.plan: error: nothing fits in {gib(gpu_mem)} per GPU x {args.gpus}, even with full offload"
+              + ("" if args.nvme else " (try --nvme)"), file=sys.stderr)
+        return EXIT_NOTHING_FITS
+    print("")
+    print("Fitting configurations, fastest first (x = expected step time relative to bf16/DDP/no AC):")
+    for i, ev in enumerate(rec.fits, 1):
+        print(f"  {i}. x{ev.cost:.2f}  {ev.candidate.label()}  ->  {ev.reason}")
+    print("")
+    print(f"Best: {best.candidate.label()}")
+    for line in rec.why.get(best.candidate, []):
+        print(f"  why: {line}")
+    raw = read_config_file(args.config) if args.config else {}
+    data = recommended_config(raw, overrides, best.candidate)
+    out = args.out or (os.path.splitext(os.path.basename(args.config))[0] + ".recommended.yaml" if args.config else "recommended.yaml")
+    header = (f"Written by harness.plan --recommend for {args.gpus} x {args.gpu_mem}: {best.candidate.label()}\n"
+              f"{best.reason}\nLaunch: python -m harness.train --config {out}")
+    write_recommended(out, data, header)
+    print(f"\nwrote {out}  (launch: python -m harness.train --config {out})")
+    if best.estimate is not None:
+        print("")
+        print(format_estimate(best.estimate, gpu_mem, cpu_mem, per_node, f"Plan of the best: {best.candidate.label()}"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"best": best.candidate.__dict__, "config": out,
+                       "fits": [dict(e.candidate.__dict__, cost=e.cost, need=e.need) for e in rec.fits],
+                       "why": rec.why.get(best.candidate, [])}, f, indent=1)
+    return EXIT_FITS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

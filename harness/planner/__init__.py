@@ -1,0 +1,20 @@
+"""The memory planner: per-rank peak memory of a run config, predicted before launch.
+
+- ``trace``: forward + backward of the real (fake-storage) model under the trainer's own
+  wrapping, loss and activation checkpointing, on a fake process group; a per-op timeline.
+- ``model_states``: what the trace does not run - optimizer state and step, DDP buckets,
+  DeepSpeed ZeRO-1/2/3 buffers and offload - in formulas named after each engine buffer.
+- ``estimate``: the two combined into the worst rank's peak, by category, with its moment.
+- ``report``: the text the CLI prints, the GPU allowance and the per-dtype table.
+- ``recommend``: the fastest configuration that fits (reference 002's decision tree).
+- ``measure``: the ground truth - real CPU steps measured with MemTracker - for tests.
+
+The command line is ``python -m harness.plan`` (``harness/plan.py``).
+"""
+from harness.planner.estimate import Estimate, Moment, estimate
+from harness.planner.recommend import Recommendation, recommend
+from harness.planner.report import format_estimate, parse_size, verdict
+from harness.planner.trace import PlanError
+
+__all__ = ["Estimate", "Moment", "PlanError", "Recommendation", "estimate", "format_estimate", "parse_size",
+           "recommend", "verdict"]

@@ -1,0 +1,312 @@
+"""Per-rank peak memory of a run config: the traced step with the engine's model state laid over it.
+
+``estimate(cfg, world_size)`` resolves what the trainer would do with the config
+(strategy file, precision policy, DeepSpeed "auto" values, vocabulary), traces forward +
+backward once, and walks the traced per-op timeline with the engine's
+:class:`~harness.planner.model_states.EngineModel`: every op's live bytes get the engine's
+parameters, gradients, buckets and resident optimizer state; the analytic phases after
+backward (gradient reduction, optimizer step) are added as further moments. The peak is
+the largest of all moments, on the worst rank.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.config import ConfigError, RunConfig
+from harness.planner.model_states import BYTES, EngineModel, EngineSpec, engine_model, zero12_partition
+from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, trace_step
+from harness.strategies import Strategy, check_strategy_against_run, load_strategy, resolve_deepspeed_config
+
+REPORT_CATS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication", "other")
+
+
+@dataclass
+class Moment:
+    name: str
+    categories: dict[str, int]  # device bytes by REPORT_CATS
+
+    @property
+    def total(self) -> int:
+        return sum(self.categories.values())
+
+
+@dataclass
+class Estimate:
+    """One rank's predicted peak (the worst rank) and what fills it."""
+
+    engine: str
+    world_size: int
+    rank: int
+    peak: Moment  # the largest moment of the step on the device
+    moments: list[Moment]  # forward/backward peak, end of backward, analytic phases
+    host: dict[str, int]  # host bytes per rank held all step (offload); {} without offload
+    host_peak: int  # per rank, during the step
+    host_init_peak: int  # per rank, while the trainer builds the model on the host
+    target: str
+    trace_seconds: float
+    notes: list[str] = field(default_factory=list)
+    params_total: int = 0
+    largest_param: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.peak.total
+
+
+# ----------------------------------------------------------------------------- config → specs
+
+
+def resolve_vocab(cfg: RunConfig) -> int | None:
+    """The vocabulary the trainer will give the model (presets follow the data's tokenizer)."""
+    from harness.models import is_preset
+
+    if not is_preset(cfg.model.name):
+        return None  # a local model: its own config decides
+    try:
+        from harness.data import cache_dir_for
+
+        meta = os.path.join(cache_dir_for(cfg.model.name, cfg.data), "meta.json")
+        if os.path.exists(meta):
+            with open(meta) as f:
+                return int(json.load(f)["vocab_size"])
+    except (ImportError, AttributeError, OSError, ValueError, KeyError):
+        pass
+    return cfg.data.vocab_size if not cfg.data.tokenizer else None
+
+
+def _plannable_strategy(strategy: Strategy) -> Strategy:
+    """An NVMe path is the launch machine's business: validate everything else here."""
+    raw = copy.deepcopy(strategy.raw)
+    for key in ("offload_optimizer", "offload_param"):
+        block = (raw.get("zero_optimization") or {}).get(key) or {}
+        if block.get("device") == "nvme":
+            block["nvme_path"] = tempfile.gettempdir()
+    return Strategy(**{**strategy.__dict__, "raw": raw})
+
+
+def deepspeed_zero(strategy: Strategy, cfg: RunConfig, world: int, hidden: int) -> Any:
+    """The zero_optimization block with "auto" resolved as the trainer resolves it, and every key
+    the file leaves out filled by DeepSpeed's own defaults (its pydantic config model)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    ds = resolve_deepspeed_config(_plannable_strategy(strategy), cfg, world, hidden)
+    return DeepSpeedZeroConfig(**ds.get("zero_optimization", {}))
+
+
+def engine_kind(strategy: Strategy, world: int) -> str:
+    """The engine the trainer builds: DDP runs unwrapped in a single process; FSDP2 always wraps."""
+    if strategy.kind == "deepspeed":
+        return "zero"
+    return "single" if world == 1 and strategy.kind == "ddp" else strategy.kind
+
+
+def specs_for(cfg: RunConfig, strategy: Strategy, world: int, info_hidden: int, target: str,
+              vocab: int | None) -> tuple[TraceSpec, EngineSpec]:
+    from harness.precision import precision_policy
+
+    kind = engine_kind(strategy, world)
+    if kind == "zero" and strategy.zero_stage == 0:
+        raise PlanError(f"{strategy.name}: DeepSpeed ZeRO stage 0 is not modelled by the planner; use ddp.json")
+    policy = precision_policy(cfg.precision, torch.device("cpu"), strategy.kind)
+    param_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[policy.param_dtype]
+    module_dtype = cfg.precision if kind == "zero" and cfg.precision != "fp32" else param_dtype
+    trace = TraceSpec(
+        model_name=cfg.model.name, vocab_size=vocab, world_size=world if kind == "fsdp" else 1,
+        micro_batch=cfg.micro_batch_size, seq_len=cfg.data.seq_len, precision=cfg.precision,
+        wrap="fsdp" if kind == "fsdp" else "plain", module_dtype=module_dtype if kind != "fsdp" else "fp32",
+        reshard_after_forward=strategy.reshard_after_forward, fsdp_reduce_dtype=strategy.reduce_dtype,
+        ac_mode=cfg.memory.activation_checkpointing, ac_every=cfg.memory.ac_every,
+        loss_chunk_size=cfg.memory.loss_chunk_size, micro_batches=2 if cfg.grad_accum > 1 else 1,
+        autocast=policy.autocast and kind != "zero",
+    )
+    common = dict(kind=kind, world=world, precision=cfg.precision, stage=strategy.zero_stage,
+                  offload_optimizer=strategy.offload_optimizer, offload_params=strategy.offload_params,
+                  optimizer=cfg.optim.name, weight_decay=cfg.optim.weight_decay,
+                  optimizer_in_backward=cfg.memory.optimizer_in_backward, target=target,
+                  torch_param_bytes=BYTES[param_dtype])
+    if kind != "zero":
+        return trace, EngineSpec(**common)
+    zero = deepspeed_zero(strategy, cfg, world, info_hidden)
+    off = zero.offload_param
+    engine = EngineSpec(
+        **common, reduce_bucket=int(zero.reduce_bucket_size), contiguous_gradients=bool(zero.contiguous_gradients),
+        persistence_threshold=int(zero.param_persistence_threshold), max_live=int(zero.max_live_parameters),
+        sub_group_size=int(zero.sub_group_size),
+        nvme_buffer_count=int(off.buffer_count) if off is not None else 5,
+        nvme_buffer_size=int(off.buffer_size) if off is not None else 100_000_000,
+    )
+    return trace, engine
+
+
+# ----------------------------------------------------------------------------- combining
+
+
+def _report_row(row: tuple[int, ...]) -> dict[str, int]:
+    cats = dict(zip(CATS, row))
+    out = {c: cats.get(c, 0) for c in REPORT_CATS}
+    out["other"] = cats["other"] + cats["model_buffers"]
+    return out
+
+
+def _add(cats: dict[str, int], extra: dict[str, int]) -> dict[str, int]:
+    out = dict(cats)
+    for key, value in extra.items():
+        out[key if key in out else "other"] = out.get(key if key in out else "other", 0) + value
+    return out
+
+
+def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Moment]:
+    """Forward/backward peak, end of backward and the analytic phases of one rank.
+
+    Each traced op's bytes get the engine's parameters and gradients in place of the bare
+    module's, the bucket once the first gradient exists, then the resident state. On a CPU
+    run the host *is* the device: offloaded state and the host-side step count there too,
+    and gloo's reduce-scatter copy (NCCL has none) is added inside that collective.
+    """
+    def finish(cats: dict[str, int], host_extra: int = 0) -> dict[str, int]:
+        out = _add(cats, em.resident)
+        if cpu_run:
+            out = _add(out, em.host)
+            out["optimizer_state"] += host_extra
+        return out
+
+    best: Moment | None = None
+    seen_grad = False
+    base_last: dict[str, int] = {}
+    previous_grads = 0
+    prev_full: dict[str, int] | None = None
+    accumulating = trace.spec.micro_batches > 1
+    for i, row in enumerate(trace.rows):
+        cats = _report_row(row)
+        traced_grads = cats["gradients"]
+        seen_grad = seen_grad or traced_grads > 0
+        if em.params is not None:
+            cats["parameters"] = em.params
+        if em.grads is not None:
+            cats["gradients"] = em.grads if (seen_grad or em.grads_from_start) else 0
+        if seen_grad:
+            cats["communication"] += em.bucket
+        new = max(0, traced_grads - previous_grads) if em.oib_step_cap else 0
+        if em.oib_step_cap and not accumulating:
+            cats["gradients"] = 0  # stepped by its hook and freed before the next op
+        if new and prev_full is not None:
+            # Optimizer in backward: the hook steps the new gradient right after the op that made it,
+            # while that op's buffers (the gradient itself, a reduce-scatter's input) are still alive.
+            hook = dict(prev_full)
+            hook["temporaries"] += min(2 * new, em.oib_step_cap)
+            if best is None or sum(hook.values()) > best.total:
+                best = Moment(trace.moment(i - 1) + " (optimizer step in the gradient hook)", hook)
+        previous_grads = traced_grads
+        base_last = cats
+        full = finish(cats)
+        if cpu_run and i in trace.gloo_extra:
+            full["communication"] += trace.gloo_extra[i]
+        if best is None or sum(full.values()) > best.total:
+            best = Moment(trace.moment(i), full)
+        prev_full = full
+    moments = [best] if best is not None else []
+    end = dict(base_last)
+    if em.end_params is not None:
+        end["parameters"] = em.end_params
+    if em.end_grads is not None:
+        end["gradients"] = em.end_grads
+    if seen_grad:
+        end["communication"] -= em.bucket
+    end["temporaries"] = 0
+    moments.append(Moment("end of backward", finish(end)))
+    for phase in em.phases:
+        cats = dict(end)
+        if phase.params is not None:
+            cats["parameters"] = phase.params
+        if phase.grads is not None:
+            cats["gradients"] = phase.grads
+        moments.append(Moment(phase.name, finish(_add(cats, phase.extra), phase.host_extra)))
+    return moments
+
+
+_TRACE_CACHE: dict[TraceSpec, TraceResult] = {}
+
+
+def cached_trace(spec: TraceSpec) -> TraceResult:
+    """Traces are pure functions of their spec; the recommender asks for the same ones often."""
+    if spec not in _TRACE_CACHE:
+        if len(_TRACE_CACHE) > 64:
+            _TRACE_CACHE.clear()
+        _TRACE_CACHE[spec] = trace_step(spec)
+    return _TRACE_CACHE[spec]
+
+
+def _hidden_size(cfg: RunConfig, vocab: int | None) -> int:
+    """The hidden size (DeepSpeed's "auto" bucket sizes follow it), from the config alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.planner.trace import build_fake_model
+
+    model = build_fake_model(cfg.model.name, vocab, FakeTensorMode())
+    return int(getattr(model.config, "hidden_size", 0) or 0)
+
+
+def estimate(cfg: RunConfig, world_size: int, *, target: str = "cuda", vocab_size: int | None = None,
+             strategy: Strategy | None = None) -> Estimate:
+    """Predict one step's per-rank peak for ``cfg`` on ``world_size`` ranks of ``target`` ("cuda" or "cpu")."""
+    if world_size < 1:
+        raise PlanError(f"world size must be >= 1, got {world_size}")
+    try:
+        strategy = strategy or load_strategy(cfg.strategy)
+        check_strategy_against_run(strategy, cfg, has_accelerator=target == "cuda")
+        from harness.optimizer_in_backward import check_optimizer_in_backward
+
+        check_optimizer_in_backward(cfg, strategy.kind, world_size)
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
+    vocab = vocab_size or resolve_vocab(cfg)
+    hidden = _hidden_size(cfg, vocab)
+    try:
+        tspec, espec = specs_for(cfg, strategy, world_size, hidden, target, vocab)
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
+    trace = cached_trace(tspec)
+    info: ParamInfo = trace.params
+    ranks = _worst_ranks(espec, info)
+    best: tuple[Moment, list[Moment], EngineModel, int] | None = None
+    for rank in ranks:
+        em = engine_model(espec, info, rank)
+        moments = walk(trace, em, cpu_run=target == "cpu")
+        peak = max(moments, key=lambda m: m.total)
+        if best is None or peak.total > best[0].total:
+            best = (peak, moments, em, rank)
+    assert best is not None
+    peak, moments, em, rank = best
+    host_extra = max((p.host_extra for p in em.phases), default=0)
+    host_total = sum(em.host.values())
+    return Estimate(
+        engine=em.name, world_size=world_size, rank=rank, peak=peak, moments=moments,
+        host=dict(em.host), host_peak=host_total + host_extra if host_total else 0,
+        host_init_peak=init_host_bytes(info),
+        target=target, trace_seconds=trace.trace_seconds, notes=list(em.notes), params_total=info.total,
+        largest_param=info.largest,
+    )
+
+
+def _worst_ranks(espec: EngineSpec, info: ParamInfo) -> list[int]:
+    """Only ZeRO-1/2 ranks differ (their gradient partitions); the others are all alike."""
+    if espec.kind == "zero" and espec.stage in (1, 2):
+        sizes = [zero12_partition(info.numels, espec.world, r)[2] for r in range(espec.world)]
+        return [max(range(espec.world), key=sizes.__getitem__)]
+    return [0]
+
+
+def init_host_bytes(info: ParamInfo) -> int:
+    """Host bytes per rank while the trainer builds the model: ``build_model`` makes the full fp32
+    model on the host on every rank before any engine shards it or moves it to the GPU."""
+    return info.total * 4
+
+
+__all__ = ["Estimate", "Moment", "REPORT_CATS", "engine_kind", "estimate", "resolve_vocab", "specs_for", "walk"]

@@ -1,0 +1,333 @@
+"""Model-state memory per rank for every engine: what the trace does not run, in formulas.
+
+The trace (``harness.planner.trace``) runs forward + backward. What it cannot see is
+written down here, each term named after the buffer of the engine that allocates it:
+
+- torch single process / DDP (``gradient_as_bucket_view=True``: the gradients *are* the
+  DDP buckets, allocated once at wrap time) and FSDP2 (sharded fp32 parameters, traced);
+- DeepSpeed ZeRO-1/2: a flat bit16 parameter buffer padded to ``2 * world``, an fp32
+  master partition, the ``reduce_bucket_size`` gradient bucket, the gradient partition
+  (every parameter that touches this rank's slice, whole), and at the step an fp32 copy
+  of the gradient partition; with CPU offload the master, gradients and optimizer move to
+  the host plus two largest-parameter staging buffers;
+- DeepSpeed ZeRO-3: per-parameter partitions padded to ``world``, persistent small
+  parameters kept whole, a gradient-partition buffer and a reduce bucket allocated at
+  init, gathered parameters up to ``stage3_max_live_parameters``, and per optimizer
+  sub-group an fp32 gradient copy at the step;
+- the optimizer: Adam/AdamW keep two states per element (the dtype of what they step:
+  the parameter for torch, fp32 master partitions for DeepSpeed); the step's transient
+  memory is what the trainer's ``foreach=False`` single-tensor loop allocates, two
+  temporaries the size of the largest tensor stepped (``sqrt`` and the division).
+
+Each engine is described by an :class:`EngineModel`; ``harness.planner.estimate`` lays it
+over the traced timeline.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from harness.planner.trace import ParamInfo
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What decides model-state memory: engine, stage, offload, dtypes and DeepSpeed knobs."""
+
+    kind: str  # single | ddp | fsdp | zero
+    world: int
+    precision: str  # fp32 | bf16 | fp16
+    stage: int = 0  # ZeRO stage (zero only)
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_params: str = "none"
+    optimizer: str = "adamw"  # adamw | adam | sgd
+    weight_decay: float = 0.0
+    optimizer_in_backward: bool = False
+    reduce_bucket: int = 500_000_000  # elements (DeepSpeed default 5e8)
+    contiguous_gradients: bool = True
+    persistence_threshold: int = 100_000
+    max_live: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000
+    nvme_buffer_count: int = 5
+    nvme_buffer_size: int = 100_000_000
+    target: str = "cuda"  # "cuda": device and host are separate; "cpu": the host is the device
+    torch_param_bytes: int = 4  # single/DDP parameter dtype bytes (bf16 casts the module)
+
+
+@dataclass
+class Phase:
+    """An analytic moment after backward: what replaces or extends the end-of-backward state."""
+
+    name: str
+    params: int | None = None  # parameters held (None: as at the end of backward)
+    grads: int | None = None  # gradients held (None: as at the end of backward)
+    extra: dict[str, int] = field(default_factory=dict)  # device bytes added, by category
+    host_extra: int = 0  # host bytes added (an offloaded optimizer step)
+
+
+@dataclass
+class EngineModel:
+    """How one rank's engine holds model state, laid over a traced forward/backward timeline.
+
+    ``params``/``grads`` replace what the plain trace holds (the bare module's parameters
+    and autograd's accumulated ``.grad``) by what the engine holds; ``None`` keeps the
+    traced bytes (FSDP2 is traced through its real wrapper, single process is the bare
+    module). ``bucket`` is a communication buffer that appears with the first gradient of
+    backward and is released at its end.
+    """
+
+    name: str
+    params: int | None  # parameter bytes held in forward/backward
+    grads: int | None  # gradient bytes held in backward (None: the traced ones)
+    grads_from_start: bool  # the gradient buffers exist before backward (DDP buckets)
+    bucket: int  # communication bytes from the first gradient to the end of backward
+    resident: dict[str, int]  # device bytes held all step long that the trace does not hold
+    end_params: int | None  # parameters held once backward has finished (ZeRO-3 releases the gathered ones)
+    end_grads: int | None  # gradients held once backward has finished
+    phases: list[Phase]
+    host: dict[str, int]  # host (CPU) bytes held all step long (offload)
+    oib_step_cap: int = 0  # optimizer in backward: the largest step's temporaries (0: off)
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def adam_states(optimizer: str) -> int:
+    return 2 if optimizer in ("adam", "adamw") else 0
+
+
+def step_transient_multiple(optimizer: str, weight_decay: float) -> int:
+    """Temporaries of the single-tensor step, in units of the largest tensor stepped."""
+    if optimizer in ("adam", "adamw"):
+        # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt): two live at the division;
+        # Adam (not W) with weight decay first makes grad + wd * param (one more).
+        return 2 + (1 if optimizer == "adam" and weight_decay else 0)
+    return 1 if weight_decay else 0  # SGD: grad.add(param, alpha=wd)
+
+
+def step_scalar_bytes(spec: EngineSpec, tensors: int) -> int:
+    """torch Adam's per-tensor ``step`` counters: 4-byte CPU scalars (host memory on a GPU)."""
+    return 4 * tensors if adam_states(spec.optimizer) and spec.target == "cpu" else 0
+
+
+def cpu_adam(spec: EngineSpec) -> bool:
+    """On a GPU machine the trainer steps an offloaded Adam with DeepSpeedCPUAdam, in place."""
+    return spec.target == "cuda" and spec.optimizer in ("adam", "adamw")
+
+
+def fsdp_local_numel(shape: tuple[int, ...], world: int, rank: int = 0) -> int:
+    """FSDP2 shards dim 0 in chunks of ceil(dim0 / world); padding goes to the last ranks."""
+    if not shape:
+        return 1 if rank == 0 else 0
+    chunk = math.ceil(shape[0] / world)
+    rows = max(0, min(chunk, shape[0] - rank * chunk))
+    return rows * math.prod(shape[1:])
+
+
+def zero12_partition(numels: list[int], world: int, rank: int) -> tuple[int, int, int]:
+    """(flat numel, partition numel, gradient-partition numel) of ZeRO-1/2 on ``rank``.
+
+    The flat buffer is padded to a multiple of ``2 * world`` (DeepSpeed's NCCL start
+    alignment); the gradient partition holds every parameter that starts inside, or
+    straddles the start of, this rank's slice - whole.
+    """
+    total = sum(numels)
+    align = 2 * world
+    flat = math.ceil(total / align) * align
+    part = flat // world
+    start, end = part * rank, part * (rank + 1)
+    in_partition, index = 0, 0
+    for n in numels:
+        if start <= index < end or index < start < index + n:
+            in_partition += n
+        index += n
+    return flat, part, in_partition
+
+
+def zero3_partitions(numels: list[int], world: int, threshold: int) -> tuple[int, int, int]:
+    """(partition numel, persistent numel, non-persistent numel) of ZeRO-3 (per-param padding to ``world``)."""
+    part = sum(math.ceil(n / world) for n in numels)
+    persistent = sum(n for n in numels if n <= threshold)
+    return part, persistent, sum(numels) - persistent
+
+
+def zero3_subgroups(numels: list[int], world: int, sub_group_size: int) -> list[int]:
+    """Partition numel of each optimizer sub-group (DeepSpeed closes a group once it reaches the size)."""
+    parts = [math.ceil(n / world) for n in numels]
+    if sub_group_size >= sum(parts):
+        return [sum(parts)]
+    groups, current = [], 0
+    for i, p in enumerate(parts):
+        current += p
+        if current >= sub_group_size or i == len(parts) - 1:
+            groups.append(current)
+            current = 0
+    return groups
+
+
+# ------------------------------------------------------------------------------- engines
+
+
+def torch_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
+    """Single process and DDP: full parameters and gradients on every rank, a torch optimizer."""
+    pb = spec.torch_param_bytes
+    total = info.total * pb
+    opt = {"optimizer_state": adam_states(spec.optimizer) * total + step_scalar_bytes(spec, len(info.numels))}
+    transient = step_transient_multiple(spec.optimizer, spec.weight_decay) * info.largest * pb
+    ddp = spec.kind == "ddp" and spec.world > 1
+    name = "ddp" if ddp else "single"
+    if spec.optimizer_in_backward:
+        # Each gradient is stepped by its own hook as it appears, then freed (single process only).
+        return EngineModel(name, None, None, False, 0, opt, None, 0, [], {}, oib_step_cap=transient,
+                           notes=["optimizer in backward: each parameter steps (and frees its gradient) as the "
+                                  "gradient appears"])
+    if ddp:
+        # gradient_as_bucket_view=True: the DDP buckets are the .grad tensors, allocated at wrap time.
+        return EngineModel(name, None, total, True, 0, opt, None, total,
+                           [Phase("optimizer step", extra={"optimizer_state": transient})], {})
+    return EngineModel(name, None, None, False, 0, opt, None, None,
+                       [Phase("optimizer step", extra={"optimizer_state": transient})], {})
+
+
+def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
+    """FSDP2: sharded fp32 parameters and gradients are traced; the optimizer is added here."""
+    local = [fsdp_local_numel(s, spec.world, 0) for s in info.shapes]
+    states = adam_states(spec.optimizer) * sum(local) * 4 + step_scalar_bytes(spec, len(local))
+    transient = step_transient_multiple(spec.optimizer, spec.weight_decay) * max(local, default=0) * 4
+    if spec.offload_params != "none":
+        # CPUOffloadPolicy: sharded parameters, gradients and the optimizer live on the host.
+        return EngineModel(
+            "fsdp+offload", None, None, False, 0, {}, None, None, [Phase("optimizer step (host)", host_extra=transient)],
+            {"optimizer_state": states, "parameters": sum(local) * 4, "gradients": sum(local) * 4},
+            notes=["FSDP2 CPU offload: the trace keeps the sharded parameters/gradients on the device, "
+                   "an over-estimate of one fp32 shard each"])
+    if spec.optimizer_in_backward:
+        return EngineModel("fsdp", None, None, False, 0, {"optimizer_state": states}, None, 0, [], {},
+                           oib_step_cap=transient,
+                           notes=["optimizer in backward: each sharded gradient steps (and is freed) after its "
+                                  "group's reduce-scatter"])
+    return EngineModel("fsdp", None, None, False, 0, {"optimizer_state": states}, None, None,
+                       [Phase("optimizer step", extra={"optimizer_state": transient})], {})
+
+
+def zero12_model(spec: EngineSpec, info: ParamInfo, rank: int) -> EngineModel:
+    """DeepSpeed ZeRO-1/2 (stage_1_and_2.py), optionally with the optimizer offloaded."""
+    b = BYTES[spec.precision]
+    flat, part, grad_part = zero12_partition(info.numels, spec.world, rank)
+    params = flat * b
+    master = part * 4
+    states = adam_states(spec.optimizer) * part * 4 + step_scalar_bytes(spec, 1)
+    transient = step_transient_multiple(spec.optimizer, spec.weight_decay) * part * 4
+    bucket = spec.reduce_bucket * b if spec.contiguous_gradients else 0
+    gip = grad_part * b
+    name = f"zero{spec.stage}"
+    notes = [f"reduce bucket {spec.reduce_bucket:,} elements ({bucket:,} bytes) from the first gradient"]
+    norm64 = 8 * min(info.largest, part)  # gradient norms are taken in fp64: a copy of one gradient slice
+    if spec.offload_optimizer != "none":
+        host = {
+            "parameters": master + part * b,  # fp32 master + the bit16 staging copy of the update
+            "gradients": part * 4 + info.largest * b,  # fp32 gradient partition + a staging buffer
+            "optimizer_state": states,
+        }
+        step = Phase("optimizer step (host)", grads=0, host_extra=0 if cpu_adam(spec) else transient)
+        # Each gradient is normed (fp64) and copied to the host inside the backward epilogue, bucket still held.
+        norm = Phase("gradient norm in fp64 (backward epilogue)", grads=info.largest * b,
+                     extra={"communication": bucket, "temporaries": norm64})
+        return EngineModel(f"{name}+offload", params, 0, False, bucket, {"communication": info.largest * b},
+                           params, 0, [norm, step], host,
+                           notes=notes + ["optimizer offloaded: gradients stream to an fp32 host partition"])
+    resident = {"optimizer_state": master + states}
+    # The last gradient reduced may still be alive while the norm runs (seen in 1 of 4 CPU runs:
+    # the asynchronous reduce had not yet dropped it); a planner counts the race.
+    norm = Phase("gradient norm in fp64", grads=gip + info.largest * b, extra={"temporaries": norm64})
+    step = Phase("optimizer step", grads=part * 4, extra={"optimizer_state": transient})
+    if spec.stage == 1:
+        # Gradients stay whole in .grad until the boundary; the epilogue reduces them into the partition.
+        epilogue = Phase("gradient reduction (end of backward)", extra={"gradients": gip, "communication": bucket})
+        return EngineModel(name, params, None, False, bucket, resident, params, None, [epilogue, norm, step], {},
+                           notes=notes)
+    return EngineModel(name, params, gip, False, bucket, resident, params, gip, [norm, step], {}, notes=notes)
+
+
+def zero3_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
+    """DeepSpeed ZeRO-3 (stage3.py), optionally offloading parameters and/or optimizer (CPU or NVMe)."""
+    b = BYTES[spec.precision]
+    part, persistent, nonpersistent = zero3_partitions(info.numels, spec.world, spec.persistence_threshold)
+    largest_group = max(zero3_subgroups(info.numels, spec.world, spec.sub_group_size))
+    groups = len(zero3_subgroups(info.numels, spec.world, spec.sub_group_size))
+    gathered = min(nonpersistent, spec.max_live) * b
+    if spec.world == 1 and (spec.offload_params == "none" or spec.target == "cpu"):
+        gathered = 0  # one rank: DeepSpeed points param.data at the partition (_no_gather_coalesced), no copy
+    states = adam_states(spec.optimizer) * part * 4 + step_scalar_bytes(spec, groups)
+    transient = step_transient_multiple(spec.optimizer, spec.weight_decay) * largest_group * 4
+    bucket = spec.reduce_bucket * b if spec.contiguous_gradients else 0
+    grad_buffer = part * b  # grad_partitions_flat_buffer (gradient-accumulation dtype)
+    params_on_device = spec.offload_params == "none"
+    held = persistent * b + (part * b if params_on_device else 0)
+    resident: dict[str, int] = {"communication": bucket}
+    host: dict[str, int] = {}
+    if spec.offload_params == "cpu":
+        host["parameters"] = part * b
+    elif spec.offload_params == "nvme":
+        host["nvme_swap_buffers"] = spec.nvme_buffer_count * spec.nvme_buffer_size * b
+    norm64 = 8 * math.ceil(info.largest / spec.world)  # fp64 copy of the largest gradient partition
+    if spec.offload_optimizer == "none":
+        resident["gradients"] = grad_buffer
+        resident["optimizer_state"] = part * 4 + states
+        step = Phase("optimizer step", params=held, grads=largest_group * 4, extra={"optimizer_state": transient})
+    else:
+        host["gradients"] = grad_buffer + part * 4  # accumulation buffer + fp32 gradient for the step
+        if spec.offload_optimizer == "cpu":
+            host["parameters"] = host.get("parameters", 0) + part * 4  # fp32 master
+            host["optimizer_state"] = states
+        else:  # nvme: master and states page through pinned buffers (one sub-group at a time, 4 buffers)
+            host["nvme_swap_buffers"] = host.get("nvme_swap_buffers", 0) + 4 * largest_group * 4
+        step = Phase("optimizer step (host)", params=held, grads=0, host_extra=0 if cpu_adam(spec) else transient)
+    name = "zero3" + ("+offload" if spec.offload_optimizer != "none" or not params_on_device else "")
+    norm = Phase("gradient norm in fp64", params=held, grads=0, extra={"temporaries": norm64})
+    return EngineModel(name, held + gathered, 0, False, 0, resident, held, 0, [norm, step], host,
+                       notes=[f"gathered parameters (up to stage3_max_live_parameters={spec.max_live:,}) held "
+                              "through forward and backward"])
+
+
+def engine_model(spec: EngineSpec, info: ParamInfo, rank: int = 0) -> EngineModel:
+    if spec.kind in ("single", "ddp"):
+        return torch_model(spec, info)
+    if spec.kind == "fsdp":
+        return fsdp_model(spec, info)
+    if spec.kind == "zero":
+        if spec.stage in (1, 2):
+            return zero12_model(spec, info, rank)
+        if spec.stage == 3:
+            return zero3_model(spec, info)
+    raise ValueError(f"no model-state formulas for kind={spec.kind!r} stage={spec.stage}")
+
+
+def ranks_to_check(spec: EngineSpec) -> list[int]:
+    """Ranks whose model state differs: ZeRO-1/2 gradient partitions depend on where parameters fall."""
+    if spec.kind == "zero" and spec.stage in (1, 2):
+        return list(range(spec.world))
+    return [0]
+
+
+# ------------------------------------------------------------------------------- the reference-003 view
+
+
+def dtype_breakdown(total_params: int, world: int = 1) -> list[dict[str, float | str]]:
+    """Parameters / gradients / Adam state for fp32, bf16 with fp32 Adam, and bf16 with bf16 Adam.
+
+    The per-dtype table of the 8.5B-model analysis (reference 003), per rank when the
+    model states are split evenly over ``world`` ranks; no activations, no overhead.
+    """
+    rows = []
+    for label, pb, gb, ob in (("fp32", 4, 4, 8), ("bf16 (fp32 Adam state)", 2, 2, 8), ("bf16 + bf16 Adam state", 2, 2, 4)):
+        p, g, o = total_params * pb / world, total_params * gb / world, total_params * ob / world
+        rows.append({"mode": label, "parameters": p, "gradients": g, "optimizer_state": o, "total": p + g + o})
+    return rows
+
+
+__all__ = ["BYTES", "EngineModel", "EngineSpec", "Phase", "dtype_breakdown", "engine_model", "fsdp_local_numel",
+           "ranks_to_check", "zero12_partition", "zero3_partitions", "zero3_subgroups"]

@@ -1,0 +1,266 @@
+"""Search for the fastest configuration that fits: the decision tree of reference 002, automated.
+
+The tree (fp32 fits? -> mixed precision -> activation checkpointing -> smaller micro-batch
+with accumulation -> ZeRO/FSDP stages -> offload) is searched whole, but walked in order of
+*expected speed* rather than in the tree's fixed order: on several GPUs ZeRO-2 costs less
+than recomputing activations, so it is tried first. Every branch of the tree is a
+dimension here: precision x activation checkpointing x micro-batch (global batch kept by
+gradient accumulation) x strategy stage x offload.
+
+Expected speed is a product of stated relative step-time factors (``SPEED``). They are
+heuristics from published measurements, not measured here (no GPU on the development
+machine): bf16 vs fp32 from the Peak Memory study (6.79 vs 2.52 samples/s), one extra
+forward of recomputation for full checkpointing, communication volume of each stage
+relative to DDP's all-reduce, PCIe traffic plus a CPU optimizer for offload.
+
+Candidates whose model state alone (no activations) cannot fit are rejected without a
+trace; the others are estimated (traces are cached and shared by every strategy that runs
+the bare module), until ``max_fits`` fitting configurations are found.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from harness.config import RunConfig, load_config
+from harness.planner.estimate import Estimate, estimate, specs_for, walk
+from harness.planner.model_states import BYTES, engine_model, fsdp_local_numel
+from harness.planner.report import gib, verdict
+from harness.planner.trace import ParamInfo, TraceResult
+from harness.strategies import load_strategy
+
+# Relative step time (lower is faster); see the module docstring for where each comes from.
+SPEED: dict[str, dict[str, float]] = {
+    "precision": {"bf16": 1.0, "fp16": 1.05, "fp32": 2.7},
+    "ac": {"none": 1.0, "op": 1.08, "selective": 1.15, "full": 1.33},
+    "strategy": {
+        "ddp": 1.0, "zero1": 1.0, "zero2": 1.01, "fsdp_grad_op": 1.03, "fsdp": 1.06, "zero3": 1.10,
+        "zero2_offload": 1.4, "fsdp_offload": 1.6, "zero3_offload": 2.0, "zero3_nvme": 4.0,
+    },
+}
+MICRO_BATCH_HALVING = 0.05  # each halving of the micro-batch: ~5% lower GPU efficiency
+
+
+@dataclass(frozen=True)
+class Candidate:
+    precision: str
+    ac: str
+    micro_batch: int
+    grad_accum: int
+    strategy: str
+
+    def overrides(self) -> list[str]:
+        out = [f"precision={self.precision}", f"memory.activation_checkpointing={self.ac}",
+               f"micro_batch_size={self.micro_batch}", f"grad_accum={self.grad_accum}", f"strategy={self.strategy}"]
+        if self.ac == "selective":
+            out.append("memory.ac_every=2")
+        return out
+
+    def cost(self, base_micro: int) -> float:
+        halvings = math.log2(base_micro / self.micro_batch) if self.micro_batch < base_micro else 0.0
+        return (SPEED["precision"][self.precision] * SPEED["ac"][self.ac] * SPEED["strategy"][self.strategy]
+                * (1 + MICRO_BATCH_HALVING * halvings))
+
+    def label(self) -> str:
+        ac = f"AC {self.ac}" if self.ac != "none" else "no AC"
+        return f"{self.strategy}, {self.precision}, {ac}, micro-batch {self.micro_batch} x accum {self.grad_accum}"
+
+
+@dataclass
+class Evaluated:
+    candidate: Candidate
+    cost: float
+    fits: bool
+    need: int  # per-GPU bytes incl. allowance (or the model-state lower bound when pruned)
+    reason: str
+    estimate: Estimate | None = None
+
+
+@dataclass
+class Recommendation:
+    fits: list[Evaluated]
+    evaluated: list[Evaluated]
+    why: dict[Candidate, list[str]] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Evaluated | None:
+        return self.fits[0] if self.fits else None
+
+
+def strategies_for(world: int, nvme: bool, target: str) -> list[str]:
+    """Strategies that mean something at this world size on this target."""
+    if world == 1:
+        names = ["ddp", "zero2_offload", "zero3_offload"]  # sharding alone gains nothing; offload does
+    else:
+        names = ["ddp", "zero1", "zero2", "fsdp_grad_op", "fsdp", "zero3", "zero2_offload", "zero3_offload"]
+        if target == "cuda":
+            names.append("fsdp_offload")  # CPUOffloadPolicy needs an accelerator
+    if nvme:
+        names.append("zero3_nvme")
+    return names
+
+
+def candidates(cfg: RunConfig, world: int, nvme: bool, target: str) -> list[Candidate]:
+    precisions = sorted({cfg.precision, "bf16"}, key=lambda p: SPEED["precision"][p])
+    acs = ["none", "op", "selective", "full"]
+    micro, accum = cfg.micro_batch_size, cfg.grad_accum
+    micros = sorted({micro} | {micro >> k for k in range(1, micro.bit_length()) if micro >> k >= 1}, reverse=True)
+    out = []
+    for p in precisions:
+        for ac in acs:
+            for m in micros:
+                new_accum = max(1, math.ceil(micro * accum / m))
+                for s in strategies_for(world, nvme, target):
+                    out.append(Candidate(p, ac, m, new_accum, s))
+    return sorted(out, key=lambda c: c.cost(micro))
+
+
+def _model_state_floor(cfg: RunConfig, world: int, target: str, info: ParamInfo, vocab: int | None) -> int:
+    """Per-rank peak with zero activations: a lower bound that needs no trace."""
+    strategy = load_strategy(cfg.strategy)
+    tspec, espec = specs_for(cfg, strategy, world, info.hidden_size, target, vocab)
+    if tspec.wrap == "fsdp":
+        params = sum(fsdp_local_numel(s, world, 0) for s in info.shapes) * 4
+        grads = params
+    else:
+        params = info.total * BYTES.get(tspec.module_dtype, 4)
+        grads = params
+    rows = [(params, 0, 0, 0, 0, 0, 0, 0), (params, 0, grads, 0, 0, 0, 0, 0)]
+    synthetic = TraceResult(tspec, rows, [0, 1], [0, 0], ["model"], info)
+    em = engine_model(espec, info, 0)
+    return max(m.total for m in walk(synthetic, em, cpu_run=target == "cpu"))
+
+
+def recommend(cfg: RunConfig, world: int, gpu_mem: int, *, cpu_mem: int | None = None, gpus_per_node: int | None = None,
+              nvme: bool = False, target: str = "cuda", vocab_size: int | None = None, max_fits: int = 5,
+              max_traced: int = 40, info: ParamInfo | None = None) -> Recommendation:
+    """Walk the candidates fastest-first; estimate those whose model state could fit; keep the fitting ones."""
+    from harness.planner.estimate import resolve_vocab
+
+    per_node = gpus_per_node or world
+    vocab = vocab_size or resolve_vocab(cfg)
+    info = info or _param_info(cfg, vocab)
+    results: dict[Candidate, Evaluated] = {}
+    fits: list[Evaluated] = []
+    traced = 0
+
+    def evaluate(c: Candidate) -> Evaluated:
+        nonlocal traced
+        if c in results:
+            return results[c]
+        run = with_candidate(cfg, c)
+        cost = c.cost(cfg.micro_batch_size)
+        floor = _model_state_floor(run, world, target, info, vocab)
+        floor_need = floor + (gpu_allowance_for(floor, world) if target == "cuda" else 0)
+        if floor_need > gpu_mem:
+            ev = Evaluated(c, cost, False, floor_need, f"model state + GPU allowance alone need {gib(floor_need)} > {gib(gpu_mem)}")
+        else:
+            est = estimate(run, world, target=target, vocab_size=vocab)
+            traced += 1
+            v = verdict(est, gpu_mem, cpu_mem, per_node)
+            ev = Evaluated(c, cost, v.fits, v.device_need, v.reason, est)
+        results[c] = ev
+        return ev
+
+    ordered = candidates(cfg, world, nvme, target)
+    for c in ordered:
+        if len(fits) >= max_fits or traced >= max_traced:
+            break
+        ev = evaluate(c)
+        if ev.fits:
+            fits.append(ev)
+    if not fits:
+        # The trace budget may end before the slowest, most frugal corner: settle "nothing fits" there.
+        frugal = evaluate(most_frugal(cfg, world, nvme))
+        if frugal.fits:
+            fits.append(frugal)
+    rec = Recommendation(fits, list(results.values()))
+    for ev in fits[:1]:
+        rec.why[ev.candidate] = explain(cfg, ev.candidate, evaluate)
+    return rec
+
+
+def most_frugal(cfg: RunConfig, world: int, nvme: bool) -> Candidate:
+    """bf16, full recomputation, micro-batch 1 (same global batch), everything offloaded."""
+    return Candidate("bf16", "full", 1, max(1, cfg.micro_batch_size * cfg.grad_accum), "zero3_nvme" if nvme else "zero3_offload")
+
+
+def gpu_allowance_for(peak: int, world: int) -> int:
+    """The report's GPU allowance for a bare number (used on lower bounds)."""
+    from harness.planner.report import CUDA_CONTEXT, FRAGMENTATION, LIBRARY_WORKSPACES, NCCL_BUFFERS
+
+    return CUDA_CONTEXT + (NCCL_BUFFERS if world > 1 else 0) + LIBRARY_WORKSPACES + int(FRAGMENTATION * peak)
+
+
+def explain(cfg: RunConfig, chosen: Candidate, evaluate: Any) -> list[str]:
+    """For each way ``chosen`` departs from the user's config: what undoing only that change costs."""
+    user = {"precision": cfg.precision, "ac": cfg.memory.activation_checkpointing,
+            "micro_batch": cfg.micro_batch_size, "strategy": cfg.strategy or "ddp"}
+    names = {"precision": "precision", "ac": "activation checkpointing", "micro_batch": "micro-batch", "strategy": "strategy"}
+    reasons = []
+    for dim, theirs in user.items():
+        ours = getattr(chosen, dim)
+        if ours == theirs:
+            continue
+        if dim == "ac" and theirs not in SPEED["ac"]:
+            continue
+        back = replace(chosen, **{dim: theirs})
+        if dim == "micro_batch":
+            back = replace(back, grad_accum=cfg.grad_accum)
+        if dim == "strategy" and theirs not in SPEED["strategy"]:
+            reasons.append(f"{names[dim]} {theirs} -> {ours}: a shipped strategy the planner can rank")
+            continue
+        ev = evaluate(back)
+        if ev.fits:
+            reasons.append(f"{names[dim]} {theirs} -> {ours}: expected faster ({ev.cost / chosen.cost(cfg.micro_batch_size):.2f}x "
+                           "the step time with the change undone), both fit")
+        else:
+            reasons.append(f"{names[dim]} {theirs} -> {ours}: without this change {ev.reason}")
+    return reasons
+
+
+def with_candidate(cfg: RunConfig, c: Candidate) -> RunConfig:
+    """``cfg`` with the candidate's five settings; every other setting kept."""
+    import dataclasses
+
+    from harness.config import check_values
+
+    memory = dataclasses.replace(cfg.memory, activation_checkpointing=c.ac, ac_every=2 if c.ac == "selective" else cfg.memory.ac_every)
+    run = dataclasses.replace(cfg, precision=c.precision, micro_batch_size=c.micro_batch, grad_accum=c.grad_accum,
+                              strategy=c.strategy, memory=memory, global_batch_size=None)
+    check_values(run)
+    return run
+
+
+def _param_info(cfg: RunConfig, vocab: int | None) -> ParamInfo:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.planner.trace import build_fake_model, param_info
+
+    return param_info(build_fake_model(cfg.model.name, vocab, FakeTensorMode()))
+
+
+def recommended_config(raw: dict[str, Any], overrides: list[str], c: Candidate) -> dict[str, Any]:
+    """The user's config file contents + their overrides + the candidate's settings, as a config mapping."""
+    import copy
+
+    from harness.config import apply_overrides
+
+    data = apply_overrides(copy.deepcopy(raw), list(overrides) + c.overrides())
+    data.pop("global_batch_size", None)  # implied by micro * accum * world; a stale value would contradict
+    return data
+
+
+def write_recommended(path: str, data: dict[str, Any], header: str) -> None:
+    """Write the config as YAML and load it back with the trainer's loader: it must launch as is."""
+    import yaml
+
+    with open(path, "w") as f:
+        f.write("".join(f"# {line}\n" for line in header.splitlines()))
+        yaml.safe_dump(data, f, sort_keys=False, default_flow_style=False)
+    load_config(path)
+
+
+__all__ = ["Candidate", "Evaluated", "Recommendation", "SPEED", "candidates", "most_frugal", "recommend", "recommended_config",
+           "strategies_for", "with_candidate", "write_recommended"]

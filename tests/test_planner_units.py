@@ -1,0 +1,114 @@
+"""Planner pieces that need no trace: size parsing, the ZeRO/FSDP partition arithmetic, the dtype table."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from harness.planner.model_states import (
+    EngineSpec,
+    dtype_breakdown,
+    engine_model,
+    fsdp_local_numel,
+    zero3_partitions,
+    zero3_subgroups,
+    zero12_partition,
+)
+from harness.planner.report import GIB, MIB, parse_size
+from harness.planner.trace import ParamInfo, PlanError
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("48GiB", 48 * GIB), ("80GB", 80 * 1000**3), ("512G", 512 * GIB), ("1.5TiB", int(1.5 * 1024**4)),
+    ("640MiB", 640 * MIB), ("12345", 12345), (" 24 gib ", 24 * GIB),
+])
+def test_parse_size_accepts_common_units(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["48XB", "GiB", "-4GiB", "0GiB", "4 Gigs", ""])
+def test_parse_size_rejects_unknown_formats(text: str) -> None:
+    with pytest.raises(PlanError) as err:
+        parse_size(text)
+    assert "\n" not in str(err.value)
+
+
+def test_zero12_partition_pads_and_counts_straddling_parameters() -> None:
+    # 10 + 7 + 5 = 22 elements over 4 ranks: flat padded to a multiple of 2*4 = 24, slices of 6.
+    numels = [10, 7, 5]
+    flats = [zero12_partition(numels, 4, r) for r in range(4)]
+    assert {f[0] for f in flats} == {24} and {f[1] for f in flats} == {6}
+    # rank 0 [0,6): param 0 starts inside; rank 1 [6,12): param 0 straddles its start, param 1 starts inside;
+    # rank 2 [12,18): param 1 straddles, param 2 starts at 17; rank 3 [18,24): param 2 straddles.
+    assert [f[2] for f in flats] == [10, 10 + 7, 7 + 5, 5]
+
+
+def test_zero3_partition_pads_each_parameter_and_splits_subgroups() -> None:
+    numels = [10, 7, 3, 64]
+    part, persistent, rest = zero3_partitions(numels, 4, threshold=7)
+    assert part == sum(math.ceil(n / 4) for n in numels) == 3 + 2 + 1 + 16
+    assert persistent == 7 + 3 and rest == 10 + 64
+    # Sub-groups close once they reach the size (DeepSpeed's _create_fp16_sub_groups).
+    assert zero3_subgroups(numels, 4, sub_group_size=5) == [5, 17]
+    assert zero3_subgroups(numels, 4, sub_group_size=10**9) == [part]
+
+
+def test_fsdp_local_shards_put_padding_on_the_last_ranks() -> None:
+    shape = (10, 3)
+    shards = [fsdp_local_numel(shape, 4, r) for r in range(4)]
+    assert shards == [9, 9, 9, 3] and sum(shards) == 30
+    assert fsdp_local_numel((2, 5), 4, 3) == 0
+
+
+def _info(numels: list[int]) -> ParamInfo:
+    return ParamInfo(numels=numels, shapes=[(n,) for n in numels], names=[f"p{i}" for i in range(len(numels))],
+                     buffer_bytes=0, hidden_size=8, num_layers=1)
+
+
+def test_ddp_adamw_state_and_step_temporaries() -> None:
+    info = _info([100, 400])
+    em = engine_model(EngineSpec(kind="ddp", world=2, precision="fp32", target="cuda"), info)
+    # Buckets are the gradients (gradient_as_bucket_view), present from the start.
+    assert em.grads == 500 * 4 and em.grads_from_start
+    assert em.resident["optimizer_state"] == 2 * 500 * 4  # exp_avg + exp_avg_sq, step counters on the host
+    assert em.phases[-1].extra["optimizer_state"] == 2 * 400 * 4  # sqrt and division of the largest tensor
+
+
+def test_zero2_model_holds_flat_params_master_and_partitioned_grads() -> None:
+    info = _info([100, 400])
+    spec = EngineSpec(kind="zero", stage=2, world=2, precision="bf16", reduce_bucket=64, target="cuda")
+    em = engine_model(spec, info, rank=0)
+    flat, part, gip = zero12_partition(info.numels, 2, 0)
+    assert em.params == flat * 2
+    assert em.resident["optimizer_state"] == part * 4 + 2 * part * 4  # fp32 master + Adam states
+    assert em.grads == gip * 2 and em.bucket == 64 * 2
+    step = em.phases[-1]
+    assert step.grads == part * 4 and step.extra["optimizer_state"] == 2 * part * 4
+
+
+def test_zero3_offload_moves_master_and_state_to_the_host() -> None:
+    info = _info([100, 400])
+    spec = EngineSpec(kind="zero", stage=3, world=2, precision="bf16", offload_optimizer="cpu", offload_params="cpu",
+                      reduce_bucket=64, persistence_threshold=0, target="cuda")
+    em = engine_model(spec, info)
+    part = 50 + 200
+    assert em.host["parameters"] == part * 2 + part * 4  # bf16 partition + fp32 master
+    assert em.host["optimizer_state"] == 2 * part * 4
+    assert em.params == 500 * 2  # only the gathered parameters stay on the GPU
+    assert em.phases[-1].host_extra == 0  # DeepSpeedCPUAdam steps in place on a GPU machine
+
+
+def test_dtype_breakdown_reproduces_reference_003() -> None:
+    """Reference 003's 8,499,653,234-parameter model: 31.66 / 15.83 / 63.33 GB (GiB) per category."""
+    rows = {r["mode"]: r for r in dtype_breakdown(8_499_653_234)}
+    published = {  # (parameters, gradients, optimizer, total) in the reference, 2 decimals, GiB
+        "fp32": (31.66, 31.66, 63.33, 126.65),
+        "bf16 (fp32 Adam state)": (15.83, 15.83, 63.33, 94.99),
+        "bf16 + bf16 Adam state": (15.83, 15.83, 31.66, 63.33),
+    }
+    for mode, values in published.items():
+        row = rows[mode]
+        ours = tuple(float(row[k]) / GIB for k in ("parameters", "gradients", "optimizer_state", "total"))
+        assert ours == pytest.approx(values, abs=0.011)
+    # The reference's shortfall against 47.4 GB for its best case: 15.9 GB.
+    assert float(rows["bf16 + bf16 Adam state"]["total"]) / GIB - 47.4 == pytest.approx(15.9, abs=0.05)
