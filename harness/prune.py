@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from harness.failures import Supervisor, collective_timeout_s
 
-    info = dist_utils.init_distributed(cfg.device, collective_timeout_s(), force_group=strategy.kind == "deepspeed")
+    info = dist_utils.init_distributed(cfg.device, collective_timeout_s(), force_group=strategy.needs_process_group)
     try:
         with Supervisor(cfg, info):
             prune_model(cfg, strategy, info)

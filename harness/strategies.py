@@ -39,6 +39,12 @@ class Strategy:
     raw: dict[str, Any] = field(default_factory=dict)  # the file as written
 
     @property
+    def needs_process_group(self) -> bool:
+        """DeepSpeed and FSDP2 run under a process group even alone (a group of one), so one
+        process trains exactly as each rank of many does; DDP alone is the bare module."""
+        return self.kind in ("deepspeed", "fsdp")
+
+    @property
     def shards_params(self) -> bool:
         return (self.kind == "fsdp") or (self.kind == "deepspeed" and self.zero_stage == 3)
 

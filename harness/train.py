@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from harness.failures import Supervisor, collective_timeout_s
 
-    info = dist_utils.init_distributed(cfg.device, collective_timeout_s(), force_group=strategy.kind in ("deepspeed", "fsdp"))
+    info = dist_utils.init_distributed(cfg.device, collective_timeout_s(), force_group=strategy.needs_process_group)
     try:
         with Supervisor(cfg, info):  # OOM, dead ranks, NaN stop, SIGTERM -> a message and an exit code
             train(cfg, strategy, info)

@@ -60,7 +60,7 @@ def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None 
 
     cfg = load_config(None, overrides)
     strategy = load_strategy(cfg.strategy)
-    info = init_distributed("cpu", force_group=strategy.kind == "deepspeed")
+    info = init_distributed("cpu", force_group=strategy.needs_process_group)
     gen = torch.Generator().manual_seed(1000 + info.rank)
     tracker = MemTracker()
     with tracker:
