@@ -326,32 +326,25 @@ def command_config(path: str | None, overrides: list[str]) -> RunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness import distributed as dist_utils
     from harness.distributed import launch_env
-    from harness.strategies import load_strategy
+    from harness.strategies import Strategy, load_strategy
+    from harness.train import run_command
+
     parser = argparse.ArgumentParser(prog="harness.prune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="run config (YAML or JSON); key=value overrides follow")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args, overrides = parser.parse_known_args(argv)
-    try:
-        cfg = command_config(args.config, overrides)
-        strategy = load_strategy(cfg.strategy)
+
+    def load() -> tuple[RunConfig, Strategy]:
         from harness.preflight import preflight
 
+        cfg = command_config(args.config, overrides)
+        strategy = load_strategy(cfg.strategy)
         preflight(cfg, strategy)
         check_prune_config(cfg, launch_env()[1])
-    except ConfigError as exc:
-        print(f"harness.prune: error: {exc}", file=sys.stderr)
-        return 2
-    from harness.failures import Supervisor, collective_timeout_s
+        return cfg, strategy
 
-    info = dist_utils.init_distributed(cfg.device, collective_timeout_s(), force_group=strategy.needs_process_group)
-    try:
-        with Supervisor(cfg, info):
-            prune_model(cfg, strategy, info)
-    finally:
-        dist_utils.teardown()
-    return 0
+    return run_command("harness.prune", load, prune_model)
 
 
 if __name__ == "__main__":

@@ -202,26 +202,38 @@ def train(cfg: RunConfig, strategy: Strategy, info: dist_utils.DistInfo) -> dict
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse_args(argv)
+def run_command(prog: str, load: Callable[[], tuple[RunConfig, Strategy]], body: Callable[..., Any]) -> int:
+    """Shared by `harness.train` and `harness.prune`: every check that can fail runs in `load`,
+    before any process group starts (one line, exit 2); then `body(cfg, strategy, info)` runs
+    under the supervisor (OOM, dead ranks, NaN stop, SIGTERM -> a message and an exit code)."""
     try:
-        cfg = load_config(args.config, overrides)
-        strategy = load_strategy(cfg.strategy)
-        from harness.preflight import preflight
-
-        preflight(cfg, strategy)
-    except ConfigError as exc:  # one line, before any process group starts
-        print(f"harness: error: {exc}", file=sys.stderr)
+        cfg, strategy = load()
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     from harness.failures import Supervisor, collective_timeout_s
 
     info = dist_utils.init_distributed(cfg.device, collective_timeout_s(), force_group=strategy.needs_process_group)
     try:
-        with Supervisor(cfg, info):  # OOM, dead ranks, NaN stop, SIGTERM -> a message and an exit code
-            train(cfg, strategy, info)
+        with Supervisor(cfg, info):
+            body(cfg, strategy, info)
     finally:
         dist_utils.teardown()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+
+    def load() -> tuple[RunConfig, Strategy]:
+        from harness.preflight import preflight
+
+        cfg = load_config(args.config, overrides)
+        strategy = load_strategy(cfg.strategy)
+        preflight(cfg, strategy)
+        return cfg, strategy
+
+    return run_command("harness", load, train)
 
 
 if __name__ == "__main__":
