@@ -17,6 +17,6 @@ train: $(VENV)/.installed
 	$(PY) -m harness.train --config configs/default.yaml
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 .PHONY: install train test
