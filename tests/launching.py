@@ -69,8 +69,23 @@ def launch_command(launcher: str, nproc: int, config: Path, overrides: list[str]
     raise ValueError(launcher)
 
 
+def _with_fresh_port(cmd: list[str]) -> list[str]:
+    port = str(free_port())
+    out = []
+    for i, arg in enumerate(cmd):
+        if arg.startswith("--master_port="):
+            arg = f"--master_port={port}"
+        elif i > 0 and cmd[i - 1] == "--main_process_port":
+            arg = port
+        out.append(arg)
+    return out
+
+
 def run(cmd: list[str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and ("EADDRINUSE" in proc.stderr or "address already in use" in proc.stderr.lower()):
+        # free_port() releases the port before the launcher binds it; another process may take it
+        proc = subprocess.run(_with_fresh_port(cmd), cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
