@@ -348,4 +348,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from harness.distributed import exit_process
+
+    exit_process(main())
