@@ -1,4 +1,5 @@
-# The README's two commands: `make train` (the main job) and `make test` (the suite).
+# The README's two commands: `make train` (the main job) and `make test` (lint, then the suite:
+# tests/unit and tests/integration; `pytest -m "not integration"` runs the fast half alone).
 # Both create .venv and install harness with pinned torch on first use.
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,6 +18,7 @@ train: $(VENV)/.installed
 	$(PY) -m harness.train --config configs/default.yaml
 
 test: $(VENV)/.installed
+	$(PY) -m ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 .PHONY: install train test

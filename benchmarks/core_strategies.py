@@ -68,7 +68,8 @@ def main() -> None:
         f"{'GPU ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only (gloo)'}; "
         f"world {args.nproc}, tiny-llama, seq 128, micro 8, {args.steps} steps, {args.precision}.",
         "",
-        "| strategy | params KiB/rank | master KiB/rank | grads KiB/rank | optim state KiB/rank | tokens/s (global, median) | final train loss | eval loss |",
+        "| strategy | params KiB/rank | master KiB/rank | grads KiB/rank | optim state KiB/rank | tokens/s (global, median) | "
+        "final train loss | eval loss |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     with tempfile.TemporaryDirectory() as tmp:

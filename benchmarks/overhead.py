@@ -22,12 +22,11 @@ from pathlib import Path
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from harness.config import load_config
+from harness.data import BatchSampler, load_packed, prepare_data
+from harness.models import build_model
 
-from harness.config import load_config  # noqa: E402
-from harness.data import BatchSampler, load_packed, prepare_data  # noqa: E402
-from harness.models import build_model  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def hand_loop(cfg, steps: int) -> float:
@@ -65,7 +64,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         raw = {"model": {"name": args.model}, "data": {"seq_len": 256, "vocab_size": 4096}, "micro_batch_size": 4,
-               "steps": args.steps, "eval_batches": 1, "precision": args.precision, "optim": {"grad_clip": 0.0, "warmup_steps": 0, "schedule": "constant"},
+               "steps": args.steps, "eval_batches": 1, "precision": args.precision,
+               "optim": {"grad_clip": 0.0, "warmup_steps": 0, "schedule": "constant"},
                "memory": {"track": False}, "logging": {"wandb": False, "plots": False}, "output_dir": str(out)}
         config = Path(tmp) / "run.yaml"
         config.write_text(yaml.safe_dump(raw))

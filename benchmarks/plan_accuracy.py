@@ -18,9 +18,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness.config import load_config  # noqa: E402
-from harness.planner.estimate import estimate  # noqa: E402
-from harness.planner.measure import launch  # noqa: E402
+from harness.config import load_config
+from harness.planner import estimate
+from harness.planner.measure import launch
 
 STRATEGIES = ["ddp", "fsdp", "fsdp_grad_op", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
 SHAPE = ["model.name=tiny-llama", "micro_batch_size=2", "data.seq_len=64"]

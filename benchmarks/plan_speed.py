@@ -4,7 +4,7 @@
 
 Each configuration is planned by a fresh ``python -m harness.plan`` process (imports, fake
 model build, trace, report: what a user waits for), timed by wall clock, with the child's
-peak resident memory from ``wait4``. Target (issue 4): < 60 s and < 2 GB on a 2-core machine.
+peak resident memory from ``wait4``. Target: < 60 s and < 2 GB on a 2-core machine.
 """
 from __future__ import annotations
 

@@ -55,9 +55,9 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
     pruned count per row / group, chosen uniformly at random (seeded). World 1 only."""
     import torch
 
-    from harness.prune import calibration_batches, calibration_split
     from harness.pruning import Comm, build_views, run_pruning
-    from harness.train import evaluate
+    from harness.runner import evaluate
+    from harness.runner.prune_stage import calibration_batches, calibration_split
 
     p = cfg.prune
     pool_cfg = dataclasses.replace(p, method="wanda", calib_seed=seed, pattern="1:4" if pattern == "2:4" else pattern,
@@ -130,10 +130,8 @@ def prune_in_process(work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[
     import torch
 
     from harness import distributed as dist_utils
-    from harness.config import load_config
-    from harness.prune import run_prune_stage
-    from harness.strategies import load_strategy
-    from harness.train import build_run, evaluate
+    from harness.config import load_config, load_strategy
+    from harness.runner import build_run, evaluate, run_prune_stage
 
     path = work / "prune.yaml"
     path.write_text(yaml.safe_dump({**cfg_dict, "model": {"name": hf}, "steps": 1, "output_dir": str(work / "prune_w1"),
@@ -147,8 +145,10 @@ def prune_in_process(work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[
     results = []
     runs = [(label, over, pat_label, pattern, seed) for label, over in METHODS for pat_label, pattern in PATTERNS
             for seed in (seeds[:1] if over["method"] == "magnitude" else seeds)]
-    runs += [("gradprobe K=1 (wanda base)", {"method": "gradprobe", "base": "wanda", "group_size": 1}, "50% unstructured", "unstructured", seeds[0])]
-    runs += [(ORIGINAL, {"method": "gradprobe", "base": "wanda", "exact_target": False}, "50% unstructured", "unstructured", s) for s in seeds]
+    runs += [("gradprobe K=1 (wanda base)", {"method": "gradprobe", "base": "wanda", "group_size": 1}, "50% unstructured", "unstructured",
+              seeds[0])]
+    runs += [(ORIGINAL, {"method": "gradprobe", "base": "wanda", "exact_target": False}, "50% unstructured", "unstructured", s)
+             for s in seeds]
     runs += [(MATCHED, {"method": "wanda"}, "50% unstructured", "unstructured", s) for s in seeds]
     base_masks: dict[tuple[str, str, int], dict[str, torch.Tensor]] = {}
     for label, over, pat_label, pattern, seed in runs:
@@ -207,7 +207,8 @@ def mean_sd(values: list[float], fmt: str) -> str:
     return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt)}"
 
 
-def tables(results: list[dict[str, Any]], dense: dict[str, Any], trained: dict[str, Any], world2: list[dict[str, Any]], seeds: list[int]) -> str:
+def tables(results: list[dict[str, Any]], dense: dict[str, Any], trained: dict[str, Any], world2: list[dict[str, Any]],
+           seeds: list[int]) -> str:
     lines = [
         f"Dense model: eval perplexity {dense['eval_perplexity']:.3f} (loss {dense['eval_loss']:.4f}); "
         f"{dense['params']:,} parameters, {results[0]['target_numel']:,} in the pruned decoder Linears.",
@@ -236,16 +237,19 @@ def tables(results: list[dict[str, Any]], dense: dict[str, Any], trained: dict[s
         "GradProbe cost (Wanda base, 50% unstructured, calibration seed 0; P = pruned parameters; the issue's target is "
         "4 B x P / world + one layer group; world 2 is FSDP2 through `torchrun -m harness.prune`):",
         "",
-        "| world | K | groups | fwd+bwd passes | wall time (s) | probe memory per rank (MiB) | 4 B x P / world (MiB) | B per pruned parameter per rank |",
+        "| world | K | groups | fwd+bwd passes | wall time (s) | probe memory per rank (MiB) | 4 B x P / world (MiB) | "
+        "B per pruned parameter per rank |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    cost = [r for r in results if r["label"] in ("gradprobe (wanda base)", "gradprobe K=1 (wanda base)") and r["pattern"] == "50% unstructured"
+    cost = [r for r in results if r["label"] in ("gradprobe (wanda base)", "gradprobe K=1 (wanda base)")
+            and r["pattern"] == "50% unstructured"
             and r["seed"] == seeds[0]]
     for r in sorted(cost, key=lambda r: r["group_size"]) + sorted(world2, key=lambda r: r["group_size"]):
         w = r["world_size"]
         lines.append(f"| {w} | {r['group_size']} | {r['groups']} | {r['fwd_bwd_passes']:g} | {r['wall_time_s']:.1f} "
                      f"| {r['peak_probe_bytes'] / 2**20:.2f} | {4 * target / w / 2**20:.2f} | {r['peak_probe_bytes'] / (target / w):.2f} |")
-    lines += ["", f"Training: {trained['config']['steps']} steps x {16 * 128:,} tokens, final train loss {trained['final_train_loss']:.3f}, "
+    lines += ["", f"Training: {trained['config']['steps']} steps x {16 * 128:,} tokens, "
+              f"final train loss {trained['final_train_loss']:.3f}, "
               f"{trained['wall_s']:.0f}s (when not reused from the cache)."]
     return "\n".join(lines)
 

@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.config import ConfigError, apply_overrides, parse_yaml
+from harness.config import apply_overrides, load_config, parse_yaml
+from harness.errors import ConfigError
+from harness.memory import REPORTED
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication")
+CATEGORIES = REPORTED  # the table's columns
 WARMUP_STEPS = 2  # steps excluded from timing: compile and allocator warm-up land here
 
 
@@ -64,8 +66,6 @@ def load_matrix(path: str) -> tuple[dict[str, Any], list[Run], dict[str, Any]]:
 def run_config(base: dict[str, Any], run: Run, out_dir: Path) -> Path:
     """Write the run's resolved config file (validated by loading it)."""
     import yaml
-
-    from harness.config import load_config
 
     cfg = json.loads(json.dumps(base))
     apply_overrides(cfg, _flatten(run.overrides) + [f"output_dir={out_dir / 'run'}"])

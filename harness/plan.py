@@ -20,7 +20,15 @@ import os
 import sys
 from typing import Any
 
-EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 0, 1, 2, 3
+from harness.config import load_config, read_config_file
+from harness.errors import EXIT_BAD_INPUT, ConfigError
+from harness.planner import PlanError
+from harness.planner.estimate import estimate, resolve_vocab
+from harness.planner.recommend import most_frugal, recommend, recommended_config, with_candidate, write_recommended
+from harness.planner.report import format_estimate, gib, gpu_allowance, parse_size, verdict
+
+# The planner's own verdicts; bad input is the same 2 as every command's (harness.errors).
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_NOTHING_FITS = 0, 1, 3
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -41,8 +49,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _estimate_json(est: Any, gpu_mem: int, cpu_mem: int | None, per_node: int) -> dict[str, Any]:
-    from harness.planner.report import gpu_allowance, verdict
-
     v = verdict(est, gpu_mem, cpu_mem, per_node)
     allow = gpu_allowance(est)
     return {
@@ -60,9 +66,6 @@ def _estimate_json(est: Any, gpu_mem: int, cpu_mem: int | None, per_node: int) -
 def _frugal_fits(cfg: Any, world: int, gpu_mem: int, cpu_mem: int | None, per_node: int, nvme: bool, target: str,
                  vocab: int | None) -> bool:
     """Does the most frugal configuration (bf16, full AC, micro-batch 1, everything offloaded) fit?"""
-    from harness.planner.estimate import estimate
-    from harness.planner.recommend import most_frugal, with_candidate
-    from harness.planner.report import verdict
 
     est = estimate(with_candidate(cfg, most_frugal(cfg, world, nvme)), world, target=target, vocab_size=vocab)
     return verdict(est, gpu_mem, cpu_mem, per_node).fits
@@ -71,10 +74,6 @@ def _frugal_fits(cfg: Any, world: int, gpu_mem: int, cpu_mem: int | None, per_no
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only; never reach for a hub at planning time
     args, overrides = parse_args(argv)
-    from harness.config import ConfigError, load_config
-    from harness.planner.estimate import estimate, resolve_vocab
-    from harness.planner.report import format_estimate, gib, parse_size, verdict
-    from harness.planner.trace import PlanError
 
     try:
         if args.gpus < 1:
@@ -115,10 +114,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _recommend(args: argparse.Namespace, overrides: list[str], cfg: Any, gpu_mem: int, cpu_mem: int | None,
                per_node: int, vocab: int | None) -> int:
-    from harness.config import read_config_file
-    from harness.planner.recommend import recommend, recommended_config, write_recommended
-    from harness.planner.report import format_estimate, gib
-
     rec = recommend(cfg, args.gpus, gpu_mem, cpu_mem=cpu_mem, gpus_per_node=per_node, nvme=args.nvme,
                     target=args.target, vocab_size=vocab)
     print(f"Searched precision x activation checkpointing x micro-batch x strategy x offload for {cfg.model.name} "

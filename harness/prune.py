@@ -1,26 +1,17 @@
-"""Pruning as a stage of a run, and as a command on a loaded model.
+"""Prune a saved model: `python -m harness.prune`, the command (the stage of a run is
+`harness.runner.prune_stage`, which `harness.train` calls after training).
 
-    torchrun --nproc_per_node=2 harness/train.py --config run.yaml prune.method=gradprobe
     python -m harness.prune --config run.yaml model.name=runs/x/hf prune.method=wanda
     torchrun --nproc_per_node=2 -m harness.prune --config run.yaml strategy=zero3 ...
 
-The stage (`run_prune_stage`) is what `harness.train` calls after its training loop: it
-draws the calibration set from the data's `calib` split (disjoint by document from train
-and eval), runs `harness.pruning` on the trainer's own engine (any strategy, any world
-size), measures eval perplexity before and after on the `eval` split, logs per-layer
-sparsity, saves the masks and hands back a callable that keeps pruned weights at exactly
-zero through further steps. The command builds the same run as `harness.train` (the same
-data, engine, checkpoints and loop, imported from it), prunes the model it loaded,
-optionally fine-tunes `prune.finetune_steps` steps with the masks enforced, and exports a
-Hugging Face directory (`<output_dir>/hf`) through the checkpoint export, so the saved
-model is exactly as sparse as the masks.
+The command builds the same run as `harness.train` (the same data, engine, checkpoints and
+loop), prunes the model it loaded, optionally fine-tunes `prune.finetune_steps` steps with
+the masks enforced, and exports a Hugging Face directory (`<output_dir>/hf`) through the
+checkpoint export, so the saved model is exactly as sparse as the masks.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import json
 import os
 import sys
 from typing import Any
@@ -28,247 +19,16 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file by a launcher: make `harness` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np
-import torch
+from safetensors import safe_open
 
-from harness.config import ConfigError, RunConfig, load_config
-from harness.data import PackedData
-from harness.distributed import DistInfo
-
-MASKS_DIR = "prune_masks"  # under output_dir: MaskSet files, loadable at any world size
-REPORT_FILE = "prune_report.json"  # under output_dir: the stats of the stage (rank 0)
-HOLDOUT_SPLIT = "calib_holdout"  # calib-split blocks not drawn for calibration: the schedule's metric
-STAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class PruneStats(dict):
-    """The stage's numbers (a plain dict: logged, returned, written as JSON) carrying what the
-    loop needs afterwards: `after_step()`, called after every `engine.step()`, keeps the
-    pruned weights at exactly zero.
-
-    For a torch optimizer the enforcer is installed as a post-step hook (so any step of it
-    is covered) and `after_step` does nothing; DeepSpeed owns its step and
-    optimizer-in-backward steps inside backward, so there `after_step` does the work.
-    """
-
-    def __init__(self, values: dict[str, Any], enforcer: Any = None, masks: Any = None, hook: Any = None) -> None:
-        super().__init__(values)
-        self.enforcer = enforcer
-        self.masks = masks
-        self._hook = hook
-
-    def after_step(self) -> None:
-        if self.enforcer is not None and self._hook is None:
-            self.enforcer()
-
-    def release(self) -> None:
-        """Stop enforcing (removes the optimizer hook); for callers that prune the same engine again."""
-        if self._hook is not None:
-            self._hook.remove()
-        self._hook = None
-        self.enforcer = None
-
-
-def check_prune_config(cfg: RunConfig, world: int) -> None:
-    """What can be checked before any process starts: the calibration set must fill one probe
-    step (every rank runs `grad_accum` micro-batches per probe step)."""
-    p = cfg.prune
-    if p.method == "none":
-        return
-    per_step = cfg.micro_batch_size * cfg.grad_accum * world
-    if p.method != "magnitude" and p.calib_samples < per_step:
-        raise ConfigError(f"prune.calib_samples={p.calib_samples} cannot fill one probe step of micro_batch_size*grad_accum*world "
-                          f"({cfg.micro_batch_size}*{cfg.grad_accum}*{world}={per_step}); raise it to a multiple of {per_step}")
-    if p.schedule is not None and p.pattern != "unstructured":
-        raise ConfigError(f"prune.schedule raises an unstructured target; prune.pattern={p.pattern} fixes the sparsity")
-    if p.finetune_steps < 0:
-        raise ConfigError(f"prune.finetune_steps={p.finetune_steps} must be >= 0")
-
-
-# ----------------------------------------------------------------------------- calibration data
-
-
-def calibration_split(data: PackedData, cfg: RunConfig) -> tuple[torch.Tensor, np.ndarray]:
-    """(calibration samples, held-out calib blocks). The samples are exactly
-    `calibration_samples(pool, calib_samples, calib_seed)`; the rest of the same seeded
-    permutation is held out for the iterative schedule's metric, so neither the schedule
-    nor calibration ever reads the eval split."""
-    from harness.pruning import calibration_samples
-
-    pool = torch.from_numpy(np.asarray(data.blocks["calib"]).astype(np.int64))
-    order = calibration_samples(pool, pool.shape[0], cfg.prune.calib_seed)  # the whole pool, permuted
-    n = cfg.prune.calib_samples if cfg.prune.method != "magnitude" else 0  # magnitude reads no data
-    if n > pool.shape[0]:
-        raise ConfigError(f"prune.calib_samples={n} but the calib split has {pool.shape[0]} blocks of {cfg.data.seq_len} tokens; "
-                          "lower it or raise data.calib_fraction")
-    return order[:n], order[n:].numpy().astype(np.int32)
-
-
-def calibration_batches(samples: torch.Tensor, cfg: RunConfig, info: DistInfo, comm: Any) -> list[torch.Tensor]:
-    """This rank's micro-batches: a probe step is `grad_accum` micro-batches per rank, laid out
-    so the same global micro-batches meet in the same step at any world size."""
-    from harness.pruning import shard_calibration
-
-    if samples.shape[0] == 0:
-        return []
-    return [b.to(info.device) for b in shard_calibration(samples, cfg.micro_batch_size, cfg.grad_accum, comm)]
-
-
-# ----------------------------------------------------------------------------- the stage
-
-
-def run_prune_stage(
-    engine: Any,
-    data: PackedData,
-    cfg: RunConfig,
-    info: DistInfo,
-    observer: Any = None,
-    step: int = 0,
-    *,
-    ckpt: Any = None,
-    resumed: Any = None,
-    enforce: bool = True,
-    save_masks: bool = True,
-    before: dict[str, float] | None = None,
-) -> PruneStats:
-    """Prune `engine`'s model per `cfg.prune`, measure, log, and keep the masks enforced.
-
-    `ckpt` (a CheckpointManager) receives the masks so later checkpoints carry them; a run
-    `resumed` from such a checkpoint gets its masks back instead of being pruned twice.
-    `enforce=False` / `save_masks=False` / `before` (the dense model's eval numbers, if
-    known) are for callers that prune one engine many times (the benchmark). Collective.
-    """
-    from harness.pruning import Comm
-
-    comm = Comm()
-    if resumed is not None and getattr(resumed, "masks", None):
-        return _restore(engine, cfg, info, resumed.masks, ckpt, comm)
-    from harness.pruning import build_views, run_pruning, run_schedule
-    from harness.train import evaluate
-
-    check_prune_config(cfg, info.world_size)
-    p = cfg.prune
-    samples, holdout = calibration_split(data, cfg)
-    batches = calibration_batches(samples, cfg, info, comm)
-    used = len(batches) * cfg.micro_batch_size * info.world_size
-    before = before or evaluate(engine, data, cfg, info)
-    target = engine.model
-    kwargs: dict[str, Any] = dict(
-        grad_accum=None if engine.kind == "deepspeed" else cfg.grad_accum, comm=comm, sequential=p.sequential,
-        stat_dtype=STAT_DTYPES[p.stat_dtype],
-    )
-    loss_fn = lambda _, batch: engine.forward_loss(batch)  # noqa: E731 - the engine's own autocast and loss
-    oib = getattr(engine, "oib", None)
-    with oib.micro_batch(last=False) if oib is not None else contextlib.nullcontext():  # probe backwards must not step
-        if p.schedule:
-            val = dataclasses.replace(data, blocks={**data.blocks, HOLDOUT_SPLIT: holdout})
-            if holdout.shape[0] == 0:
-                raise ConfigError("prune.schedule needs calib blocks beyond prune.calib_samples for its metric; lower "
-                                  "prune.calib_samples or raise data.calib_fraction")
-            metric = lambda _: evaluate(engine, val, cfg, info, split=HOLDOUT_SPLIT)["eval/loss"]  # noqa: E731
-            sched = run_schedule(target, batches, p, loss_fn, metric, list(p.schedule), p.max_metric_increase, **kwargs)
-            report = sched.accepted
-            extra: dict[str, Any] = {"schedule": {"baseline_holdout_loss": sched.baseline, "stopped_at": sched.stopped_at,
-                                                  "rounds": [list(r) for r in sched.rounds]}}
-        else:
-            report = run_pruning(target, batches, p, loss_fn, **kwargs)
-            extra = {}
-    after = evaluate(engine, data, cfg, info)
-    stats: dict[str, Any] = report.to_dict() if report is not None else {"method": p.method, "achieved_sparsity": 0.0, "layers": []}
-    stats.update(extra)
-    stats.update(
-        eval_loss_before=before["eval/loss"], eval_perplexity_before=before["eval/perplexity"],
-        eval_loss_after=after["eval/loss"], eval_perplexity_after=after["eval/perplexity"],
-        calib_samples_used=used, calib_seed=p.calib_seed,
-    )
-    enforcer = hook = None
-    if report is not None:
-        views = build_views(target, p.targets, comm)
-        if save_masks:
-            report.masks.save(os.path.join(cfg.output_dir, MASKS_DIR), views, comm)
-            stats["masks_dir"] = os.path.join(cfg.output_dir, MASKS_DIR)
-        if enforce:
-            enforcer, hook = _install(engine, report.masks, p.targets, comm)
-            _hand_to_checkpoints(ckpt, report.masks, comm)
-    _publish(stats, cfg, info, observer, step, save=save_masks)
-    return PruneStats(stats, enforcer, None if report is None else report.masks, hook)
-
-
-def _install(engine: Any, masks: Any, targets: str, comm: Any) -> tuple[Any, Any]:
-    """A MaskEnforcer on the engine; hooked into a torch optimizer's step where there is one."""
-    from harness.pruning import MaskEnforcer
-
-    enforcer = MaskEnforcer(engine.model, masks, targets, comm)
-    optimizer = engine.optimizer
-    hook = enforcer.install(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
-    return enforcer, hook
-
-
-def _hand_to_checkpoints(ckpt: Any, masks: Any, comm: Any) -> None:
-    """Later checkpoints carry the masks; the one of this step (if any) predates pruning, so
-    the end-of-run save must be written again."""
-    if ckpt is None:
-        return
-    ckpt.masks = {name: m.detach().cpu() for name, m in masks.masks.items()}
-    ckpt.masks_sharded = comm.world > 1  # each rank holds its own range (world 1: the whole mask)
-    ckpt.last_step = None
-
-
-def _restore(engine: Any, cfg: RunConfig, info: DistInfo, saved: dict[str, torch.Tensor], ckpt: Any, comm: Any) -> PruneStats:
-    """Masks from a resumed checkpoint: enforce them again rather than pruning twice. A mask
-    saved at world 1 is whole; at another world size each rank takes its range of it."""
-    from harness.pruning import MaskSet, build_views
-
-    views = build_views(engine.model, cfg.prune.targets, comm)
-    local = {}
-    for v in views:
-        if v.name in saved:
-            m = saved[v.name].reshape(-1)
-            local[v.name] = m[v.start : v.end] if m.numel() == v.numel and m.numel() != v.local_numel else m
-            if local[v.name].numel() != v.local_numel:
-                raise ValueError(f"resumed pruning mask of {v.name} has {local[v.name].numel()} elements, this rank holds {v.local_numel}")
-    masks = MaskSet(local)
-    counts = masks.counts(views, comm)
-    total = sum(n for _, _, n in counts)
-    stats = {"method": cfg.prune.method, "resumed": True, "achieved_sparsity": sum(k for _, k, _ in counts) / max(1, total),
-             "layers": [{"name": name, "numel": n, "pruned": k, "sparsity": k / n} for name, k, n in counts]}
-    enforcer, hook = _install(engine, masks, cfg.prune.targets, comm)
-    enforcer()  # the checkpoint's weights are already zero there; this makes it hold by construction
-    _hand_to_checkpoints(ckpt, masks, comm)
-    ckpt_step = ckpt.last_path if ckpt is not None else None
-    if info.is_main:
-        print(f"[harness] prune: masks restored from {ckpt_step} (sparsity {stats['achieved_sparsity']:.4f}); not pruning again", flush=True)
-    return PruneStats(stats, enforcer, masks, hook)
-
-
-def _publish(stats: dict[str, Any], cfg: RunConfig, info: DistInfo, observer: Any, step: int, save: bool) -> None:
-    """metrics.jsonl (per-layer sparsity, before/after perplexity), the report file, one summary line."""
-    if observer is not None:
-        observer.log_prune(stats, step)
-    if not info.is_main:
-        return
-    if save:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.output_dir, REPORT_FILE), "w") as f:
-            json.dump(stats, f, indent=1, default=str)
-    line = (f"[harness] prune {stats['method']} {cfg.prune.pattern}: sparsity {stats['achieved_sparsity']:.4f} over the pruned layers "
-            f"(target {stats.get('target_sparsity', cfg.prune.sparsity):g}); eval perplexity {stats['eval_perplexity_before']:.3f} -> "
-            f"{stats['eval_perplexity_after']:.3f}")
-    if "wall_time_s" in stats:
-        line += (f"; {stats['wall_time_s']:.1f}s, passes fwd {stats['fwd_passes']:g} fwd+bwd {stats['fwd_bwd_passes']:g}, "
-                 f"K={stats['group_size']}, probe memory {stats['peak_probe_bytes'] / 2**20:.2f} MiB/rank")
-    if "schedule" in stats:
-        line += f"; schedule rounds {stats['schedule']['rounds']} stopped at {stats['schedule']['stopped_at']}"
-    print(line, flush=True)
-
-
-# ----------------------------------------------------------------------------- the command
+from harness.config import RunConfig, Strategy, load_config, load_strategy
+from harness.distributed import DistInfo, all_reduce_sum, exit_process
+from harness.errors import ConfigError
+from harness.runner import build_run, evaluate, parse_command_line, preflight, run_command, run_prune_stage
 
 
 def exported_zeros(hf_dir: str, names: list[str]) -> dict[str, int]:
     """Exact zeros per target weight in an exported model's safetensors (the proof it is sparse)."""
-    from safetensors import safe_open
-
     wanted = {f"{n}.weight" for n in names}
     out: dict[str, int] = {}
     for name in sorted(os.listdir(hf_dir)):
@@ -280,11 +40,8 @@ def exported_zeros(hf_dir: str, names: list[str]) -> dict[str, int]:
     return out
 
 
-def prune_model(cfg: RunConfig, strategy: Any, info: DistInfo) -> dict[str, Any]:
+def prune_model(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> dict[str, Any]:
     """The command: build the run as `harness.train` does, prune, fine-tune, export."""
-    from harness import distributed as dist_utils
-    from harness.train import build_run, evaluate
-
     loop, _ = build_run(cfg, strategy, info)
     stats = run_prune_stage(loop.engine, loop.data, cfg, info, loop.observer, 0, ckpt=loop.ckpt)
     loop.after_step = stats.after_step
@@ -305,7 +62,7 @@ def prune_model(cfg: RunConfig, strategy: Any, info: DistInfo) -> dict[str, Any]
         summary["exported_zeros"] = sum(zeros.values())
         print(f"[harness] pruned model exported to {os.path.abspath(hf_dir)}: {summary['exported_zeros']:,} zero weights in "
               f"{len(zeros)} pruned matrices (pruned {sum(x['pruned'] for x in stats['layers']):,})", flush=True)
-    if dist_utils.all_reduce_sum([float(len(short))], info)[0]:
+    if all_reduce_sum([float(len(short))], info)[0]:
         raise RuntimeError(f"the exported model in {hf_dir} is not sparse where it was pruned ({short[:3] or 'see rank 0'})")
     loop.observer.log_summary(summary)
     loop.observer.close()
@@ -326,28 +83,16 @@ def command_config(path: str | None, overrides: list[str]) -> RunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.distributed import launch_env
-    from harness.strategies import Strategy, load_strategy
-    from harness.train import run_command
-
-    parser = argparse.ArgumentParser(prog="harness.prune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="run config (YAML or JSON); key=value overrides follow")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
-    args, overrides = parser.parse_known_args(argv)
+    args, overrides = parse_command_line("harness.prune", __doc__, argv)
 
     def load() -> tuple[RunConfig, Strategy]:
-        from harness.preflight import preflight
-
         cfg = command_config(args.config, overrides)
         strategy = load_strategy(cfg.strategy)
-        preflight(cfg, strategy)
-        check_prune_config(cfg, launch_env()[1])
+        preflight(cfg, strategy)  # includes the pruning rules at this world size
         return cfg, strategy
 
     return run_command("harness.prune", load, prune_model)
 
 
 if __name__ == "__main__":
-    from harness.distributed import exit_process
-
     exit_process(main())

@@ -1,5 +1,11 @@
+"""Shared test setup. Tests live in `unit/` (in-process) and `integration/` (launch real
+processes: ranks, launchers, entry points); the latter carry the `integration` marker, so
+`pytest -m "not integration"` runs the fast half alone. Shared helpers: `launching.py`."""
 import os
 import sys
+from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/launching.py
 # One thread per process, always: the 2-rank tests share 2 cores, and the bit-exact tests
@@ -9,6 +15,31 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
+
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if INTEGRATION in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def wandb_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("wandb_home")
+
+
+@pytest.fixture
+def isolated_wandb(monkeypatch: pytest.MonkeyPatch, wandb_home: Path) -> None:
+    """No API key, no user settings, W&B's caches in a temp dir: the CI situation."""
+    for key in list(os.environ):
+        if key.startswith("WANDB_") or key.lower() in ("https_proxy", "http_proxy"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("NETRC", str(wandb_home / "netrc-absent"))
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(wandb_home / var.lower()))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -1,24 +1,27 @@
-"""Helpers for tests that launch real training processes through the user's entry points."""
+"""The one place for what tests need to launch real processes.
+
+Two kinds of launch: the user's entry points under a real launcher (`launch_command`,
+`run`), and a test file run as `world` ranks of its own (`launch`, `start`, `finish`),
+each rank a fresh `python <script>` with the torchrun environment variables, so the code
+under test initialises its process group exactly as under a real launcher.
+"""
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from harness.distributed import free_port
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 BIN = Path(sys.executable).parent
 TRAIN = str(REPO / "harness" / "train.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_config(path: Path, cache: Path, output: Path, **extra) -> Path:
@@ -48,7 +51,7 @@ def tiny_config(path: Path, cache: Path, output: Path, **extra) -> Path:
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), e.get("PYTHONPATH", "")])
     for key in list(e):  # a test must not inherit a launcher's identity
         if key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") or key.startswith(("ACCELERATE_", "FSDP_")):
             del e[key]
@@ -103,3 +106,38 @@ def final_eval(output: Path) -> float:
 
 def state_bytes(output: Path, rank: int) -> dict[str, int]:
     return json.loads((output / "state_bytes" / f"rank{rank}.json").read_text())["peak"]
+
+
+def launch(script: str, args: list[str], world: int, timeout: float = 240.0) -> list[str]:
+    """Run `world` ranks of `script`; returns each rank's combined output; fails on any error."""
+    procs, _ = start(script, args, world)
+    return finish(procs, f"{os.path.basename(script)} {args}", timeout)
+
+
+def start(script: str, args: list[str], world: int) -> tuple[list[subprocess.Popen], int]:
+    """Like `launch` but returns immediately, so two worlds can run side by side."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        e = env()
+        e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MKL_NUM_THREADS="1", TRANSFORMERS_OFFLINE="1")
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=e, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs, port
+
+
+def finish(procs: list[subprocess.Popen], what: str, timeout: float = 240.0) -> list[str]:
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        if p.returncode != 0:
+            pytest.fail(f"rank {rank} of {what} failed ({p.returncode}):\n{out[-6000:]}")
+    return outputs

@@ -24,6 +24,8 @@ import re
 import time
 from typing import Any, TextIO
 
+from harness.memory import REPORTED
+
 # The W&B x-axis: every event carries it, so eval and prune points line up with training.
 STEP = "train/step"
 
@@ -39,7 +41,7 @@ SAMPLES_PER_S_DEVICE = "perf/samples_per_s_per_device"
 MFU = "perf/mfu"
 STEP_TIME = "perf/step_time_s"
 
-MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication")
+MEMORY_CATEGORIES = REPORTED  # the panels; buffers and 'other' appear when a run logs them
 MAX_ALLOCATED = "memory/max_allocated_bytes"
 MAX_RESERVED = "memory/max_reserved_bytes"
 MEMORY_TOTAL = "memory/total_peak_bytes"  # optional: the tracker's whole-process peak

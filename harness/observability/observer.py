@@ -26,6 +26,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from harness.log import get_logger
+
 from ..config import LoggingConfig
 from . import metrics as M
 from . import mfu as mfu_lib
@@ -33,9 +35,11 @@ from .progress import Progress
 from .summary import build_summary, format_table
 from .wandb_logger import WandbLogger
 
+log = get_logger(__name__)
+
 
 def _warn(msg: str) -> None:
-    print(f"[harness] observability: {msg}", file=sys.stderr, flush=True)
+    log.info(f"observability: {msg}", file=sys.stderr)
 
 
 class Observer:
@@ -79,7 +83,7 @@ class Observer:
         if self.flops_per_token is None and model_config is not None and data_cfg.get("seq_len"):
             try:
                 self.flops_per_token = mfu_lib.flops_per_token(model_config, int(data_cfg["seq_len"]))
-            except Exception as e:  # noqa: BLE001 - MFU is optional, the run is not
+            except Exception as e:
                 _warn(f"cannot count model FLOPs ({type(e).__name__}: {e}); MFU left out")
         self.device_name = device_name or mfu_lib.current_device_name(str(run_config.get("device", "auto")))
         precision = str(run_config.get("precision", "fp32"))
@@ -229,7 +233,7 @@ class Observer:
                 from .plots import write_plots  # matplotlib only when drawing
 
                 plots = write_plots(self.run_dir)
-            except Exception as e:  # noqa: BLE001 - a chart is not worth a failed run
+            except Exception as e:
                 _warn(f"plots failed ({type(e).__name__}: {e})")
         summary["plots"] = plots
         summary["wandb_mode"] = self.wandb_mode

@@ -31,7 +31,11 @@ import warnings
 from typing import Any
 from urllib.parse import urlparse
 
+from harness.log import get_logger
+
 from . import metrics as M
+
+log = get_logger(__name__)
 
 DEFAULT_BASE_URL = "https://api.wandb.ai"
 _TIMEOUT_DEFAULTS = {"init_timeout": 30.0, "login_timeout": 10.0}
@@ -41,7 +45,7 @@ _TRUE = ("1", "true", "yes", "on")
 
 
 def _warn(msg: str) -> None:
-    print(f"[harness] W&B: {msg}", file=sys.stderr, flush=True)
+    log.info(f"W&B: {msg}", file=sys.stderr)
 
 
 def has_api_key(env: dict[str, str] | None = None) -> bool:
@@ -165,10 +169,10 @@ class WandbLogger:
         try:
             try:
                 settings = self._wandb.Settings(**_settings_kwargs(mode or self.mode, env))
-            except Exception:  # noqa: BLE001 - an older wandb without one of the timeouts
+            except Exception:
                 settings = self._wandb.Settings()
             return self._wandb.init(mode=mode, settings=settings, **kwargs)
-        except Exception as e:  # noqa: BLE001 - any failure must leave the run alive
+        except Exception as e:
             self.reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             _warn(f"wandb.init ({mode or 'default'} mode) failed: {self.reason}")
             return None
@@ -194,7 +198,7 @@ class WandbLogger:
             return
         try:
             fn()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             _warn(f"{what} failed ({type(e).__name__}: {e}); W&B logging stops, the run goes on")
             self.finish()
             self.mode, self.reason = "disabled", f"{what} failed"
@@ -237,5 +241,5 @@ class WandbLogger:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 run.finish()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             _warn(f"finish failed ({type(e).__name__}: {e}); the local run files are kept for `wandb sync`")

@@ -19,12 +19,17 @@ from typing import Any
 
 import torch
 
-from harness.config import ConfigError, RunConfig
+from harness.config import RunConfig, Strategy, load_strategy, resolve_deepspeed_config
+from harness.config.checks import check_optimizer_in_backward, check_strategy_against_run
+from harness.data import cache_dir_for
+from harness.errors import ConfigError
+from harness.memory import REPORTED
+from harness.models import is_preset
 from harness.planner.model_states import BYTES, EngineModel, EngineSpec, engine_model, zero12_partition
-from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, trace_step
-from harness.strategies import Strategy, check_strategy_against_run, load_strategy, resolve_deepspeed_config
+from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, build_fake_model, trace_step
+from harness.training import precision_policy
 
-REPORT_CATS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication", "other")
+REPORT_CATS = (*REPORTED, "other")  # buffers count as "other" in a plan
 
 
 @dataclass
@@ -65,13 +70,10 @@ class Estimate:
 
 def resolve_vocab(cfg: RunConfig) -> int | None:
     """The vocabulary the trainer will give the model (presets follow the data's tokenizer)."""
-    from harness.models import is_preset
 
     if not is_preset(cfg.model.name):
         return None  # a local model: its own config decides
     try:
-        from harness.data import cache_dir_for
-
         meta = os.path.join(cache_dir_for(cfg.model.name, cfg.data), "meta.json")
         if os.path.exists(meta):
             with open(meta) as f:
@@ -109,8 +111,6 @@ def engine_kind(strategy: Strategy, world: int) -> str:
 
 def specs_for(cfg: RunConfig, strategy: Strategy, world: int, info_hidden: int, target: str,
               vocab: int | None) -> tuple[TraceSpec, EngineSpec]:
-    from harness.precision import precision_policy
-
     kind = engine_kind(strategy, world)
     if kind == "zero" and strategy.zero_stage == 0:
         raise PlanError(f"{strategy.name}: DeepSpeed ZeRO stage 0 is not modelled by the planner; use ddp.json")
@@ -247,8 +247,6 @@ def _hidden_size(cfg: RunConfig, vocab: int | None) -> int:
     """The hidden size (DeepSpeed's "auto" bucket sizes follow it), from the config alone."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.planner.trace import build_fake_model
-
     model = build_fake_model(cfg.model.name, vocab, FakeTensorMode())
     return int(getattr(model.config, "hidden_size", 0) or 0)
 
@@ -261,7 +259,6 @@ def estimate(cfg: RunConfig, world_size: int, *, target: str = "cuda", vocab_siz
     try:
         strategy = strategy or load_strategy(cfg.strategy)
         check_strategy_against_run(strategy, cfg, has_accelerator=target == "cuda")
-        from harness.optimizer_in_backward import check_optimizer_in_backward
 
         check_optimizer_in_backward(cfg, strategy.kind, world_size)
     except ConfigError as exc:

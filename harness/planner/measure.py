@@ -29,7 +29,13 @@ from typing import Any
 
 import torch
 
-from harness.planner.trace import CATS, _REFTYPE_TO_CAT
+from harness.config import load_config, load_strategy
+from harness.distributed import init_distributed, teardown
+from harness.engine import build_engine
+from harness.memory import StepMemoryTracker, category_of
+from harness.memory.categories import CATEGORIES as CATS
+from harness.models import build_model
+from harness.training import causal_lm_loss, precision_policy
 
 
 def _cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
@@ -38,7 +44,7 @@ def _cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
         if dev.type != "cpu":
             continue
         for reftype, nbytes in cats.items():
-            cat = _REFTYPE_TO_CAT.get(getattr(reftype, "value", reftype))
+            cat = category_of(reftype)
             if cat is not None:
                 out[cat] += nbytes
     out["total"] = sum(out[c] for c in CATS)
@@ -50,14 +56,6 @@ def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None 
     """Build the run's engine on this rank and measure ``steps`` steps; the process group must be up."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from harness.config import load_config
-    from harness.distributed import init_distributed
-    from harness.loss import causal_lm_loss
-    from harness.models import build_model
-    from harness.parallelize import build_engine
-    from harness.precision import precision_policy
-    from harness.strategies import load_strategy
-
     cfg = load_config(None, overrides)
     strategy = load_strategy(cfg.strategy)
     info = init_distributed("cpu", force_group=strategy.needs_process_group)
@@ -67,7 +65,7 @@ def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None 
         model = build_model(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
         vocab = int(model.config.vocab_size)
         policy = precision_policy(cfg.precision, info.device, strategy.kind)
-        loss_fn = lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)  # noqa: E731
+        loss_fn = lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
         engine = build_engine(model, cfg, strategy, policy, info, loss_fn)
         batches = [torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), generator=gen) for _ in range(cfg.grad_accum)]
     per_step: list[dict[str, int]] = []
@@ -96,7 +94,6 @@ def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None 
 
 def _trainer_view_step(engine: Any, batches: list[torch.Tensor]) -> tuple[int | None, str | None]:
     """One more step, measured by the trainer's own ``StepMemoryTracker``: (peak total, error)."""
-    from harness.memory_tracking import StepMemoryTracker
 
     view = StepMemoryTracker(engine.model, engine.optimizer, enabled=True)
     try:
@@ -125,7 +122,6 @@ def _main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with open(args.runs) as f:
         runs = json.load(f)
-    from harness.distributed import teardown
 
     results = []
     try:

@@ -23,12 +23,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from harness.config import RunConfig, load_config
-from harness.planner.estimate import Estimate, estimate, specs_for, walk
+from harness.config import RunConfig, apply_overrides, check_values, load_config, load_strategy
+from harness.planner.estimate import Estimate, estimate, resolve_vocab, specs_for, walk
 from harness.planner.model_states import BYTES, engine_model, fsdp_local_numel
-from harness.planner.report import gib, verdict
-from harness.planner.trace import ParamInfo, TraceResult
-from harness.strategies import load_strategy
+from harness.planner.report import CUDA_CONTEXT, FRAGMENTATION, LIBRARY_WORKSPACES, NCCL_BUFFERS, gib, verdict
+from harness.planner.trace import ParamInfo, TraceResult, build_fake_model, param_info
 
 # Relative step time (lower is faster); see the module docstring for where each comes from.
 SPEED: dict[str, dict[str, float]] = {
@@ -136,7 +135,6 @@ def recommend(cfg: RunConfig, world: int, gpu_mem: int, *, cpu_mem: int | None =
               nvme: bool = False, target: str = "cuda", vocab_size: int | None = None, max_fits: int = 5,
               max_traced: int = 40, info: ParamInfo | None = None) -> Recommendation:
     """Walk the candidates fastest-first; estimate those whose model state could fit; keep the fitting ones."""
-    from harness.planner.estimate import resolve_vocab
 
     per_node = gpus_per_node or world
     vocab = vocab_size or resolve_vocab(cfg)
@@ -188,7 +186,6 @@ def most_frugal(cfg: RunConfig, world: int, nvme: bool) -> Candidate:
 
 def gpu_allowance_for(peak: int, world: int) -> int:
     """The report's GPU allowance for a bare number (used on lower bounds)."""
-    from harness.planner.report import CUDA_CONTEXT, FRAGMENTATION, LIBRARY_WORKSPACES, NCCL_BUFFERS
 
     return CUDA_CONTEXT + (NCCL_BUFFERS if world > 1 else 0) + LIBRARY_WORKSPACES + int(FRAGMENTATION * peak)
 
@@ -224,8 +221,6 @@ def with_candidate(cfg: RunConfig, c: Candidate) -> RunConfig:
     """``cfg`` with the candidate's five settings; every other setting kept."""
     import dataclasses
 
-    from harness.config import check_values
-
     memory = dataclasses.replace(cfg.memory, activation_checkpointing=c.ac, ac_every=2 if c.ac == "selective" else cfg.memory.ac_every)
     run = dataclasses.replace(cfg, precision=c.precision, micro_batch_size=c.micro_batch, grad_accum=c.grad_accum,
                               strategy=c.strategy, memory=memory, global_batch_size=None)
@@ -236,16 +231,12 @@ def with_candidate(cfg: RunConfig, c: Candidate) -> RunConfig:
 def _param_info(cfg: RunConfig, vocab: int | None) -> ParamInfo:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.planner.trace import build_fake_model, param_info
-
     return param_info(build_fake_model(cfg.model.name, vocab, FakeTensorMode()))
 
 
 def recommended_config(raw: dict[str, Any], overrides: list[str], c: Candidate) -> dict[str, Any]:
     """The user's config file contents + their overrides + the candidate's settings, as a config mapping."""
     import copy
-
-    from harness.config import apply_overrides
 
     data = apply_overrides(copy.deepcopy(raw), list(overrides) + c.overrides())
     data.pop("global_batch_size", None)  # implied by micro * accum * world; a stale value would contradict

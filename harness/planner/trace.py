@@ -21,25 +21,23 @@ import contextlib
 import os
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-# One fixed order of categories; every timeline row is a tuple in this order.
-CATS = ("parameters", "model_buffers", "gradients", "optimizer_state", "activations", "temporaries", "communication", "other")
+from harness.config import Strategy
+from harness.distributed import DistInfo
+from harness.engine import fsdp_wrap
+from harness.memory import CATEGORIES, apply_activation_checkpointing, category_of
+from harness.models import PRESETS, is_preset, model_config
+from harness.training import causal_lm_loss, precision_policy
+
+CATS = CATEGORIES  # one fixed order; every timeline row is a tuple in this order
 _IDX = {c: i for i, c in enumerate(CATS)}
-_REFTYPE_TO_CAT = {
-    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
-    "Buffer": "model_buffers",
-    "Gradient": "gradients", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
-    "Optstate": "optimizer_state", "OptState": "optimizer_state",
-    "Activation": "activations", "Temp": "temporaries",
-    "All Gather": "communication", "Reduce Scatter": "communication",
-    "Other": "other", "Inputs": "other",
-}
 
 
 class PlanError(ValueError):
@@ -175,15 +173,14 @@ def build_fake_model(model_name: str, vocab_size: int | None, fake_mode: Any, dt
     """
     from transformers import AutoModelForCausalLM
 
-    from harness.models import PRESETS, is_preset, model_config
-
     if not is_preset(model_name) and not os.path.isdir(model_name) and os.environ.get("HF_HUB_OFFLINE") == "1":
         raise PlanError(f"cannot build model '{model_name}': not a preset ({', '.join(PRESETS)}) nor a local model "
                         "directory (hub ids need the config cached, and HF_HUB_OFFLINE=1)")
     try:
         config = model_config(model_name, vocab_size=vocab_size)
-    except Exception as exc:  # noqa: BLE001 - any failure to read the config is the user's to fix
-        raise PlanError(f"cannot build model '{model_name}': {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")) from None
+    except Exception as exc:
+        raise PlanError((f"cannot build model '{model_name}': {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}").rstrip(": ")) from None
     if vocab_size and getattr(config, "vocab_size", vocab_size) != vocab_size:
         config.vocab_size = vocab_size  # an explicit --vocab-size wins over a local model's config
     with fake_mode, warnings.catch_warnings():
@@ -194,7 +191,7 @@ def build_fake_model(model_name: str, vocab_size: int | None, fake_mode: Any, dt
                 for name, buf in list(module._buffers.items()):
                     if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
                         module._buffers[name] = buf.to(dtype)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise PlanError(f"cannot build model '{model_name}' from its config: {type(exc).__name__}: {exc}".splitlines()[0]) from None
     return model
 
@@ -265,7 +262,7 @@ class _Timeline:
             if dev.type != "cpu":
                 continue
             for reftype, nbytes in snap.items():
-                cat = _REFTYPE_TO_CAT.get(getattr(reftype, "value", reftype))
+                cat = category_of(reftype)
                 if cat is not None:
                     row[_IDX[cat]] += nbytes
         for key, ref in list(self._comm.items()):
@@ -275,7 +272,7 @@ class _Timeline:
                 if st is None:
                     del self._comm[key]
                 continue
-            cat = _REFTYPE_TO_CAT.get(getattr(winfo.reftype, "value", winfo.reftype))
+            cat = category_of(winfo.reftype)
             if cat is not None and cat != "communication":
                 row[_IDX[cat]] -= winfo.mem_consumed
                 row[_IDX["communication"]] += winfo.mem_consumed
@@ -309,10 +306,6 @@ def _tracker_class() -> type:
 
 def _wrap_fsdp(model: nn.Module, spec: TraceSpec) -> nn.Module:
     """The trainer's own FSDP2 wrapping (same groups, same mixed precision) over the fake group."""
-    from harness.distributed import DistInfo
-    from harness.parallelize import fsdp_wrap
-    from harness.precision import precision_policy
-    from harness.strategies import Strategy
 
     strategy = Strategy("fsdp", "plan", "plan", zero_stage=3 if spec.reshard_after_forward else 2,
                         reshard_after_forward=spec.reshard_after_forward, reduce_dtype=spec.fsdp_reduce_dtype)
@@ -326,9 +319,6 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     import time
 
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from harness.activation_checkpoint import apply_activation_checkpointing
-    from harness.loss import causal_lm_loss
 
     if spec.world_size < 1:
         raise PlanError(f"world size must be >= 1, got {spec.world_size}")

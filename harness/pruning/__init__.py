@@ -1,4 +1,4 @@
-"""Pruning stage (issue 5): magnitude, Wanda, SparseGPT and GradProbe on sharded models.
+"""Pruning: magnitude, Wanda, SparseGPT and GradProbe on sharded models.
 
 Entry points for the trainer:
     run_pruning(model_or_engine, calib_batches, cfg.prune, loss_fn, grad_accum=...) -> PruneReport

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ class Ledger:
     """Bytes held by the stage's own buffers (statistics, masks, saved weights), with peak.
 
     A ledger instead of the allocator's peak because on CPU there is no resettable peak,
-    and because the quantity the issue bounds is exactly these buffers.
+    and because the probe-memory target bounds exactly these buffers.
     """
 
     def __init__(self) -> None:
@@ -170,7 +171,7 @@ class InputStats:
 
         return hook
 
-    def __enter__(self) -> "InputStats":
+    def __enter__(self) -> InputStats:
         for v in self.views:
             self._handles.append(v.target.module.register_forward_pre_hook(self._hook(v.name)))
         return self

@@ -24,8 +24,16 @@ from harness.pruning.calibration import InputStats, Ledger, Runner, gradient_max
 from harness.pruning.comm import Comm
 from harness.pruning.masks import MaskSet
 from harness.pruning.methods import (
-    COMPOSITE_BITS, Rule, exact_keys, gradient_ratio, magnitude_scores, original_decision, score_keys, select,
-    wanda_scores, widen,
+    COMPOSITE_BITS,
+    Rule,
+    exact_keys,
+    gradient_ratio,
+    magnitude_scores,
+    original_decision,
+    score_keys,
+    select,
+    wanda_scores,
+    widen,
 )
 from harness.pruning.select import FLOAT_KEY_BITS
 from harness.pruning.shards import ShardView, sync_views

@@ -87,12 +87,13 @@ class MaskSet:
         torch.save(payload, path)
         if comm.rank == 0:
             with open(os.path.join(directory, "prune_masks.json"), "w") as f:
-                json.dump({"format": FORMAT, "world": comm.world, "targets": [v.name for v in views], **self.meta}, f, indent=1, default=str)
+                json.dump({"format": FORMAT, "world": comm.world, "targets": [v.name for v in views], **self.meta},
+                          f, indent=1, default=str)
         comm.barrier()
         return path
 
     @classmethod
-    def load(cls, directory: str, views: list[ShardView], comm: Comm) -> "MaskSet":
+    def load(cls, directory: str, views: list[ShardView], comm: Comm) -> MaskSet:
         """Rebuild this rank's pieces from files written at any world size."""
         files = sorted(glob.glob(os.path.join(directory, FILE_GLOB)))
         if not files:

@@ -15,8 +15,15 @@ import torch
 from harness.pruning.comm import Comm
 from harness.pruning.layout import Layout, exchange_split_units
 from harness.pruning.select import (
-    FLOAT_KEY_BITS, _bits, count_for, float_keys, radix_select, select_global, select_per_matrix,
-    select_per_unit, threshold_mask,
+    FLOAT_KEY_BITS,
+    _bits,
+    count_for,
+    float_keys,
+    radix_select,
+    select_global,
+    select_per_matrix,
+    select_per_unit,
+    threshold_mask,
 )
 
 # GradProbe's exact-target key: relative gradient increase at the precision of the stored
@@ -72,7 +79,8 @@ def select(rule: Rule, layouts: list[Layout], keys: list[torch.Tensor], comm: Co
     if rule.kind == "nm":
         return select_per_unit(layouts, keys, [rule.m] * len(layouts), [rule.prune_per_group] * len(layouts), comm, key_bits)
     if rule.kind == "per_row":
-        return select_per_unit(layouts, keys, [lay.cols for lay in layouts], [count_for(rule.sparsity, lay.cols) for lay in layouts], comm, key_bits)
+        return select_per_unit(layouts, keys, [lay.cols for lay in layouts], [count_for(rule.sparsity, lay.cols) for lay in layouts],
+                               comm, key_bits)
     if rule.kind == "per_matrix":
         return select_per_matrix(layouts, keys, [count_for(rule.sparsity, lay.numel) for lay in layouts], comm, key_bits)
     if rule.kind == "global":
@@ -109,7 +117,8 @@ def gradient_ratio(g0: torch.Tensor, g1: torch.Tensor) -> torch.Tensor:
     return torch.where(b > 0, ratio, torch.where(a > 0, torch.full_like(a, math.inf), torch.ones_like(a)))
 
 
-def original_decision(candidates: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, threshold: float, forced: torch.Tensor | None) -> torch.Tensor:
+def original_decision(candidates: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, threshold: float,
+                      forced: torch.Tensor | None) -> torch.Tensor:
     """The reference rule: prune a candidate only if its gradient did not grow beyond
     (1 + threshold) x its original value. Achieved sparsity may fall short of the target."""
     keep_ok = g1.float() <= g0.float() * (1.0 + threshold)
@@ -117,7 +126,8 @@ def original_decision(candidates: torch.Tensor, g0: torch.Tensor, g1: torch.Tens
     return mask | forced if forced is not None else mask
 
 
-def exact_keys(pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_scores: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
+def exact_keys(pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_scores: torch.Tensor,
+               forced: torch.Tensor | None) -> torch.Tensor:
     """Composite keys ranking the pool by relative gradient increase (lowest pruned first),
     ties by base score then index; non-pool weights are EXCLUDED."""
     # Rounded to bf16 (monotone), so ratios stored in bf16 for a global selection rank the same.

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -25,7 +26,13 @@ from harness.pruning.comm import Comm
 from harness.pruning.gradprobe import ProbeSettings, run_gradprobe
 from harness.pruning.masks import MaskSet
 from harness.pruning.methods import (
-    Rule, make_rule, magnitude_scores, score_keys, select, sparsegpt_prune, wanda_scores,
+    Rule,
+    magnitude_scores,
+    make_rule,
+    score_keys,
+    select,
+    sparsegpt_prune,
+    wanda_scores,
 )
 from harness.pruning.select import FLOAT_KEY_BITS, parse_pattern
 from harness.pruning.shards import ShardView, build_views, sync_views

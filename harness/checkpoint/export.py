@@ -1,0 +1,66 @@
+"""Export any checkpoint to a Hugging Face directory (safetensors + config + tokenizer).
+
+One process, any checkpoint, no need for the world size that wrote it:
+
+    python -m harness.export runs/x/checkpoints/step_00000100 --out runs/x/hf
+
+Only model weights are read, by the engine that wrote the checkpoint
+(`harness.engine.read_model_weights`). The result is what
+`AutoModelForCausalLM.from_pretrained` loads.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from harness.checkpoint.layout import read_meta, remove_tree, resolve_checkpoint_path
+from harness.engine import read_model_weights
+from harness.errors import CheckpointError
+
+
+def _empty_model(hf_config_dir: str) -> torch.nn.Module:
+    """The architecture from the checkpoint's own config.json, with uninitialised CPU storage."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_config_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to_empty(device="cpu")
+
+
+def consolidated_weights(path: str) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
+    """Full fp32 weights of a checkpoint and an empty model of its architecture."""
+    meta = read_meta(path)
+    model = _empty_model(os.path.join(path, "hf_config"))
+    weights = read_model_weights(path, meta.engine, meta.zero_stage, model)
+    return weights, model
+
+
+def export_hf(checkpoint: str, out: str) -> str:
+    """Write `out` (atomically: temp dir, then rename) from a checkpoint; returns `out`."""
+    path = resolve_checkpoint_path(checkpoint)
+    weights, model = consolidated_weights(path)
+    bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"{path}: {len(bad)} tensors are not finite (first: {bad[0]}); refusing to export")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or []) if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match the saved architecture (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    tmp = f"{out.rstrip(os.sep)}.tmp"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    hf_files = os.path.join(path, "hf_config")
+    for name in os.listdir(hf_files):  # tokenizer files (config.json came from save_pretrained)
+        if name != "config.json" and os.path.isfile(os.path.join(hf_files, name)):
+            shutil.copy2(os.path.join(hf_files, name), os.path.join(tmp, name))
+    remove_tree(out)
+    os.rename(tmp, out)
+    return out
+

@@ -1,0 +1,189 @@
+"""The on-disk side of checkpoints: layout, metadata, atomic writes, finding the latest.
+
+Kept apart from `harness.checkpoint.manager` (which talks to the engine) because pre-flight and
+export need it without building a model: whether an output directory holds another run's
+checkpoints, which checkpoint `resume=auto` means, and whether it can continue this run.
+
+    <output_dir>/checkpoints/
+      step_00000004/   a complete checkpoint: meta.json is written last, then the directory is renamed into place
+      .tmp-step_…      a save in progress (or killed): never read, removed by the next run
+      .trash-…         a checkpoint being deleted (renamed first, so a kill mid-delete leaves no partial step_…)
+      latest           the name of the newest complete checkpoint, replaced atomically after each save
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.config import RunConfig, Strategy
+from harness.errors import CheckpointError, ConfigError
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+META = "meta.json"
+FORMAT = 1
+
+
+@dataclass
+class CheckpointMeta:
+    step: int
+    world_size: int
+    engine: str  # "torch" (DCP) | "deepspeed"
+    kind: str  # single | ddp | fsdp | deepspeed
+    strategy: str
+    zero_stage: int
+    global_batch: int
+    model: str
+    precision: str
+    config: dict[str, Any]
+    masks: str = "none"  # none | replicated | sharded
+    format: int = FORMAT
+    time: float = field(default_factory=time.time)
+
+
+# ------------------------------------------------------------------ reading the directory
+
+
+def checkpoint_root(output_dir: str) -> str:
+    return os.path.join(output_dir, CHECKPOINTS)
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def read_meta(path: str) -> CheckpointMeta:
+    """The metadata of a complete checkpoint; CheckpointError if `path` is not one."""
+    file = os.path.join(path, META)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"'{path}' is not a complete checkpoint (no {META})")
+    try:
+        with open(file) as f:
+            data = json.load(f)
+        return CheckpointMeta(**data)
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise CheckpointError(f"'{file}' is unreadable ({exc})") from None
+
+
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint under `root`, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith("step_") and os.path.isfile(os.path.join(path, META)):
+            try:
+                found.append((read_meta(path).step, path))
+            except CheckpointError:
+                continue
+    return sorted(found)
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The checkpoint `latest` names; if that pointer is missing or stale, the newest complete one."""
+    pointer = os.path.join(root, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            path = os.path.join(root, f.read().strip())
+        if os.path.isfile(os.path.join(path, META)):
+            return path
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint_path(path: str) -> str:
+    """A step directory, a `checkpoints/` directory or a run directory → a complete step directory."""
+    if os.path.isfile(os.path.join(path, META)):
+        return path
+    for root in (path, checkpoint_root(path)):
+        found = latest_checkpoint(root)
+        if found:
+            return found
+    raise CheckpointError(f"'{path}' holds no complete checkpoint (expected a step_* directory with {META}, or a run directory)")
+
+
+def resume_path(cfg: RunConfig) -> str | None:
+    """The checkpoint this run resumes from: None for resume=none or a fresh resume=auto run."""
+    resume = cfg.checkpoint.resume
+    if resume in ("", "none"):
+        return None
+    if resume == "auto":
+        return latest_checkpoint(checkpoint_root(cfg.output_dir))
+    if not os.path.exists(resume):
+        raise CheckpointError(f"checkpoint.resume='{resume}' does not exist; use auto, none or a checkpoint directory")
+    return resolve_checkpoint_path(resume)
+
+
+def engine_family(kind: str) -> str:
+    """The checkpoint format a strategy kind writes (`Engine.checkpoint_format`), known without building it."""
+    return "deepspeed" if kind == "deepspeed" else "torch"
+
+
+def check_compatible(meta: CheckpointMeta, path: str, cfg: RunConfig, strategy: Strategy, world: int) -> None:
+    """Refuse a resume that could not continue the same run (before any process starts)."""
+    if engine_family(meta.kind) != engine_family(strategy.kind):
+        other = "a DeepSpeed strategy (zero1/zero2/zero3…)" if meta.kind == "deepspeed" else "ddp or fsdp"
+        raise ConfigError(
+            f"checkpoint '{path}' was written by {meta.strategy} ({meta.kind}); resume it with {other}, or start a new run "
+            f"from its weights: python -m harness.export {path} --out <dir>, then model.name=<dir>"
+        )
+    if meta.model != cfg.model.name:
+        raise ConfigError(f"checkpoint '{path}' is of model '{meta.model}' but model.name='{cfg.model.name}'")
+    global_batch = cfg.micro_batch_size * cfg.grad_accum * world
+    if meta.global_batch != global_batch:
+        accum = meta.global_batch / (cfg.micro_batch_size * world)
+        hint = f"set grad_accum={int(accum)}" if accum == int(accum) and accum >= 1 else "change micro_batch_size/grad_accum"
+        raise ConfigError(
+            f"checkpoint '{path}' was trained with global batch {meta.global_batch} but this run has {global_batch} "
+            f"(micro_batch_size*grad_accum*world = {cfg.micro_batch_size}*{cfg.grad_accum}*{world}); the data position would "
+            f"not match: {hint}"
+        )
+    for key in ("seq_len", "source", "seed"):
+        saved = meta.config.get("data", {}).get(key)
+        if saved != getattr(cfg.data, key):
+            raise ConfigError(f"checkpoint '{path}' was trained with data.{key}={saved!r} but this run has {getattr(cfg.data, key)!r}")
+
+
+# ------------------------------------------------------------------ atomic writes
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_tree(path: str) -> None:
+    """Rename, then delete: a kill mid-delete leaves a `.trash-…` directory, never a partial checkpoint."""
+    if not os.path.exists(path):
+        return
+    parent, name = os.path.split(path.rstrip(os.sep))
+    trash = os.path.join(parent, f".trash-{name}-{os.getpid()}-{time.monotonic_ns()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+

@@ -1,0 +1,301 @@
+"""Checkpoints: save every N steps and at the end, resume exactly, at any world size.
+
+Each engine keeps its own format (`Engine.save_state`/`load_state`), so nothing is
+reinvented and nothing gathers the full state on one rank, and this module never asks
+which engine it has. Around the engine's state we add what the engines do not know: the step (which *is* the data
+position, see `harness.data.BatchSampler`), trainer counters, RNG states per rank, pruning
+masks, the resolved run config, and the HF config + tokenizer so a checkpoint exports to
+a Hugging Face directory on its own.
+
+Layout, under `<output_dir>/checkpoints/`:
+
+    step_00000004/           a complete checkpoint (meta.json is written last)
+      meta.json              step, world size, engine, global batch, run config
+      trainer_state.pt       scheduler / grad-scaler state and trainer counters (rank 0)
+      rng/rank00000.pt       every rank's RNG states
+      masks/rank00000.pt     pruning masks, when the pruning stage handed us some
+      dcp/ | ds/             the engine's own checkpoint
+      hf_config/             HF config.json and tokenizer files (for export)
+    latest                   the name of the newest complete checkpoint
+
+Atomicity: a save goes into `.tmp-step_…`, is renamed into place once every rank has
+written and synced, and only then does `latest` move (write-to-temp + `os.replace`). A
+process killed at any moment therefore leaves `latest` naming a complete checkpoint; the
+half-written temp directory is removed by the next run. Old checkpoints are renamed to
+`.trash-…` before deletion so that a kill mid-delete never leaves a partial `step_…`.
+
+Resuming at another world size is the engine's business: DCP reshards on load; DeepSpeed
+converts once to its universal checkpoint (see `harness.engine`).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harness.checkpoint.export import export_hf
+from harness.checkpoint.layout import (
+    LATEST,
+    META,
+    CheckpointMeta,
+    check_compatible,
+    checkpoint_root,
+    complete_checkpoints,
+    fsync_dir,
+    read_meta,
+    remove_tree,
+    resume_path,
+    step_name,
+    write_json_atomic,
+    write_text_atomic,
+)
+from harness.config import RunConfig, Strategy, config_to_dict
+from harness.distributed import DistInfo
+from harness.engine import Engine
+from harness.errors import CheckpointError
+from harness.log import get_logger
+from harness.reliability import weights_finite
+from harness.reliability.faults import fault_seconds
+
+log = get_logger(__name__)
+
+
+@dataclass
+class ResumeState:
+    """What the training loop needs from a restored checkpoint (step 0 when starting fresh)."""
+
+    step: int = 0
+    counters: dict[str, Any] = field(default_factory=dict)
+    masks: dict[str, torch.Tensor] | None = None
+    path: str | None = None
+
+
+# ------------------------------------------------------------------ RNG
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------ engine states
+
+
+# ------------------------------------------------------------------ the manager
+
+
+class CheckpointManager:
+    """Saves and restores one run's checkpoints; every method is called on every rank.
+
+    `masks` (optional): a dict of tensors the pruning stage sets; saved per rank. Set
+    `masks_sharded=True` when each rank holds a different piece (then they only restore
+    at the same world size).
+    """
+
+    def __init__(self, cfg: RunConfig, strategy: Strategy, info: DistInfo, engine: Engine, tokenizer_dir: str | None = None):
+        self.cfg, self.strategy, self.info, self.engine = cfg, strategy, info, engine
+        self.tokenizer_dir = tokenizer_dir
+        self.root = checkpoint_root(cfg.output_dir)
+        self.every = cfg.checkpoint.every
+        self.keep = max(1, cfg.checkpoint.keep)
+        self.masks: dict[str, torch.Tensor] | None = None
+        self.masks_sharded = False
+        self.last_path: str | None = None  # the newest complete checkpoint of this run
+        self.last_step: int | None = None
+        self.preempted = False
+        if info.is_main:
+            self._clean_root()
+        self._barrier()
+
+    # --------------------------------------------------------------- public API
+    @property
+    def final_save(self) -> bool:
+        c = self.cfg.checkpoint
+        return c.save_final or c.every > 0 or c.export_hf
+
+    def restore(self) -> ResumeState:
+        """Load the checkpoint `checkpoint.resume` names (if any) into the engine; return where to continue."""
+        path = resume_path(self.cfg)
+        if path is None:
+            if self.cfg.checkpoint.resume == "auto" and self.info.is_main:
+                log.info(f"checkpoint.resume=auto: no checkpoint in {self.root}; starting at step 0")
+            return ResumeState()
+        meta = read_meta(path)
+        check_compatible(meta, path, self.cfg, self.strategy, self.info.world_size)
+        t0 = time.perf_counter()
+        self.engine.load_state(path, meta.world_size, self.info.is_main)
+        trainer = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        self.engine.load_trainer_state(trainer)
+        rng_file = os.path.join(path, "rng", f"rank{self.info.rank:05d}.pt")
+        if not os.path.isfile(rng_file):  # more ranks than the saving run: continue from rank 0's streams
+            rng_file = os.path.join(path, "rng", "rank00000.pt")
+        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+        masks = self._load_masks(path, meta)
+        self.last_path, self.last_step = path, meta.step
+        if self.info.is_main:
+            self._drop_later_than(meta.step, path)
+        self._barrier()
+        if self.info.is_main:
+            how = ("" if meta.world_size == self.info.world_size
+                   else f" (saved at world size {meta.world_size}, resharded to {self.info.world_size})")
+            log.info(f"resumed from {path} at step {meta.step}{how} in {time.perf_counter() - t0:.1f}s")
+            if meta.config.get("steps") != self.cfg.steps:
+                log.info(f"note: steps changed from {meta.config.get('steps')} to {self.cfg.steps}; the LR schedule "
+                      "follows the new total from the next step")
+        return ResumeState(step=meta.step, counters=dict(trainer.get("counters", {})), masks=masks, path=path)
+
+    def after_step(self, step: int, counters: dict[str, Any] | None = None, stop: bool = False) -> bool:
+        """Save when `step` is due (every N) or a stop was requested; True: the run must stop now (saved)."""
+        if stop:
+            self.save(step, counters)
+            self.preempted = True
+            log.info(f"stop requested (SIGTERM/SIGUSR1): saved {self.last_path}; exiting so the job can requeue")
+            return True
+        if self.every > 0 and step % self.every == 0:
+            self.save(step, counters)
+        return False
+
+    def finish(self, step: int, counters: dict[str, Any] | None = None) -> None:
+        """The end-of-run save (if configured) and the HF export (if `checkpoint.export_hf`)."""
+        if not self.final_save:
+            return
+        if self.last_step != step:
+            self.save(step, counters)
+        if self.cfg.checkpoint.export_hf and self.last_path:
+            out = os.path.join(self.cfg.output_dir, "hf")
+            if self.info.is_main:
+                export_hf(self.last_path, out)
+                log.info(f"exported {self.last_path} to {out} (safetensors + config + tokenizer)")
+            self._barrier()
+
+    def save(self, step: int, counters: dict[str, Any] | None = None) -> str:
+        """Write a complete checkpoint of `step` atomically; refuse (CheckpointError) if any weight is non-finite."""
+        if not weights_finite(self.engine, self.info):
+            raise CheckpointError(
+                f"refusing to write a checkpoint at step {step}: the weights are not finite; "
+                f"the last good checkpoint is {self.last_path or 'none'}"
+            )
+        t0 = time.perf_counter()
+        final = os.path.join(self.root, step_name(step))
+        tmp = os.path.join(self.root, f".tmp-{step_name(step)}")
+        if self.info.is_main:
+            os.makedirs(self.root, exist_ok=True)
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            for sub in ("rng", "masks") if self.masks is not None else ("rng",):
+                os.makedirs(os.path.join(tmp, sub))
+        self._barrier()
+        self.engine.save_state(tmp)
+        torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{self.info.rank:05d}.pt"))
+        if self.masks is not None:
+            torch.save({k: v.detach().cpu() for k, v in self.masks.items()}, os.path.join(tmp, "masks", f"rank{self.info.rank:05d}.pt"))
+        if self.info.is_main:
+            torch.save({**self.engine.trainer_state(), "counters": dict(counters or {})}, os.path.join(tmp, "trainer_state.pt"))
+            self._write_hf_files(os.path.join(tmp, "hf_config"))
+        os.sync()  # this rank's writes reach the disk before the checkpoint is declared complete
+        self._barrier()
+        if self.info.is_main:
+            self._commit(tmp, final, step)
+        self._barrier()
+        self.last_path, self.last_step = final, step
+        log.info(f"saved checkpoint {final} ({time.perf_counter() - t0:.1f}s)")
+        return final
+
+    # --------------------------------------------------------------- internals
+    def _barrier(self) -> None:
+        if self.info.distributed and dist.is_initialized():
+            dist.barrier()
+
+    def _clean_root(self) -> None:
+        """Remove leftovers of killed saves; with checkpoint.overwrite, an earlier run's checkpoints."""
+        if not os.path.isdir(self.root):
+            return
+        for name in os.listdir(self.root):
+            if name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        c = self.cfg.checkpoint
+        if c.overwrite and c.resume == "none":
+            old = complete_checkpoints(self.root)
+            if old:
+                log.info(f"checkpoint.overwrite=true: deleting {len(old)} checkpoint(s) of an earlier run in {self.root}")
+            for name in os.listdir(self.root):
+                if name.startswith("step_") or name == LATEST:
+                    path = os.path.join(self.root, name)
+                    remove_tree(path) if os.path.isdir(path) else os.remove(path)
+
+    def _drop_later_than(self, step: int, resumed: str) -> None:
+        """Resuming this run from an older checkpoint abandons the later ones: remove them, so that
+        `latest` and the keep-k rule never mix two timelines."""
+        if not os.path.abspath(resumed).startswith(os.path.abspath(self.root) + os.sep):
+            return
+        for later_step, path in complete_checkpoints(self.root):
+            if later_step > step:
+                log.info(f"removing {path}: resuming from step {step} abandons it")
+                remove_tree(path)
+
+    def _write_hf_files(self, directory: str) -> None:
+        """The HF config and tokenizer next to the weights, so export needs nothing else."""
+        os.makedirs(directory, exist_ok=True)
+        config = getattr(self.engine.module, "config", None)
+        if config is not None:
+            config.save_pretrained(directory)
+        if self.tokenizer_dir and os.path.isdir(self.tokenizer_dir):
+            for name in os.listdir(self.tokenizer_dir):
+                src = os.path.join(self.tokenizer_dir, name)
+                if os.path.isfile(src) and name != "config.json":
+                    shutil.copy2(src, os.path.join(directory, name))
+
+    def _meta(self, step: int) -> CheckpointMeta:
+        cfg = self.cfg
+        return CheckpointMeta(
+            step=step, world_size=self.info.world_size, engine=self.engine.checkpoint_format, kind=self.engine.kind,
+            strategy=self.strategy.name, zero_stage=self.engine.zero_stage,
+            global_batch=cfg.micro_batch_size * cfg.grad_accum * self.info.world_size, model=cfg.model.name,
+            precision=cfg.precision, config=config_to_dict(cfg),
+            masks="none" if self.masks is None else ("sharded" if self.masks_sharded else "replicated"),
+        )
+
+    def _commit(self, tmp: str, final: str, step: int) -> None:
+        """Rank 0, after every rank wrote: meta.json, rename, then `latest`, then prune to `keep`."""
+        write_json_atomic(os.path.join(tmp, META), asdict(self._meta(step)))
+        fsync_dir(tmp)
+        pause = fault_seconds("save_pause", step)
+        if pause:  # fault injection (tests): a window in which the save is written but not yet committed
+            log.info(f"fault injection: pausing {pause:g}s before committing {final}")
+            time.sleep(pause)
+        if os.path.exists(final):  # the same step saved again (e.g. a rerun of a finished run)
+            remove_tree(final)
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+        write_text_atomic(os.path.join(self.root, LATEST), os.path.basename(final))
+        fsync_dir(self.root)
+        for _, path in complete_checkpoints(self.root)[: -self.keep]:
+            if os.path.abspath(path) != os.path.abspath(final):
+                remove_tree(path)
+
+    def _load_masks(self, path: str, meta: CheckpointMeta) -> dict[str, torch.Tensor] | None:
+        if meta.masks == "none":
+            return None
+        rank = self.info.rank
+        if meta.world_size != self.info.world_size:
+            if meta.masks == "sharded":
+                raise CheckpointError(f"the pruning masks in {path} are sharded over {meta.world_size} ranks; resume at that world size")
+            rank = 0
+        return torch.load(os.path.join(path, "masks", f"rank{rank:05d}.pt"), map_location="cpu", weights_only=True)

@@ -1,0 +1,139 @@
+"""Every rule a run config must satisfy, in one place.
+
+Rules that need only the config (and, where said, the world size or whether an accelerator
+exists) live here; `harness.runner.preflight` runs them together with the checks that
+look at the outside world (model and data files, the output directory, checkpoints).
+"""
+from __future__ import annotations
+
+from harness.config.schema import AC_MODES, COMPILE_MODES, PRECISIONS, RunConfig
+from harness.config.strategies import Strategy, resolve_deepspeed_config
+from harness.errors import ConfigError, did_you_mean
+
+
+def check_values(cfg: RunConfig) -> None:
+    """Checks on single values; cross-checks that need the strategy or model live elsewhere."""
+    choices = {
+        "precision": (cfg.precision, PRECISIONS),
+        "memory.activation_checkpointing": (cfg.memory.activation_checkpointing, AC_MODES),
+        "memory.compile": (cfg.memory.compile, COMPILE_MODES),
+        "optim.schedule": (cfg.optim.schedule, ("cosine", "linear", "constant")),
+        "optim.name": (cfg.optim.name, ("adamw", "adam", "sgd")),
+        "checkpoint.on_nonfinite": (cfg.checkpoint.on_nonfinite, ("skip", "stop")),
+        "prune.method": (cfg.prune.method, ("none", "magnitude", "wanda", "sparsegpt", "gradprobe")),
+        "prune.base": (cfg.prune.base, ("magnitude", "wanda")),
+        "prune.scope": (cfg.prune.scope, ("per_matrix", "global")),
+        "prune.targets": (cfg.prune.targets, ("decoder_linears", "all_linears")),
+        "prune.stat_dtype": (cfg.prune.stat_dtype, ("bf16", "fp16")),
+        "device": (cfg.device, ("auto", "cpu", "cuda")),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{did_you_mean(str(value), list(allowed))}")
+    positive = {
+        "micro_batch_size": cfg.micro_batch_size,
+        "grad_accum": cfg.grad_accum,
+        "steps": cfg.steps,
+        "data.seq_len": cfg.data.seq_len,
+        "eval_batches": cfg.eval_batches,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    budget = cfg.memory.activation_memory_budget
+    if budget is not None and not 0.0 <= budget <= 1.0:
+        raise ConfigError(f"memory.activation_memory_budget={budget} must be in [0, 1]")
+    if not 0.0 <= cfg.prune.sparsity < 1.0:
+        raise ConfigError(f"prune.sparsity={cfg.prune.sparsity} must be in [0, 1)")
+    if cfg.prune.pattern != "unstructured":
+        try:
+            n, m = (int(x) for x in cfg.prune.pattern.split(":"))
+        except ValueError:
+            raise ConfigError(f"prune.pattern={cfg.prune.pattern!r} must be 'unstructured' or N:M like 2:4") from None
+        if not 0 < n < m:
+            raise ConfigError(f"prune.pattern={cfg.prune.pattern}: N:M needs 0 < N < M")
+        if cfg.prune.method != "none" and abs(cfg.prune.sparsity - (m - n) / m) > 1e-9:
+            raise ConfigError(f"prune.pattern={cfg.prune.pattern} prunes {(m - n) / m:g} of each group "
+                              f"but prune.sparsity={cfg.prune.sparsity}; set prune.sparsity={(m - n) / m:g}")
+    for key, frac in (("data.eval_fraction", cfg.data.eval_fraction), ("data.calib_fraction", cfg.data.calib_fraction)):
+        if not 0.0 < frac < 0.5:
+            raise ConfigError(f"{key}={frac} must be in (0, 0.5)")
+
+
+def check_optimizer_in_backward(cfg: RunConfig, strategy_kind: str, world_size: int) -> None:
+    """Raise ConfigError (one line) when optimizer-in-backward cannot work with this run config."""
+    if not cfg.memory.optimizer_in_backward:
+        return
+    if cfg.optim.grad_clip > 0:
+        raise ConfigError(
+            f"memory.optimizer_in_backward=true needs optim.grad_clip=0 (got {cfg.optim.grad_clip}): each parameter "
+            "steps as soon as its gradient is ready, before the global gradient norm exists"
+        )
+    if cfg.precision == "fp16":
+        raise ConfigError(
+            "memory.optimizer_in_backward=true cannot run with precision=fp16: the loss scaler must check every "
+            "gradient for inf/nan before any parameter steps; use bf16 or fp32"
+        )
+    if strategy_kind == "deepspeed":
+        raise ConfigError("memory.optimizer_in_backward=true cannot run under DeepSpeed: DeepSpeed owns the optimizer step")
+    if strategy_kind == "ddp" and world_size > 1:
+        raise ConfigError(
+            "memory.optimizer_in_backward=true cannot run with DDP at world>1: the per-parameter hooks fire before "
+            "DDP all-reduces the gradient buckets; use an fsdp strategy"
+        )
+
+
+def check_prune_config(cfg: RunConfig, world: int) -> None:
+    """What can be checked before any process starts: the calibration set must fill one probe
+    step (every rank runs `grad_accum` micro-batches per probe step)."""
+    p = cfg.prune
+    if p.method == "none":
+        return
+    per_step = cfg.micro_batch_size * cfg.grad_accum * world
+    if p.method != "magnitude" and p.calib_samples < per_step:
+        raise ConfigError(f"prune.calib_samples={p.calib_samples} cannot fill one probe step of micro_batch_size*grad_accum*world "
+                          f"({cfg.micro_batch_size}*{cfg.grad_accum}*{world}={per_step}); raise it to a multiple of {per_step}")
+    if p.schedule is not None and p.pattern != "unstructured":
+        raise ConfigError(f"prune.schedule raises an unstructured target; prune.pattern={p.pattern} fixes the sparsity")
+    if p.finetune_steps < 0:
+        raise ConfigError(f"prune.finetune_steps={p.finetune_steps} must be >= 0")
+
+
+def check_strategy_against_run(strategy: Strategy, cfg: RunConfig, has_accelerator: bool) -> None:
+    """Cross-checks between a strategy and the run config, before any process group starts."""
+    if strategy.kind == "fsdp" and strategy.offload_params != "none" and not has_accelerator:
+        raise ConfigError(
+            f"{strategy.path}: FSDP2 CPU offload needs a GPU (torch's CPUOffloadPolicy moves shards between host and "
+            "accelerator); on a CPU-only machine use fsdp.json or zero3_offload.json"
+        )
+    if cfg.memory.optimizer_in_backward and strategy.kind == "deepspeed":
+        raise ConfigError(
+            f"memory.optimizer_in_backward=true cannot run under DeepSpeed ({strategy.name}): DeepSpeed owns the optimizer "
+            "step; use ddp/fsdp strategies or turn it off"
+        )
+    if cfg.precision == "fp16" and strategy.kind == "fsdp" and not has_accelerator:
+        raise ConfigError("precision=fp16 with FSDP2 needs a GPU (its gradient scaler is CUDA-only); use bf16 or fp32 on CPU")
+
+
+def check_batch(cfg: RunConfig, world: int) -> None:
+    gbs = cfg.global_batch_size
+    if gbs is None:
+        return
+    per_step = cfg.micro_batch_size * world
+    if gbs % per_step:
+        raise ConfigError(f"global_batch_size={gbs} is not divisible by micro_batch_size*world "
+                          f"({cfg.micro_batch_size}*{world}={per_step}); "
+                          "choose a multiple of it")
+    if gbs != per_step * cfg.grad_accum:
+        raise ConfigError(f"global_batch_size={gbs} != micro_batch_size*grad_accum*world ({cfg.micro_batch_size}*{cfg.grad_accum}*{world}="
+                          f"{per_step * cfg.grad_accum}); set grad_accum={gbs // per_step}")
+
+
+def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: bool) -> None:
+    """Every config-only rule for this strategy at this world size (values were checked on load)."""
+    check_strategy_against_run(strategy, cfg, has_accelerator)
+    check_optimizer_in_backward(cfg, strategy.kind, world)
+    check_batch(cfg, world)
+    check_prune_config(cfg, world)
+    if strategy.kind == "deepspeed":
+        resolve_deepspeed_config(strategy, cfg, world, hidden_size=1)  # contradictions and 'auto' holes

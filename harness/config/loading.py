@@ -1,0 +1,187 @@
+"""Reading a run config: YAML/JSON files, `key=value` overrides, typed construction.
+
+Every section is a dataclass (`harness.config.schema`), so an unknown key is an error
+naming the closest valid key instead of a silently ignored typo.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, get_args, get_origin, get_type_hints
+
+from harness.config.checks import check_values
+from harness.config.schema import RunConfig
+from harness.errors import ConfigError, did_you_mean
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Convert a YAML/JSON/CLI value to the field's declared type, or raise ConfigError."""
+    origin = get_origin(typ)
+    args = get_args(typ)
+    if origin is type(int | None) or (origin is not None and str(origin) == "typing.Union"):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        non_none = [a for a in args if a is not type(None)]
+        return _coerce(value, non_none[0], where)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], where) for v in value]
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.strip("()[]").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: expected {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, where) for v, a in zip(value, args))
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            number = float(value) if typ is float else value
+            if typ is int:
+                as_float = float(value)
+                if as_float != int(as_float):
+                    raise ValueError
+                number = int(as_float)
+            return number
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}") from None
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"unknown config key '{prefix}{key}'{did_you_mean(key, names)}")
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            kwargs[key] = _build(typ, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, typ, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def all_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the config (for suggestions and the README reference)."""
+    keys = []
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += all_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _yaml_loader():
+    """SafeLoader without YAML 1.1's base-60 integers, so `pattern: 2:4` stays the string '2:4'."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:int"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:int",
+        re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+        list("-+0123456789"),
+    )
+    return Loader
+
+
+def parse_yaml(text: str) -> Any:
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Parse a YAML or JSON config file; syntax errors name the line."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' not found")
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    else:
+        import yaml
+
+        try:
+            data = parse_yaml(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f" at line {mark.line + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{path}: invalid YAML{line}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=c` overrides to a nested dict (values parsed as YAML scalars)."""
+    import yaml
+
+    valid = all_keys()
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("-")
+        if key not in valid:
+            raise ConfigError(f"unknown config key '{key}'{did_you_mean(key, valid)}")
+        try:
+            value = parse_yaml(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{part}' is not a section")
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    data = read_config_file(path) if path else {}
+    data = apply_overrides(data, overrides or [])
+    cfg = _build(RunConfig, data)
+    check_values(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+

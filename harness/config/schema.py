@@ -1,0 +1,130 @@
+"""The run config: typed dataclasses, loaded from YAML/JSON, overridden by `key=value`.
+
+Every section is a dataclass so that an unknown key is an error naming the closest valid
+key, instead of a silently ignored typo.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The choices of the enumerated keys: one definition, read by the checks and the techniques.
+PRECISIONS = ("fp32", "bf16", "fp16")
+AC_MODES = ("none", "full", "selective", "op")
+COMPILE_MODES = ("none", "block", "model")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny-llama"  # preset name, local path or hub id
+    seed: int = 0  # random init seed for presets
+    max_seq_len: int | None = None  # defaults to the model's max positions
+
+
+@dataclass
+class DataConfig:
+    source: str = "embedded"  # "embedded", a hub dataset name, or a local file/dir
+    text_field: str = "text"
+    seq_len: int = 128
+    eval_fraction: float = 0.05
+    calib_fraction: float = 0.05
+    max_tokens: int | None = 400_000  # cap on the tokenized corpus (keeps CPU runs fast)
+    tokenizer: str | None = None  # path; default: the model's, else a locally trained BPE
+    vocab_size: int = 2048  # for the locally trained BPE tokenizer
+    seed: int = 1234
+    cache_dir: str | None = None  # where tokenizers/tokenized data are cached
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    schedule: str = "cosine"  # cosine | linear | constant
+    warmup_steps: int = 5
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class MemoryConfig:
+    """Memory techniques (`harness.memory`). All off by default."""
+
+    activation_checkpointing: str = "none"  # none | full | selective | op
+    ac_every: int = 2  # selective: checkpoint every k-th block
+    activation_offload: bool = False
+    compile: str = "none"  # none | block | model
+    activation_memory_budget: float | None = None  # in [0, 1]; implies compile
+    optimizer_in_backward: bool = False
+    loss_chunk_size: int = 0  # 0: plain fp32 cross-entropy; >0: chunked over the sequence
+    track: bool = True  # per-step peak memory by category
+    track_every: int = 1  # split peaks into categories every k-th step (the split costs ~2x a step on CPU)
+    snapshot: bool = False  # memory snapshot (GPU pickle / CPU per-module report)
+    layer_hooks: bool = False  # per-block memory after forward (debug)
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    wandb: bool = True  # rank 0 only; offline without an API key
+    wandb_project: str = "harness"
+    run_name: str | None = None
+    progress: bool = True
+    plots: bool = True
+    peak_flops: float | None = None  # per device, overrides the GPU table (needed for MFU on CPU)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # 0: only at the end (if save_final)
+    save_final: bool = False
+    keep: int = 2
+    resume: str = "none"  # none | auto | <path>
+    overwrite: bool = False
+    on_nonfinite: str = "skip"  # skip | stop
+    export_hf: bool = False
+
+
+@dataclass
+class PruneConfig:
+    method: str = "none"  # none | magnitude | wanda | sparsegpt | gradprobe
+    base: str = "wanda"  # gradprobe's candidate strategy: magnitude | wanda
+    sparsity: float = 0.5
+    pattern: str = "unstructured"  # unstructured | N:M, e.g. 2:4
+    calib_samples: int = 16
+    calib_seed: int = 0
+    group_size: int = 0  # K layers probed together; 0 = chosen from memory
+    threshold: float = 0.0
+    reduction: float = 0.1
+    exact_target: bool = True
+    scope: str = "per_matrix"  # per_matrix | global
+    targets: str = "decoder_linears"  # decoder_linears | all_linears
+    pool: float = 0.25  # exact-target GradProbe: probe (1 + pool) x target candidates
+    sequential: bool | None = None  # apply each group's mask before probing the next (None: SparseGPT only)
+    schedule: list[float] | None = None  # iterative targets, e.g. [0.3, 0.4, 0.5]
+    max_metric_increase: float = 0.1  # iterative schedule stops when eval loss rises more than this
+    stat_dtype: str = "bf16"  # storage of gradient statistics: bf16 | fp16
+    finetune_steps: int = 0  # training steps after pruning (masks enforced)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
+    strategy: str | None = None  # a name in ds_configs/ or a JSON path; None: from the launcher, else ddp
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    micro_batch_size: int = 4
+    grad_accum: int = 1
+    global_batch_size: int | None = None  # if set: must equal micro * accum * world
+    steps: int = 50
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 8
+    seed: int = 0
+    output_dir: str = "runs/default"
+    device: str = "auto"  # auto | cpu | cuda

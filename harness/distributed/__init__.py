@@ -1,0 +1,17 @@
+"""The process group, independent of the launcher: who we are (rank, world, device), collectives
+on plain Python values, a clean teardown and exit."""
+from harness.distributed.process_group import (
+    DistInfo,
+    all_gather_object,
+    all_reduce_mean,
+    all_reduce_sum,
+    exit_process,
+    free_port,
+    init_distributed,
+    launch_env,
+    pick_device,
+    teardown,
+)
+
+__all__ = ["DistInfo", "all_gather_object", "all_reduce_mean", "all_reduce_sum", "exit_process", "free_port", "init_distributed",
+           "launch_env", "pick_device", "teardown"]

@@ -1,0 +1,146 @@
+"""Process-group lifecycle, independent of the launcher.
+
+accelerate, deepspeed, torchrun and SLURM's srun all describe a process by environment
+variables; we read them ourselves and start one torch process group (NCCL on GPUs, gloo on
+CPU) that every engine then shares. That is what makes the four launch commands run the
+same training, and what lets sharding work on CPU where accelerate would drop it.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None when running as a single process without a group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def _local_rank_from_argv(argv: list[str]) -> int | None:
+    """deepspeed's launcher passes `--local_rank=N` to the script."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--local_rank="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--local_rank" and i + 1 < len(argv):
+            return int(argv[i + 1])
+    return None
+
+
+def launch_env(argv: list[str] | None = None, env: dict[str, str] | None = None) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from whichever launcher started us."""
+    env = dict(os.environ) if env is None else env
+    argv = sys.argv if argv is None else argv
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = env.get("LOCAL_RANK")
+        local_rank = int(local) if local is not None else (_local_rank_from_argv(argv) or 0)
+        return rank, world, local_rank
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "MASTER_ADDR" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return 0, 1, 0
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device=cuda was requested but no GPU is visible")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 600.0, force_group: bool = False) -> DistInfo:
+    """Start the process group (if the launcher made more than one process).
+
+    `force_group` starts a group of one, for engines (DeepSpeed) that insist on one.
+    """
+    rank, world, local_rank = launch_env()
+    dev = pick_device(device, local_rank)
+    if world == 1 and not force_group:
+        return DistInfo(rank, world, local_rank, dev, None)
+    if world == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        kwargs = {}
+        if dev.type == "cuda":
+            kwargs["device_id"] = dev
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return DistInfo(rank, world, local_rank, dev, backend)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (released before use: a launcher may race for it; callers retry)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def teardown() -> None:
+    """Destroy the process group so no engine aborts at interpreter exit (DeepSpeed ZeRO-3 does)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def all_reduce_mean(value: float, info: DistInfo) -> float:
+    if not info.distributed or info.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=info.device if info.backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return float(t.item()) / info.world_size
+
+
+def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
+    if not info.distributed or info.world_size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=info.device if info.backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_gather_object(obj: object, info: DistInfo) -> list[object]:
+    if not info.distributed or info.world_size == 1:
+        return [obj]
+    out: list[object] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def exit_process(code: int) -> None:
+    """Leave without running C++ static destructors, after the process group is torn down.
+
+    Seen on CPU: a rank that finished cleanly still aborted at interpreter exit ("terminate
+    called without an active exception", SIGABRT) from a native thread (gloo / DeepSpeed /
+    the rendezvous store client) destroyed while joinable. Everything the run writes is
+    already closed and flushed by now, so skipping those destructors loses nothing.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,32 @@
+"""Engines: the one interface the loop, checkpoints, reports and pruning use over every strategy.
+
+    engine = build_engine(model, cfg, strategy, policy, info, loss_fn)   # AC -> compile -> shard
+    loss = engine.forward_loss(batch); engine.backward(loss, last_micro=True); engine.step()
+    engine.save_state(dir); engine.load_state(dir, saved_world_size, is_main)
+    engine.state_bytes()   # per-rank bytes held: the proof of sharding
+
+To add a strategy: a strategy file (`harness/config/ds_configs/`), and, if it needs a new
+engine, a subclass of `Engine` here, chosen in `parallelize.build_engine`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from harness.engine import deepspeed_engine, torch_engine
+from harness.engine.base import Engine, LossFn, StepResult
+from harness.engine.deepspeed_engine import DeepSpeedEngine
+from harness.engine.parallelize import apply_memory_techniques, build_engine, fsdp_wrap
+from harness.engine.torch_engine import TorchEngine
+
+
+def read_model_weights(directory: str, checkpoint_format: str, zero_stage: int, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model weights of a checkpoint's engine state, read in one process by the
+    engine that wrote it (`Engine.checkpoint_format`); `model` gives keys, shapes and dtypes."""
+    if checkpoint_format == DeepSpeedEngine.checkpoint_format:
+        return deepspeed_engine.read_model_weights(directory, zero_stage)
+    return torch_engine.read_model_weights(directory, model)
+
+
+__all__ = ["DeepSpeedEngine", "Engine", "LossFn", "StepResult", "TorchEngine", "apply_memory_techniques", "build_engine",
+           "fsdp_wrap", "read_model_weights"]

@@ -1,0 +1,103 @@
+"""Engines: one interface over torch (single/DDP/FSDP2) and DeepSpeed.
+
+The training loop calls `forward_loss`, `backward` and `step`; the checkpointer calls
+`save_state`/`load_state`; the memory report calls `state_bytes`; the failure guard calls
+`local_parameters`. None of them asks which engine it has: whatever differs between
+engines (DCP vs DeepSpeed's format, where ZeRO keeps its partitions, FSDP2's DTensors)
+is answered here, by the engine that knows.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness.memory import ActivationOffload
+from harness.training import PrecisionPolicy
+
+LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    skipped: bool  # the optimizer step did not happen (non-finite gradients / fp16 overflow)
+
+
+class Engine:
+    """Common surface; subclasses fill in the engine-specific parts."""
+
+    kind: str = "base"  # single | ddp | fsdp | deepspeed: for reports and checkpoint metadata only
+    checkpoint_format: str = "base"  # the on-disk format of `save_state`: "torch" (DCP) | "deepspeed"
+    zero_stage: int = 0  # the ZeRO stage a checkpoint of this engine was partitioned at (DeepSpeed only)
+    owns_grad_accumulation: bool = False  # divides the loss by the accumulation steps itself (DeepSpeed)
+    module: nn.Module  # the underlying HF model (for pruning, export, hooks)
+    model: nn.Module  # what forward is called on
+    oib: Any = None  # the optimizer-in-backward object, when the optimizer steps inside backward
+
+    def __init__(self, policy: PrecisionPolicy, loss_fn: LossFn, grad_accum: int, device: torch.device):
+        self.policy = policy
+        self.loss_fn = loss_fn
+        self.grad_accum = grad_accum
+        self.device = device
+
+    activation_offload: bool = False  # memory.activation_offload: saved activations go to host memory
+
+    def forward_loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+        offload = ActivationOffload() if self.activation_offload and torch.is_grad_enabled() else contextlib.nullcontext()
+        with self.policy.autocast_context(self.device), offload:
+            return self.loss_fn(self.model, input_ids)
+
+    @torch.no_grad()
+    def eval_loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.forward_loss(input_ids)
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model, however they are sharded."""
+        return sum(p.numel() for p in self.module.parameters())
+
+    def local_parameters(self) -> list[torch.Tensor]:
+        """The weights this rank holds (its shard where the engine shards), detached."""
+        return [p.detach() for p in self.model.parameters() if p.numel()]
+
+    # ------------------------------------------------------------------ engine-specific
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
+        raise NotImplementedError
+
+    def step(self, skip: bool = False) -> StepResult:
+        raise NotImplementedError
+
+    @property
+    def lr(self) -> float:
+        raise NotImplementedError
+
+    @property
+    def optimizer(self) -> Any:
+        raise NotImplementedError
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, fp32 masters, gradients and optimizer state this rank holds
+        (`harness.memory.categories.STATE_CATEGORIES`): the proof of sharding."""
+        raise NotImplementedError
+
+    def save_state(self, directory: str) -> None:
+        """Write model and optimizer state under `directory`, each rank only its own shards (collective)."""
+        raise NotImplementedError
+
+    def load_state(self, directory: str, saved_world_size: int, is_main: bool) -> None:
+        """Load what `save_state` wrote, resharding when it was written at another world size (collective)."""
+        raise NotImplementedError
+
+    def trainer_state(self) -> dict[str, Any]:
+        """Small state the engine's own format does not keep (schedulers, loss scaler); same on every rank."""
+        return {}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        """Restore what `trainer_state` returned."""

@@ -1,0 +1,210 @@
+"""The DeepSpeed engine: DeepSpeed owns the optimizer, loss scaling and ZeRO partitioning.
+
+Its checkpoint is DeepSpeed's own sharded format (`save_checkpoint`: one optimizer
+partition per rank). DeepSpeed cannot repartition that state for another world size, so
+such a resume converts the checkpoint once with DeepSpeed's universal-checkpoint tool
+(`ds_to_universal`) and loads it with `load_universal_checkpoint`.
+
+DeepSpeed is imported where it is used, not at the top: importing it probes for
+accelerators and logs, and runs under the torch engine should not pay for that.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from argparse import Namespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from harness.engine.base import Engine, LossFn, StepResult
+from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
+from harness.errors import CheckpointError
+from harness.log import get_logger
+from harness.training import PrecisionPolicy
+
+DS_TAG = "state"  # DeepSpeed's tag: <step dir>/ds/state/...
+DS_UNIVERSAL = "ds_universal"  # <step dir>/ds_universal/state/...: written on first resume at another world size
+
+log = get_logger(__name__)
+
+
+class DeepSpeedEngine(Engine):
+    """A DeepSpeed engine: it owns the optimizer, loss scaling and ZeRO partitioning."""
+
+    kind = "deepspeed"
+    checkpoint_format = "deepspeed"
+    owns_grad_accumulation = True
+
+    def num_parameters(self) -> int:
+        # ZeRO-3 replaces each parameter's data by an empty tensor; `ds_numel` keeps its size.
+        return sum(int(getattr(p, "ds_numel", p.numel())) for p in self.module.parameters())
+
+    def local_parameters(self) -> list[torch.Tensor]:
+        out = []
+        for p in self.module.parameters():
+            t = getattr(p, "ds_tensor", None)  # ZeRO-3: this rank's partition
+            t = p if t is None else t
+            if t.numel():
+                out.append(t.detach())
+        return out
+
+    def state_bytes(self) -> dict[str, int]:
+        return deepspeed_state_bytes(self.ds)
+
+    def save_state(self, directory: str) -> None:
+        # The universal-checkpoint info declares a plain data-parallel model (no tensor/pipeline-parallel
+        # patterns), which DeepSpeed's converter needs to repartition the state for another world size.
+        from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE
+
+        client = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+        self.ds.save_checkpoint(os.path.join(directory, "ds"), tag=DS_TAG, client_state=client, save_latest=False)
+
+    def load_state(self, directory: str, saved_world_size: int, is_main: bool) -> None:
+        if saved_world_size == dist.get_world_size():
+            loaded, _ = self.ds.load_checkpoint(os.path.join(directory, "ds"), tag=DS_TAG)
+        else:
+            universal = os.path.join(directory, DS_UNIVERSAL)
+            if is_main and not os.path.isdir(universal):
+                log.info(f"converting {directory} to a DeepSpeed universal checkpoint (world size {saved_world_size} -> "
+                       f"{dist.get_world_size()})")
+                convert_to_universal(os.path.join(directory, "ds"), universal)
+            dist.barrier()
+            self.ds._config.load_universal_checkpoint = True  # read by load_checkpoint only
+            try:
+                loaded, _ = self.ds.load_checkpoint(universal, tag=DS_TAG)
+            finally:
+                self.ds._config.load_universal_checkpoint = False
+        if loaded is None:
+            raise CheckpointError(f"DeepSpeed could not load the checkpoint in {directory}")
+        self._skipped_before = int(getattr(self.ds, "skipped_steps", 0))  # DeepSpeed restored its counter: count from it
+
+
+    def __init__(self, ds_engine: Any, policy: PrecisionPolicy, loss_fn: LossFn, grad_accum: int, device: torch.device):
+        super().__init__(policy, loss_fn, grad_accum, device)
+        self.ds = ds_engine
+        self.zero_stage = int(ds_engine.zero_optimization_stage())
+        self.module = ds_engine.module
+        # Forward must go through the DeepSpeed engine: calling the module directly skips its
+        # per-micro-step bookkeeping, and ZeRO-3 then loses the first micro-batches' gradients.
+        self.model = ds_engine
+        self._skipped_before = 0
+
+    @property
+    def optimizer(self) -> Any:
+        return self.ds.optimizer
+
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
+        # DeepSpeed divides by gradient_accumulation_steps itself and knows the boundary.
+        self.ds.backward(loss)
+        if not last_micro:
+            self.ds.step()  # a no-op apart from DeepSpeed's micro-step bookkeeping
+
+    def step(self, skip: bool = False) -> StepResult:
+        """`skip`: every rank agreed this step's loss is non-finite (harness.reliability): drop the update."""
+        # --- non-finite steps (harness.reliability): ZeRO and DeepSpeed's bf16/fp16 optimizers detect
+        # a non-finite gradient and skip the step themselves. A bare torch optimizer (no ZeRO, fp32)
+        # has no such check: DeepSpeed calls its step() unconditionally and would apply the NaN
+        # update. For that one step we zero the gradients (DeepSpeed still clips them) and make the
+        # optimizer's step() a no-op, so weights and optimizer state stay exactly as they were.
+        own_norm, dropped = None, False
+        optimizer = self.ds.optimizer
+        if not hasattr(optimizer, "overflow"):
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            if params:
+                own_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])))
+            dropped = skip or (own_norm is not None and not math.isfinite(own_norm))
+            if dropped:
+                for p in params:
+                    p.grad.zero_()
+                optimizer.step = lambda *args, **kwargs: None  # instance attribute: shadows the class's step
+        try:
+            self.ds.step()
+        finally:
+            if dropped:
+                del optimizer.step
+        norm = self.ds.get_global_grad_norm()
+        norm_f = float(norm) if norm is not None else (own_norm if own_norm is not None else float("nan"))
+        skipped_now = int(getattr(self.ds, "skipped_steps", 0))
+        skipped = dropped or skipped_now > self._skipped_before or not math.isfinite(norm_f)
+        self._skipped_before = skipped_now
+        return StepResult(norm_f, skipped)
+
+    @property
+    def lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+
+def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth > 3:
+        return []
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v, depth + 1)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v, depth + 1)]
+    return []
+
+
+def _classify_ds_attribute(name: str) -> str | None:
+    lowered = name.lower()
+    if "grad" in lowered:
+        return "grads"
+    if "fp32" in lowered or "master" in lowered or "single_partition" in lowered:
+        return "master_params"
+    if any(k in lowered for k in ("bit16", "fp16", "lp_param", "partitioned_groups_flat")):
+        return "params"
+    return None
+
+
+def deepspeed_state_bytes(ds_engine: Any) -> dict[str, int]:
+    """DeepSpeed ZeRO 0-3: walk the engine's optimizer for the storages it holds."""
+    counter = StateCounter()
+    module = ds_engine.module
+    params = list(module.parameters())
+    # ZeRO-3 keeps each rank's partition in `ds_tensor`; the full `param.data` is freed.
+    counter.add("params", [getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p for p in params])
+    counter.add("grads", [p.grad for p in params if p.grad is not None])
+    zero_opt = ds_engine.optimizer
+    base = getattr(zero_opt, "optimizer", None)
+    if base is not None:
+        counter.add("optim_state", optimizer_state_tensors(base))
+    # Gradients first (buffers whose names say so), then master copies, then flat params.
+    attrs = {}
+    for name, value in vars(zero_opt).items():
+        category = _classify_ds_attribute(name)
+        if category:
+            attrs.setdefault(category, []).extend(_tensors_in(value))
+    for category in ("grads", "master_params", "params"):
+        counter.add(category, attrs.get(category, []))
+    return counter.bytes
+
+
+def convert_to_universal(ds_dir: str, out_dir: str) -> None:
+    """DeepSpeed's universal-checkpoint conversion (one process): lets ZeRO state load at any world size."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    tmp = f"{out_dir}.tmp"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    args = Namespace(input_folder=os.path.join(ds_dir, DS_TAG), output_folder=os.path.join(tmp, DS_TAG),
+                     num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                     inject_missing_state=False)
+    ds_to_universal(args)
+    os.replace(tmp, out_dir)
+
+
+def read_model_weights(directory: str, zero_stage: int) -> dict[str, torch.Tensor]:
+    """The fp32 model weights of a checkpoint `save_state` wrote, whole, in one process: DeepSpeed's
+    own `zero_to_fp32` consolidation (lazily loaded), or the module state of a stage-0 checkpoint."""
+    ds_dir = os.path.join(directory, "ds")
+    if zero_stage == 0:  # no ZeRO partitions: the module state is whole in the model-states file
+        states = torch.load(os.path.join(ds_dir, DS_TAG, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
+        return {k: v.float() for k, v in states["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    lazy = get_fp32_state_dict_from_zero_checkpoint(ds_dir, tag=DS_TAG, lazy_mode=True)
+    return {k: v.contiguous() for k, v in lazy.items()}

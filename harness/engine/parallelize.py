@@ -1,0 +1,140 @@
+"""Distribution applied in one place: precision cast, memory techniques, then the engine.
+
+Order follows torchtitan: activation checkpointing → compile → sharding (FSDP2) or
+DeepSpeed's initialize. The model code is never edited; everything wraps it from outside.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness.config import RunConfig, Strategy, resolve_deepspeed_config
+from harness.distributed import DistInfo
+from harness.engine.base import Engine, LossFn
+from harness.engine.deepspeed_engine import DeepSpeedEngine
+from harness.engine.torch_engine import TorchEngine
+from harness.log import get_logger
+from harness.memory import OptimizerInBackward, apply_activation_checkpointing, apply_compile
+from harness.models import decoder_blocks
+from harness.training import PrecisionPolicy, build_optimizer, build_scheduler, lr_lambda
+
+log = get_logger(__name__)
+
+
+def apply_memory_techniques(model: nn.Module, cfg: RunConfig) -> None:
+    """Activation checkpointing and compile, before any sharding wraps the blocks."""
+    mem = cfg.memory
+    if mem.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, mem.activation_checkpointing, mem.ac_every)
+    if mem.compile != "none" or mem.activation_memory_budget is not None:
+        apply_compile(model, mem.compile if mem.compile != "none" else "model", mem.activation_memory_budget)
+
+
+def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
+    """FSDP2: shard the embeddings, each decoder block, the LM head, and the root.
+
+    The head is its own unit (kept gathered after forward: backward needs it at once), so
+    its large weight is not gathered with the root's small leftovers (final norm, rotary
+    buffers). One module per `fully_shard` call: torch's FSDPMemTracker instruments each
+    module's parameter group once, and a group shared by two modules breaks its tracking.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
+    if policy.mode == "bf16":
+        reduce = torch.float32 if strategy.reduce_dtype == "fp32" else torch.bfloat16
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+    if strategy.offload_params != "none":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "embed_tokens"):
+        fully_shard(inner.embed_tokens, **kwargs)
+    for block in decoder_blocks(model):
+        fully_shard(block, **kwargs)
+    head = getattr(model, "lm_head", None)
+    if head is not None and not getattr(model.config, "tie_word_embeddings", False):
+        fully_shard(head, **{**kwargs, "reshard_after_forward": False})
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _torch_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo, loss_fn: LossFn) -> Engine:
+    model.to(device=info.device, dtype=policy.param_dtype)
+    apply_memory_techniques(model, cfg)
+    kind = "single" if not info.distributed else strategy.kind
+    wrapped: nn.Module = model
+    if kind == "fsdp":
+        wrapped = fsdp_wrap(model, strategy, policy, info)
+    elif kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [info.device.index] if info.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+    oib = None
+    if cfg.memory.optimizer_in_backward:
+        oib = OptimizerInBackward(wrapped, cfg.optim, cfg.steps)
+        optimizer, scheduler = oib, oib.scheduler
+    else:
+        optimizer = build_optimizer(wrapped.parameters(), cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
+    return TorchEngine(
+        kind, model, wrapped, optimizer, scheduler, policy, loss_fn, cfg.grad_accum, cfg.optim.grad_clip, info.device, oib
+    )
+
+
+def _deepspeed_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo,
+                      loss_fn: LossFn) -> Engine:
+    import deepspeed
+
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    ds_config = resolve_deepspeed_config(strategy, cfg, info.world_size, hidden)
+    model.to(device=info.device, dtype=torch.float32)
+    apply_memory_techniques(model, cfg)
+    optimizer = None
+    if "optimizer" not in ds_config:
+        optimizer = _client_optimizer(model, cfg, strategy, ds_config)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        optimizer=optimizer,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.optim, cfg.steps)),
+        config=ds_config,
+        dist_init_required=False,
+    )
+    return DeepSpeedEngine(engine, policy, loss_fn, cfg.grad_accum, info.device)
+
+
+def _client_optimizer(model: nn.Module, cfg: RunConfig, strategy: Strategy, ds_config: dict[str, Any]):
+    """Our optimizer for DeepSpeed; with optimizer offload on a GPU machine, DeepSpeed's CPU Adam.
+
+    DeepSpeedCPUAdam is the fast path when the model lives on a GPU and its optimizer on the
+    host. On a CPU-only machine both already share the host, and its C++ op costs a minute of
+    JIT build, so we pass torch's AdamW and tell DeepSpeed to accept it; likewise where the
+    op cannot be built (`zero_force_ds_cpu_optimizer: false`).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if strategy.offload_optimizer != "none" and cfg.optim.name in ("adamw", "adam"):
+        if torch.cuda.is_available() and os.environ.get("HARNESS_DS_CPU_ADAM", "1") == "1":
+            try:
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(
+                    params, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+                    weight_decay=cfg.optim.weight_decay, adamw_mode=cfg.optim.name == "adamw",
+                )
+            except Exception as exc:  # the op needs a compiler and DeepSpeed's build deps
+                log.warning(f"DeepSpeedCPUAdam unavailable ({type(exc).__name__}); using torch AdamW on CPU")
+        ds_config["zero_force_ds_cpu_optimizer"] = False
+    return build_optimizer(params, cfg.optim)
+
+
+def build_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo, loss_fn: LossFn) -> Engine:
+    build = _deepspeed_engine if strategy.kind == "deepspeed" else _torch_engine
+    engine = build(model, cfg, strategy, policy, info, loss_fn)
+    engine.activation_offload = cfg.memory.activation_offload
+    return engine

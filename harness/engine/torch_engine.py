@@ -1,0 +1,200 @@
+"""The torch engine: one process, DDP or FSDP2, with a torch optimizer (or one stepped in backward).
+
+Its checkpoint is a `torch.distributed.checkpoint` (DCP) directory keyed by parameter FQN:
+under FSDP2 each rank writes only its DTensor shards, and loading reshards to any world
+size (FSDP2 <-> single/DDP, 2 <-> 1 ranks).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+
+from harness.engine.base import Engine, LossFn, StepResult
+from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
+from harness.training import PrecisionPolicy
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP warns on every single-process call that it assumes a single process; that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _group_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class TorchEngine(Engine):
+    """Single process, DDP or FSDP2 with a torch optimizer (optionally stepped in backward)."""
+
+    checkpoint_format = "torch"
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+        if mode and self.kind == "fsdp":
+            # A no-grad forward leaves reshard_after_forward=False groups unsharded: their parameters
+            # would not be the optimizer's (a checkpoint save would fail). Reshard before training on.
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def local_parameters(self) -> list[torch.Tensor]:
+        out = []
+        for p in self.model.parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p
+            if t.numel():
+                out.append(t.detach())
+        return out
+
+    def state_bytes(self) -> dict[str, int]:
+        """Local shards of parameters, their gradients and optimizer state."""
+        counter = StateCounter()
+        params = list(self.model.parameters())
+        counter.add("params", params)
+        counter.add("grads", [p.grad for p in params if p.grad is not None])
+        optimizers = getattr(self._optimizer, "optimizers", None) or [self._optimizer]  # optimizer-in-backward holds many
+        for opt in optimizers:
+            if opt is not None:
+                counter.add("optim_state", optimizer_state_tensors(opt))
+        return counter.bytes
+
+    # ------------------------------------------------------------------ checkpoints
+    def _dcp_state(self) -> dict[str, Any]:
+        """Model and optimizer state keyed by parameter FQN: DTensor shards under FSDP2, so DCP reshards."""
+        if isinstance(self._optimizer, torch.optim.Optimizer):
+            optim_sd = get_optimizer_state_dict(self.model, self._optimizer)
+        else:  # optimizer-in-backward: already FQN-keyed through DCP's helpers
+            optim_sd = self._optimizer.state_dict()
+        return {"model": get_model_state_dict(self.model), "optim": optim_sd}
+
+    def save_state(self, directory: str) -> None:
+        with _quiet_dcp():
+            dcp.save(self._dcp_state(), checkpoint_id=f"{directory}/dcp", no_dist=not _group_initialized())
+
+    def load_state(self, directory: str, saved_world_size: int, is_main: bool) -> None:
+        state = self._dcp_state()  # the targets: this run's shapes and placements (DCP reshards into them)
+        with _quiet_dcp():
+            dcp.load(state, checkpoint_id=f"{directory}/dcp", no_dist=not _group_initialized())
+        set_model_state_dict(self.model, state["model"])
+        if isinstance(self._optimizer, torch.optim.Optimizer):
+            set_optimizer_state_dict(self.model, self._optimizer, state["optim"])
+        else:
+            self._optimizer.load_state_dict(state["optim"])
+
+    def trainer_state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"scheduler": self.scheduler.state_dict()}
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        return out
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler") is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def __init__(
+        self,
+        kind: str,
+        module: nn.Module,
+        model: nn.Module,
+        optimizer: Any,
+        scheduler: Any,
+        policy: PrecisionPolicy,
+        loss_fn: LossFn,
+        grad_accum: int,
+        grad_clip: float,
+        device: torch.device,
+        optimizer_in_backward: Any = None,
+    ):
+        super().__init__(policy, loss_fn, grad_accum, device)
+        self.kind = kind
+        self.module = module
+        self.model = model
+        self._optimizer = optimizer
+        self.scheduler = scheduler
+        self.grad_clip = grad_clip
+        self.oib = optimizer_in_backward  # harness.memory.optimizer_in_backward object or None
+        self.scaler = torch.amp.GradScaler(device.type) if policy.uses_scaler else None
+
+    @property
+    def optimizer(self) -> Any:
+        return self._optimizer
+
+    def _sync_context(self, last_micro: bool):
+        if self.kind == "ddp" and not last_micro:
+            return self.model.no_sync()
+        if self.kind == "fsdp":
+            # FSDP2: skip the reduce-scatter on all but the last micro-batch.
+            self.model.set_requires_gradient_sync(last_micro)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
+        if self.oib is not None:
+            self.oib.set_last_micro_batch(last_micro)
+        scaled = loss / self.grad_accum
+        with self._sync_context(last_micro):
+            if self.scaler is not None:
+                self.scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.grad is not None]
+
+    def step(self, skip: bool = False) -> StepResult:
+        """`skip`: every rank agreed this step's loss is non-finite (harness.reliability): drop the update."""
+        if self.oib is not None:
+            # The optimizer already stepped inside backward; it reports the norm it saw.
+            norm = self.oib.last_grad_norm()
+            skipped = not math.isfinite(norm)
+            self.scheduler.step()
+            return StepResult(norm, skipped)
+        if self.scaler is not None:
+            self.scaler.unscale_(self._optimizer)
+        params = self._params()
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        norm_f = float(norm)
+        skipped = skip or not math.isfinite(norm_f)
+        if self.scaler is not None:
+            if not skip:
+                self.scaler.step(self._optimizer)  # skips the step itself on inf/nan
+            self.scaler.update()
+        elif not skipped:
+            self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return StepResult(norm_f, skipped)
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+
+def read_model_weights(directory: str, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint `save_state` wrote, whole, in one process: DCP reassembles
+    each tensor from however many shards were written and never reads the optimizer entries.
+    `model` (empty storage is fine) gives the keys, shapes and dtypes."""
+    state = {"model": dict(model.state_dict())}
+    with _quiet_dcp():
+        dcp.load(state, checkpoint_id=f"{directory}/dcp", no_dist=True)
+    return state["model"]

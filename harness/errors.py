@@ -1,0 +1,44 @@
+"""The errors a user can cause or meet, and the exit code each ends a run with.
+
+One vocabulary for every entry point and every rank: a launcher, a SLURM script or a test
+reads the code to learn what happened without parsing output. The message is always one
+actionable line on stderr (rank 0 for agreed failures; the affected rank otherwise).
+
+| code | meaning |
+|---|---|
+| 0 | done (or preempted: saved, the job may requeue) |
+| 1 | an unexpected bug (a traceback) |
+| 2 | bad input: the config, a file or the environment (nothing launched or written) |
+| 3 | a non-finite loss/gradient stopped the run (`checkpoint.on_nonfinite=stop`) |
+| 4 | out of memory (with a report of what was held) |
+| 5 | a peer rank died or hangs |
+| 6 | a checkpoint could not be written or read |
+"""
+from __future__ import annotations
+
+import difflib
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_NONFINITE = 3
+EXIT_OOM = 4
+EXIT_PEER_LOST = 5
+EXIT_CHECKPOINT = 6
+
+
+class ConfigError(ValueError):
+    """A run config, strategy file or input that cannot work; the message says what to change."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message says which and what to do."""
+
+
+class NonFiniteError(RuntimeError):
+    """The run stops on a non-finite loss/gradient (policy `stop`, or weights already corrupted)."""
+
+
+def did_you_mean(word: str, valid: list[str], cutoff: float = 0.0) -> str:
+    """" (did you mean 'x'?)" naming the closest valid spelling, or "" when none is within `cutoff`."""
+    close = difflib.get_close_matches(word, valid, n=1, cutoff=cutoff)
+    return f" (did you mean '{close[0]}'?)" if close else ""

@@ -1,0 +1,106 @@
+"""Out of memory: what was held, by category, and the one change the planner says would fit.
+
+An OOM is the most common way a first run of a new config dies, and the traceback alone
+says only "tried to allocate 2 GiB". The report names the step, the bytes of parameters,
+gradients and optimizer state this rank held (`Engine.state_bytes`), the per-category peak
+of the largest step the memory tracker measured, the device's totals, and the first single
+change (activation checkpointing, half the micro-batch with twice the accumulation, more
+sharding, a chunked loss) whose `harness.planner` estimate fits the device.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+from typing import Any
+
+import torch
+
+from harness.distributed import DistInfo
+from harness.planner import estimate
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+def _fmt(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _variant(cfg: Any, change: list[tuple[str, Any]]) -> Any:
+    """A copy of the run config with dotted keys set (values already typed)."""
+    variant = copy.deepcopy(cfg)
+    for key, value in change:
+        node = variant
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = getattr(node, part)
+        setattr(node, leaf, value)
+    return variant
+
+
+def planner_suggestion(cfg: Any, world: int, capacity: int | None, target: str, budget_s: float = 60.0) -> str:
+    """The first single change whose estimated per-rank peak fits `capacity` (harness.planner), as overrides."""
+    strategy = cfg.strategy or "ddp"
+    more_sharding = {"ddp": "fsdp", "fsdp_grad_op": "fsdp", "zero1": "zero2", "zero2": "zero3", "zero3": "zero3_offload",
+                     "zero2_offload": "zero3_offload"}
+    candidates: list[list[tuple[str, Any]]] = []
+    if cfg.memory.activation_checkpointing == "none":
+        candidates.append([("memory.activation_checkpointing", "full")])
+    if cfg.micro_batch_size > 1:
+        candidates.append([("micro_batch_size", cfg.micro_batch_size // 2), ("grad_accum", cfg.grad_accum * 2)])
+    if strategy in more_sharding:
+        candidates.append([("strategy", more_sharding[strategy])])
+    if cfg.memory.loss_chunk_size == 0:
+        candidates.append([("memory.loss_chunk_size", 1024)])
+    t0, best = time.monotonic(), None
+    for change in candidates:
+        if time.monotonic() - t0 > budget_s:
+            break
+        text = " ".join(f"{k}={v}" for k, v in change)
+        try:
+            peak = estimate(_variant(cfg, change), world, target=target).total
+        except Exception:
+            continue
+        if capacity is not None and peak <= 0.9 * capacity:
+            return f"{text} (estimated peak {_fmt(peak)} per rank, capacity {_fmt(capacity)})"
+        if best is None or peak < best[1]:
+            best = (text, peak)
+    if best is None:
+        return "no estimate available; try memory.activation_checkpointing=full, a smaller micro_batch_size or more sharding"
+    return f"no single change fits; the smallest estimate is {best[0]} ({_fmt(best[1])} per rank); combine changes"
+
+
+def oom_report(exc: BaseException, cfg: Any, info: DistInfo, guard: Any = None) -> str:
+    """Memory held by category now, the tracker's largest measured peak, device totals, and the planner's advice.
+
+    `guard` (harness.reliability.guard.StepGuard) knows the engine, the memory tracker and the step.
+    """
+    step = guard.steps_done + 1 if guard is not None else "?"
+    lines = [f"harness: error: out of memory on rank {info.rank} ({info.device}) in step {step}: {str(exc).splitlines()[0]}"]
+    if guard is not None:
+        held = guard.engine.state_bytes()
+        lines.append("  held now by category: " + ", ".join(f"{k} {_fmt(v)}" for k, v in held.items()))
+        tracker = guard.tracker
+        peaks = tracker.peak_so_far() if tracker is not None and getattr(tracker, "history", None) else {}
+        if peaks:
+            index = peaks.get("step")  # the tracker counts the steps of this process from 0
+            step_no = guard.start_step + index + 1 if isinstance(index, int) else "?"
+            lines.append(f"  peak of the largest measured step (step {step_no}): "
+                         + ", ".join(f"{k} {_fmt(v)}" for k, v in peaks.items() if k != "step" and v is not None))
+    capacity, target = None, "cpu"
+    if info.device.type == "cuda":
+        target = "cuda"
+        capacity = torch.cuda.get_device_properties(info.device).total_memory
+        lines.append(f"  device: peak allocated {_fmt(torch.cuda.max_memory_allocated(info.device))}, peak reserved "
+                     f"{_fmt(torch.cuda.max_memory_reserved(info.device))}, capacity {_fmt(capacity)}")
+    else:
+        try:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local)
+            lines.append(f"  host memory per local rank: {_fmt(capacity)}")
+        except (ValueError, OSError):
+            pass
+    lines.append("  the planner would change: " + planner_suggestion(cfg, info.world_size, capacity, target))
+    return "\n".join(lines)

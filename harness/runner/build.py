@@ -1,0 +1,61 @@
+"""Everything before the first step, in the order it must happen: data, model, engine,
+checkpoint restore, observer, memory tracker, step guard. Shared by `harness.train` and
+`harness.prune`, so a pruned model is loaded, trained and saved exactly as a trained one.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from harness.checkpoint import CheckpointManager, ResumeState
+from harness.config import RunConfig, Strategy, config_to_dict
+from harness.data import BatchSampler, PackedData, load_packed, prepare_data
+from harness.distributed import DistInfo
+from harness.engine import build_engine
+from harness.log import get_logger
+from harness.memory import StepMemoryTracker
+from harness.models import build_model
+from harness.observability import Observer
+from harness.reliability import StepGuard
+from harness.runner.loop import Loop
+from harness.training import causal_lm_loss, precision_policy
+
+log = get_logger(__name__)
+
+
+def prepare(cfg: RunConfig, info: DistInfo) -> PackedData:
+    """Rank 0 tokenizes and packs into the cache while the others wait, then all load it."""
+    if info.is_main:
+        prepare_data(cfg.model.name, cfg.data)
+    if info.distributed:
+        torch.distributed.barrier()
+    return load_packed(prepare_data(cfg.model.name, cfg.data))  # cached: returns at once
+
+
+def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Loop, ResumeState]:
+    """Data, model, engine, checkpoint restore, observer: everything before the first step
+    (shared with `python -m harness.prune`). Returns the loop and the restored state."""
+    torch.manual_seed(cfg.seed)
+    data = prepare(cfg, info)
+    model = build_model(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
+    policy = precision_policy(cfg.precision, info.device, strategy.kind)
+    loss_fn = functools.partial(causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
+    engine = build_engine(model, cfg, strategy, policy, info, loss_fn)
+    ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir)
+    resumed = ckpt.restore()  # step 0, or the checkpoint's step (= data position) with optimizer, RNG, schedule
+    sampler = BatchSampler(data, cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank, cfg.data.seed)
+    observer = Observer(cfg.output_dir, config_to_dict(cfg), cfg.logging, info.rank, info.world_size, cfg.steps,
+                        model_config=engine.module.config, start_step=resumed.step)
+    tracker = StepMemoryTracker(
+        engine.model, engine.optimizer, enabled=cfg.memory.track, category_every=cfg.memory.track_every,
+        snapshot_dir=os.path.join(cfg.output_dir, "memory_snapshot") if cfg.memory.snapshot else None,
+        layer_hooks=cfg.memory.layer_hooks,
+    )
+    guard = StepGuard(cfg, info, engine, tracker, lambda: ckpt.last_path, resumed.step)  # NaN policy, stop signals
+    log.info(f"{strategy.name} ({strategy.kind}) x{info.world_size} on {info.device}, {cfg.precision}, "
+          f"{engine.num_parameters():,} params, "
+          f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens")
+    loop = Loop(cfg, info, engine, data, sampler, observer, tracker, guard, ckpt, skipped=int(resumed.counters.get("skipped_steps", 0)))
+    return loop, resumed

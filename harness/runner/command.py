@@ -1,0 +1,41 @@
+"""The shape of every run command: parse, validate before any process group starts, then run
+the body under the supervisor and tear the group down."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from harness.config import RunConfig, Strategy
+from harness.distributed import init_distributed, teardown
+from harness.errors import EXIT_BAD_INPUT, ConfigError
+from harness.log import set_rank
+from harness.reliability import Supervisor, collective_timeout_s
+
+
+def parse_command_line(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """`--config <file>` and `key=value` overrides; `--local_rank` (from the deepspeed launcher) is accepted."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="run config (YAML or JSON); omitted: the embedded default")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_known_args(argv)
+
+
+def run_command(prog: str, load: Callable[[], tuple[RunConfig, Strategy]], body: Callable[..., Any]) -> int:
+    """Shared by `harness.train` and `harness.prune`: every check that can fail runs in `load`,
+    before any process group starts (one line, exit 2); then `body(cfg, strategy, info)` runs
+    under the supervisor (OOM, dead ranks, NaN stop, SIGTERM -> a message and an exit code)."""
+    try:
+        cfg, strategy = load()
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    info = init_distributed(cfg.device, collective_timeout_s(), force_group=strategy.needs_process_group)
+    set_rank(info.rank)
+    try:
+        with Supervisor(cfg, info):
+            body(cfg, strategy, info)
+    finally:
+        teardown()
+    return 0

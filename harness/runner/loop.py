@@ -1,0 +1,111 @@
+"""The training loop, readable in one sitting, and evaluation.
+
+One `Loop` serves training, fine-tuning after pruning (`after_step` keeps pruned weights
+at zero) and `python -m harness.prune`. It never asks which engine it has.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from harness.checkpoint import CheckpointManager
+from harness.config import RunConfig
+from harness.data import BatchSampler, PackedData, split_batches
+from harness.distributed import DistInfo, all_reduce_mean, all_reduce_sum
+from harness.engine import Engine
+from harness.memory import StepMemoryTracker
+from harness.observability import Observer
+from harness.reliability import StepGuard
+
+
+def write_state_bytes(output_dir: str, info: DistInfo, points: list[dict[str, int]]) -> None:
+    """Per-rank bytes held in the first step (max over its phases): the proof of sharding."""
+    peak = {k: max(p[k] for p in points) for k in points[0]}
+    os.makedirs(os.path.join(output_dir, "state_bytes"), exist_ok=True)
+    with open(os.path.join(output_dir, "state_bytes", f"rank{info.rank}.json"), "w") as f:
+        json.dump({"rank": info.rank, "world_size": info.world_size, "peak": peak, "phases": points}, f, indent=1)
+
+
+def evaluate(engine: Engine, data: PackedData, cfg: RunConfig, info: DistInfo, split: str = "eval") -> dict[str, float]:
+    """Mean token loss and perplexity over the same global set of blocks at any world size."""
+    engine.train(False)
+    total, count = 0.0, 0.0
+    for batch in split_batches(data, split, cfg.micro_batch_size, cfg.eval_batches, info.world_size, info.rank):
+        loss = engine.eval_loss(batch.to(info.device))
+        total += float(loss) * batch.shape[0]
+        count += batch.shape[0]
+    total, count = all_reduce_sum([total, count], info)
+    engine.train(True)
+    mean = total / max(count, 1.0)
+    return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
+
+
+@dataclass
+class Loop:
+    """Everything the steps touch, so one loop serves training, fine-tuning after pruning
+    (`after_step` keeps pruned weights at zero) and `python -m harness.prune`."""
+
+    cfg: RunConfig
+    info: DistInfo
+    engine: Engine
+    data: PackedData
+    sampler: BatchSampler
+    observer: Observer
+    tracker: StepMemoryTracker
+    guard: StepGuard
+    ckpt: CheckpointManager
+    skipped: int = 0
+    loss_mean: float = float("nan")
+    stopped_at: int | None = None  # the step a stop request ended the run at (checkpoint saved)
+    after_step: Callable[[], None] | None = None  # run after every engine.step(), e.g. the pruning stage's mask enforcer
+
+    def run(self, first: int, stop: int) -> bool:
+        """Train steps [first, stop); False when a stop request ended the run (saved, observer closed)."""
+        cfg, info, engine, sampler, tracker, guard, observer = (self.cfg, self.info, self.engine, self.sampler, self.tracker, self.guard,
+                                                                self.observer)
+        tokens_per_step = sampler.global_batch * cfg.data.seq_len
+        engine.train(True)
+        state_points: list[dict[str, int]] = []
+        for step in range(first, stop):
+            t0 = time.perf_counter()
+            with tracker.step():
+                step_loss = 0.0
+                for micro in range(cfg.grad_accum):
+                    batch = sampler.batch(step, micro).to(info.device)
+                    loss = engine.forward_loss(batch)
+                    engine.backward(loss, last_micro=micro == cfg.grad_accum - 1)
+                    step_loss += float(loss.detach()) / cfg.grad_accum
+                    if step == 0:
+                        state_points.append(engine.state_bytes())
+                lr = engine.lr
+                result = engine.step(skip=guard.pre_step(step_loss))  # all ranks agree on a non-finite loss first
+                if self.after_step is not None:
+                    self.after_step()
+            if step == 0:
+                state_points.append(engine.state_bytes())
+                write_state_bytes(cfg.output_dir, info, state_points)
+            elapsed = time.perf_counter() - t0
+            self.skipped += int(result.skipped)
+            guard.post_step(result)  # checkpoint.on_nonfinite: skip (counted) or stop naming the last good checkpoint
+            self.loss_mean = all_reduce_mean(step_loss, info)
+            metrics = {
+                "train/loss": self.loss_mean, "train/lr": lr, "train/grad_norm": result.grad_norm, "train/skipped_steps": self.skipped,
+                "perf/step_time_s": elapsed, "perf/tokens_per_s": tokens_per_step / elapsed,
+                "perf/samples_per_s": sampler.global_batch / elapsed,
+            }
+            # `_peak_bytes`: the split at the step's peak moment (sums to the total; the stacked
+            # panel); `_max_bytes`: each category's own maximum in the step.
+            metrics.update({f"memory/{k}_peak_bytes": v for k, v in tracker.last_peaks().items()})
+            metrics.update({f"memory/{k}_max_bytes": v for k, v in tracker.last_category_maxima().items()})
+            observer.log_step(step + 1, metrics)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
+                observer.log_eval(step + 1, evaluate(engine, self.data, cfg, info))
+            if self.ckpt.after_step(step + 1, {"skipped_steps": self.skipped}, stop=guard.stop_requested):
+                observer.close()  # SIGTERM/SIGUSR1: saved; exit cleanly so the job can requeue
+                self.stopped_at = step + 1
+                return False
+        return True

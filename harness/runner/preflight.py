@@ -1,0 +1,186 @@
+"""Pre-flight validation: every check that can fail before a process group starts.
+
+Each failure is a ConfigError with one actionable line; `harness.train` prints it and
+exits non-zero, so nothing is launched, nothing is written and nothing of the user's is
+touched. A mistake found here costs seconds; the same mistake found after the launcher
+has queued 64 GPUs and the model is loaded costs an hour (or, for the output-directory
+rule, a previous run's checkpoints).
+
+The rules on the config itself live in `harness.config.checks` (run here through
+`check_run`, once); this module adds what needs the outside world: the launcher's
+environment, the model's files and shape, the data files, the output directory and an
+existing checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from huggingface_hub import constants, try_to_load_from_cache
+from transformers import AutoConfig
+
+from harness.checkpoint import check_compatible, checkpoint_root, read_meta, resume_path
+from harness.config import RunConfig, Strategy, check_run
+from harness.distributed import launch_env
+from harness.errors import CheckpointError, ConfigError
+from harness.models import PRESETS, is_preset
+
+
+def has_accelerator(cfg: RunConfig) -> bool:
+    return cfg.device != "cpu" and torch.cuda.is_available()
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or name.endswith((".json", ".jsonl", ".txt", ".parquet"))
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+# ------------------------------------------------------------------ model
+
+
+def model_shape(cfg: RunConfig) -> dict[str, Any] | None:
+    """The model's config values the checks need (preset table or config.json); ConfigError if unfindable."""
+    name = cfg.model.name
+    if is_preset(name):
+        p = PRESETS[name]
+        return {"max_position_embeddings": p.max_position_embeddings, "hidden_size": p.hidden_size,
+                "intermediate_size": p.intermediate_size}
+    if os.path.isdir(name):
+        path = os.path.join(name, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"model.name '{name}' is a directory without config.json; point it at a Hugging Face model directory")
+        with open(path) as f:
+            return json.load(f)
+    if _looks_like_path(name):
+        raise ConfigError(f"model.name '{name}' does not exist; give a preset ({', '.join(PRESETS)}), a local model directory or a hub id")
+    cached = try_to_load_from_cache(name, "config.json")
+    if isinstance(cached, str):
+        with open(cached) as f:
+            return json.load(f)
+    if _offline():
+        raise ConfigError(f"model.name '{name}' is not a preset, a local directory or in the Hugging Face cache, and HF_HUB_OFFLINE=1 "
+                          "(no network); download it first or give a local path")
+    try:
+        return AutoConfig.from_pretrained(name).to_dict()
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.name '{name}' was not found on the Hugging Face hub ({str(exc).splitlines()[0]})") from None
+
+
+def check_model(cfg: RunConfig) -> None:
+    shape = model_shape(cfg)
+    if shape is None:
+        return
+    positions = shape.get("max_position_embeddings") or shape.get("n_positions")
+    seq = cfg.data.seq_len
+    if cfg.model.max_seq_len is not None and seq > cfg.model.max_seq_len:
+        raise ConfigError(f"data.seq_len={seq} exceeds model.max_seq_len={cfg.model.max_seq_len}; lower data.seq_len")
+    if positions and seq > positions:
+        raise ConfigError(f"data.seq_len={seq} exceeds the model's {positions} positions (max_position_embeddings); "
+                          f"set data.seq_len <= {positions}")
+    if cfg.prune.method != "none" and cfg.prune.pattern != "unstructured":
+        m = int(cfg.prune.pattern.split(":")[1])
+        heads, hidden = shape.get("num_attention_heads"), shape.get("hidden_size")
+        widths = {"hidden_size": hidden, "intermediate_size": shape.get("intermediate_size"),
+                  "num_attention_heads*head_dim": heads * shape["head_dim"] if heads and shape.get("head_dim") else None}
+        for what, width in widths.items():
+            if width and width % m:
+                raise ConfigError(f"prune.pattern={cfg.prune.pattern}: M={m} must divide every pruned layer's input width, "
+                                  f"but {what}={width}; use an M that divides it (e.g. 2:4)")
+
+
+# ------------------------------------------------------------------ data
+
+
+def check_data(cfg: RunConfig) -> None:
+    source = cfg.data.source
+    if cfg.data.tokenizer and not os.path.exists(cfg.data.tokenizer):
+        raise ConfigError(f"data.tokenizer '{cfg.data.tokenizer}' does not exist; give a tokenizer directory or leave it unset")
+    if source == "embedded":
+        return
+    if os.path.exists(source):
+        files = ([os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs] if os.path.isdir(source) else [source])
+        if not files:
+            raise ConfigError(f"data.source '{source}' is an empty directory; put text/jsonl/json/parquet files in it")
+        if all(os.path.getsize(f) == 0 for f in files):
+            raise ConfigError(f"data.source '{source}' holds only empty files")
+        first = sorted(files)[0]
+        if first.endswith(".jsonl"):
+            with open(first) as f:
+                line = next((ln for ln in f if ln.strip()), "")
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"data.source file '{first}' is not valid JSON lines (line 1, column {e.colno}: {e.msg})") from None
+            if isinstance(record, dict) and cfg.data.text_field not in record:
+                raise ConfigError(f"data.source '{first}' has no field '{cfg.data.text_field}' (fields: {', '.join(record)}); "
+                                  "set data.text_field")
+        return
+    if _looks_like_path(source):
+        raise ConfigError(f"data.source '{source}' does not exist")
+    if _offline():
+        cached = os.path.isdir(os.path.join(constants.HF_HUB_CACHE, "datasets--" + source.replace("/", "--")))
+        if not cached:
+            raise ConfigError(f"data.source '{source}' is not a local path or a cached hub dataset, and HF_HUB_OFFLINE=1 (no network)")
+
+
+# ------------------------------------------------------------------ output directory and resume
+
+
+def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> None:
+    """Never overwrite silently; a resume must be able to continue the same run."""
+    c = cfg.checkpoint
+    if c.keep < 1:
+        raise ConfigError(f"checkpoint.keep={c.keep} must be >= 1 (the newest checkpoint is always kept)")
+    if c.every < 0:
+        raise ConfigError(f"checkpoint.every={c.every} must be >= 0 (0: only at the end)")
+    out = cfg.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"output_dir '{out}' exists and is not a directory; choose another output_dir")
+    parent = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"output_dir '{out}' is not writable ({parent} is read-only for this user)")
+    root = checkpoint_root(out)
+    existing = sorted(n for n in os.listdir(root) if n.startswith("step_")) if os.path.isdir(root) else []
+    try:
+        path = resume_path(cfg)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
+    ours = path is not None and os.path.abspath(path).startswith(os.path.abspath(root) + os.sep)
+    if existing and c.resume != "auto" and not ours and not c.overwrite:
+        raise ConfigError(
+            f"output_dir '{out}' already holds checkpoints of another run ({existing[-1]}); set checkpoint.resume=auto to "
+            "continue it, checkpoint.overwrite=true to replace them, or choose another output_dir"
+        )
+    if path is not None:
+        try:
+            meta = read_meta(path)
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
+        check_compatible(meta, path, cfg, strategy, world)
+
+
+# ------------------------------------------------------------------ the entry point
+
+
+def preflight(cfg: RunConfig, strategy: Strategy) -> None:
+    """Every check that can fail before a process group starts; ConfigError (one line) on the first failure."""
+    _, world, _ = launch_env()
+    check_run(cfg, strategy, world, has_accelerator(cfg))
+    amp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if amp in ("bf16", "fp16") and amp != cfg.precision:
+        raise ConfigError(f"accelerate launch --mixed_precision {amp} contradicts the run config's precision={cfg.precision}; "
+                          f"set precision={amp}")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no GPU is visible; use device=auto or device=cpu")
+    if cfg.precision == "bf16" and has_accelerator(cfg) and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
+    check_model(cfg)
+    check_data(cfg)
+    check_output_and_resume(cfg, strategy, world)

@@ -1,0 +1,241 @@
+"""Pruning as a stage of a run: after training (`harness.train`), or on a loaded model
+(`python -m harness.prune`).
+
+`run_prune_stage` draws the calibration set from the data's `calib` split (disjoint by
+document from train and eval), runs `harness.pruning` on the trainer's own engine (any
+strategy, any world size), measures eval perplexity before and after on the `eval` split,
+logs per-layer sparsity, saves the masks and hands back a callable that keeps pruned
+weights at exactly zero through further steps.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from harness.checkpoint import CheckpointManager, ResumeState
+from harness.config import RunConfig
+from harness.data import PackedData
+from harness.distributed import DistInfo
+from harness.engine import Engine
+from harness.errors import ConfigError
+from harness.log import get_logger
+from harness.observability import Observer
+from harness.pruning import (
+    Comm,
+    MaskEnforcer,
+    MaskSet,
+    build_views,
+    calibration_samples,
+    run_pruning,
+    run_schedule,
+    shard_calibration,
+)
+from harness.runner.loop import evaluate
+
+log = get_logger(__name__)
+
+MASKS_DIR = "prune_masks"  # under output_dir: MaskSet files, loadable at any world size
+REPORT_FILE = "prune_report.json"  # under output_dir: the stats of the stage (rank 0)
+HOLDOUT_SPLIT = "calib_holdout"  # calib-split blocks not drawn for calibration: the schedule's metric
+STAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PruneStats(dict):
+    """The stage's numbers (a plain dict: logged, returned, written as JSON) carrying what the
+    loop needs afterwards: `after_step()`, called after every `engine.step()`, keeps the
+    pruned weights at exactly zero.
+
+    For a torch optimizer the enforcer is installed as a post-step hook (so any step of it
+    is covered) and `after_step` does nothing; DeepSpeed owns its step and
+    optimizer-in-backward steps inside backward, so there `after_step` does the work.
+    """
+
+    def __init__(self, values: dict[str, Any], enforcer: Any = None, masks: Any = None, hook: Any = None) -> None:
+        super().__init__(values)
+        self.enforcer = enforcer
+        self.masks = masks
+        self._hook = hook
+
+    def after_step(self) -> None:
+        if self.enforcer is not None and self._hook is None:
+            self.enforcer()
+
+    def release(self) -> None:
+        """Stop enforcing (removes the optimizer hook); for callers that prune the same engine again."""
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = None
+        self.enforcer = None
+
+
+# ----------------------------------------------------------------------------- calibration data
+
+
+def calibration_split(data: PackedData, cfg: RunConfig) -> tuple[torch.Tensor, np.ndarray]:
+    """(calibration samples, held-out calib blocks). The samples are exactly
+    `calibration_samples(pool, calib_samples, calib_seed)`; the rest of the same seeded
+    permutation is held out for the iterative schedule's metric, so neither the schedule
+    nor calibration ever reads the eval split."""
+    pool = torch.from_numpy(np.asarray(data.blocks["calib"]).astype(np.int64))
+    order = calibration_samples(pool, pool.shape[0], cfg.prune.calib_seed)  # the whole pool, permuted
+    n = cfg.prune.calib_samples if cfg.prune.method != "magnitude" else 0  # magnitude reads no data
+    if n > pool.shape[0]:
+        raise ConfigError(f"prune.calib_samples={n} but the calib split has {pool.shape[0]} blocks of {cfg.data.seq_len} tokens; "
+                          "lower it or raise data.calib_fraction")
+    return order[:n], order[n:].numpy().astype(np.int32)
+
+
+def calibration_batches(samples: torch.Tensor, cfg: RunConfig, info: DistInfo, comm: Comm) -> list[torch.Tensor]:
+    """This rank's micro-batches: a probe step is `grad_accum` micro-batches per rank, laid out
+    so the same global micro-batches meet in the same step at any world size."""
+    if samples.shape[0] == 0:
+        return []
+    return [b.to(info.device) for b in shard_calibration(samples, cfg.micro_batch_size, cfg.grad_accum, comm)]
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def run_prune_stage(
+    engine: Engine,
+    data: PackedData,
+    cfg: RunConfig,
+    info: DistInfo,
+    observer: Observer | None = None,
+    step: int = 0,
+    *,
+    ckpt: CheckpointManager | None = None,
+    resumed: ResumeState | None = None,
+    enforce: bool = True,
+    save_masks: bool = True,
+    before: dict[str, float] | None = None,
+) -> PruneStats:
+    """Prune `engine`'s model per `cfg.prune`, measure, log, and keep the masks enforced.
+
+    `ckpt` (a CheckpointManager) receives the masks so later checkpoints carry them; a run
+    `resumed` from such a checkpoint gets its masks back instead of being pruned twice.
+    `enforce=False` / `save_masks=False` / `before` (the dense model's eval numbers, if
+    known) are for callers that prune one engine many times (the benchmark). Collective.
+    """
+    comm = Comm()
+    if resumed is not None and resumed.masks:
+        return _restore(engine, cfg, info, resumed.masks, ckpt, comm)
+    p = cfg.prune
+    samples, holdout = calibration_split(data, cfg)
+    batches = calibration_batches(samples, cfg, info, comm)
+    used = len(batches) * cfg.micro_batch_size * info.world_size
+    before = before or evaluate(engine, data, cfg, info)
+    target = engine.model
+    kwargs: dict[str, Any] = dict(
+        grad_accum=None if engine.owns_grad_accumulation else cfg.grad_accum, comm=comm, sequential=p.sequential,
+        stat_dtype=STAT_DTYPES[p.stat_dtype],
+    )
+    loss_fn = lambda _, batch: engine.forward_loss(batch)
+    oib = engine.oib
+    with oib.micro_batch(last=False) if oib is not None else contextlib.nullcontext():  # probe backwards must not step
+        if p.schedule:
+            val = dataclasses.replace(data, blocks={**data.blocks, HOLDOUT_SPLIT: holdout})
+            if holdout.shape[0] == 0:
+                raise ConfigError("prune.schedule needs calib blocks beyond prune.calib_samples for its metric; lower "
+                                  "prune.calib_samples or raise data.calib_fraction")
+            metric = lambda _: evaluate(engine, val, cfg, info, split=HOLDOUT_SPLIT)["eval/loss"]
+            sched = run_schedule(target, batches, p, loss_fn, metric, list(p.schedule), p.max_metric_increase, **kwargs)
+            report = sched.accepted
+            extra: dict[str, Any] = {"schedule": {"baseline_holdout_loss": sched.baseline, "stopped_at": sched.stopped_at,
+                                                  "rounds": [list(r) for r in sched.rounds]}}
+        else:
+            report = run_pruning(target, batches, p, loss_fn, **kwargs)
+            extra = {}
+    after = evaluate(engine, data, cfg, info)
+    stats: dict[str, Any] = report.to_dict() if report is not None else {"method": p.method, "achieved_sparsity": 0.0, "layers": []}
+    stats.update(extra)
+    stats.update(
+        eval_loss_before=before["eval/loss"], eval_perplexity_before=before["eval/perplexity"],
+        eval_loss_after=after["eval/loss"], eval_perplexity_after=after["eval/perplexity"],
+        calib_samples_used=used, calib_seed=p.calib_seed,
+    )
+    enforcer = hook = None
+    if report is not None:
+        views = build_views(target, p.targets, comm)
+        if save_masks:
+            report.masks.save(os.path.join(cfg.output_dir, MASKS_DIR), views, comm)
+            stats["masks_dir"] = os.path.join(cfg.output_dir, MASKS_DIR)
+        if enforce:
+            enforcer, hook = _install(engine, report.masks, p.targets, comm)
+            _hand_to_checkpoints(ckpt, report.masks, comm)
+    _publish(stats, cfg, info, observer, step, save=save_masks)
+    return PruneStats(stats, enforcer, None if report is None else report.masks, hook)
+
+
+def _install(engine: Engine, masks: MaskSet, targets: str, comm: Comm) -> tuple[MaskEnforcer, Any]:
+    """A MaskEnforcer on the engine; hooked into a torch optimizer's step where there is one."""
+    enforcer = MaskEnforcer(engine.model, masks, targets, comm)
+    optimizer = engine.optimizer
+    hook = enforcer.install(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+    return enforcer, hook
+
+
+def _hand_to_checkpoints(ckpt: CheckpointManager | None, masks: MaskSet, comm: Comm) -> None:
+    """Later checkpoints carry the masks; the one of this step (if any) predates pruning, so
+    the end-of-run save must be written again."""
+    if ckpt is None:
+        return
+    ckpt.masks = {name: m.detach().cpu() for name, m in masks.masks.items()}
+    ckpt.masks_sharded = comm.world > 1  # each rank holds its own range (world 1: the whole mask)
+    ckpt.last_step = None
+
+
+def _restore(engine: Engine, cfg: RunConfig, info: DistInfo, saved: dict[str, torch.Tensor], ckpt: CheckpointManager | None,
+             comm: Comm) -> PruneStats:
+    """Masks from a resumed checkpoint: enforce them again rather than pruning twice. A mask
+    saved at world 1 is whole; at another world size each rank takes its range of it."""
+    views = build_views(engine.model, cfg.prune.targets, comm)
+    local = {}
+    for v in views:
+        if v.name in saved:
+            m = saved[v.name].reshape(-1)
+            local[v.name] = m[v.start : v.end] if m.numel() == v.numel and m.numel() != v.local_numel else m
+            if local[v.name].numel() != v.local_numel:
+                raise ValueError(f"resumed pruning mask of {v.name} has {local[v.name].numel()} elements, this rank holds {v.local_numel}")
+    masks = MaskSet(local)
+    counts = masks.counts(views, comm)
+    total = sum(n for _, _, n in counts)
+    stats = {"method": cfg.prune.method, "resumed": True, "achieved_sparsity": sum(k for _, k, _ in counts) / max(1, total),
+             "layers": [{"name": name, "numel": n, "pruned": k, "sparsity": k / n} for name, k, n in counts]}
+    enforcer, hook = _install(engine, masks, cfg.prune.targets, comm)
+    enforcer()  # the checkpoint's weights are already zero there; this makes it hold by construction
+    _hand_to_checkpoints(ckpt, masks, comm)
+    ckpt_step = ckpt.last_path if ckpt is not None else None
+    log.info(f"prune: masks restored from {ckpt_step} (sparsity {stats['achieved_sparsity']:.4f}); not pruning again")
+    return PruneStats(stats, enforcer, masks, hook)
+
+
+def _publish(stats: dict[str, Any], cfg: RunConfig, info: DistInfo, observer: Observer | None, step: int, save: bool) -> None:
+    """metrics.jsonl (per-layer sparsity, before/after perplexity), the report file, one summary line."""
+    if observer is not None:
+        observer.log_prune(stats, step)
+    if not info.is_main:
+        return
+    if save:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.output_dir, REPORT_FILE), "w") as f:
+            json.dump(stats, f, indent=1, default=str)
+    line = (f"prune {stats['method']} {cfg.prune.pattern}: sparsity {stats['achieved_sparsity']:.4f} over the pruned layers "
+            f"(target {stats.get('target_sparsity', cfg.prune.sparsity):g}); eval perplexity {stats['eval_perplexity_before']:.3f} -> "
+            f"{stats['eval_perplexity_after']:.3f}")
+    if "wall_time_s" in stats:
+        line += (f"; {stats['wall_time_s']:.1f}s, passes fwd {stats['fwd_passes']:g} fwd+bwd {stats['fwd_bwd_passes']:g}, "
+                 f"K={stats['group_size']}, probe memory {stats['peak_probe_bytes'] / 2**20:.2f} MiB/rank")
+    if "schedule" in stats:
+        line += f"; schedule rounds {stats['schedule']['rounds']} stopped at {stats['schedule']['stopped_at']}"
+    log.info(line)
+
+
+# ----------------------------------------------------------------------------- the command
+

@@ -1,0 +1,245 @@
+"""Failure handling through the user's entry points: preemption, non-finite steps, OOM, dead and hung ranks.
+
+Faults are real where they can be on CPU: SIGTERM to torchrun, SIGKILL/SIGSTOP of a rank.
+Where they cannot (a NaN on a chosen step and rank, a GPU OOM, a signal reaching only one
+rank at a chosen step), `HARNESS_FAULT` injects the real thing at a real point of the run
+(`harness/failures.py`): a NaN in the LM head's output, a `torch.OutOfMemoryError` raised
+in forward, a SIGUSR1 the process sends itself.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from launching import REPO, env, free_port, launch_command, tiny_config
+
+from harness.checkpoint import consolidated_weights, latest_checkpoint
+from harness.observability.metrics import read_records
+
+DEAD_RANK_BOUND_S = 60  # the issue's bound: the others exit within this after a rank dies
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    e = env()
+    e.update(extra or {})
+    return e
+
+
+def _run(cmd: list[str], extra_env: dict[str, str] | None = None, ok: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(extra_env), capture_output=True, text=True, timeout=300)
+    if ok and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def records(out: Path) -> list[dict]:
+    return read_records(str(out / "metrics.jsonl"))
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in records(out) if "train/loss" in r}
+
+
+def logged_steps(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return path.read_text().count('"train/loss"') if path.exists() else 0
+
+
+def wait_for_steps(out: Path, n: int, procs: list[subprocess.Popen], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while logged_steps(out) < n:
+        assert all(p.poll() is None for p in procs), "the run ended before the fault was injected"
+        assert time.monotonic() < deadline, "the run did not reach the step"
+        time.sleep(0.05)
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of a torchrun worker by its RANK (read from /proc: no psutil needed)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return int(entry)
+        except (OSError, ValueError, IndexError):
+            continue
+    raise AssertionError(f"no worker with RANK={rank} under pid {launcher_pid}")
+
+
+def weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    return consolidated_weights(str(step_dir))[0]
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    wa, wb = weights(a), weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    return {"root": tmp_path_factory.mktemp("failures"), "cache": tmp_path_factory.getbasetemp() / "ckpt-data-cache"}
+
+
+def config(ws, name: str, **extra) -> tuple[Path, Path]:
+    out = ws["root"] / name
+    return tiny_config(ws["root"] / f"{name}.yaml", ws["cache"], out, **extra), out
+
+
+# ------------------------------------------------------------------ preemption
+
+
+def test_sigterm_to_torchrun_saves_exits_cleanly_and_resume_is_bit_exact(ws):
+    """SLURM's path: SIGTERM reaches torchrun, which relays it; the ranks agree, save and exit 0."""
+    steps = 80
+    ref_cfg, ref_out = config(ws, "ddp_ref", steps=steps)
+    _run(launch_command("torchrun", 2, ref_cfg, ["strategy=ddp"]))
+    cfg, out = config(ws, "ddp_preempted", steps=steps)
+    cmd = launch_command("torchrun", 2, cfg, ["strategy=ddp"])
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_steps(out, 3, [proc])
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=120)[0]
+    assert "stop requested (SIGTERM/SIGUSR1): saved" in log, log[-3000:]
+    for rank in (0, 1):  # every worker exited 0 (torchrun itself reports the signal it got)
+        assert f"rank      : {rank}" not in log, log[-3000:]
+    saved = latest_checkpoint(str(out / "checkpoints"))
+    k = int(Path(saved).name.split("_")[1])
+    assert 3 <= k < steps and max(losses(out)) == k
+
+    resumed = _run(cmd + ["checkpoint.resume=auto"])
+    assert f"resumed from {saved} at step {k}" in resumed.stdout
+    ref, got = losses(ref_out), losses(out)
+    assert [got[s] for s in range(k + 1, steps + 1)] == [ref[s] for s in range(k + 1, steps + 1)]  # bit-exact, DDP
+
+
+def test_signal_on_one_rank_and_nan_on_one_rank_under_zero2(ws):
+    """Rank 1 alone gets a NaN at step 2 and a SIGUSR1 at step 3: both ranks skip step 2, both save step 3 and exit."""
+    cfg, out = config(ws, "zero2_faults", steps=6, **{"checkpoint.every": 1, "checkpoint.keep": 6})
+    proc = _run(launch_command("torchrun", 2, cfg, ["strategy=zero2"]), {"HARNESS_FAULT": "nan_loss@2:1,signal@3:1"})
+    assert "step 2: non-finite loss; update skipped (1 so far" in proc.stdout
+    assert "stop requested (SIGTERM/SIGUSR1): saved" in proc.stdout
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == [f"step_0000000{i}" for i in (1, 2, 3)]
+    assert latest_checkpoint(str(ckpts)).endswith("step_00000003")
+    rows = {r["step"]: r for r in records(out) if "train/loss" in r}
+    assert sorted(rows) == [1, 2, 3] and rows[2]["train/skipped_steps"] == 1 and rows[3]["train/skipped_steps"] == 1
+    assert same_weights(ckpts / "step_00000001", ckpts / "step_00000002"), "the NaN step changed the weights"
+    assert not same_weights(ckpts / "step_00000002", ckpts / "step_00000003")
+
+
+# ------------------------------------------------------------------ non-finite steps
+
+
+def test_nan_stop_names_the_step_and_the_last_good_checkpoint(ws):
+    cfg, out = config(ws, "nan_stop", steps=6, **{"checkpoint.every": 1, "checkpoint.keep": 6, "checkpoint.on_nonfinite": "stop"})
+    proc = _run(launch_command("python", 1, cfg, []), {"HARNESS_FAULT": "nan_loss@3"}, ok=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("harness: error:")]
+    last_good = out / "checkpoints" / "step_00000002"
+    assert len(errors) == 1 and "non-finite loss at step 3" in errors[0] and str(last_good) in errors[0], proc.stderr[-3000:]
+    assert latest_checkpoint(str(out / "checkpoints")) == str(last_good)
+    assert not (out / "checkpoints" / "step_00000003").exists()
+
+
+def test_deepspeed_without_zero_does_not_apply_a_nan_step(ws):
+    """Stage 0 in fp32 hands DeepSpeed a bare torch optimizer with no overflow check of its own."""
+    import json
+
+    zero0 = json.loads((REPO / "ds_configs" / "zero1.json").read_text())
+    zero0["zero_optimization"]["stage"] = 0
+    (ws["root"] / "zero0.json").write_text(json.dumps(zero0))
+    cfg, out = config(ws, "zero0_nan", steps=3, **{"checkpoint.every": 1, "checkpoint.keep": 3})
+    proc = _run(launch_command("python", 1, cfg, [f"strategy={ws['root'] / 'zero0.json'}"]), {"HARNESS_FAULT": "nan_loss@2"})
+    assert "step 2: non-finite loss; update skipped" in proc.stdout
+    ckpts = out / "checkpoints"
+    assert same_weights(ckpts / "step_00000001", ckpts / "step_00000002")
+    assert all(torch.isfinite(t).all() for t in weights(ckpts / "step_00000003").values())
+    assert losses(out)[3] == losses(out)[3]  # finite again after the skipped step (NaN != NaN)
+
+
+# ------------------------------------------------------------------ out of memory
+
+
+def test_oom_prints_memory_by_category_and_the_planner_change(ws):
+    cfg, out = config(ws, "oom", steps=4, **{"memory.track": True})
+    proc = _run(launch_command("python", 1, cfg, []), {"HARNESS_FAULT": "oom@3"}, ok=False)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    err = proc.stderr
+    assert "harness: error: out of memory on rank 0 (cpu) in step 3" in err
+    assert "held now by category: params" in err and "optim_state" in err
+    assert "peak of the largest measured step" in err and "activations" in err
+    assert "the planner would change: memory.activation_checkpointing=full (estimated peak" in err, err[-3000:]
+    assert "Traceback" not in err
+    assert max(losses(out)) == 2
+
+
+# ------------------------------------------------------------------ dead and hung ranks
+
+
+def _env_launch(cfg: Path, port: int, extra: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Two ranks started the way srun starts tasks: environment variables, no agent watching them."""
+    procs = []
+    for rank in (0, 1):
+        e = _env({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                  **(extra or {})})
+        procs.append(subprocess.Popen([sys.executable, "-m", "harness.train", "--config", str(cfg)], cwd=REPO, env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def test_killed_rank_under_torchrun_others_exit_naming_it(ws):
+    cfg, out = config(ws, "killed_rank", steps=100000)
+    launcher = subprocess.Popen(launch_command("torchrun", 2, cfg, ["strategy=ddp"]), cwd=REPO, env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_steps(out, 3, [launcher])
+    os.kill(rank_pid(launcher.pid, 1), signal.SIGKILL)
+    t0 = time.monotonic()
+    log = launcher.communicate(timeout=DEAD_RANK_BOUND_S + 30)[0]
+    assert time.monotonic() - t0 < DEAD_RANK_BOUND_S
+    assert launcher.returncode != 0
+    assert "harness: error: rank 0: rank 1 died" in log, log[-3000:]
+
+
+def test_hung_rank_without_an_agent_is_named_within_60s(ws):
+    """SIGSTOP: rank 1 is alive but frozen (its sockets stay open, so no collective fails); the heartbeat notices."""
+    cfg, out = config(ws, "hung_rank", steps=100000)
+    procs = _env_launch(cfg, free_port(), {"HARNESS_PEER_TIMEOUT_S": "10"})  # default 30 s; shorter keeps the suite fast
+    try:
+        wait_for_steps(out, 3, procs)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, err = procs[0].communicate(timeout=DEAD_RANK_BOUND_S + 30)
+        assert time.monotonic() - t0 < DEAD_RANK_BOUND_S
+        assert procs[0].returncode == 5 and "rank 1 died or hangs (no heartbeat for" in err, err[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+
+
+def test_killed_store_host_rank_is_named(ws):
+    """Without torchrun, rank 0 hosts the rendezvous store: losing it is named as losing rank 0."""
+    cfg, out = config(ws, "killed_rank0", steps=100000)
+    procs = _env_launch(cfg, free_port())
+    try:
+        wait_for_steps(out, 3, procs)
+        procs[0].kill()
+        t0 = time.monotonic()
+        _, err = procs[1].communicate(timeout=DEAD_RANK_BOUND_S + 30)
+        assert time.monotonic() - t0 < DEAD_RANK_BOUND_S
+        assert procs[1].returncode == 5 and "hosted by rank 0: rank 0 died" in err, err[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()

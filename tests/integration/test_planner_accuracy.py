@@ -1,0 +1,68 @@
+"""Accuracy is the product: predicted per-rank peak vs the peak of a real run of the same config.
+
+For every strategy that runs on CPU x {fp32, bf16} x {AC off, full} at world 1 and 2, the
+planner's prediction (``target="cpu"``: host and device are one memory, as in the run) must
+be within 3% of the largest per-rank peak measured over real steps. The test fails when it
+drifts - a new buffer in DeepSpeed, a changed wrapper in the trainer, a new loss.
+
+Ground truth today is ``harness.planner.measure``: the trainer's own engine
+(``harness.parallelize.build_engine``, its loss, its optimizer) run by torchrun with gloo
+and measured with MemTracker from before the model is built, so every storage counts (as
+``max_memory_allocated`` would on a GPU). To judge against the trainer's recorded metrics
+instead, replace :func:`measured_peaks` by one that runs ``harness.train`` and reads
+``<output_dir>/metrics.jsonl``; nothing else changes.
+"""
+from __future__ import annotations
+
+import pytest
+
+from harness.config import load_config
+from harness.planner import estimate
+from harness.planner.measure import launch
+
+CPU_STRATEGIES = ["ddp", "fsdp", "fsdp_grad_op", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+SHAPE = ["model.name=tiny-llama", "micro_batch_size=2", "data.seq_len=64"]
+VOCAB = 2048  # the preset's; passed to both sides so no tokenizer has to be trained
+TOLERANCE = 0.03
+
+
+def measured_peaks(runs: list[list[str]], world: int) -> list[int]:
+    """Per run: the largest per-rank peak over two real training steps."""
+    results = launch(runs, world, steps=2, vocab_size=VOCAB, trainer_view=False)
+    return [max(rank["peak"] for rank in ranks) for ranks in results]
+
+
+def _check(runs: list[list[str]], world: int) -> None:
+    measured = measured_peaks(runs, world)
+    report = {}
+    for overrides, truth in zip(runs, measured):
+        predicted = estimate(load_config(None, overrides), world, target="cpu", vocab_size=VOCAB).total
+        report[" ".join(overrides)] = (predicted, truth, (predicted - truth) / truth)
+    bad = {k: v for k, v in report.items() if abs(v[2]) > TOLERANCE}
+    assert not bad, "\n".join(f"{k}: predicted {p:,} measured {m:,} ({e:+.2%})" for k, (p, m, e) in bad.items())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("strategy", CPU_STRATEGIES)
+def test_prediction_within_3_percent_of_a_real_run(strategy: str, world: int) -> None:
+    runs = [[f"strategy={strategy}", *SHAPE, f"precision={p}", f"memory.activation_checkpointing={ac}"]
+            for p in ("fp32", "bf16") for ac in ("none", "full")]
+    _check(runs, world)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
+def test_accumulation_and_chunked_loss_within_3_percent(strategy: str) -> None:
+    """Gradient accumulation (FSDP2 keeps unsharded gradients across no-sync micro-batches) and the chunked loss."""
+    runs = [[f"strategy={strategy}", *SHAPE, f"precision={p}", "grad_accum=2", "memory.loss_chunk_size=32"]
+            for p in ("fp32", "bf16")]
+    _check(runs, 2)
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "known race, not yet explained: in some runs rank 1 holds one extra 512 KiB buffer at its peak "
+    "under FSDP2 + optimizer-in-backward at world 2 (measured -7.8% once in CI, within 0.3% in "
+    "isolation); see notes/planner_accuracy.md"))
+def test_optimizer_in_backward_with_fsdp_within_3_percent() -> None:
+    runs = [["strategy=fsdp", *SHAPE, f"precision={p}", "memory.optimizer_in_backward=true", "optim.grad_clip=0"]
+            for p in ("fp32", "bf16")]
+    _check(runs, 2)

@@ -1,0 +1,102 @@
+"""`python -m harness.plan`: reports, recommendations that launch, and one-line errors with exit codes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from launching import REPO as _REPO
+
+from harness.config import load_config
+from harness.plan import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_NOTHING_FITS, main
+from harness.planner import estimate, parse_size, verdict
+
+REPO = str(_REPO)
+TINY = ["model.name=tiny-llama", "micro_batch_size=2", "data.seq_len=64"]
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("harness.plan: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--gpu-mem", "48XB"], "unknown memory size '48XB'"),
+    (["--gpus", "0", "--gpu-mem", "48GiB"], "--gpus must be >= 1"),
+    (["--gpu-mem", "48GiB", "model.name=/nonexistent/model"], "cannot build model '/nonexistent/model'"),
+    (["--gpu-mem", "48GiB", "strategy=zero9"], "strategy 'zero9'"),
+    (["--gpu-mem", "48GiB", "--target", "cpu", "--gpus", "2", "strategy=fsdp_offload"], "needs a GPU"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == EXIT_BAD_INPUT
+    assert needle in _one_line_error(capsys)
+
+
+def test_nothing_fits_is_one_line_and_exit_3(capsys: pytest.CaptureFixture[str]) -> None:
+    # 1 MiB: the tiny model's own states (5.4 MiB in fp32) cannot fit under any strategy.
+    assert main(["--gpu-mem", "1MiB", *TINY]) == EXIT_NOTHING_FITS
+    assert "nothing fits" in _one_line_error(capsys)
+
+
+def test_plan_reports_a_fit_and_writes_json(tmp_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out = os.path.join(tmp_path, "plan.json")
+    argv = ["--gpus", "2", "--gpu-mem", "48GiB", "--json", out, "--vocab-size", "2048", "strategy=zero2", *TINY]
+    assert main(argv) == EXIT_FITS
+    text = capsys.readouterr().out
+    for heading in ("Per-rank peak", "Allowance for what a CPU trace cannot see", "Host (CPU) memory",
+                    "Model states of all", "FITS"):
+        assert heading in text
+    with open(out) as f:
+        report = json.load(f)
+    cfg = load_config(None, ["strategy=zero2", *TINY])
+    est = estimate(cfg, 2, vocab_size=2048)
+    assert report["peak_bytes"] == est.total
+    assert sum(report["peak_by_category"].values()) == report["peak_bytes"]
+    assert report["device_need_bytes"] == report["peak_bytes"] + report["allowance_bytes"]["total"]
+
+
+def test_plan_that_does_not_fit_exits_1_with_a_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = load_config(None, ["strategy=ddp", *TINY])
+    need = verdict(estimate(cfg, 2, vocab_size=2048), 10**15, None, 2).device_need
+    budget = f"{need - 1}"  # one byte short for DDP, plenty for sharding the tiny model's states
+    assert main(["--gpus", "2", "--gpu-mem", budget, "--vocab-size", "2048", "strategy=ddp", *TINY]) == EXIT_DOES_NOT_FIT
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "--recommend" in out
+
+
+def test_recommend_writes_a_config_that_loads_and_fits(tmp_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    config = os.path.join(tmp_path, "run.yaml")
+    with open(config, "w") as f:
+        f.write("model:\n  name: tiny-llama\ndata:\n  seq_len: 64\nmicro_batch_size: 4\nstrategy: ddp\nsteps: 7\n")
+    base = load_config(config)
+    ddp_need = verdict(estimate(base, 2, vocab_size=2048), 10**15, None, 2).device_need
+    out = os.path.join(tmp_path, "best.yaml")
+    argv = ["--config", config, "--gpus", "2", "--gpu-mem", str(ddp_need - 1), "--vocab-size", "2048",
+            "--recommend", "--out", out]
+    assert main(argv) == EXIT_FITS
+    text = capsys.readouterr().out
+    assert "Best:" in text and "why:" in text
+    best = load_config(out)  # launchable as written
+    assert best.steps == 7 and best.model.name == "tiny-llama"  # the user's other settings survive
+    assert best.micro_batch_size * best.grad_accum >= base.micro_batch_size * base.grad_accum
+    fitted = estimate(best, 2, vocab_size=2048)
+    assert verdict(fitted, ddp_need - 1, None, 2).fits
+
+
+def test_module_entry_point_runs() -> None:
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "harness.plan", "--gpu-mem", "8GiB", "--vocab-size", "2048", *TINY],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == EXIT_FITS, proc.stderr
+    assert "Per-rank peak" in proc.stdout and parse_size("8GiB") > 0

@@ -1,0 +1,78 @@
+"""Run config: YAML/JSON loading, dotted overrides, typed values, unknown-key suggestions."""
+import json
+
+import pytest
+
+from harness.config import all_keys, load_config
+from harness.errors import ConfigError
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  name: tiny-llama\noptim:\n  lr: 0.01\nsteps: 7\n")
+    cfg = load_config(str(path), ["optim.lr=0.5", "memory.activation_checkpointing=full", "optim.betas=[0.8,0.9]"])
+    assert cfg.steps == 7
+    assert cfg.optim.lr == 0.5
+    assert cfg.memory.activation_checkpointing == "full"
+    assert cfg.optim.betas == (0.8, 0.9)
+
+
+def test_json_config(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"precision": "bf16", "data": {"seq_len": 64}}))
+    cfg = load_config(str(path))
+    assert cfg.precision == "bf16" and cfg.data.seq_len == 64
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lrr=1", "did you mean 'optim.lr'"),
+        ("stepz=3", "did you mean 'steps'"),
+        ("steps=abc", "expected int"),
+        ("precision=bf17", "did you mean 'bf16'"),
+        ("memory.activation_memory_budget=1.5", "must be in [0, 1]"),
+        ("prune.sparsity=1.0", "must be in [0, 1)"),
+        ("prune.pattern=4:2", "0 < N < M"),
+        ("micro_batch_size=0", "must be >= 1"),
+        ("no_equals_sign", "not key=value"),
+    ],
+)
+def test_bad_values_are_one_line_errors(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_key_in_file_suggests_closest(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  warmup_step: 3\n")
+    with pytest.raises(ConfigError, match="optim.warmup_step.*did you mean 'warmup_steps'"):
+        load_config(str(path))
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("steps: 3\nmodel: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML at line \d"):
+        load_config(str(path))
+
+
+def test_invalid_json_names_the_line(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{\n "steps": 3,\n}\n')
+    with pytest.raises(ConfigError, match="invalid JSON at line 3"):
+        load_config(str(path))
+
+
+def test_all_keys_cover_sections():
+    keys = all_keys()
+    assert "optim.lr" in keys and "memory.optimizer_in_backward" in keys and "prune.method" in keys
+
+
+def test_nm_pattern_is_not_a_base60_number(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("prune:\n  pattern: 2:4\n")
+    assert load_config(str(path)).prune.pattern == "2:4"
+    assert load_config(None, ["prune.pattern=2:4"]).prune.pattern == "2:4"

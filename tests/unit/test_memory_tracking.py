@@ -1,0 +1,132 @@
+"""StepMemoryTracker: byte-exact categories on a hand-counted MLP, switches, reports, hooks."""
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+from harness.memory import CATEGORIES, StepMemoryTracker, apply_activation_checkpointing
+from harness.models import build_model
+from harness.training import causal_lm_loss
+
+B, D, H = 8, 16, 64  # H > D + 1 makes the ReLU moment the activation peak (see below)
+F32 = 4
+
+
+def _mlp() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D))
+    return mlp, torch.optim.SGD(mlp.parameters(), lr=1e-3, momentum=0.9), torch.randn(B, D)
+
+
+def test_categories_equal_a_hand_count_to_the_byte() -> None:
+    mlp, opt, x = _mlp()
+    params = (D * H + H + H * D + D) * F32
+    tracker = StepMemoryTracker(mlp, opt)
+    for step in range(2):
+        with tracker.step():
+            loss = mlp(x).pow(2).sum()
+            # Held for backward: ReLU's output (B*H, saved by ReLU and by the 2nd Linear),
+            # the 2nd Linear's output (B*D, saved by pow) and the scalar loss. The 1st
+            # Linear's output died when ReLU returned (ReLU saves its result, not its input).
+            after_forward = tracker.current()
+            loss.backward()
+            after_backward = tracker.current()
+            opt.step()
+            after_step = tracker.current()
+            opt.zero_grad()
+        momentum = params  # SGD keeps one momentum buffer per parameter
+        assert after_forward["activations"] == (B * H + B * D) * F32 + F32
+        assert after_forward["parameters"] == params and after_forward["gradients"] == 0
+        assert after_backward["gradients"] == params and after_backward["activations"] == F32
+        assert after_backward["temporaries"] == 0
+        assert after_step["optimizer_state"] == momentum
+        maxima = tracker.last_category_maxima()
+        # Activation maximum: inside ReLU, its input and output (B*H each) are both alive.
+        assert maxima["activations"] == 2 * B * H * F32
+        assert maxima["parameters"] == params and maxima["gradients"] == params
+        assert maxima["optimizer_state"] == momentum
+        peak = tracker.last_peaks()
+        assert peak["total"] == sum(peak[c] for c in CATEGORIES)
+        assert peak["total"] >= after_step["total"]
+    assert tracker.peak_so_far()["total"] == max(r["peak"]["total"] for r in tracker.history)
+
+
+def test_disabled_tracker_does_nothing() -> None:
+    mlp, opt, x = _mlp()
+    tracker = StepMemoryTracker(mlp, opt, enabled=False, layer_hooks=True)
+    hooks_before = (len(nn.modules.module._global_forward_pre_hooks), len(nn.modules.module._global_forward_hooks))
+    with tracker.step():
+        hooks_inside = (len(nn.modules.module._global_forward_pre_hooks), len(nn.modules.module._global_forward_hooks))
+        mlp(x).sum().backward()
+    assert hooks_inside == hooks_before
+    assert tracker.history == [] and tracker.last_peaks() == {} and tracker.peak_so_far() == {}
+
+
+def test_category_every_measures_selected_steps() -> None:
+    mlp, opt, x = _mlp()
+    tracker = StepMemoryTracker(mlp, opt, category_every=3)
+    for _ in range(7):
+        with tracker.step():
+            mlp(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert [r["step"] for r in tracker.history if "peak" in r] == [0, 1, 3, 6]
+
+
+def test_bf16_halves_parameter_bytes() -> None:
+    sizes = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_model("tiny-llama", seed=0, dtype=dtype)
+        tracker = StepMemoryTracker(model, None)
+        with tracker.step():
+            causal_lm_loss(model, torch.randint(0, 2048, (2, 16))).backward()
+        sizes[dtype] = tracker.last_category_maxima()
+        assert sizes[dtype]["parameters"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 2 * sizes[torch.bfloat16]["parameters"] == sizes[torch.float32]["parameters"]
+    assert 2 * sizes[torch.bfloat16]["gradients"] == sizes[torch.float32]["gradients"]
+
+
+def test_gradient_accumulation_in_one_step() -> None:
+    """Several forwards of the root in one measured step (MemTracker alone refuses the second)."""
+    model = build_model("tiny-llama", seed=0)
+    tracker = StepMemoryTracker(model, None)
+    with tracker.step():
+        for micro in range(3):
+            (causal_lm_loss(model, torch.randint(0, 2048, (2, 16))) / 3).backward()
+    assert tracker.last_category_maxima()["gradients"] == sum(p.numel() * 4 for p in model.parameters()) + max(
+        p.numel() * 4 for p in model.parameters())  # accumulated grads + the incoming one
+
+
+def test_snapshot_writes_the_per_module_report(tmp_path) -> None:
+    model = build_model("tiny-llama", seed=0)
+    tracker = StepMemoryTracker(model, None, snapshot_dir=str(tmp_path), snapshot_step=1)
+    for _ in range(2):
+        with tracker.step():
+            causal_lm_loss(model, torch.randint(0, 2048, (2, 16))).backward()
+        model.zero_grad()
+    assert tracker.snapshot_path == str(tmp_path / "memory_report_step1.json")
+    report = json.loads((tmp_path / "memory_report_step1.json").read_text())
+    assert report["peak"]["cpu"]["total"] == tracker.last_peaks()["total"]
+    layer = report["modules"]["LlamaForCausalLM.model.layers.0"]
+    assert layer["parameter_mem"] == sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    assert "Peak-Backward" in layer and "Post-Forward" in layer
+
+
+def test_layer_hooks_report_what_each_block_holds() -> None:
+    held = {}
+    for ac in ("none", "full"):
+        model = build_model("tiny-llama", seed=0, config_overrides={"num_hidden_layers": 3})
+        apply_activation_checkpointing(model, ac)
+        tracker = StepMemoryTracker(model, None, layer_hooks=True)
+        with tracker.step():
+            causal_lm_loss(model, torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))).backward()
+        layers = tracker.last_layer_bytes()
+        assert [entry["block"] for entry in layers] == [0, 1, 2]  # forward only, not AC recomputation
+        held[ac] = [entry["held"] for entry in layers]
+    assert all(h > 0 for h in held["none"])
+    # A checkpointed block leaves only its output hidden states (2 x 16 tokens x hidden 64, fp32);
+    # its input is the previous block's output, already counted there.
+    assert held["full"] == [2 * 16 * 64 * 4] * 3
+    assert all(f < n for f, n in zip(held["full"], held["none"]))

@@ -1,0 +1,109 @@
+"""Precision modes: dtypes of parameters, activations and the loss, per engine; bf16 converges.
+
+Runs in one process: single-process engine directly, and FSDP2 / DeepSpeed over a gloo
+group of one (the engines' own bf16 modes keep fp32 master weights).
+"""
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.config import load_config, load_strategy
+from harness.distributed import DistInfo
+from harness.engine import build_engine
+from harness.errors import ConfigError
+from harness.models import build_model, decoder_blocks
+from harness.training import causal_lm_loss, precision_policy
+
+VOCAB = 256
+
+
+def _engine(strategy: str, precision: str, distributed: bool, steps: int = 3):
+    cfg = load_config(None, [f"strategy={strategy}", f"precision={precision}", "micro_batch_size=2", f"steps={steps}", "optim.lr=0.01"])
+    s = load_strategy(cfg.strategy, env={})
+    info = DistInfo(0, 1, 0, torch.device("cpu"), "gloo" if distributed else None)
+    model = build_model("tiny-llama", vocab_size=VOCAB)
+    policy = precision_policy(precision, info.device, s.kind)
+    return build_engine(model, cfg, s, policy, info, functools.partial(causal_lm_loss, chunk_size=0)), model
+
+
+def _activation_dtype(engine, model) -> torch.dtype:
+    seen = []
+    # a matmul output: the activation dtype autocast and casting decide
+    handle = decoder_blocks(model)[0].mlp.up_proj.register_forward_hook(
+        lambda m, a, out: seen.append((out[0] if isinstance(out, tuple) else out).dtype))
+    x = torch.randint(0, VOCAB, (2, 16))
+    loss = engine.forward_loss(x)
+    engine.backward(loss, last_micro=True)
+    grad_dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+    engine.step()
+    handle.remove()
+    return seen[0], loss.dtype, grad_dtypes
+
+
+@pytest.mark.parametrize(
+    "precision, param_dtype, act_dtype",
+    [("fp32", torch.float32, torch.float32), ("bf16", torch.bfloat16, torch.bfloat16), ("fp16", torch.float32, torch.float16)],
+)
+def test_single_process_dtypes(precision, param_dtype, act_dtype):
+    engine, model = _engine("ddp", precision, distributed=False)
+    assert {p.dtype for p in model.parameters()} == {param_dtype}
+    act, loss, grads = _activation_dtype(engine, model)
+    assert act == act_dtype and grads == {param_dtype}
+    assert loss == torch.float32  # the loss is always computed in fp32
+    assert (engine.scaler is not None) == (precision == "fp16")
+
+
+@pytest.fixture(scope="module")
+def group_of_one(tmp_path_factory):
+    store = tmp_path_factory.mktemp("pg") / "store"
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # DeepSpeed reads LOCAL_RANK
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def test_fsdp_bf16_keeps_fp32_master_and_computes_in_bf16(group_of_one):
+    engine, model = _engine("fsdp", "bf16", distributed=True)
+    assert {p.to_local().dtype for p in model.parameters()} == {torch.float32}  # sharded master
+    act, loss, grads = _activation_dtype(engine, model)
+    assert act == torch.bfloat16 and loss == torch.float32
+    assert grads == {torch.float32}  # reduce_dtype fp32, into the fp32 sharded grads
+
+
+def test_deepspeed_bf16_module_bf16_master_fp32(group_of_one):
+    engine, model = _engine("zero2", "bf16", distributed=True)
+    assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
+    masters = engine.optimizer.single_partition_of_fp32_groups
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+    act, loss, _ = _activation_dtype(engine, engine.module)
+    assert act == torch.bfloat16 and loss == torch.float32
+
+
+def test_bf16_training_converges():
+    engine, _ = _engine("ddp", "bf16", distributed=False, steps=40)
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randint(0, VOCAB // 8, (4, 2, 32), generator=gen)  # a small, learnable set
+    losses = []
+    for step in range(40):
+        loss = engine.forward_loss(data[step % 4])
+        engine.backward(loss, last_micro=True)
+        engine.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 1.5, losses
+
+
+def test_bf16_without_hardware_support_is_an_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
+    with pytest.raises(ConfigError, match="V100 has no bf16 support; use precision=fp16"):
+        precision_policy("bf16", torch.device("cuda", 0), "ddp")
