@@ -39,7 +39,7 @@ log = get_logger(__name__)
 
 
 def _warn(msg: str) -> None:
-    log.info(f"observability: {msg}", file=sys.stderr)
+    log.warning(f"observability: {msg}")
 
 
 class Observer:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import netrc
 import os
 import socket
-import sys
 import warnings
 from typing import Any
 from urllib.parse import urlparse
@@ -45,7 +44,7 @@ _TRUE = ("1", "true", "yes", "on")
 
 
 def _warn(msg: str) -> None:
-    log.info(f"W&B: {msg}", file=sys.stderr)
+    log.warning(f"W&B: {msg}")
 
 
 def has_api_key(env: dict[str, str] | None = None) -> bool:

@@ -96,4 +96,8 @@ def test_library_messages_go_through_the_logger() -> None:
                 text = ast.unparse(first)
                 if "[harness]" in text:
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+            func = getattr(node, "func", None)
+            if (isinstance(node, ast.Call) and isinstance(func, ast.Attribute) and getattr(func.value, "id", None) == "log"
+                    and any(k.arg in ("file", "flush") for k in node.keywords)):
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} (a logger takes no file=/flush=)")
     assert not offenders, offenders
