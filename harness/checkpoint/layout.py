@@ -143,7 +143,10 @@ def check_compatible(meta: CheckpointMeta, path: str, cfg: RunConfig, strategy: 
             f"(micro_batch_size*grad_accum*world = {cfg.micro_batch_size}*{cfg.grad_accum}*{world}); the data position would "
             f"not match: {hint}"
         )
-    for key in ("seq_len", "source", "seed"):
+    if cfg.data.streaming and meta.world_size != world:
+        raise ConfigError(f"checkpoint '{path}' streamed its data at world size {meta.world_size}; a streamed run resumes at that "
+                          f"world size (each rank's position is in its own part of the stream), not {world}")
+    for key in ("seq_len", "source", "seed", "streaming"):
         saved = meta.config.get("data", {}).get(key)
         if saved != getattr(cfg.data, key):
             raise ConfigError(f"checkpoint '{path}' was trained with data.{key}={saved!r} but this run has {getattr(cfg.data, key)!r}")

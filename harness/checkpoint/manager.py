@@ -13,6 +13,7 @@ Layout, under `<output_dir>/checkpoints/`:
       meta.json              step, world size, engine, global batch, run config
       trainer_state.pt       scheduler / grad-scaler state and trainer counters (rank 0)
       rng/rank00000.pt       every rank's RNG states
+      data/rank00000.pt      every rank's position in a streamed dataset (data.streaming only)
       masks/rank00000.pt     pruning masks, when the pruning stage handed us some
       dcp/ | ds/             the engine's own checkpoint
       hf_config/             HF config.json and tokenizer files (for export)
@@ -109,8 +110,12 @@ class CheckpointManager:
     at the same world size).
     """
 
-    def __init__(self, cfg: RunConfig, strategy: Strategy, info: DistInfo, engine: Engine, tokenizer_dir: str | None = None):
+    def __init__(self, cfg: RunConfig, strategy: Strategy, info: DistInfo, engine: Engine, tokenizer_dir: str | None = None,
+                 per_rank: dict[str, Any] | None = None):
         self.cfg, self.strategy, self.info, self.engine = cfg, strategy, info, engine
+        # Other stateful objects whose state differs per rank (a streamed data position): saved as
+        # <name>/rank<r>.pt when they have a state_dict, restored into them on resume.
+        self.per_rank = {name: obj for name, obj in (per_rank or {}).items() if hasattr(obj, "state_dict")}
         self.tokenizer_dir = tokenizer_dir
         self.root = checkpoint_root(cfg.output_dir)
         self.every = cfg.checkpoint.every
@@ -147,6 +152,12 @@ class CheckpointManager:
         if not os.path.isfile(rng_file):  # more ranks than the saving run: continue from rank 0's streams
             rng_file = os.path.join(path, "rng", "rank00000.pt")
         set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+        for name, obj in self.per_rank.items():
+            state_file = os.path.join(path, name, f"rank{self.info.rank:05d}.pt")
+            if not os.path.isfile(state_file):
+                raise CheckpointError(f"{path} has no {name} state for rank {self.info.rank} (saved at world size {meta.world_size}); "
+                                      f"resume at that world size")
+            obj.load_state_dict(torch.load(state_file, map_location="cpu", weights_only=False))
         masks = self._load_masks(path, meta)
         self.last_path, self.last_step = path, meta.step
         if self.info.is_main:
@@ -199,11 +210,13 @@ class CheckpointManager:
             os.makedirs(self.root, exist_ok=True)
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)
-            for sub in ("rng", "masks") if self.masks is not None else ("rng",):
+            for sub in ("rng", *self.per_rank, *(("masks",) if self.masks is not None else ())):
                 os.makedirs(os.path.join(tmp, sub))
         self._barrier()
         self.engine.save_state(tmp)
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{self.info.rank:05d}.pt"))
+        for name, obj in self.per_rank.items():
+            torch.save(obj.state_dict(), os.path.join(tmp, name, f"rank{self.info.rank:05d}.pt"))
         if self.masks is not None:
             torch.save({k: v.detach().cpu() for k, v in self.masks.items()}, os.path.join(tmp, "masks", f"rank{self.info.rank:05d}.pt"))
         if self.info.is_main:

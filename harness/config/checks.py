@@ -26,6 +26,7 @@ def check_values(cfg: RunConfig) -> None:
         "prune.targets": (cfg.prune.targets, ("decoder_linears", "all_linears")),
         "prune.stat_dtype": (cfg.prune.stat_dtype, ("bf16", "fp16")),
         "device": (cfg.device, ("auto", "cpu", "cuda")),
+        "data.token_dtype": (cfg.data.token_dtype, ("uint16", "uint32")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -55,6 +56,14 @@ def check_values(cfg: RunConfig) -> None:
         if cfg.prune.method != "none" and abs(cfg.prune.sparsity - (m - n) / m) > 1e-9:
             raise ConfigError(f"prune.pattern={cfg.prune.pattern} prunes {(m - n) / m:g} of each group "
                               f"but prune.sparsity={cfg.prune.sparsity}; set prune.sparsity={(m - n) / m:g}")
+    if cfg.data.max_tokens is not None and cfg.data.max_tokens < cfg.data.seq_len:
+        raise ConfigError(f"data.max_tokens={cfg.data.max_tokens} is less than one block of data.seq_len={cfg.data.seq_len}; "
+                          "raise it or leave it unset (the whole corpus)")
+    if cfg.data.streaming and cfg.data.max_tokens is not None:
+        raise ConfigError("data.max_tokens caps the prepared cache; with data.streaming=true the steps decide how much is read "
+                          "(unset data.max_tokens)")
+    if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
+        raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1 (or unset: the machine's cores)")
     for key, frac in (("data.eval_fraction", cfg.data.eval_fraction), ("data.calib_fraction", cfg.data.calib_fraction)):
         if not 0.0 < frac < 0.5:
             raise ConfigError(f"{key}={frac} must be in (0, 0.5)")

@@ -22,16 +22,21 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "embedded"  # "embedded", a hub dataset name, or a local file/dir
+    source: str = "embedded"  # "embedded", a hub dataset name, a local file/dir, or a flat token file (.npy/.bin)
     text_field: str = "text"
     seq_len: int = 128
     eval_fraction: float = 0.05
     calib_fraction: float = 0.05
-    max_tokens: int | None = 400_000  # cap on the tokenized corpus (keeps CPU runs fast)
+    max_tokens: int | None = None  # cap on the train split's tokens; None: the whole corpus
     tokenizer: str | None = None  # path; default: the model's, else a locally trained BPE
-    vocab_size: int = 2048  # for the locally trained BPE tokenizer
+    vocab_size: int = 2048  # for the locally trained BPE tokenizer (and pre-tokenized input without one)
     seed: int = 1234
     cache_dir: str | None = None  # where tokenizers/tokenized data are cached
+    num_proc: int | None = None  # tokenizer processes; None: the machine's cores (at most 16)
+    streaming: bool = False  # read and tokenize on the fly, each rank its own part (corpora larger than the disk)
+    eos_id: int | None = None  # document separator for pre-tokenized input without a tokenizer
+    token_dtype: str = "uint16"  # element type of a raw .bin token file (uint16 | uint32)
+    stream_eval_blocks: int = 256  # streaming: eval and calib blocks read from the start of the stream
 
 
 @dataclass

@@ -1,19 +1,14 @@
-"""Data: documents from the embedded corpus, files or the hub; tokenized, packed into blocks,
-split by document (train/eval/calib) and sampled identically at any world size."""
-from harness.data.pipeline import (
-    EOS,
-    SPLITS,
-    BatchSampler,
-    PackedData,
-    cache_dir_for,
-    embedded_documents,
-    load_documents,
-    load_packed,
-    load_tokenizer,
-    prepare_data,
-    split_batches,
-    split_of,
-)
+"""Data: documents from the embedded corpus, files, a hub dataset or a flat token file;
+tokenized in parallel into a flat on-disk cache, split by document (train/eval/calib) and
+sampled identically at any world size; or streamed and tokenized on the fly.
 
-__all__ = ["EOS", "SPLITS", "BatchSampler", "PackedData", "cache_dir_for", "embedded_documents", "load_documents", "load_packed",
-           "load_tokenizer", "prepare_data", "split_batches", "split_of"]
+    python -m harness.data --config run.yaml     # prepare the cache ahead of a job
+"""
+from harness.data.cache import PackedData, cache_dir_for, is_complete, load_packed, prepare_data
+from harness.data.documents import EOS, SPLITS, embedded_documents, open_documents, split_of
+from harness.data.sampling import BatchSampler, StreamSampler, describe_consumption, split_batches
+from harness.data.tokenizer import eos_id, given_tokenizer
+
+__all__ = ["EOS", "SPLITS", "BatchSampler", "PackedData", "StreamSampler", "cache_dir_for", "describe_consumption",
+           "embedded_documents", "eos_id", "given_tokenizer", "is_complete", "load_packed", "open_documents", "prepare_data",
+           "split_batches", "split_of"]

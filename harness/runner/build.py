@@ -8,10 +8,11 @@ import functools
 import os
 
 import torch
+from transformers import AutoTokenizer
 
 from harness.checkpoint import CheckpointManager, ResumeState
 from harness.config import RunConfig, Strategy, config_to_dict
-from harness.data import BatchSampler, PackedData, load_packed, prepare_data
+from harness.data import BatchSampler, PackedData, StreamSampler, describe_consumption, eos_id, load_packed, prepare_data
 from harness.distributed import DistInfo
 from harness.engine import build_engine
 from harness.log import get_logger
@@ -26,12 +27,24 @@ log = get_logger(__name__)
 
 
 def prepare(cfg: RunConfig, info: DistInfo) -> PackedData:
-    """Rank 0 tokenizes and packs into the cache while the others wait, then all load it."""
-    if info.is_main:
-        prepare_data(cfg.model.name, cfg.data)
-    if info.distributed:
-        torch.distributed.barrier()
-    return load_packed(prepare_data(cfg.model.name, cfg.data))  # cached: returns at once
+    """The data cache, prepared once per file system under its lock (the other ranks wait for
+    it on the file system, not in a collective that would time out), then memory-mapped."""
+    return load_packed(prepare_data(cfg.model.name, cfg.data, progress=info.local_rank == 0))
+
+
+def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampler | StreamSampler:
+    """The training batches: from the cache (world-size invariant) or streamed (`data.streaming`)."""
+    if cfg.data.streaming:
+        tok = AutoTokenizer.from_pretrained(data.tokenizer_dir)
+        sampler: BatchSampler | StreamSampler = StreamSampler(
+            cfg.data, tok, eos_id(tok, cfg.data), cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank)
+    else:
+        sampler = BatchSampler(data, cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank, cfg.data.seed)
+    line, repeats = describe_consumption(data, cfg.data, cfg.steps, sampler.global_batch, cfg.data.streaming)
+    log.info(line)
+    if repeats:
+        log.warning(f"{line.removeprefix('data: ')}: the run repeats its training data; lower steps or give more data")
+    return sampler
 
 
 def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Loop, ResumeState]:
@@ -43,9 +56,9 @@ def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Loop,
     policy = precision_policy(cfg.precision, info.device, strategy.kind)
     loss_fn = functools.partial(causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
     engine = build_engine(model, cfg, strategy, policy, info, loss_fn)
-    ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir)
-    resumed = ckpt.restore()  # step 0, or the checkpoint's step (= data position) with optimizer, RNG, schedule
-    sampler = BatchSampler(data, cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank, cfg.data.seed)
+    sampler = make_sampler(cfg, data, info)
+    ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir, per_rank={"data": sampler})
+    resumed = ckpt.restore()  # step 0, or the checkpoint's step (= data position) with optimizer, RNG, schedule, stream position
     observer = Observer(cfg.output_dir, config_to_dict(cfg), cfg.logging, info.rank, info.world_size, cfg.steps,
                         model_config=engine.module.config, start_step=resumed.step)
     tracker = StepMemoryTracker(

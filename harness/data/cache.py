@@ -1,0 +1,302 @@
+"""The tokenized cache: prepared once, flat on disk, with memory flat in the corpus size.
+
+    <cache root>/data-<key>/
+      meta.json              written last (the directory is renamed into place after it): complete
+      train.bin eval.bin calib.bin        each split's token stream, EOS after every document,
+                                          uint16 when the vocabulary fits, else uint32
+      train.docs.npy ...     where each document starts in its split's stream (int64)
+      tokenizer/             the tokenizer the streams were made with
+
+Tokenization runs in `data.num_proc` processes, each encoding a batch of documents with the
+fast tokenizer's batch call; the parent writes the results in document order, so the
+streams (and the blocks cut from them) are the same whatever the process count. Nothing
+holds the corpus in memory: documents are read from memory-mapped Arrow, tokens go
+straight to the files, blocks are memory-mapped views of them.
+
+One preparation per cache: whoever takes `<cache>.lock` prepares into `<cache>.tmp-<host>-<pid>`
+and renames it into place; everyone else waits (saying for whom) until `meta.json` exists.
+A lock whose owner died (no heartbeat for `HARNESS_LOCK_STALE_S`, default 120 s) is taken
+over; the dead owner's temporary directory is removed, never trusted. On a shared file
+system that is one preparation for the whole cluster; on local disks, one per node.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import datasets
+import numpy as np
+from tqdm import tqdm
+
+from harness.config import DataConfig
+from harness.data import tokens as tokenization
+from harness.data.documents import SPLITS, is_token_file, open_documents, open_stream, pretokenized
+from harness.data.tokenizer import eos_id, given_tokenizer, train_bpe_tokenizer
+from harness.errors import ConfigError
+from harness.log import ALL_RANKS, get_logger
+
+log = get_logger(__name__)
+FORMAT = 2
+DOCS_PER_TASK = 1000
+LOCK_HEARTBEAT_S = 5.0
+
+
+@dataclass
+class PackedData:
+    blocks: dict[str, np.ndarray]  # split -> (n_blocks, seq_len) memory-mapped view of its token stream
+    vocab_size: int
+    tokenizer_dir: str | None
+    cache_dir: str
+    tokens: dict[str, int]  # tokens in each split's stream (the blocks use all but the last partial block)
+
+    def n_blocks(self, split: str) -> int:
+        return int(self.blocks[split].shape[0])
+
+
+def cache_dir_for(model_name: str, cfg: DataConfig) -> str:
+    root = cfg.cache_dir or os.environ.get("HARNESS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "harness")
+    content = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes what is written
+    key = json.dumps({"format": FORMAT, "data": content,
+                      "model": model_name if not os.path.isdir(model_name) else os.path.abspath(model_name),
+                      "py": sys.version_info[:2]}, sort_keys=True, default=str)
+    return os.path.join(root, "data-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+def is_complete(cache: str) -> bool:
+    return os.path.isfile(os.path.join(cache, "meta.json"))
+
+
+def default_num_proc() -> int:
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 16))
+
+
+# ----------------------------------------------------------------------------- the lock
+
+
+def _lock_owner(lock: str) -> dict[str, Any]:
+    try:
+        with open(lock) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _stale(lock: str) -> bool:
+    """No heartbeat for HARNESS_LOCK_STALE_S, or an owner on this host that no longer exists."""
+    try:
+        age = time.time() - os.stat(lock).st_mtime
+    except FileNotFoundError:
+        return False
+    owner = _lock_owner(lock)
+    if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
+        try:
+            os.kill(owner["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+    return age > float(os.environ.get("HARNESS_LOCK_STALE_S", "120"))
+
+
+@contextlib.contextmanager
+def _heartbeat(lock: str) -> Iterator[None]:
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(LOCK_HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(lock)
+
+    thread = threading.Thread(target=beat, name="harness-cache-lock", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _try_lock(lock: str) -> bool:
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}, f)
+    return True
+
+
+def prepare_data(model_name: str, cfg: DataConfig, progress: bool = True) -> str:
+    """The complete cache for (model, data config): prepared here under the lock, or waited for."""
+    cache = cache_dir_for(model_name, cfg)
+    lock = cache + ".lock"
+    waited_since, said = time.monotonic(), 0.0
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    while not is_complete(cache):
+        if _try_lock(lock):
+            try:
+                if not is_complete(cache):
+                    with _heartbeat(lock):
+                        _prepare_locked(model_name, cfg, cache, progress)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(lock)
+            break
+        if _stale(lock):
+            owner = _lock_owner(lock)
+            log.warning(f"data cache {cache}: its preparer {owner.get('host')}:{owner.get('pid')} stopped; preparing it again")
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(lock, f"{lock}.stale-{os.getpid()}")
+                os.remove(f"{lock}.stale-{os.getpid()}")
+            continue
+        now = time.monotonic()
+        if now - said >= 60.0 and os.environ.get("LOCAL_RANK", "0") == "0":
+            owner = _lock_owner(lock)
+            log.info(f"waiting for {owner.get('host', '?')}:{owner.get('pid', '?')} to finish preparing the data cache {cache} "
+                     f"({now - waited_since:.0f} s so far)", extra=ALL_RANKS)
+            said = now
+        time.sleep(1.0)
+    return cache
+
+
+# ----------------------------------------------------------------------------- preparation
+
+
+def _prepare_locked(model_name: str, cfg: DataConfig, cache: str, progress: bool) -> None:
+    parent, name = os.path.split(cache)
+    for leftover in os.listdir(parent):  # a dead preparer's half-written directory: never trusted
+        if leftover.startswith(name + ".tmp-"):
+            shutil.rmtree(os.path.join(parent, leftover), ignore_errors=True)
+    if os.path.exists(cache):  # incomplete (no meta.json): from before atomic preparation
+        shutil.rmtree(cache)
+    tmp = f"{cache}.tmp-{socket.gethostname()}-{os.getpid()}"
+    os.makedirs(tmp)
+    t0 = time.perf_counter()
+    if cfg.streaming:
+        stats = _prepare_stream(model_name, cfg, tmp)
+        tok = stats.pop("tokenizer")
+    elif is_token_file(cfg.source):
+        tok = given_tokenizer(model_name, cfg)
+        stats = tokenization.split_token_file(cfg, tmp, eos_id(tok, cfg) if tok is not None or cfg.eos_id is not None else None)
+    else:
+        stats = _tokenize_corpus(model_name, cfg, tmp, progress)
+        tok = stats.pop("tokenizer")
+    vocab = len(tok) if tok is not None else cfg.vocab_size
+    if stats["max_id"] >= vocab:
+        raise ConfigError(f"data.source '{cfg.source}': token ids reach {stats['max_id']} but the vocabulary has {vocab}; "
+                          "set data.vocab_size (or data.tokenizer) to match the data")
+    for split in SPLITS if not cfg.streaming else ("eval", "calib"):
+        if stats["tokens"][split] < cfg.seq_len:
+            raise ConfigError(f"data.source '{cfg.source}': the {split} split has fewer than seq_len={cfg.seq_len} tokens")
+    if tok is not None:
+        tok.save_pretrained(os.path.join(tmp, "tokenizer"))
+    meta = {"format": FORMAT, "vocab_size": vocab, "seq_len": cfg.seq_len, "dtype": stats["dtype"], "tokens": stats["tokens"],
+            "documents": stats["documents"], "bytes": stats["bytes"], "seconds": time.perf_counter() - t0, "source": cfg.source}
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    os.rename(tmp, cache)
+    log.info(f"data: {sum(stats['tokens'].values()):,} tokens ({', '.join(f'{s} {n:,}' for s, n in stats['tokens'].items())}) "
+             f"from {stats['bytes'] / 2**20:,.1f} MiB in {meta['seconds']:.1f}s -> {cache}")
+
+
+def _tokenize_corpus(model_name: str, cfg: DataConfig, out: str, progress: bool) -> dict[str, Any]:
+    ds = open_documents(cfg)
+    pretok = pretokenized(ds.column_names, cfg)
+    tok = given_tokenizer(model_name, cfg)
+    if tok is None and not pretok:
+        tok = train_bpe_tokenizer(tokenization.train_text_batches(ds, cfg), cfg.vocab_size, os.path.join(out, "tokenizer"))
+    if pretok and tok is None and cfg.eos_id is None:
+        raise ConfigError(f"data.source '{cfg.source}' is pre-tokenized (input_ids) and no tokenizer names its end-of-document "
+                          "token; set data.eos_id (or data.tokenizer)")
+    vocab = len(tok) if tok is not None else cfg.vocab_size
+    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    work = tokenization.Work(ds, tok, cfg, eos_id(tok, cfg), dtype, pretok)
+    writer = tokenization.SplitWriter(out, dtype, cfg.max_tokens)
+    tasks = [(start, min(start + DOCS_PER_TASK, len(ds))) for start in range(0, len(ds), DOCS_PER_TASK)]
+    total_bytes = _input_bytes(ds, cfg)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="tokenizing", disable=not progress,
+               mininterval=1.0 if sys.stderr.isatty() else 15.0, file=sys.stderr)
+    t0 = time.perf_counter()
+    try:
+        for result in _run(work, tasks, cfg.num_proc or default_num_proc(), writer):
+            writer.add(result)
+            bar.update(result.nbytes)
+            bar.set_postfix_str(f"{writer.total_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
+    finally:
+        bar.close()
+    return {**writer.close(), "tokenizer": tok}
+
+
+def _prepare_stream(model_name: str, cfg: DataConfig, out: str) -> dict[str, Any]:
+    """`data.streaming`: the cache holds the tokenizer and the eval/calib blocks only (read from
+    the start of the stream, the same for every rank); training reads the stream itself."""
+    tok = given_tokenizer(model_name, cfg)
+    if tok is None:
+        tok = train_bpe_tokenizer(tokenization.train_text_batches(open_stream(cfg), cfg), cfg.vocab_size,
+                                  os.path.join(out, "tokenizer"))
+    dtype = np.uint16 if len(tok) <= 2**16 else np.uint32
+    writer = tokenization.SplitWriter(out, dtype, max_tokens=0)  # no train blocks in the cache
+    want = cfg.stream_eval_blocks * cfg.seq_len
+    for texts in tokenization.text_batches(open_stream(cfg), cfg, batch=256):
+        writer.add(tokenization.encode_texts(texts, tok, cfg, eos_id(tok, cfg), dtype, skip_train=True))
+        if writer.tokens["eval"] >= want and writer.tokens["calib"] >= want:
+            break
+    return {**writer.close(), "tokenizer": tok}
+
+
+def _input_bytes(ds: datasets.Dataset, cfg: DataConfig) -> int | None:
+    """The corpus size for the progress bar: the Arrow data's size (None when unknown)."""
+    with contextlib.suppress(Exception):
+        return int(ds.data.nbytes)
+    return None
+
+
+def _run(work: tokenization.Work, tasks: list[tuple[int, int]], num_proc: int,
+         writer: tokenization.SplitWriter) -> Iterator[tokenization.Encoded]:
+    """Encoded batches in document order: in this process for small corpora, else in a pool
+    with at most 2 x num_proc batches in flight (so memory stays flat)."""
+    if num_proc == 1 or len(tasks) < 4 or "fork" not in mp.get_all_start_methods():
+        for task in tasks:
+            yield tokenization.encode(work, task, writer.train_full)
+        return
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one tokenizer thread per process; the processes are the parallelism
+    tokenization.WORK = work  # inherited by the forked workers
+    ctx = mp.get_context("fork")
+    with ctx.Pool(num_proc) as pool:
+        pending: deque = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(tokenization.encode_inherited, (task, writer.train_full)))
+            while len(pending) >= 2 * num_proc:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+    tokenization.WORK = None
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_packed(cache: str) -> PackedData:
+    with open(os.path.join(cache, "meta.json")) as f:
+        meta = json.load(f)
+    seq, dtype = int(meta["seq_len"]), np.dtype(meta["dtype"])
+    blocks = {}
+    for split in SPLITS:
+        n = int(meta["tokens"][split]) // seq
+        path = os.path.join(cache, f"{split}.bin")
+        blocks[split] = np.memmap(path, dtype=dtype, mode="r", shape=(n, seq)) if n else np.zeros((0, seq), dtype=dtype)
+    tok_dir = os.path.join(cache, "tokenizer")
+    return PackedData(blocks, int(meta["vocab_size"]), tok_dir if os.path.isdir(tok_dir) else None, cache,
+                      {s: int(meta["tokens"][s]) for s in SPLITS})

@@ -1,0 +1,145 @@
+"""Where documents come from, and which split each belongs to.
+
+A source is the embedded corpus (text every Python installation has), local files (text,
+JSON lines, JSON, parquet; a directory of them) or a hub dataset; `open_documents` gives
+it as a `datasets.Dataset` (memory-mapped Arrow, so a corpus larger than memory is fine)
+and `open_stream` as an `IterableDataset` read on the fly. Splits are by document, by a
+seeded hash of its content: the same on every rank, launcher and world size, and no text
+crosses from train to eval or calibration.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+
+import datasets
+import numpy as np
+
+from harness.config import DataConfig
+from harness.errors import ConfigError
+
+SPLITS = ("train", "eval", "calib")
+SPLIT_CODE = {name: i for i, name in enumerate(SPLITS)}
+EOS = "<|endoftext|>"
+TOKEN_FILE_SUFFIXES = (".npy", ".bin")  # a flat, pre-tokenized token stream
+
+
+def embedded_documents(max_chars: int = 3_000_000) -> list[str]:
+    """Text every Python installation has: pydoc topics and standard-library sources.
+
+    Sorted and capped, so the corpus is deterministic for a given Python version.
+    """
+    docs: list[str] = []
+    try:
+        from pydoc_data.topics import topics
+
+        docs += [topics[k] for k in sorted(topics)]
+    except ImportError:  # some distributions strip pydoc_data
+        pass
+    stdlib = os.path.dirname(os.__file__)
+    total = sum(map(len, docs))
+    for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
+        if total >= max_chars:
+            break
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        docs += _pieces(text)
+        total += len(text)
+    return [d for d in docs if d.strip()]
+
+
+def _pieces(text: str, size: int = 4000) -> list[str]:
+    """Cut a long source file at line breaks into ~`size`-character documents.
+
+    A module is thousands of lines; as one document it would put all of itself in one split.
+    """
+    out, current, length = [], [], 0
+    for line in text.splitlines(keepends=True):
+        current.append(line)
+        length += len(line)
+        if length >= size and line.strip() == "":
+            out.append("".join(current))
+            current, length = [], 0
+    if current:
+        out.append("".join(current))
+    return out
+
+
+def split_of(doc: str | bytes, cfg: DataConfig) -> str:
+    """The split of a document (text, or the bytes of its token ids), from a seeded hash of it."""
+    data = f"{cfg.seed}:".encode() + (doc if isinstance(doc, bytes) else doc.encode())
+    h = int.from_bytes(hashlib.sha256(data).digest()[:8], "little") / 2**64
+    if h < cfg.eval_fraction:
+        return "eval"
+    if h < cfg.eval_fraction + cfg.calib_fraction:
+        return "calib"
+    return "train"
+
+
+def split_codes(texts: list[str], cfg: DataConfig) -> np.ndarray:
+    """`SPLIT_CODE` of each text (vectorised over a batch)."""
+    return np.fromiter((SPLIT_CODE[split_of(t, cfg)] for t in texts), dtype=np.int8, count=len(texts))
+
+
+def _data_files(source: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(source, "**", "*"), recursive=True)) if os.path.isdir(source) else [source]
+    files = [f for f in files if os.path.isfile(f)]
+    if not files:
+        raise ConfigError(f"data.source '{source}' holds no files")
+    return files
+
+
+def _builder(files: list[str]) -> tuple[str, dict]:
+    ext = os.path.splitext(files[0])[1].lower()
+    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(ext, "text")
+    return builder, ({"sample_by": "document"} if builder == "text" else {})
+
+
+def is_token_file(source: str) -> bool:
+    return os.path.isfile(source) and source.endswith(TOKEN_FILE_SUFFIXES)
+
+
+def open_documents(cfg: DataConfig) -> datasets.Dataset:
+    """The whole source as one map-style dataset (Arrow, memory-mapped for files and the hub)."""
+    if cfg.source == "embedded":
+        return datasets.Dataset.from_dict({cfg.text_field: embedded_documents()})
+    if os.path.exists(cfg.source):
+        builder, kwargs = _builder(_data_files(cfg.source))
+        ds = datasets.load_dataset(builder, data_files=_data_files(cfg.source), split="train", **kwargs)
+    else:
+        try:
+            ds = datasets.load_dataset(cfg.source, split="train")
+        except Exception as exc:
+            raise ConfigError(f"data.source '{cfg.source}' is not a local path and could not be loaded from the hub "
+                              f"({type(exc).__name__})") from None
+    check_columns(ds.column_names, cfg)
+    return ds
+
+
+def open_stream(cfg: DataConfig) -> datasets.IterableDataset:
+    """The source read on the fly (`data.streaming`): nothing is converted or cached on disk."""
+    if cfg.source == "embedded":
+        return datasets.Dataset.from_dict({cfg.text_field: embedded_documents()}).to_iterable_dataset(num_shards=8)
+    if os.path.exists(cfg.source):
+        builder, kwargs = _builder(_data_files(cfg.source))
+        ds = datasets.load_dataset(builder, data_files=_data_files(cfg.source), split="train", streaming=True, **kwargs)
+    else:
+        try:
+            ds = datasets.load_dataset(cfg.source, split="train", streaming=True)
+        except Exception as exc:
+            raise ConfigError(f"data.source '{cfg.source}' could not be streamed from the hub ({type(exc).__name__})") from None
+    if ds.column_names is not None:
+        check_columns(ds.column_names, cfg)
+    return ds
+
+
+def check_columns(columns: list[str], cfg: DataConfig) -> None:
+    if cfg.text_field not in columns and "input_ids" not in columns:
+        raise ConfigError(f"data.source '{cfg.source}' has no column '{cfg.text_field}' (columns: {', '.join(columns)}); "
+                          "set data.text_field, or give pre-tokenized data with an 'input_ids' column")
+
+
+def pretokenized(columns: list[str], cfg: DataConfig) -> bool:
+    """Pre-tokenized input: an `input_ids` column and no text column to tokenize."""
+    return "input_ids" in columns and cfg.text_field not in columns

@@ -1,0 +1,152 @@
+"""Batches: which blocks each rank reads at each step.
+
+Map-style (the cache): batches are addressed by (step, micro-batch, rank), so the global
+batch of a step is the same at any world size (world 1 and world 2 train identically) and
+resume is exact (the data position is the step). Streaming (`data.streaming`): each rank
+reads its own part of the stream in order and packs it into blocks; the position is the
+stream's state plus the tokens carried into the next block, saved per rank in checkpoints.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from datasets.distributed import split_dataset_by_node
+
+from harness.config import DataConfig
+from harness.data.cache import PackedData
+from harness.data.documents import SPLIT_CODE, open_stream, split_codes
+from harness.errors import CheckpointError
+from harness.log import get_logger
+
+log = get_logger(__name__)
+STREAM_DOCS_PER_READ = 64
+
+
+class BatchSampler:
+    """Deterministic global order of training blocks; each rank takes its slice.
+
+    Global sample index i of the run maps to epoch i // n and position i % n of that
+    epoch's seeded permutation. Step s, micro-batch a, rank r reads the `micro` samples
+    starting at s*G + (a*world + r)*micro, with G = micro*accum*world.
+    """
+
+    def __init__(self, data: PackedData, micro: int, accum: int, world: int, rank: int, seed: int):
+        self.train = data.blocks["train"]
+        self.micro, self.accum, self.world, self.rank, self.seed = micro, accum, world, rank, seed
+        self.n = self.train.shape[0]
+        self._perms: dict[int, np.ndarray] = {}
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.world
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)}
+        return self._perms[epoch]
+
+    def batch(self, step: int, micro_index: int) -> torch.Tensor:
+        start = step * self.global_batch + (micro_index * self.world + self.rank) * self.micro
+        rows = []
+        for i in range(start, start + self.micro):
+            rows.append(self.train[self._perm(i // self.n)[i % self.n]])
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def split_batches(data: PackedData, split: str, micro: int, max_batches: int, world: int, rank: int) -> Iterator[torch.Tensor]:
+    """The first `max_batches * micro` blocks of a fixed split, strided over ranks."""
+    arr = data.blocks[split]
+    total = min(arr.shape[0], max_batches * micro)  # global: the same blocks at any world size
+    total -= total % world  # every rank runs the same number of forwards (sharded engines gather in them)
+    mine = np.arange(rank, total, world)
+    for i in range(0, len(mine), micro):
+        idx = mine[i : i + micro]
+        if len(idx):
+            yield torch.from_numpy(np.asarray(arr[idx]).astype(np.int64))
+
+
+class StreamSampler:
+    """Training blocks tokenized on the fly from this rank's part of the stream, in order.
+
+    `batch(step, micro)` must be asked in training order; `state_dict()` is the exact position
+    (the dataset's own state and the tokens read but not yet batched).
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any, eos: int, micro: int, accum: int, world: int, rank: int):
+        self.cfg, self.tok, self.eos = cfg, tokenizer, eos
+        self.micro, self.accum, self.world, self.rank = micro, accum, world, rank
+        self.ds = split_dataset_by_node(open_stream(cfg), rank=rank, world_size=world)
+        self.epoch = 0
+        self.buffer = np.zeros(0, dtype=np.int64)
+        self.position = 0  # micro-batches handed out
+        self._it: Iterator[dict[str, Any]] | None = None
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.world
+
+    def _read(self) -> None:
+        if self._it is None:
+            self._it = iter(self.ds)
+        texts: list[str] = []
+        while len(texts) < STREAM_DOCS_PER_READ:
+            try:
+                example = next(self._it)
+            except StopIteration:
+                if texts:
+                    break
+                self.epoch += 1
+                log.warning(f"data: rank {self.rank} read its whole part of the stream; epoch {self.epoch} repeats it")
+                self.ds.set_epoch(self.epoch)
+                self._it = iter(self.ds)
+                continue
+            text = example.get(self.cfg.text_field)
+            if isinstance(text, str) and text.strip():
+                texts.append(text)
+        train = [t for t, c in zip(texts, split_codes(texts, self.cfg)) if c == SPLIT_CODE["train"]]
+        if train:
+            ids = self.tok(train, add_special_tokens=False)["input_ids"]
+            self.buffer = np.concatenate([self.buffer, *(np.asarray([*x, self.eos], dtype=np.int64) for x in ids)])
+
+    def batch(self, step: int, micro_index: int) -> torch.Tensor:
+        wanted = step * self.accum + micro_index
+        if wanted != self.position:
+            raise RuntimeError(f"a streamed batch is read in order: asked for micro-batch {wanted}, next is {self.position}")
+        need = self.micro * self.cfg.seq_len
+        while self.buffer.size < need:
+            self._read()
+        out, self.buffer = self.buffer[:need], self.buffer[need:]
+        self.position += 1
+        return torch.from_numpy(out.reshape(self.micro, self.cfg.seq_len).copy())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dataset": self.ds.state_dict(), "buffer": self.buffer.copy(), "epoch": self.epoch, "position": self.position,
+                "world": self.world, "rank": self.rank}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["world"] != self.world:
+            raise CheckpointError(f"a streamed run resumes at the world size it was saved at ({state['world']}), not {self.world}: "
+                              "each rank's position is in its own part of the stream")
+        self.epoch = int(state["epoch"])
+        self.ds.set_epoch(self.epoch)
+        self.ds.load_state_dict(state["dataset"])
+        self.buffer = np.asarray(state["buffer"], dtype=np.int64)
+        self.position = int(state["position"])
+        self._it = None
+
+
+def describe_consumption(data: PackedData, cfg: DataConfig, steps: int, global_batch: int, streaming: bool) -> tuple[str, bool]:
+    """What the configured steps will read, and whether that repeats training data."""
+    blocks = steps * global_batch
+    if streaming:
+        return (f"data: streaming; {steps} steps x {global_batch} blocks of {cfg.seq_len} tokens = {blocks * cfg.seq_len:,} "
+                "train tokens will be read on the fly", False)
+    have = data.n_blocks("train")
+    epochs = blocks / max(have, 1)
+    capped = f" (capped by data.max_tokens={cfg.max_tokens:,})" if cfg.max_tokens is not None else ""
+    line = (f"data: {data.tokens['train']:,} train tokens{capped} = {have:,} blocks of {cfg.seq_len}; {steps} steps x "
+            f"{global_batch} blocks = {blocks:,} blocks = {epochs:.2f} epochs")
+    return line, epochs > 1.0

@@ -1,0 +1,53 @@
+"""The tokenizer of a run: the one given (`data.tokenizer`), the model's own, or a byte-level
+BPE trained locally on the train split and cached with the data."""
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterable, Iterator
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from harness.config import DataConfig
+from harness.data.documents import EOS
+
+BPE_TRAINING_CHARS = 50_000_000  # a BPE vocabulary settles long before this; more only costs memory and time
+
+
+def train_bpe_tokenizer(batches: Iterable[list[str]], vocab_size: int, path: str) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained locally (HF `tokenizers`) for models that ship none; at most
+    `BPE_TRAINING_CHARS` characters of the given batches are read."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_capped(batches, BPE_TRAINING_CHARS), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    fast.save_pretrained(path)
+    return fast
+
+
+def _capped(batches: Iterable[list[str]], max_chars: int) -> Iterator[str]:
+    seen = 0
+    for batch in batches:
+        for text in batch:
+            if seen >= max_chars:
+                return
+            seen += len(text)
+            yield text
+
+
+def given_tokenizer(model_name: str, cfg: DataConfig) -> PreTrainedTokenizerFast | None:
+    """`data.tokenizer`, else the model directory's own tokenizer, else None (train one)."""
+    if cfg.tokenizer:
+        return AutoTokenizer.from_pretrained(cfg.tokenizer)
+    if os.path.isdir(model_name) and glob.glob(os.path.join(model_name, "tokenizer*")):
+        return AutoTokenizer.from_pretrained(model_name)
+    return None
+
+
+def eos_id(tok: PreTrainedTokenizerFast | None, cfg: DataConfig) -> int:
+    if tok is not None and tok.eos_token_id is not None:
+        return int(tok.eos_token_id)
+    return int(cfg.eos_id) if cfg.eos_id is not None else 0
