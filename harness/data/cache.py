@@ -22,6 +22,7 @@ system that is one preparation for the whole cluster; on local disks, one per no
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import multiprocessing as mp
@@ -93,21 +94,24 @@ def _lock_owner(lock: str) -> dict[str, Any]:
         return {}
 
 
-def _stale(lock: str) -> bool:
-    """No heartbeat for HARNESS_LOCK_STALE_S, or an owner on this host that no longer exists."""
+def _stale_owner(lock: str) -> dict[str, Any] | None:
+    """The lock's owner if it is dead: no heartbeat for HARNESS_LOCK_STALE_S, or a process on
+    this host that no longer exists; None while it lives (or when there is no lock)."""
+    owner = _lock_owner(lock)
     try:
         age = time.time() - os.stat(lock).st_mtime
     except FileNotFoundError:
-        return False
-    owner = _lock_owner(lock)
+        return None
+    if not owner:
+        return {} if age > 10.0 else None  # unreadable for 10 s: a preparer killed between create and write
     if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
         try:
             os.kill(owner["pid"], 0)
         except ProcessLookupError:
-            return True
+            return owner
         except PermissionError:
             pass
-    return age > float(os.environ.get("HARNESS_LOCK_STALE_S", "120"))
+    return owner if age > float(os.environ.get("HARNESS_LOCK_STALE_S", "120")) else None
 
 
 @contextlib.contextmanager
@@ -126,6 +130,21 @@ def _heartbeat(lock: str) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
+
+
+def _take_over(lock: str, owner: dict[str, Any], cache: str) -> None:
+    """Remove the lock of `owner`, judged dead, once: the waiter that creates the takeover token
+    named after that owner does it, and only while the lock is still that owner's, so a lock
+    taken meanwhile by a live preparer is never removed by a waiter that saw the old one."""
+    token = f"{lock}.takeover-{owner.get('host')}-{owner.get('pid')}-{owner.get('started')}"
+    try:
+        os.close(os.open(token, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return
+    if _lock_owner(lock) == owner:
+        log.warning(f"data cache {cache}: its preparer {owner.get('host')}:{owner.get('pid')} stopped; preparing it again")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(lock)
 
 
 def _try_lock(lock: str) -> bool:
@@ -153,13 +172,13 @@ def prepare_data(model_name: str, cfg: DataConfig, progress: bool = True) -> str
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(lock)
+                for token in glob.glob(glob.escape(lock) + ".takeover-*"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(token)
             break
-        if _stale(lock):
-            owner = _lock_owner(lock)
-            log.warning(f"data cache {cache}: its preparer {owner.get('host')}:{owner.get('pid')} stopped; preparing it again")
-            with contextlib.suppress(FileNotFoundError):
-                os.replace(lock, f"{lock}.stale-{os.getpid()}")
-                os.remove(f"{lock}.stale-{os.getpid()}")
+        dead = _stale_owner(lock)
+        if dead is not None:
+            _take_over(lock, dead, cache)
             continue
         now = time.monotonic()
         if now - said >= 60.0 and os.environ.get("LOCAL_RANK", "0") == "0":

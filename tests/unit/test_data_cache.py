@@ -4,6 +4,10 @@ what a run will consume."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +16,14 @@ from transformers import AutoTokenizer
 
 from harness.config import DataConfig
 from harness.data import (
-    PackedData, StreamSampler, describe_consumption, embedded_documents, load_packed, prepare_data, split_of,
+    PackedData,
+    StreamSampler,
+    cache,
+    describe_consumption,
+    embedded_documents,
+    load_packed,
+    prepare_data,
+    split_of,
 )
 from harness.data.tokenizer import train_bpe_tokenizer
 from harness.errors import ConfigError
@@ -135,3 +146,19 @@ def test_consumption_is_stated_and_repeats_are_flagged():
     assert "3,210 train tokens = 100 blocks of 32; 10 steps x 8 blocks = 80 blocks = 0.80 epochs" in line and not repeats
     line, repeats = describe_consumption(data, cfg, steps=50, global_batch=8, streaming=False)
     assert "4.00 epochs" in line and repeats
+
+
+def test_a_dead_preparers_lock_is_taken_over_once(tmp_path):
+    """Two waiters judged the same owner dead; the first removes its lock and a live preparer
+    takes a new one; the second waiter must not remove the new lock."""
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    lock = str(tmp_path / "data-x.lock")
+    dead = {"host": socket.gethostname(), "pid": int(dead_pid), "started": 1.0}
+    Path(lock).write_text(json.dumps(dead))
+    seen = cache._stale_owner(lock)
+    assert seen == dead
+    cache._take_over(lock, seen, "data-x")  # the first waiter
+    assert not os.path.exists(lock)
+    assert cache._try_lock(lock)  # a live preparer: this process
+    cache._take_over(lock, seen, "data-x")  # the second waiter, still holding the dead owner's identity
+    assert cache._lock_owner(lock)["pid"] == os.getpid() and cache._stale_owner(lock) is None
