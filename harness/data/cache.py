@@ -13,16 +13,15 @@ streams (and the blocks cut from them) are the same whatever the process count. 
 holds the corpus in memory: documents are read from memory-mapped Arrow, tokens go
 straight to the files, blocks are memory-mapped views of them.
 
-One preparation per cache: whoever takes `<cache>.lock` prepares into `<cache>.tmp-<host>-<pid>`
-and renames it into place; everyone else waits (saying for whom) until `meta.json` exists.
-A lock whose owner died (no heartbeat for `HARNESS_LOCK_STALE_S`, default 120 s) is taken
-over; the dead owner's temporary directory is removed, never trusted. On a shared file
+One preparation per cache: whoever takes `<cache>.lock` (`harness.distributed.FileLock`)
+prepares into `<cache>.tmp-<host>-<pid>` and renames it into place; everyone else waits
+(saying for whom) until `meta.json` exists. A lock whose owner died is taken over and the
+dead owner's temporary directory removed, never trusted. On a shared file
 system that is one preparation for the whole cluster; on local disks, one per node.
 """
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import json
 import multiprocessing as mp
@@ -30,7 +29,6 @@ import os
 import shutil
 import socket
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -45,13 +43,13 @@ from harness.config import DataConfig
 from harness.data import tokens as tokenization
 from harness.data.documents import SPLITS, is_token_file, open_documents, open_stream, pretokenized
 from harness.data.tokenizer import eos_id, given_tokenizer, train_bpe_tokenizer
+from harness.distributed import FileLock
 from harness.errors import ConfigError
 from harness.log import ALL_RANKS, get_logger
 
 log = get_logger(__name__)
 FORMAT = 2
 DOCS_PER_TASK = 1000
-LOCK_HEARTBEAT_S = 5.0
 
 
 @dataclass
@@ -83,107 +81,31 @@ def default_num_proc() -> int:
     return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 16))
 
 
-# ----------------------------------------------------------------------------- the lock
-
-
-def _lock_owner(lock: str) -> dict[str, Any]:
-    try:
-        with open(lock) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-def _stale_owner(lock: str) -> dict[str, Any] | None:
-    """The lock's owner if it is dead: no heartbeat for HARNESS_LOCK_STALE_S, or a process on
-    this host that no longer exists; None while it lives (or when there is no lock)."""
-    owner = _lock_owner(lock)
-    try:
-        age = time.time() - os.stat(lock).st_mtime
-    except FileNotFoundError:
-        return None
-    if not owner:
-        return {} if age > 10.0 else None  # unreadable for 10 s: a preparer killed between create and write
-    if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
-        try:
-            os.kill(owner["pid"], 0)
-        except ProcessLookupError:
-            return owner
-        except PermissionError:
-            pass
-    return owner if age > float(os.environ.get("HARNESS_LOCK_STALE_S", "120")) else None
-
-
-@contextlib.contextmanager
-def _heartbeat(lock: str) -> Iterator[None]:
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(LOCK_HEARTBEAT_S):
-            with contextlib.suppress(OSError):
-                os.utime(lock)
-
-    thread = threading.Thread(target=beat, name="harness-cache-lock", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _take_over(lock: str, owner: dict[str, Any], cache: str) -> None:
-    """Remove the lock of `owner`, judged dead, once: the waiter that creates the takeover token
-    named after that owner does it, and only while the lock is still that owner's, so a lock
-    taken meanwhile by a live preparer is never removed by a waiter that saw the old one."""
-    token = f"{lock}.takeover-{owner.get('host')}-{owner.get('pid')}-{owner.get('started')}"
-    try:
-        os.close(os.open(token, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
-        return
-    if _lock_owner(lock) == owner:
-        log.warning(f"data cache {cache}: its preparer {owner.get('host')}:{owner.get('pid')} stopped; preparing it again")
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(lock)
-
-
-def _try_lock(lock: str) -> bool:
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}, f)
-    return True
+# ----------------------------------------------------------------------------- preparing once
 
 
 def prepare_data(model_name: str, cfg: DataConfig, progress: bool = True) -> str:
     """The complete cache for (model, data config): prepared here under the lock, or waited for."""
     cache = cache_dir_for(model_name, cfg)
-    lock = cache + ".lock"
+    lock = FileLock(cache + ".lock", what="preparing a data cache")
     waited_since, said = time.monotonic(), 0.0
     os.makedirs(os.path.dirname(cache), exist_ok=True)
     while not is_complete(cache):
-        if _try_lock(lock):
+        if lock.try_acquire():
             try:
                 if not is_complete(cache):
-                    with _heartbeat(lock):
-                        _prepare_locked(model_name, cfg, cache, progress)
+                    _prepare_locked(model_name, cfg, cache, progress)
             finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(lock)
-                for token in glob.glob(glob.escape(lock) + ".takeover-*"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(token)
+                lock.release()
             break
-        dead = _stale_owner(lock)
+        dead = lock.dead_owner()
         if dead is not None:
-            _take_over(lock, dead, cache)
+            if lock.take_over(dead):
+                log.warning(f"data cache {cache}: its preparer ({lock.describe(dead)}) stopped; preparing it again")
             continue
         now = time.monotonic()
         if now - said >= 60.0 and os.environ.get("LOCAL_RANK", "0") == "0":
-            owner = _lock_owner(lock)
-            log.info(f"waiting for {owner.get('host', '?')}:{owner.get('pid', '?')} to finish preparing the data cache {cache} "
+            log.info(f"waiting for {lock.describe()} to finish preparing the data cache {cache} "
                      f"({now - waited_since:.0f} s so far)", extra=ALL_RANKS)
             said = now
         time.sleep(1.0)

@@ -12,6 +12,7 @@ from harness.distributed import init_distributed, teardown
 from harness.errors import EXIT_BAD_INPUT, ConfigError
 from harness.log import set_rank
 from harness.reliability import Supervisor, collective_timeout_s
+from harness.runner import run_dir
 
 
 def parse_command_line(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -33,9 +34,17 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, Strategy]], body:
         return EXIT_BAD_INPUT
     info = init_distributed(cfg.device, collective_timeout_s(), force_group=strategy.needs_process_group)
     set_rank(info.rank)
+    lock = None
     try:
+        lock = run_dir.acquire(cfg, info)
         with Supervisor(cfg, info):
             body(cfg, strategy, info)
+    except ConfigError as exc:  # found after the group started: still one line, the same code on every rank
+        if str(exc):  # an agreed refusal carries its message on rank 0 only
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     finally:
+        if lock is not None:
+            lock.release()
         teardown()
     return 0

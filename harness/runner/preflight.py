@@ -26,6 +26,7 @@ from harness.config import RunConfig, Strategy, check_run
 from harness.distributed import launch_env
 from harness.errors import CheckpointError, ConfigError
 from harness.models import PRESETS, is_preset
+from harness.runner.run_dir import check_not_in_use
 
 
 def has_accelerator(cfg: RunConfig) -> bool:
@@ -132,7 +133,7 @@ def check_data(cfg: RunConfig) -> None:
 
 
 def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> None:
-    """Never overwrite silently; a resume must be able to continue the same run."""
+    """Never overwrite silently, never share a live run's directory; a resume must continue the same run."""
     c = cfg.checkpoint
     if c.keep < 1:
         raise ConfigError(f"checkpoint.keep={c.keep} must be >= 1 (the newest checkpoint is always kept)")
@@ -146,6 +147,7 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
         parent = os.path.dirname(parent)
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"output_dir '{out}' is not writable ({parent} is read-only for this user)")
+    check_not_in_use(cfg)
     root = checkpoint_root(out)
     existing = sorted(n for n in os.listdir(root) if n.startswith("step_")) if os.path.isdir(root) else []
     try:

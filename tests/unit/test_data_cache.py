@@ -18,7 +18,6 @@ from harness.config import DataConfig
 from harness.data import (
     PackedData,
     StreamSampler,
-    cache,
     describe_consumption,
     embedded_documents,
     load_packed,
@@ -26,6 +25,7 @@ from harness.data import (
     split_of,
 )
 from harness.data.tokenizer import train_bpe_tokenizer
+from harness.distributed import FileLock
 from harness.errors import ConfigError
 
 SPLITS = ("train", "eval", "calib")
@@ -148,17 +148,19 @@ def test_consumption_is_stated_and_repeats_are_flagged():
     assert "4.00 epochs" in line and repeats
 
 
-def test_a_dead_preparers_lock_is_taken_over_once(tmp_path):
-    """Two waiters judged the same owner dead; the first removes its lock and a live preparer
+def test_a_dead_owners_lock_is_taken_over_once(tmp_path):
+    """Two waiters judged the same owner dead; the first removes its lock and a live process
     takes a new one; the second waiter must not remove the new lock."""
     dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
-    lock = str(tmp_path / "data-x.lock")
-    dead = {"host": socket.gethostname(), "pid": int(dead_pid), "started": 1.0}
-    Path(lock).write_text(json.dumps(dead))
-    seen = cache._stale_owner(lock)
-    assert seen == dead
-    cache._take_over(lock, seen, "data-x")  # the first waiter
-    assert not os.path.exists(lock)
-    assert cache._try_lock(lock)  # a live preparer: this process
-    cache._take_over(lock, seen, "data-x")  # the second waiter, still holding the dead owner's identity
-    assert cache._lock_owner(lock)["pid"] == os.getpid() and cache._stale_owner(lock) is None
+    path = str(tmp_path / "data-x.lock")
+    dead = {"host": socket.gethostname(), "pid": int(dead_pid), "started": 1.0, "what": "x"}
+    Path(path).write_text(json.dumps(dead))
+    first, second, live = FileLock(path), FileLock(path), FileLock(path)
+    seen = second.dead_owner()
+    assert first.dead_owner() == dead and seen == dead
+    assert first.take_over(dead) and not os.path.exists(path)
+    assert live.try_acquire()
+    assert not second.take_over(seen)  # still holding the dead owner's identity
+    assert live.owner()["pid"] == os.getpid() and live.dead_owner() is None
+    live.release()
+    assert not os.path.exists(path) and not list(tmp_path.glob("*.takeover-*"))
