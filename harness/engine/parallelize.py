@@ -87,22 +87,42 @@ def _torch_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: 
     )
 
 
+def deepspeed_lr_scheduler(ds_config: dict[str, Any], cfg: RunConfig) -> Any:
+    """The `lr_scheduler` argument for `deepspeed.initialize`: harness's schedule, or None where the
+    resolved config keeps a scheduler of the file's own. DeepSpeed prefers a client scheduler to
+    its config's (`DeepSpeedEngine._configure_lr_scheduler`), so passing ours would silently
+    replace the file's; `resolve_deepspeed_config` drops a `"type": "auto"` scheduler."""
+    if "scheduler" in ds_config:
+        return None
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.optim, cfg.steps))
+
+
 def _deepspeed_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo,
                       loss_fn: LossFn) -> Engine:
     import deepspeed
 
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    ds_config = resolve_deepspeed_config(strategy, cfg, info.world_size, hidden)
+    filled: list[str] = []
+    ds_config = resolve_deepspeed_config(strategy, cfg, info.world_size, hidden, filled=filled)
     model.to(device=info.device, dtype=torch.float32)
     apply_memory_techniques(model, cfg)
     optimizer = None
     if "optimizer" not in ds_config:
+        written = strategy.raw.get("zero_force_ds_cpu_optimizer")
         optimizer = _client_optimizer(model, cfg, strategy, ds_config)
+        if written is not None:  # the file's own value stands (DeepSpeed then says why it refuses our optimizer)
+            ds_config["zero_force_ds_cpu_optimizer"] = written
+        elif "zero_force_ds_cpu_optimizer" in ds_config:
+            filled.append(f"zero_force_ds_cpu_optimizer={ds_config['zero_force_ds_cpu_optimizer']} "
+                          f"(the client optimizer {type(optimizer).__name__} runs on the host)")
+    lr_scheduler = deepspeed_lr_scheduler(ds_config, cfg)
+    used = "" if lr_scheduler else f"; the file's scheduler {ds_config['scheduler']['type']} drives the LR, not optim.schedule"
+    log.info(f"DeepSpeed config {strategy.path}: filled from the run config: {', '.join(filled) or 'nothing'}{used}")
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
         optimizer=optimizer,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.optim, cfg.steps)),
+        lr_scheduler=lr_scheduler,
         config=ds_config,
         dist_init_required=False,
     )

@@ -125,3 +125,132 @@ def test_launcher_hints():
     assert load_strategy(None, env={"ACCELERATE_USE_FSDP": "true"}).kind == "fsdp"
     with pytest.raises(ConfigError, match="accelerate launch asked for 'zero2'"):
         load_strategy("fsdp", env={"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"})
+
+
+# ------------------------------------------------------------------ a drop-in DeepSpeed file is honoured exactly
+
+
+def test_file_scheduler_kept_and_its_autos_filled(tmp_path):
+    sched = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_min_lr": "auto", "warmup_type": "linear"}}
+    path = _user_file(tmp_path, {"zero_optimization": {"stage": 2}, "scheduler": sched})
+    cfg = load_config(None, ["steps=40", "optim.lr=0.002", "optim.warmup_steps=3", "optim.min_lr_ratio=0.25"])
+    filled = []
+    ds = resolve_deepspeed_config(load_strategy(path, env={}), cfg, 1, 64, filled=filled)
+    assert ds["scheduler"] == {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3, "total_num_steps": 40, "warmup_max_lr": 0.002,
+                                                                   "warmup_min_lr": 0.002 * 0.25, "warmup_type": "linear"}}
+    assert "scheduler.params.total_num_steps=40 (from steps)" in filled
+
+
+def test_file_scheduler_auto_it_cannot_fill_is_an_error(tmp_path):
+    path = _user_file(tmp_path, {"zero_optimization": {"stage": 2}, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "auto"}}})
+    with pytest.raises(ConfigError, match="'scheduler.params.cycle_min_lr' is 'auto'"):
+        resolve_deepspeed_config(load_strategy(path, env={}), load_config(None, []), 1, 64)
+
+
+def test_auto_scheduler_means_harness_schedule(tmp_path):
+    path = _user_file(tmp_path, {"zero_optimization": {"stage": 2}, "scheduler": {"type": "auto", "params": {}}})
+    filled = []
+    ds = resolve_deepspeed_config(load_strategy(path, env={}), load_config(None, []), 1, 64, filled=filled)
+    assert "scheduler" not in ds and any(f.startswith("scheduler=harness's cosine schedule") for f in filled)
+
+
+def test_lr_scheduler_argument_decides_which_schedule_runs(tmp_path):
+    import torch
+
+    from harness.engine.parallelize import deepspeed_lr_scheduler
+    from harness.training import lr_lambda
+
+    cfg = load_config(None, ["steps=20", "optim.lr=0.01", "optim.warmup_steps=4"])
+    kept = _user_file(tmp_path, {"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 7}}})
+    assert deepspeed_lr_scheduler(resolve_deepspeed_config(load_strategy(kept, env={}), cfg, 1, 64), cfg) is None
+    ours = deepspeed_lr_scheduler(resolve_deepspeed_config(load_strategy("zero2", env={}), cfg, 1, 64), cfg)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
+    sched = ours(opt)
+    assert isinstance(sched, torch.optim.lr_scheduler.LambdaLR)
+    assert sched.get_last_lr()[0] == pytest.approx(cfg.optim.lr * lr_lambda(cfg.optim, cfg.steps)(0))
+
+
+def test_deepspeed_builds_the_file_scheduler(tmp_path):
+    """DeepSpeed's own scheduler choice (`_configure_lr_scheduler`, a client scheduler beats the
+    config's) given what `_deepspeed_engine` passes: the file's WarmupLR, with its autos filled."""
+    import types
+
+    import torch
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    from harness.engine.parallelize import deepspeed_lr_scheduler
+
+    cfg = load_config(None, ["optim.lr=0.01", "optim.warmup_steps=6"])
+    path = _user_file(tmp_path, {"zero_optimization": {"stage": 1}, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_num_steps": "auto", "warmup_max_lr": "auto", "warmup_min_lr": 0}}})
+    ds = resolve_deepspeed_config(load_strategy(path, env={}), cfg, 1, 64)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
+    conf = DeepSpeedConfig(ds)
+    engine = types.SimpleNamespace(client_lr_scheduler=deepspeed_lr_scheduler(ds, cfg), basic_optimizer=opt, optimizer=opt,
+                                   scheduler_name=lambda: conf.scheduler_name, scheduler_params=lambda: conf.scheduler_params)
+    engine._scheduler_from_config = types.MethodType(DeepSpeedEngine._scheduler_from_config, engine)
+    DeepSpeedEngine._configure_lr_scheduler(engine)
+    assert isinstance(engine.lr_scheduler, WarmupLR)
+    assert engine.lr_scheduler.warmup_num_steps == 6 and engine.lr_scheduler.max_lrs == [0.01]
+
+
+def test_optimizer_number_contradicting_run_config_names_both(tmp_path):
+    path = _user_file(tmp_path, {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 0.0001}}})
+    with pytest.raises(ConfigError, match=r"optimizer.params.lr=0.0001 contradicts the run config's optim.lr=0.003"):
+        resolve_deepspeed_config(load_strategy(path, env={}), load_config(None, ["optim.lr=0.003"]), 1, 64)
+    path = _user_file(tmp_path, {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999]}}})
+    with pytest.raises(ConfigError, match=r"optimizer.params.betas=\[0.9, 0.999\] contradicts the run config's optim.betas=\[0.9, 0.95\]"):
+        resolve_deepspeed_config(load_strategy(path, env={}), load_config(None, []), 1, 64)
+    path = _user_file(tmp_path, {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb", "params": {}}})
+    with pytest.raises(ConfigError, match="optimizer.type='Lamb' contradicts the run config's optim.name='adamw'"):
+        resolve_deepspeed_config(load_strategy(path, env={}), load_config(None, []), 1, 64)
+
+
+def test_optimizer_values_equal_to_run_config_pass(tmp_path):
+    path = _user_file(tmp_path, {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {
+        "lr": 0.003, "betas": [0.9, 0.95], "weight_decay": "auto"}}})
+    filled = []
+    ds = resolve_deepspeed_config(load_strategy(path, env={}), load_config(None, ["optim.lr=0.003", "optim.weight_decay=0.1"]), 1, 64,
+                                  filled=filled)
+    assert ds["optimizer"]["params"] == {"lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.1, "eps": 1e-8}
+    assert "optimizer.params.weight_decay=0.1 (from optim.weight_decay)" in filled
+    assert not any(f.startswith("optimizer.params.lr=") for f in filled)
+
+
+def test_filled_names_gradient_clipping_the_file_left_out(tmp_path):
+    path = _user_file(tmp_path, {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4})
+    filled = []
+    ds = resolve_deepspeed_config(load_strategy(path, env={}), load_config(None, ["optim.grad_clip=0.7"]), 1, 64, filled=filled)
+    assert ds["gradient_clipping"] == 0.7
+    assert "gradient_clipping=0.7 (from optim.grad_clip)" in filled
+    assert not any(f.startswith("train_micro_batch_size_per_gpu=") for f in filled)  # written in the file, not filled
+
+
+@pytest.mark.parametrize("data, key, hint", [
+    ({"zero_optimisation": {"stage": 2}}, "zero_optimisation", "zero_optimization"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 10}}, "zero_optimization.reduce_bucket_sise", "reduce_bucket_size"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket": 10}}, "zero_optimization.stage3_prefetch_bucket",
+     "stage3_prefetch_bucket_size"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}}},
+     "zero_optimization.offload_param.pin_memroy", "pin_memory"),
+])
+def test_misspelt_deepspeed_key_names_the_right_one(tmp_path, data, key, hint):
+    with pytest.raises(ConfigError, match=rf"unknown DeepSpeed key '{key}' \(did you mean '{hint}'\?\)"):
+        load_strategy(_user_file(tmp_path, data), env={})
+
+
+def test_documented_deepspeed_keys_accepted(tmp_path):
+    from harness.config.strategies import deepspeed_top_level_keys
+
+    documented = {
+        "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "gradient_clipping", "steps_per_print", "wall_clock_breakdown",
+        "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "comms_logger", "data_types",
+        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "train_batch_size", "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps", "prescale_gradients", "gradient_predivide_factor", "communication_data_type", "sparse_gradients",
+        "amp", "checkpoint", "aio", "elasticity", "autotuning", "pipeline", "compression_training",
+    }
+    assert documented <= deepspeed_top_level_keys()
+    load_strategy(_user_file(tmp_path, {"comment": "harness's own note", "zero_optimization": {"stage": 2}}), env={})
