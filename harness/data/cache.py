@@ -49,7 +49,8 @@ from harness.log import ALL_RANKS, get_logger
 
 log = get_logger(__name__)
 FORMAT = 2
-DOCS_PER_TASK = 1000
+DOCS_PER_TASK = 1000  # documents per tokenizer batch in the pool
+DOCS_PER_STEP_IN_PROCESS = 128  # smaller in one process: a capped train split stops tokenizing sooner
 
 
 @dataclass
@@ -209,8 +210,9 @@ def _run(work: tokenization.Work, tasks: list[tuple[int, int]], num_proc: int,
     """Encoded batches in document order: in this process for small corpora, else in a pool
     with at most 2 x num_proc batches in flight (so memory stays flat)."""
     if num_proc == 1 or len(tasks) < 4 or "fork" not in mp.get_all_start_methods():
-        for task in tasks:
-            yield tokenization.encode(work, task, writer.train_full)
+        for start, end in tasks:
+            for step in range(start, end, DOCS_PER_STEP_IN_PROCESS):
+                yield tokenization.encode(work, (step, min(step + DOCS_PER_STEP_IN_PROCESS, end)), writer.train_full)
         return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one tokenizer thread per process; the processes are the parallelism
     tokenization.WORK = work  # inherited by the forked workers
