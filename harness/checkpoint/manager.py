@@ -30,16 +30,19 @@ converts once to its universal checkpoint (see `harness.engine`).
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from harness.checkpoint.export import export_hf
 from harness.checkpoint.layout import (
@@ -58,12 +61,12 @@ from harness.checkpoint.layout import (
     write_text_atomic,
 )
 from harness.config import RunConfig, Strategy, config_to_dict
-from harness.distributed import DistInfo
+from harness.distributed import DistInfo, all_gather_object, all_reduce_sum
 from harness.engine import Engine
 from harness.errors import CheckpointError
 from harness.log import get_logger
 from harness.reliability import weights_finite
-from harness.reliability.faults import fault_seconds
+from harness.reliability.faults import fault_seconds, fault_step
 
 log = get_logger(__name__)
 
@@ -206,14 +209,25 @@ class CheckpointManager:
         t0 = time.perf_counter()
         final = os.path.join(self.root, step_name(step))
         tmp = os.path.join(self.root, f".tmp-{step_name(step)}")
-        if self.info.is_main:
-            os.makedirs(self.root, exist_ok=True)
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-            for sub in ("rng", *self.per_rank, *(("masks",) if self.masks is not None else ())):
-                os.makedirs(os.path.join(tmp, sub))
-        self._barrier()
+        self._collectively(step, tmp, lambda: self._prepare(tmp) if self.info.is_main else None)
+        self._collectively(step, tmp, lambda: self._write(tmp, step, counters))
+        self._collectively(step, tmp, lambda: self._commit(tmp, final, step) if self.info.is_main else None)
+        self.last_path, self.last_step = final, step
+        log.info(f"saved checkpoint {final} ({time.perf_counter() - t0:.1f}s)")
+        return final
+
+    def _prepare(self, tmp: str) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        for sub in ("rng", *self.per_rank, *(("masks",) if self.masks is not None else ())):
+            os.makedirs(os.path.join(tmp, sub))
+
+    def _write(self, tmp: str, step: int, counters: dict[str, Any] | None) -> None:
+        """This rank's part of the checkpoint (the engine's state is written collectively)."""
         self.engine.save_state(tmp)
+        if fault_step("save_error", self.info.rank) == step:  # fault injection (tests): a full disk
+            raise OSError(errno.ENOSPC, f"No space left on device (injected by HARNESS_FAULT=save_error@{step})")
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{self.info.rank:05d}.pt"))
         for name, obj in self.per_rank.items():
             torch.save(obj.state_dict(), os.path.join(tmp, name, f"rank{self.info.rank:05d}.pt"))
@@ -223,13 +237,28 @@ class CheckpointManager:
             torch.save({**self.engine.trainer_state(), "counters": dict(counters or {})}, os.path.join(tmp, "trainer_state.pt"))
             self._write_hf_files(os.path.join(tmp, "hf_config"))
         os.sync()  # this rank's writes reach the disk before the checkpoint is declared complete
-        self._barrier()
+
+    def _collectively(self, step: int, tmp: str, work: Callable[[], None]) -> None:
+        """Run this rank's part of a save, then agree with every rank (in place of a barrier): if
+        any rank could not write (a full disk, a permission, a quota), all raise CheckpointError,
+        the partial save is removed and `latest` still names the last complete checkpoint."""
+        why = ""
+        try:
+            work()
+        except (OSError, RuntimeError, CheckpointException) as exc:  # torch.save and DCP report write failures so
+            why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+        failed = all_reduce_sum([1.0 if why else 0.0], self.info)[0]
+        if not failed:
+            return
+        reasons = all_gather_object(why, self.info)
+        rank, reason = next((r, w) for r, w in enumerate(reasons) if w)
         if self.info.is_main:
-            self._commit(tmp, final, step)
-        self._barrier()
-        self.last_path, self.last_step = final, step
-        log.info(f"saved checkpoint {final} ({time.perf_counter() - t0:.1f}s)")
-        return final
+            shutil.rmtree(tmp, ignore_errors=True)
+        where = f"rank {rank}: " if len(reasons) > 1 else ""
+        raise CheckpointError(
+            f"could not write the checkpoint of step {step} ({where}{reason}); the partial save was removed and the last complete "
+            f"checkpoint is {self.last_path or 'none'} (`latest` unchanged); free space or fix permissions, then resume with "
+            "checkpoint.resume=auto")
 
     # --------------------------------------------------------------- internals
     def _barrier(self) -> None:

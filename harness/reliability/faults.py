@@ -3,7 +3,8 @@
 `nan_loss@STEP[:RANK]` (the LM head's output becomes NaN in that step's forward),
 `oom@STEP[:RANK]` (a real `torch.OutOfMemoryError` raised in that step's forward),
 `signal@STEP[:RANK]` (the process sends itself SIGUSR1 in that step's forward),
-`save_pause=SECONDS[@STEP]` (a checkpoint is fully written but not committed for that long).
+`save_pause=SECONDS[@STEP]` (a checkpoint is fully written but not committed for that long),
+`save_error@STEP[:RANK]` (writing that step's checkpoint fails as a full disk would: ENOSPC).
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def fault_seconds(name: str, step: int) -> float:
     return 0.0
 
 
-def _fault_step(name: str, rank: int) -> int | None:
+def fault_step(name: str, rank: int) -> int | None:
+    """The step at which fault `name` (`name@STEP[:RANK]`) is injected on `rank`, or None."""
     for fname, _, step, frank in _faults():
         if fname == name and frank in (None, rank):
             return step
@@ -50,7 +52,7 @@ def _fault_step(name: str, rank: int) -> int | None:
 def install_fault_hooks(module: torch.nn.Module, rank: int, steps_done: Callable[[], int]) -> None:
     """A forward hook on the LM head that injects the requested fault in one training step
     (`steps_done()`: the steps this run has finished, so the hook knows which step it is in)."""
-    nan_step, oom_step, signal_step = _fault_step("nan_loss", rank), _fault_step("oom", rank), _fault_step("signal", rank)
+    nan_step, oom_step, signal_step = fault_step("nan_loss", rank), fault_step("oom", rank), fault_step("signal", rank)
     if nan_step is None and oom_step is None and signal_step is None:
         return
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None

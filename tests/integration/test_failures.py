@@ -152,6 +152,24 @@ def test_nan_stop_names_the_step_and_the_last_good_checkpoint(ws):
     assert not (out / "checkpoints" / "step_00000003").exists()
 
 
+def test_a_save_that_cannot_be_written_ends_in_one_line_exit_6_and_resumes(ws):
+    """Rank 1's disk fills up in step 4's save (ENOSPC, injected): both ranks exit 6, rank 0
+    names rank 1's reason in one line, the partial save is removed, `latest` still names
+    step 2, and once there is space again the run resumes from step 2 and finishes."""
+    cfg, out = config(ws, "disk_full", steps=4, **{"checkpoint.every": 2})
+    proc = _run(launch_command("torchrun", 2, cfg, []), {"HARNESS_FAULT": "save_error@4:1"}, ok=False)
+    assert proc.returncode != 0 and proc.stderr.count("(exitcode: 6)") >= 1, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("harness: error:")]
+    assert len(errors) == 1 and "could not write the checkpoint of step 4 (rank 1: OSError: [Errno 28] No space left" in errors[0]
+    assert "Traceback (most recent call last)" not in proc.stderr.split("torch.distributed.elastic")[0]
+    ckpts = out / "checkpoints"
+    assert latest_checkpoint(str(ckpts)) == str(ckpts / "step_00000002")
+    assert not list(ckpts.glob(".tmp-*")) and not (ckpts / "step_00000004").exists()
+    resumed = _run(launch_command("torchrun", 2, cfg, ["checkpoint.resume=auto"]))
+    assert f"resumed from {ckpts / 'step_00000002'} at step 2" in resumed.stdout
+    assert latest_checkpoint(str(ckpts)) == str(ckpts / "step_00000004")
+
+
 def test_deepspeed_without_zero_does_not_apply_a_nan_step(ws):
     """Stage 0 in fp32 hands DeepSpeed a bare torch optimizer with no overflow check of its own."""
     import json
