@@ -53,6 +53,7 @@ PRUNE_ACHIEVED = "prune/achieved_sparsity"
 PRUNE_LAYER_PREFIX = "prune/sparsity/"
 
 METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"  # records of a timeline a resume abandoned
 
 # Names harness.memory_tracking's per-step peaks take when the trainer prefixes them as
 # `memory/<key>_peak_bytes`: the allocator peaks are the GPU truth, not categories.
@@ -66,7 +67,8 @@ _CATEGORY_RE = re.compile(r"^memory/(.+)_peak_bytes$")
 
 # Within one log interval these keep the last value (a schedule or a running count);
 # memory keeps the maximum (a peak must survive subsampling); everything else is averaged.
-_LAST_KEYS = frozenset({TRAIN_LR, TRAIN_SKIPPED})
+PEAK_RANK = "memory/peak_rank"  # the rank whose step peaked highest (the memory panels show that rank)
+_LAST_KEYS = frozenset({TRAIN_LR, TRAIN_SKIPPED, PEAK_RANK})
 
 
 def memory_key(category: str) -> str:
@@ -169,11 +171,11 @@ class IntervalAggregator:
 
     def add(self, metrics: dict[str, int | float]) -> None:
         for key, value in metrics.items():
-            if key.startswith("memory/"):
+            if key in _LAST_KEYS:
+                self._values[key] = value
+            elif key.startswith("memory/"):
                 old = self._values.get(key)
                 self._values[key] = value if old is None else max(old, value)
-            elif key in _LAST_KEYS:
-                self._values[key] = value
             else:
                 self._sums[key] = self._sums.get(key, 0.0) + value
                 self._counts[key] = self._counts.get(key, 0) + 1
@@ -193,9 +195,14 @@ class IntervalAggregator:
 class MetricsWriter:
     """`<run_dir>/metrics.jsonl`: one `{"kind", "step", "time", <metric>: value}` per event."""
 
-    def __init__(self, run_dir: str, append: bool = False) -> None:
+    def __init__(self, run_dir: str, append: bool = False, resumed_at: int | None = None) -> None:
+        """`append`: continue the file (a resumed run); `resumed_at`: the step the run resumes
+        from: the records after it belong to an abandoned timeline and move to
+        `metrics.superseded.jsonl`, so each step appears once here and nothing is lost."""
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
+        if append and resumed_at is not None and os.path.isfile(self.path):
+            _set_aside_after(self.path, resumed_at, os.path.join(run_dir, SUPERSEDED_FILE))
         self._file: TextIO | None = open(self.path, "a" if append else "w", encoding="utf-8")
 
     def write(self, kind: str, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -210,6 +217,28 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _set_aside_after(path: str, step: int, superseded: str) -> None:
+    """Keep the records up to `step` in `path` (rewritten atomically); append the later ones
+    (and a torn last line) to `superseded`."""
+    keep, later = [], []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                later.append(line if line.endswith("\n") else line + "\n")
+                continue
+            (keep if int(record.get("step", 0)) <= step and record.get("kind") != "summary" else later).append(line)
+    if not later:
+        return
+    with open(superseded, "a", encoding="utf-8") as f:
+        f.writelines(later)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
 
 
 def read_records(path: str) -> list[dict[str, Any]]:

@@ -89,7 +89,7 @@ class Observer:
         precision = str(run_config.get("precision", "fp32"))
         self.peak_flops = mfu_lib.peak_flops(self.device_name, precision, logging_cfg.peak_flops)
 
-        self.writer = M.MetricsWriter(run_dir, append=start_step > 0)
+        self.writer = M.MetricsWriter(run_dir, append=start_step > 0, resumed_at=start_step if start_step > 0 else None)
         run_info = {
             "world_size": self.world_size,
             "total_steps": total_steps,

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from harness.checkpoint import CheckpointManager
 from harness.config import RunConfig
 from harness.data import BatchSampler, PackedData, split_batches
-from harness.distributed import DistInfo, all_reduce_mean, all_reduce_sum
+from harness.distributed import DistInfo, all_gather_object, all_reduce_mean, all_reduce_sum
 from harness.engine import Engine
 from harness.memory import StepMemoryTracker
 from harness.observability import Observer
+from harness.observability.metrics import PEAK_RANK
 from harness.reliability import StepGuard
 
 
@@ -28,6 +29,26 @@ def write_state_bytes(output_dir: str, info: DistInfo, points: list[dict[str, in
     os.makedirs(os.path.join(output_dir, "state_bytes"), exist_ok=True)
     with open(os.path.join(output_dir, "state_bytes", f"rank{info.rank}.json"), "w") as f:
         json.dump({"rank": info.rank, "world_size": info.world_size, "peak": peak, "phases": points}, f, indent=1)
+
+
+def worst_rank_memory(tracker: StepMemoryTracker, info: DistInfo) -> dict[str, float]:
+    """The step's memory on the rank that peaked highest (collective when tracking is on).
+
+    `_peak_bytes`: that rank's split at its peak moment (sums to its total; the stacked
+    panel); `_max_bytes`: each category's own maximum over every rank; `memory/peak_rank`:
+    which rank. Ranks differ (uneven shards, rank 0's extra buffers): one rank's view understates.
+    """
+    peaks, maxima = tracker.last_peaks(), tracker.last_category_maxima()
+    out: dict[str, float] = {}
+    if peaks and info.distributed and info.world_size > 1:
+        gathered = all_gather_object((peaks, maxima), info)
+        worst = max(range(len(gathered)), key=lambda r: gathered[r][0].get("total") or 0)
+        peaks = gathered[worst][0]
+        maxima = {k: max((g[1].get(k) or 0) for g in gathered) for k in maxima}
+        out[PEAK_RANK] = worst
+    out.update({f"memory/{k}_peak_bytes": v for k, v in peaks.items()})
+    out.update({f"memory/{k}_max_bytes": v for k, v in maxima.items()})
+    return out
 
 
 def evaluate(engine: Engine, data: PackedData, cfg: RunConfig, info: DistInfo, split: str = "eval") -> dict[str, float]:
@@ -97,10 +118,7 @@ class Loop:
                 "perf/step_time_s": elapsed, "perf/tokens_per_s": tokens_per_step / elapsed,
                 "perf/samples_per_s": sampler.global_batch / elapsed,
             }
-            # `_peak_bytes`: the split at the step's peak moment (sums to the total; the stacked
-            # panel); `_max_bytes`: each category's own maximum in the step.
-            metrics.update({f"memory/{k}_peak_bytes": v for k, v in tracker.last_peaks().items()})
-            metrics.update({f"memory/{k}_max_bytes": v for k, v in tracker.last_category_maxima().items()})
+            metrics.update(worst_rank_memory(tracker, info))
             observer.log_step(step + 1, metrics)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
                 observer.log_eval(step + 1, evaluate(engine, self.data, cfg, info))

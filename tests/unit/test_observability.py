@@ -376,3 +376,21 @@ def test_peak_flops_detection_and_override():
         assert mfu.peak_flops("NVIDIA A100-SXM4-80GB", "fp32") == mfu.PEAK_FLOPS["a100"]["tf32"]
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_a_resumed_run_logs_each_step_once_and_keeps_the_abandoned_records(tmp_path):
+    first = M.MetricsWriter(str(tmp_path))
+    for step in range(1, 7):
+        first.write("train", step, {M.TRAIN_LOSS: float(step)})
+    first.write("summary", 6, {"final_eval_loss": 1.0})
+    first.close()
+    with open(tmp_path / M.METRICS_FILE, "a") as f:
+        f.write('{"kind": "train", "step": 7, "tra')  # torn by a crash
+    resumed = M.MetricsWriter(str(tmp_path), append=True, resumed_at=4)
+    for step in range(5, 9):
+        resumed.write("train", step, {M.TRAIN_LOSS: 10.0 + step})
+    resumed.close()
+    steps = [json.loads(line)["step"] for line in open(tmp_path / M.METRICS_FILE)]
+    assert steps == list(range(1, 9))
+    aside = open(tmp_path / M.SUPERSEDED_FILE).read().splitlines()
+    assert [json.loads(line)["step"] for line in aside[:3]] == [5, 6, 6] and aside[3].startswith('{"kind": "train", "step": 7')
