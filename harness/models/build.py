@@ -94,6 +94,7 @@ def build_model(
     if not os.path.exists(name_or_path) and os.environ.get("HF_HUB_OFFLINE") == "1":
         raise FileNotFoundError(f"model '{name_or_path}' is not a preset or a local path and HF_HUB_OFFLINE=1")
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    model.train()  # from_pretrained returns eval mode (dropout off); a preset, and training, are in train mode
     if config_overrides:
         for key, value in config_overrides.items():
             setattr(model.config, key, value)

@@ -128,3 +128,10 @@ def test_fp16_gradient_with_loss_scaling_matches_hf() -> None:
     grad = model.lm_head.weight.grad
     assert not ((ref != 0) & (grad == 0)).any()  # nothing underflowed that HF kept
     torch.testing.assert_close(grad.float(), ref.float(), rtol=1e-2, atol=ref.abs().max().item() * 1e-3)
+
+
+def test_a_saved_model_is_built_in_training_mode(tmp_path):
+    """from_pretrained returns eval mode; the trainer and the planner's measurement must see
+    the model as training does (dropout on), as a preset is."""
+    build_model("tiny-llama", vocab_size=64, seed=0).save_pretrained(tmp_path)
+    assert build_model(str(tmp_path)).training and build_model("tiny-llama", vocab_size=64, seed=0).training
