@@ -41,6 +41,13 @@ def check_values(cfg: RunConfig) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    check_optimizer_values(cfg)
+    at_least = {"memory.ac_every": (cfg.memory.ac_every, 1), "memory.track_every": (cfg.memory.track_every, 1),
+                "logging.log_every": (cfg.logging.log_every, 1), "memory.loss_chunk_size": (cfg.memory.loss_chunk_size, 0),
+                "eval_every": (cfg.eval_every, 0)}
+    for key, (value, low) in at_least.items():
+        if value < low:
+            raise ConfigError(f"{key}={value} must be >= {low}")
     budget = cfg.memory.activation_memory_budget
     if budget is not None and not 0.0 <= budget <= 1.0:
         raise ConfigError(f"memory.activation_memory_budget={budget} must be in [0, 1]")
@@ -146,3 +153,21 @@ def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: b
     check_prune_config(cfg, world)
     if strategy.kind == "deepspeed":
         resolve_deepspeed_config(strategy, cfg, world, hidden_size=1)  # contradictions and 'auto' holes
+
+
+def check_optimizer_values(cfg: RunConfig) -> None:
+    """The values torch's optimizers and schedules would reject (or silently misuse), refused
+    before launch instead of as a traceback after the model is built."""
+    o = cfg.optim
+    if not o.lr > 0:
+        raise ConfigError(f"optim.lr={o.lr} must be > 0")
+    if o.eps < 0 or o.weight_decay < 0 or o.grad_clip < 0:
+        key, value = next((k, v) for k, v in (("optim.eps", o.eps), ("optim.weight_decay", o.weight_decay),
+                                              ("optim.grad_clip", o.grad_clip)) if v < 0)
+        raise ConfigError(f"{key}={value} must be >= 0")
+    if not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optim.betas={list(o.betas)} must each be in [0, 1)")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")

@@ -125,6 +125,17 @@ def _prepare_locked(model_name: str, cfg: DataConfig, cache: str, progress: bool
         shutil.rmtree(cache)
     tmp = f"{cache}.tmp-{socket.gethostname()}-{os.getpid()}"
     os.makedirs(tmp)
+    try:
+        done = _build(model_name, cfg, tmp, progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed preparation leaves nothing behind
+        raise
+    os.rename(tmp, cache)
+    log.info(f"{done} -> {cache}")
+
+
+def _build(model_name: str, cfg: DataConfig, tmp: str, progress: bool) -> str:
+    """Write the whole cache into `tmp` (meta.json last); returns what was prepared, in words."""
     t0 = time.perf_counter()
     if cfg.streaming:
         stats = _prepare_stream(model_name, cfg, tmp)
@@ -148,13 +159,25 @@ def _prepare_locked(model_name: str, cfg: DataConfig, cache: str, progress: bool
             "documents": stats["documents"], "bytes": stats["bytes"], "seconds": time.perf_counter() - t0, "source": cfg.source}
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    os.rename(tmp, cache)
-    log.info(f"data: {sum(stats['tokens'].values()):,} tokens ({', '.join(f'{s} {n:,}' for s, n in stats['tokens'].items())}) "
-             f"from {stats['bytes'] / 2**20:,.1f} MiB in {meta['seconds']:.1f}s -> {cache}")
+    return (f"data: {sum(stats['tokens'].values()):,} tokens ({', '.join(f'{s} {n:,}' for s, n in stats['tokens'].items())}) "
+            f"from {stats['bytes'] / 2**20:,.1f} MiB in {meta['seconds']:.1f}s")
+
+
+def _read_corpus(cfg: DataConfig) -> datasets.Dataset:
+    """The documents; a source the loaders cannot read (an undecodable line, broken JSON or
+    parquet) is one line naming it, not a loader's traceback on every rank."""
+    try:
+        return open_documents(cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        cause = exc.__cause__ or exc.__context__ or exc
+        raise ConfigError(f"data.source '{cfg.source}' could not be read ({type(cause).__name__}: "
+                          f"{(str(cause).splitlines() or [''])[0][:200]}); fix or remove the file") from None
 
 
 def _tokenize_corpus(model_name: str, cfg: DataConfig, out: str, progress: bool) -> dict[str, Any]:
-    ds = open_documents(cfg)
+    ds = _read_corpus(cfg)
     pretok = pretokenized(ds.column_names, cfg)
     tok = given_tokenizer(model_name, cfg)
     if tok is None and not pretok:

@@ -15,6 +15,7 @@ from harness.config import RunConfig, Strategy, config_to_dict
 from harness.data import BatchSampler, PackedData, StreamSampler, describe_consumption, eos_id, load_packed, prepare_data
 from harness.distributed import DistInfo
 from harness.engine import build_engine
+from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.memory import StepMemoryTracker
 from harness.models import build_model
@@ -40,6 +41,10 @@ def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampl
             cfg.data, tok, eos_id(tok, cfg.data), cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank)
     else:
         sampler = BatchSampler(data, cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank, cfg.data.seed)
+    if not cfg.data.streaming and sampler.global_batch > data.n_blocks("train"):
+        raise ConfigError(f"one step's global batch ({sampler.global_batch} blocks = micro_batch_size*grad_accum*world "
+                          f"{cfg.micro_batch_size}*{cfg.grad_accum}*{info.world_size}) exceeds the {data.n_blocks('train')} "
+                          f"training blocks of {cfg.data.seq_len} tokens; lower micro_batch_size/grad_accum or give more data")
     line, repeats = describe_consumption(data, cfg.data, cfg.steps, sampler.global_batch, cfg.data.streaming)
     log.info(line)
     if repeats:

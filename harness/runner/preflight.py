@@ -13,20 +13,27 @@ existing checkpoint.
 """
 from __future__ import annotations
 
+import codecs
+import glob
 import json
 import os
 from typing import Any
 
+import numpy as np
 import torch
 from huggingface_hub import constants, try_to_load_from_cache
+from safetensors import safe_open
 from transformers import AutoConfig
 
 from harness.checkpoint import check_compatible, checkpoint_root, read_meta, resume_path
 from harness.config import RunConfig, Strategy, check_run
 from harness.distributed import launch_env
 from harness.errors import CheckpointError, ConfigError
+from harness.log import get_logger
 from harness.models import PRESETS, is_preset
 from harness.runner.run_dir import check_not_in_use
+
+log = get_logger(__name__)
 
 
 def has_accelerator(cfg: RunConfig) -> bool:
@@ -55,8 +62,12 @@ def model_shape(cfg: RunConfig) -> dict[str, Any] | None:
         path = os.path.join(name, "config.json")
         if not os.path.isfile(path):
             raise ConfigError(f"model.name '{name}' is a directory without config.json; point it at a Hugging Face model directory")
-        with open(path) as f:
-            return json.load(f)
+        check_weights(name)
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"model.name '{name}': config.json is not valid JSON ({str(exc).splitlines()[0]})") from None
     if _looks_like_path(name):
         raise ConfigError(f"model.name '{name}' does not exist; give a preset ({', '.join(PRESETS)}), a local model directory or a hub id")
     cached = try_to_load_from_cache(name, "config.json")
@@ -70,6 +81,26 @@ def model_shape(cfg: RunConfig) -> dict[str, Any] | None:
         return AutoConfig.from_pretrained(name).to_dict()
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.name '{name}' was not found on the Hugging Face hub ({str(exc).splitlines()[0]})") from None
+
+
+def check_weights(model_dir: str) -> None:
+    """A model directory must hold weights, and every safetensors file must be readable (its
+    header parses and its tensors lie inside the file): a truncated download is found here,
+    not as a traceback on every rank after the process group started."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    legacy = glob.glob(os.path.join(model_dir, "pytorch_model*.bin"))
+    if not files and not legacy:
+        raise ConfigError(f"model.name '{model_dir}' has config.json but no weights (model.safetensors, shards with an index, "
+                          "or pytorch_model.bin); copy them in, or give a preset name to start from random weights")
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                keys = list(f.keys())
+        except Exception as exc:
+            raise ConfigError(f"model weights '{path}' are not a readable safetensors file ({type(exc).__name__}: "
+                              f"{(str(exc).splitlines() or [''])[0][:120]}); download them again") from None
+        if not keys:
+            raise ConfigError(f"model weights '{path}' hold no tensors; download them again")
 
 
 def check_model(cfg: RunConfig) -> None:
@@ -109,7 +140,11 @@ def check_data(cfg: RunConfig) -> None:
             raise ConfigError(f"data.source '{source}' is an empty directory; put text/jsonl/json/parquet files in it")
         if all(os.path.getsize(f) == 0 for f in files):
             raise ConfigError(f"data.source '{source}' holds only empty files")
+        check_decodable(files)
         first = sorted(files)[0]
+        if first.endswith((".npy", ".bin")) and os.path.isfile(source):
+            check_token_file(source, cfg)
+            return
         if first.endswith(".jsonl"):
             with open(first) as f:
                 line = next((ln for ln in f if ln.strip()), "")
@@ -117,7 +152,11 @@ def check_data(cfg: RunConfig) -> None:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"data.source file '{first}' is not valid JSON lines (line 1, column {e.colno}: {e.msg})") from None
-            if isinstance(record, dict) and cfg.data.text_field not in record:
+            if isinstance(record, dict) and cfg.data.text_field not in record and "input_ids" in record:
+                if cfg.data.eos_id is None and not cfg.data.tokenizer and not os.path.isdir(cfg.model.name):
+                    raise ConfigError(f"data.source '{first}' is pre-tokenized (input_ids) and no tokenizer names its "
+                                      "end-of-document token; set data.eos_id (or data.tokenizer)")
+            elif isinstance(record, dict) and cfg.data.text_field not in record:
                 raise ConfigError(f"data.source '{first}' has no field '{cfg.data.text_field}' (fields: {', '.join(record)}); "
                                   "set data.text_field")
         return
@@ -127,6 +166,41 @@ def check_data(cfg: RunConfig) -> None:
         cached = os.path.isdir(os.path.join(constants.HF_HUB_CACHE, "datasets--" + source.replace("/", "--")))
         if not cached:
             raise ConfigError(f"data.source '{source}' is not a local path or a cached hub dataset, and HF_HUB_OFFLINE=1 (no network)")
+
+
+DECODE_SAMPLE_FILES, DECODE_SAMPLE_BYTES = 200, 1 << 16
+
+
+def check_decodable(files: list[str]) -> None:
+    """Text sources must be UTF-8: the first 64 KiB of (up to 200 of) the files are decoded, so a
+    wrong encoding is one line here (the full read during preparation reports the rest)."""
+    for path in sorted(files)[:DECODE_SAMPLE_FILES]:
+        if path.endswith((".parquet", ".npy", ".bin", ".arrow")):
+            continue
+        with open(path, "rb") as f:
+            head = f.read(DECODE_SAMPLE_BYTES)
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"data.source file '{path}' is not UTF-8 text (byte {exc.start}: {head[exc.start:exc.start + 4]!r}); "
+                              "convert it to UTF-8") from None
+
+
+def check_token_file(path: str, cfg: RunConfig) -> None:
+    """A flat token file: integers, one dimension, and (raw .bin) a whole number of elements."""
+    if path.endswith(".npy"):
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"data.source '{path}' is not a readable .npy file ({str(exc).splitlines()[0]})") from None
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise ConfigError(f"data.source '{path}': a token file must hold one flat array of integer token ids "
+                              f"(got {arr.dtype}, shape {arr.shape})")
+    elif os.path.getsize(path) % np.dtype(cfg.data.token_dtype).itemsize:
+        raise ConfigError(f"data.source '{path}' is not a whole number of {cfg.data.token_dtype} tokens; "
+                          "check data.token_dtype")
+    if cfg.data.eos_id is None and not cfg.data.tokenizer and not os.path.isdir(cfg.model.name):
+        log.warning(f"data.source '{path}' gives no end-of-document token (data.eos_id): it is cut into 4,096-token documents")
 
 
 # ------------------------------------------------------------------ output directory and resume
@@ -145,6 +219,8 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
     parent = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"output_dir '{out}' cannot be created: '{parent}' is a file, not a directory; choose another output_dir")
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"output_dir '{out}' is not writable ({parent} is read-only for this user)")
     check_not_in_use(cfg)

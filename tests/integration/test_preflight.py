@@ -1,4 +1,4 @@
-"""Pre-flight: each bad input exits non-zero with one actionable line, before any process group.
+"""Pre-flight: each bad input (the battery: CASES) exits 2 with one actionable line, before any process group.
 
 Every case runs the user's entry point (`python -m harness.train --config … key=value`)
 as rank 0 of a 2-process job (RANK=0, WORLD_SIZE=2, a MASTER_PORT nobody listens on). Had
@@ -14,8 +14,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from launching import REPO, env, free_port, run, tiny_config
+
+from harness.models import build_model
 
 TIMEOUT = 60  # a case that hangs this long has started a process group
 CPU_ONLY = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the bad input is only bad without a GPU")
@@ -38,6 +41,18 @@ def ws(tmp_path_factory):
     (root / "zero5.json").write_text(json.dumps({**ds, "zero_optimization": {**ds["zero_optimization"], "stage": 5}}))
     (root / "batch64.json").write_text(json.dumps({**ds, "train_batch_size": 64}))
     (root / "auto_hole.json").write_text(json.dumps({**ds, "zero_optimization": {**ds["zero_optimization"], "sub_group_size": "auto"}}))
+    (root / "misspelt.json").write_text(json.dumps({**{k: v for k, v in ds.items() if k != "zero_optimization"},
+                                                    "zero_optimisation": ds["zero_optimization"]}))
+    (root / "misspelt_zero.json").write_text(json.dumps({**ds, "zero_optimization": {**ds["zero_optimization"], "stgae": 2}}))
+    (root / "ds_lr.json").write_text(json.dumps({**ds, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}))
+    config = build_model("tiny-llama", vocab_size=512, seed=0).config
+    for name in ("no_weights", "corrupt_weights"):
+        config.save_pretrained(root / name)
+    (root / "corrupt_weights" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header" + bytes(64))
+    (root / "latin1.txt").write_bytes("caf\u00e9 au lait, cr\u00e8me br\u00fbl\u00e9e\n".encode("latin-1") * 50)
+    (root / "ids.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
+    np.save(root / "floats.npy", np.zeros(100, dtype=np.float32))
+    (root / "odd.bin").write_bytes(bytes(3))
     return {"root": root, "cache": cache, "done": done}
 
 
@@ -77,6 +92,43 @@ CASES = [
     ("resume_path_missing", {}, ["checkpoint.resume=/no/such/checkpoint"], "does not exist"),
     ("resume_other_engine", {}, ["checkpoint.resume={ckpt}", "strategy=zero2"], "resume it with ddp or fsdp"),
     ("resume_other_global_batch", {}, ["checkpoint.resume={ckpt}", "grad_accum=4"], "global batch"),
+    # model and data files
+    ("model_dir_without_weights", {}, ["model.name={root}/no_weights"], "has config.json but no weights"),
+    ("model_weights_corrupt", {}, ["model.name={root}/corrupt_weights"], "is not a readable safetensors file"),
+    ("data_not_utf8", {}, ["data.source={root}/latin1.txt"], "is not UTF-8 text"),
+    ("pretokenized_without_eos", {}, ["data.source={root}/ids.jsonl"], "set data.eos_id"),
+    ("token_file_of_floats", {}, ["data.source={root}/floats.npy"], "one flat array of integer token ids"),
+    ("token_file_partial_element", {}, ["data.source={root}/odd.bin"], "not a whole number of uint16 tokens"),
+    ("output_dir_under_a_file", {}, ["output_dir={root}/a_file/run"], "is a file, not a directory"),
+    # DeepSpeed files honoured exactly
+    ("ds_misspelt_top_level_key", {}, ["strategy={root}/misspelt.json"], "did you mean 'zero_optimization'"),
+    ("ds_misspelt_zero_key", {}, ["strategy={root}/misspelt_zero.json"], "did you mean 'stage'"),
+    ("ds_lr_contradicts_run_config", {}, ["strategy={root}/ds_lr.json"], "contradicts the run config's optim.lr"),
+    # values torch or the loop would reject
+    ("lr_negative", {}, ["optim.lr=-0.1"], "optim.lr=-0.1 must be > 0"),
+    ("lr_zero", {}, ["optim.lr=0"], "optim.lr=0.0 must be > 0"),
+    ("beta_one", {}, ["optim.betas=[0.9, 1.0]"], "must each be in [0, 1)"),
+    ("eps_negative", {}, ["optim.eps=-1e-8"], "optim.eps=-1e-08 must be >= 0"),
+    ("weight_decay_negative", {}, ["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be >= 0"),
+    ("grad_clip_negative", {}, ["optim.grad_clip=-1"], "optim.grad_clip=-1.0 must be >= 0"),
+    ("warmup_negative", {}, ["optim.warmup_steps=-1"], "optim.warmup_steps=-1 must be >= 0"),
+    ("min_lr_ratio_above_one", {}, ["optim.min_lr_ratio=1.5"], "must be in [0, 1]"),
+    ("optimizer_unknown", {}, ["optim.name=lion"], "is not one of adamw, adam, sgd"),
+    ("schedule_unknown", {}, ["optim.schedule=step"], "is not one of cosine, linear, constant"),
+    ("precision_unknown", {}, ["precision=fp8"], "is not one of fp32, bf16, fp16"),
+    ("steps_zero", {}, ["steps=0"], "steps=0 must be >= 1"),
+    ("micro_batch_zero", {}, ["micro_batch_size=0"], "micro_batch_size=0 must be >= 1"),
+    ("ac_every_zero", {}, ["memory.ac_every=0"], "memory.ac_every=0 must be >= 1"),
+    ("loss_chunk_negative", {}, ["memory.loss_chunk_size=-1"], "memory.loss_chunk_size=-1 must be >= 0"),
+    ("log_every_zero", {}, ["logging.log_every=0"], "logging.log_every=0 must be >= 1"),
+    ("eval_every_negative", {}, ["eval_every=-1"], "eval_every=-1 must be >= 0"),
+    ("memory_budget_out_of_range", {}, ["memory.activation_memory_budget=1.5"], "must be in [0, 1]"),
+    ("max_tokens_below_one_block", {}, ["data.max_tokens=10"], "less than one block"),
+    ("tokenizer_processes_zero", {}, ["data.num_proc=0"], "data.num_proc=0 must be >= 1"),
+    ("token_dtype_unknown", {}, ["data.token_dtype=int8"], "is not one of uint16, uint32"),
+    ("streaming_with_max_tokens", {}, ["data.streaming=true"], "with data.streaming=true"),
+    ("keep_zero_checkpoints", {}, ["checkpoint.keep=0"], "checkpoint.keep=0 must be >= 1"),
+    ("prune_calibration_too_small", {}, ["prune.method=wanda", "prune.calib_samples=1"], "cannot fill one probe step"),
 ]
 
 

@@ -1,0 +1,39 @@
+"""Bad input that only shows once the run has started (the data is read, the model built) still
+ends in one line and exit 2, not a traceback: a global batch larger than the training set
+(which once made the sampler loop for minutes), a corrupt line deep in a data file (past
+what pre-flight samples), under one process and under torchrun."""
+from __future__ import annotations
+
+import json
+
+from launching import launch_command, run, tiny_config
+
+from harness.data import embedded_documents
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("harness: error: ")]
+    assert len(lines) == 1 and "Traceback (most recent call last)" not in stderr.split("torch.distributed.elastic")[0], stderr[-3000:]
+    return lines[0]
+
+
+def test_a_global_batch_larger_than_the_data_is_refused(tmp_path):
+    cfg = tiny_config(tmp_path / "a.yaml", tmp_path / "cache", tmp_path / "out", micro_batch_size=100_000)
+    proc = run(launch_command("python", 1, cfg, []), timeout=300, check=False)
+    assert proc.returncode == 2
+    assert "global batch (200000 blocks" in _one_error_line(proc.stderr) and "exceeds the" in proc.stderr
+    two = run(launch_command("torchrun", 2, cfg, []), timeout=300, check=False)
+    assert two.returncode != 0 and "(exitcode: 2)" in two.stderr and "exceeds the" in two.stderr
+
+
+def test_a_corrupt_line_deep_in_a_data_file_is_one_line(tmp_path):
+    corpus = tmp_path / "docs.jsonl"
+    with open(corpus, "w") as f:
+        for doc in embedded_documents()[:300]:  # well past the 64 KiB pre-flight decodes
+            f.write(json.dumps({"text": doc}) + "\n")
+        f.write('{"text": "a line cut short\n')
+    cfg = tiny_config(tmp_path / "a.yaml", tmp_path / "cache", tmp_path / "out", **{"data.source": str(corpus)})
+    proc = run(launch_command("python", 1, cfg, []), timeout=300, check=False)
+    assert proc.returncode == 2
+    line = _one_error_line(proc.stderr)
+    assert f"data.source '{corpus}' could not be read" in line and "fix or remove the file" in line
