@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 
-from launching import launch_command, run, tiny_config
+from launching import REPO, launch_command, run, tiny_config
 
 from harness.data import embedded_documents
 
 
 def _one_error_line(stderr: str) -> str:
     lines = [ln for ln in stderr.splitlines() if ln.startswith("harness: error: ")]
-    assert len(lines) == 1 and "Traceback (most recent call last)" not in stderr.split("torch.distributed.elastic")[0], stderr[-3000:]
+    assert len(lines) == 1 and f'File "{REPO / "harness"}' not in stderr, stderr[-3000:]  # no frame of ours
     return lines[0]
 
 

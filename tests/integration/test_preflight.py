@@ -94,7 +94,7 @@ CASES = [
     ("resume_other_global_batch", {}, ["checkpoint.resume={ckpt}", "grad_accum=4"], "global batch"),
     # model and data files
     ("model_dir_without_weights", {}, ["model.name={root}/no_weights"], "has config.json but no weights"),
-    ("model_weights_corrupt", {}, ["model.name={root}/corrupt_weights"], "is not a readable safetensors file"),
+    ("model_weights_corrupt", {}, ["model.name={root}/corrupt_weights"], "are not a readable safetensors file"),
     ("data_not_utf8", {}, ["data.source={root}/latin1.txt"], "is not UTF-8 text"),
     ("pretokenized_without_eos", {}, ["data.source={root}/ids.jsonl"], "set data.eos_id"),
     ("token_file_of_floats", {}, ["data.source={root}/floats.npy"], "one flat array of integer token ids"),
