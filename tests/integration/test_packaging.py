@@ -21,6 +21,7 @@ def test_strategy_files_ship_in_the_wheel(tmp_path: Path) -> None:
     e = env()
     e["PYTHONPATH"] = str(unpacked)  # only the wheel's copy of harness is importable (cwd is not the repo)
     out = subprocess.run([sys.executable, "-c", "import harness.config as c; s = c.load_strategy('zero3'); "
-                          "print(c.DS_CONFIG_DIR); print(s.kind, s.zero_stage)"],
-                         cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120, check=True).stdout.split("\n")
-    assert out[0].startswith(str(unpacked)) and out[1] == "deepspeed 3"
+                          "print('DIR', c.DS_CONFIG_DIR); print('STRATEGY', s.kind, s.zero_stage)"],
+                         cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    found = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out if line.startswith(("DIR ", "STRATEGY "))}
+    assert found["DIR"].startswith(str(unpacked)) and found["STRATEGY"] == "deepspeed 3", out
