@@ -40,8 +40,9 @@ def workspace(tmp_path_factory):
     ref_out = root / "ref"
     config = tiny_config(root / "ref.yaml", cache, ref_out, grad_accum=4)
     run(launch_command("python", 1, config, []))
-    full_bytes = 4 * count_parameters(build_model("tiny-llama", vocab_size=512))
-    return {"root": root, "cache": cache, "ref_losses": step_losses(ref_out), "ref_eval": final_eval(ref_out), "P": full_bytes}
+    n_params = count_parameters(build_model("tiny-llama", vocab_size=512))
+    return {"root": root, "cache": cache, "ref_losses": step_losses(ref_out), "ref_eval": final_eval(ref_out), "P": 4 * n_params,
+            "n_params": n_params}
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
@@ -49,7 +50,8 @@ def workspace(tmp_path_factory):
 def test_two_ranks_shard_and_match_world_one(workspace, strategy, launcher):
     out = workspace["root"] / f"{strategy}-{launcher}"
     config = tiny_config(workspace["root"] / f"{strategy}-{launcher}.yaml", workspace["cache"], out)
-    run(launch_command(launcher, 2, config, [f"strategy={strategy}"]))
+    proc = run(launch_command(launcher, 2, config, [f"strategy={strategy}"]))
+    assert f"{workspace['n_params']:,} params" in proc.stdout  # the whole model's size, however it is sharded
     losses = step_losses(out)
     assert losses == pytest.approx(workspace["ref_losses"], rel=1e-3), (losses, workspace["ref_losses"])
     assert final_eval(out) == pytest.approx(workspace["ref_eval"], rel=1e-3)

@@ -12,17 +12,11 @@ in which they appear (temporaries in backward), not as gradients - a documented 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
-from launching import REPO, TESTS
-
-from harness.distributed import free_port
-
-ROOT = str(REPO)
+from launching import launch
 
 
 def _worker(out_path: str) -> None:
@@ -75,11 +69,7 @@ def _worker(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = str(tmp_path_factory.mktemp("ds") / "results.json")
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, str(TESTS)]), PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, __file__, "--worker", out], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=180)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    launch(__file__, ["--worker", out], world=1, timeout=180)
     with open(out) as f:
         return json.load(f)
 

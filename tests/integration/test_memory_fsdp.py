@@ -8,17 +8,12 @@ would not match the normal optimizer.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
-from launching import REPO, TESTS
+from launching import launch
 
-from harness.distributed import free_port
-
-ROOT = str(REPO)
 STEPS = 3
 LOSS_RTOL = 1e-5
 # Max |param difference| vs the baseline after STEPS AdamW steps at lr 1e-2 (updates ~1e-2 per
@@ -157,22 +152,7 @@ def _worker(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = str(tmp_path_factory.mktemp("fsdp") / "results.json")
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, str(TESTS)]), PYTHONWARNINGS="ignore")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", out], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=150)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    launch(__file__, ["--worker", out], world=2, timeout=150)
     with open(out) as f:
         return json.load(f)
 
