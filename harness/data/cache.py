@@ -33,9 +33,8 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 from tqdm import tqdm
 
@@ -46,6 +45,9 @@ from harness.data.tokenizer import eos_id, given_tokenizer, train_bpe_tokenizer
 from harness.distributed import FileLock
 from harness.errors import ConfigError
 from harness.log import ALL_RANKS, get_logger
+
+if TYPE_CHECKING:
+    import datasets
 
 log = get_logger(__name__)
 FORMAT = 2

@@ -12,12 +12,18 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 
 from harness.config import DataConfig
 from harness.errors import ConfigError
+
+if TYPE_CHECKING:
+    import datasets
+
+# `datasets` and the tokenizer classes are imported where a cache is prepared or a stream read: they
+# cost a second or more per process, and a run whose cache is ready (nearly every run) never uses them.
 
 SPLITS = ("train", "eval", "calib")
 SPLIT_CODE = {name: i for i, name in enumerate(SPLITS)}
@@ -102,6 +108,8 @@ def is_token_file(source: str) -> bool:
 
 def open_documents(cfg: DataConfig) -> datasets.Dataset:
     """The whole source as one map-style dataset (Arrow, memory-mapped for files and the hub)."""
+    import datasets
+
     if cfg.source == "embedded":
         return datasets.Dataset.from_dict({cfg.text_field: embedded_documents()})
     if os.path.exists(cfg.source):
@@ -119,6 +127,8 @@ def open_documents(cfg: DataConfig) -> datasets.Dataset:
 
 def open_stream(cfg: DataConfig) -> datasets.IterableDataset:
     """The source read on the fly (`data.streaming`): nothing is converted or cached on disk."""
+    import datasets
+
     if cfg.source == "embedded":
         return datasets.Dataset.from_dict({cfg.text_field: embedded_documents()}).to_iterable_dataset(num_shards=8)
     if os.path.exists(cfg.source):

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from datasets.distributed import split_dataset_by_node
 
 from harness.config import DataConfig
 from harness.data.cache import PackedData
@@ -78,6 +77,8 @@ class StreamSampler:
     def __init__(self, cfg: DataConfig, tokenizer: Any, eos: int, micro: int, accum: int, world: int, rank: int):
         self.cfg, self.tok, self.eos = cfg, tokenizer, eos
         self.micro, self.accum, self.world, self.rank = micro, accum, world, rank
+        from datasets.distributed import split_dataset_by_node  # lazily, see harness.data.documents
+
         self.ds = split_dataset_by_node(open_stream(cfg), rank=rank, world_size=world)
         self.epoch = 0
         self.buffer = np.zeros(0, dtype=np.int64)

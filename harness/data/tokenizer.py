@@ -5,12 +5,13 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterable, Iterator
-
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING, Any
 
 from harness.config import DataConfig
 from harness.data.documents import EOS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 BPE_TRAINING_CHARS = 50_000_000  # a BPE vocabulary settles long before this; more only costs memory and time
 
@@ -18,6 +19,9 @@ BPE_TRAINING_CHARS = 50_000_000  # a BPE vocabulary settles long before this; mo
 def train_bpe_tokenizer(batches: Iterable[list[str]], vocab_size: int, path: str) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained locally (HF `tokenizers`) for models that ship none; at most
     `BPE_TRAINING_CHARS` characters of the given batches are read."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # lazily, see harness.data.documents
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -40,6 +44,8 @@ def _capped(batches: Iterable[list[str]], max_chars: int) -> Iterator[str]:
 
 def given_tokenizer(model_name: str, cfg: DataConfig) -> PreTrainedTokenizerFast | None:
     """`data.tokenizer`, else the model directory's own tokenizer, else None (train one)."""
+    from transformers import AutoTokenizer  # lazily, see harness.data.documents
+
     if cfg.tokenizer:
         return AutoTokenizer.from_pretrained(cfg.tokenizer)
     if os.path.isdir(model_name) and glob.glob(os.path.join(model_name, "tokenizer*")):
@@ -51,3 +57,10 @@ def eos_id(tok: PreTrainedTokenizerFast | None, cfg: DataConfig) -> int:
     if tok is not None and tok.eos_token_id is not None:
         return int(tok.eos_token_id)
     return int(cfg.eos_id) if cfg.eos_id is not None else 0
+
+
+def load_tokenizer(directory: str) -> Any:
+    """The tokenizer saved in a directory (a cache's, a model's)."""
+    from transformers import AutoTokenizer  # lazily, see harness.data.documents
+
+    return AutoTokenizer.from_pretrained(directory)

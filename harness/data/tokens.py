@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 
 from harness.config import DataConfig
 from harness.data.documents import SPLIT_CODE, SPLITS, split_codes, split_of
 from harness.errors import ConfigError
+
+if TYPE_CHECKING:
+    import datasets
 
 TRAIN = SPLIT_CODE["train"]
 TOKEN_FILE_CHUNK = 1 << 24  # tokens read at a time from a flat token file
@@ -155,6 +157,8 @@ def train_text_batches(ds: datasets.Dataset | datasets.IterableDataset, cfg: Dat
 
 def text_batches(ds: datasets.Dataset | datasets.IterableDataset, cfg: DataConfig, batch: int = 1000) -> Iterator[list[str]]:
     """Non-empty texts in document order, `batch` documents at a time (map-style or streamed)."""
+    import datasets  # lazily, see harness.data.documents
+
     if isinstance(ds, datasets.Dataset):
         for start in range(0, len(ds), batch):
             yield _texts(ds[start : start + batch][cfg.text_field])

@@ -8,11 +8,19 @@ import functools
 import os
 
 import torch
-from transformers import AutoTokenizer
 
 from harness.checkpoint import CheckpointManager, ResumeState
 from harness.config import RunConfig, Strategy, config_to_dict
-from harness.data import BatchSampler, PackedData, StreamSampler, describe_consumption, eos_id, load_packed, prepare_data
+from harness.data import (
+    BatchSampler,
+    PackedData,
+    StreamSampler,
+    describe_consumption,
+    eos_id,
+    load_packed,
+    load_tokenizer,
+    prepare_data,
+)
 from harness.distributed import DistInfo
 from harness.engine import build_engine
 from harness.errors import ConfigError
@@ -36,7 +44,7 @@ def prepare(cfg: RunConfig, info: DistInfo) -> PackedData:
 def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampler | StreamSampler:
     """The training batches: from the cache (world-size invariant) or streamed (`data.streaming`)."""
     if cfg.data.streaming:
-        tok = AutoTokenizer.from_pretrained(data.tokenizer_dir)
+        tok = load_tokenizer(data.tokenizer_dir)
         sampler: BatchSampler | StreamSampler = StreamSampler(
             cfg.data, tok, eos_id(tok, cfg.data), cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank)
     else:
