@@ -64,8 +64,6 @@ def _worker(out_path: str) -> None:
     teardown()
 
 
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = str(tmp_path_factory.mktemp("ds") / "results.json")
