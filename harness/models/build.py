@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.models.weights import CheckpointWeights, InitWeights, WeightSource, fill, materialize
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -61,13 +63,90 @@ def preset_config(name: str, vocab_size: int | None = None, **overrides: Any):
     return LlamaConfig(**kwargs)
 
 
-def model_config(name_or_path: str, vocab_size: int | None = None):
+def model_config(name_or_path: str, vocab_size: int | None = None, **overrides: Any):
     """The HF config of a preset, a local directory or a hub id (hub only if cached/online)."""
     if is_preset(name_or_path):
-        return preset_config(name_or_path, vocab_size=vocab_size)
+        return preset_config(name_or_path, vocab_size=vocab_size, **overrides)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(name_or_path)
+    config = AutoConfig.from_pretrained(name_or_path)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def model_directory(name_or_path: str) -> str:
+    """A local directory holding the checkpoint: the path itself, or the hub snapshot (weights
+    as safetensors where the repository has them, else its ``.bin`` files)."""
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if os.environ.get("HF_HUB_OFFLINE") == "1" and not os.path.exists(name_or_path):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+            raise FileNotFoundError(f"model '{name_or_path}' is not a preset or a local path and HF_HUB_OFFLINE=1")
+    from huggingface_hub import list_repo_files, snapshot_download
+
+    files = list_repo_files(name_or_path) if os.environ.get("HF_HUB_OFFLINE") != "1" else []
+    weights = ["*.safetensors", "*.safetensors.index.json"] if not files or any(f.endswith(".safetensors") for f in files) \
+        else ["*.bin", "*.bin.index.json"]
+    return snapshot_download(name_or_path, allow_patterns=["*.json", *weights])
+
+
+def empty_model(config: Any) -> nn.Module:
+    """The model with its parameters on the meta device (no storage, no init) and real buffers
+    (rotary frequencies are computed in the modules' constructors): the template every engine
+    shards, or fills in place, before any parameter takes memory."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with init_empty_weights(include_buffers=False), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # transformers ties inside `init_weights`, which `no_init_weights` skips
+    model.train()
+    return model
+
+
+def construct_model(config: Any) -> nn.Module:
+    """The model built in the caller's context without any init (the weights are filled after):
+    under DeepSpeed's `zero.Init` each parameter is partitioned as its module is created."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # transformers ties inside `init_weights`, which `no_init_weights` skips
+    model.train()
+    return model
+
+
+@dataclass
+class ModelSpec:
+    """What to build: the model's config and where its weights come from."""
+
+    name: str
+    config: Any
+    seed: int = 0
+    directory: str | None = None  # the checkpoint; None: a preset's seeded random init
+
+    def source(self, template: nn.Module) -> WeightSource:
+        if self.directory is None:
+            return InitWeights(template, self.seed)
+        return CheckpointWeights(self.directory, getattr(template, "base_model_prefix", ""))
+
+    def fallback(self, template: nn.Module) -> InitWeights:
+        """Init for what a checkpoint lacks (as transformers does: e.g. a head on a base model)."""
+        return InitWeights(template, self.seed)
+
+
+def model_spec(name_or_path: str, *, vocab_size: int | None = None, seed: int = 0,
+               config_overrides: dict[str, Any] | None = None) -> ModelSpec:
+    """A preset (seeded random init) or a checkpoint (local directory or hub id)."""
+    if is_preset(name_or_path):
+        return ModelSpec(name_or_path, preset_config(name_or_path, vocab_size=vocab_size, **(config_overrides or {})), seed)
+    directory = model_directory(name_or_path)
+    return ModelSpec(name_or_path, model_config(directory, **(config_overrides or {})), seed, directory)
 
 
 def build_model(
@@ -78,26 +157,13 @@ def build_model(
     seed: int = 0,
     config_overrides: dict[str, Any] | None = None,
 ) -> nn.Module:
-    """Build a causal LM. Presets get a seeded random init; paths/ids load weights.
-
-    The seed makes the random init identical on every rank and every launcher, which is
-    what lets a world-2 run be compared with a world-1 run step for step.
+    """The whole model in one process (the planner's measurement, export, tests): presets get the
+    world-invariant seeded init, checkpoints their weights, both as a sharded engine would fill them.
     """
-    from transformers import AutoModelForCausalLM
-
-    if is_preset(name_or_path):
-        cfg = preset_config(name_or_path, vocab_size=vocab_size, **(config_overrides or {}))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        return model
-    if not os.path.exists(name_or_path) and os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise FileNotFoundError(f"model '{name_or_path}' is not a preset or a local path and HF_HUB_OFFLINE=1")
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
-    model.train()  # from_pretrained returns eval mode (dropout off); a preset, and training, are in train mode
-    if config_overrides:
-        for key, value in config_overrides.items():
-            setattr(model.config, key, value)
+    spec = model_spec(name_or_path, vocab_size=vocab_size, seed=seed, config_overrides=config_overrides)
+    template = empty_model(spec.config)
+    model = materialize(template, "cpu", dtype)
+    fill(model, spec.source(template), fallback=spec.fallback(template))
     return model
 
 
