@@ -1,6 +1,6 @@
 """Engines: the one interface the loop, checkpoints, reports and pruning use over every strategy.
 
-    engine = build_engine(model, cfg, strategy, policy, info, loss_fn)   # AC -> compile -> shard
+    engine = build_engine(spec, cfg, strategy, policy, info, loss_fn)   # AC -> compile -> shard
     loss = engine.forward_loss(batch); engine.backward(loss, last_micro=True); engine.step()
     engine.save_state(dir); engine.load_state(dir, saved_world_size, is_main)
     engine.state_bytes()   # per-rank bytes held: the proof of sharding
@@ -16,7 +16,7 @@ from torch import nn
 from harness.engine import deepspeed_engine, torch_engine
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.deepspeed_engine import DeepSpeedEngine
-from harness.engine.parallelize import apply_memory_techniques, build_engine, fsdp_wrap
+from harness.engine.parallelize import apply_memory_techniques, build_engine, fsdp_wrap, load_model
 from harness.engine.torch_engine import TorchEngine
 
 
@@ -28,5 +28,5 @@ def read_model_weights(directory: str, checkpoint_format: str, zero_stage: int, 
     return torch_engine.read_model_weights(directory, model)
 
 
-__all__ = ["DeepSpeedEngine", "Engine", "LossFn", "StepResult", "TorchEngine", "apply_memory_techniques", "build_engine",
+__all__ = ["DeepSpeedEngine", "Engine", "LossFn", "StepResult", "TorchEngine", "apply_memory_techniques", "build_engine", "load_model",
            "fsdp_wrap", "read_model_weights"]

@@ -46,6 +46,7 @@ class Engine:
         self.device = device
 
     activation_offload: bool = False  # memory.activation_offload: saved activations go to host memory
+    startup_s: dict[str, float] = {}  # seconds spent loading the model and initialising the engine (build_engine)
 
     def forward_loss(self, input_ids: torch.Tensor) -> torch.Tensor:
         offload = ActivationOffload() if self.activation_offload and torch.is_grad_enabled() else contextlib.nullcontext()

@@ -6,6 +6,7 @@ DeepSpeed's initialize. The model code is never edited; everything wraps it from
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -15,10 +16,11 @@ from harness.config import RunConfig, Strategy, resolve_deepspeed_config
 from harness.distributed import DistInfo
 from harness.engine.base import Engine, LossFn
 from harness.engine.deepspeed_engine import DeepSpeedEngine
+from harness.engine.storage import local_part
 from harness.engine.torch_engine import TorchEngine
 from harness.log import get_logger
 from harness.memory import OptimizerInBackward, apply_activation_checkpointing, apply_compile
-from harness.models import decoder_blocks
+from harness.models import ModelSpec, construct_model, decoder_blocks, empty_model, fill, materialize
 from harness.training import PrecisionPolicy, build_optimizer, build_scheduler, lr_lambda
 
 log = get_logger(__name__)
@@ -38,7 +40,10 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
 
     The head is its own unit (kept gathered after forward: backward needs it at once), so
     its large weight is not gathered with the root's small leftovers (final norm, rotary
-    buffers). One module per `fully_shard` call: torch's FSDPMemTracker instruments each
+    buffers). A head tied to the input embeddings shares one weight, which one group must
+    own: the root's (the weight is used at the start and at the end of the forward anyway).
+    Called on the meta model: each rank then allocates only its shards. One module per
+    `fully_shard` call: torch's FSDPMemTracker instruments each
     module's parameter group once, and a group shared by two modules breaks its tracking.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -51,26 +56,42 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
     if strategy.offload_params != "none":
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    inner = getattr(model, "model", None)
-    if inner is not None and hasattr(inner, "embed_tokens"):
-        fully_shard(inner.embed_tokens, **kwargs)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if embed is not None and not tied:  # tied input/output embeddings: one weight, left to the root's group
+        fully_shard(embed, **kwargs)
     for block in decoder_blocks(model):
         fully_shard(block, **kwargs)
-    head = getattr(model, "lm_head", None)
-    if head is not None and not getattr(model.config, "tie_word_embeddings", False):
+    if head is not None and not tied:
         fully_shard(head, **{**kwargs, "reshard_after_forward": False})
     fully_shard(model, **kwargs)
     return model
 
 
-def _torch_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo, loss_fn: LossFn) -> Engine:
-    model.to(device=info.device, dtype=policy.param_dtype)
-    apply_memory_techniques(model, cfg)
-    kind = "single" if not info.distributed else strategy.kind
-    wrapped: nn.Module = model
-    if kind == "fsdp":
-        wrapped = fsdp_wrap(model, strategy, policy, info)
-    elif kind == "ddp":
+def _torch_model(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
+    """Single, DDP: the model built directly on the device in its working dtype. FSDP2: built on
+    the meta device, sharded, then each rank allocates and fills only its shards."""
+    model = empty_model(spec.config).to(dtype=policy.param_dtype)
+    weights = WeightsToLoad(spec)
+    if _torch_kind(strategy, info) == "fsdp":
+        apply_memory_techniques(model, cfg)
+        fsdp_wrap(model, strategy, policy, info)
+        weights.fill(materialize(model, info.device))
+    else:
+        weights.fill(materialize(model, info.device))
+        apply_memory_techniques(model, cfg)
+    return model
+
+
+def _torch_kind(strategy: Strategy, info: DistInfo) -> str:
+    return "single" if not info.distributed else strategy.kind
+
+
+def _torch_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo,
+                  loss_fn: LossFn) -> Engine:
+    kind = _torch_kind(strategy, info)
+    wrapped: nn.Module = model  # FSDP2 shards in place
+    if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [info.device.index] if info.device.type == "cuda" else None
@@ -97,15 +118,33 @@ def deepspeed_lr_scheduler(ds_config: dict[str, Any], cfg: RunConfig) -> Any:
     return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.optim, cfg.steps))
 
 
+def _deepspeed_model(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
+    """ZeRO-3: built under `zero.Init`, which partitions each parameter as its module is created,
+    then each rank fills its partitions. ZeRO-0/1/2 keep the working weights whole on every rank:
+    built on the device directly in DeepSpeed's working dtype (no fp32 copy to cast from)."""
+    import deepspeed
+
+    ds_config = resolve_deepspeed_config(strategy, cfg, info.world_size, getattr(spec.config, "hidden_size", None))
+    weights = WeightsToLoad(spec)
+    if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+        # zero.Init reads the world size from DeepSpeed's communicator: wrap our process group first
+        deepspeed.comm.init_distributed(dist_backend=info.backend or "gloo", dist_init_required=False)
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = construct_model(spec.config)
+    else:
+        model = materialize(empty_model(spec.config).to(dtype=_deepspeed_dtype(ds_config)), info.device)
+    weights.fill(model)
+    apply_memory_techniques(model, cfg)
+    return model
+
+
 def _deepspeed_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo,
                       loss_fn: LossFn) -> Engine:
     import deepspeed
 
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    hidden = getattr(model.config, "hidden_size", None)
     filled: list[str] = []
     ds_config = resolve_deepspeed_config(strategy, cfg, info.world_size, hidden, filled=filled)
-    model.to(device=info.device, dtype=torch.float32)
-    apply_memory_techniques(model, cfg)
     optimizer = None
     if "optimizer" not in ds_config:
         written = strategy.raw.get("zero_force_ds_cpu_optimizer")
@@ -127,6 +166,28 @@ def _deepspeed_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, poli
         dist_init_required=False,
     )
     return DeepSpeedEngine(engine, policy, loss_fn, cfg.grad_accum, info.device)
+
+
+def _deepspeed_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    """The dtype DeepSpeed keeps the module's working weights in (it casts the module itself)."""
+    if ds_config.get("bf16", {}).get("enabled") is True:
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled") is True:
+        return torch.float16
+    return torch.float32
+
+
+class WeightsToLoad:
+    """The spec's weights (a checkpoint or the seeded init) written into whatever part of each
+    parameter this rank stores, read from a template of the model kept on the meta device."""
+
+    def __init__(self, spec: ModelSpec):
+        self.template = empty_model(spec.config)
+        self.source = spec.source(self.template)
+        self.fallback = spec.fallback(self.template)
+
+    def fill(self, model: nn.Module) -> None:
+        fill(model, self.source, part_of=local_part, fallback=self.fallback)
 
 
 def _client_optimizer(model: nn.Module, cfg: RunConfig, strategy: Strategy, ds_config: dict[str, Any]):
@@ -153,8 +214,20 @@ def _client_optimizer(model: nn.Module, cfg: RunConfig, strategy: Strategy, ds_c
     return build_optimizer(params, cfg.optim)
 
 
-def build_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo, loss_fn: LossFn) -> Engine:
+def load_model(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
+    """The load phase: the model built, its memory techniques applied, sharded where the strategy
+    shards, and filled, without any rank holding more than its part plus one tensor."""
+    load = _deepspeed_model if strategy.kind == "deepspeed" else _torch_model
+    return load(spec, cfg, strategy, policy, info)
+
+
+def build_engine(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo, loss_fn: LossFn) -> Engine:
+    """Load the model (`load_model`), then the engine around it; `engine.startup_s` says how long each took."""
+    started = time.perf_counter()
+    model = load_model(spec, cfg, strategy, policy, info)
+    loaded = time.perf_counter()
     build = _deepspeed_engine if strategy.kind == "deepspeed" else _torch_engine
     engine = build(model, cfg, strategy, policy, info, loss_fn)
     engine.activation_offload = cfg.memory.activation_offload
+    engine.startup_s = {"load": loaded - started, "engine_init": time.perf_counter() - loaded}
     return engine

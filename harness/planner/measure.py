@@ -34,7 +34,7 @@ from harness.distributed import init_distributed, teardown
 from harness.engine import build_engine
 from harness.memory import StepMemoryTracker, category_of
 from harness.memory.categories import CATEGORIES as CATS
-from harness.models import build_model
+from harness.models import model_spec
 from harness.training import causal_lm_loss, precision_policy
 
 
@@ -62,11 +62,11 @@ def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None 
     gen = torch.Generator().manual_seed(1000 + info.rank)
     tracker = MemTracker()
     with tracker:
-        model = build_model(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
-        vocab = int(model.config.vocab_size)
+        spec = model_spec(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
+        vocab = int(spec.config.vocab_size)
         policy = precision_policy(cfg.precision, info.device, strategy.kind)
         loss_fn = lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
-        engine = build_engine(model, cfg, strategy, policy, info, loss_fn)
+        engine = build_engine(spec, cfg, strategy, policy, info, loss_fn)
         batches = [torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), generator=gen) for _ in range(cfg.grad_accum)]
     per_step: list[dict[str, int]] = []
     for _ in range(steps):
@@ -87,7 +87,7 @@ def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None 
         "peak": best["total"], "peak_by_category": best, "per_step": [s["total"] for s in per_step],
         "trainer_tracker_peak": trainer_peak, "trainer_tracker_error": trainer_error,
     }
-    del engine, model, tracker
+    del engine, tracker
     gc.collect()
     return result
 

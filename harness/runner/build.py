@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import torch
 
@@ -26,7 +27,7 @@ from harness.engine import build_engine
 from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.memory import StepMemoryTracker
-from harness.models import build_model
+from harness.models import model_spec
 from harness.observability import Observer
 from harness.reliability import StepGuard
 from harness.runner.loop import Loop
@@ -65,10 +66,11 @@ def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Loop,
     (shared with `python -m harness.prune`). Returns the loop and the restored state."""
     torch.manual_seed(cfg.seed)
     data = prepare(cfg, info)
-    model = build_model(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
+    started = time.perf_counter()
+    spec = model_spec(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
     policy = precision_policy(cfg.precision, info.device, strategy.kind)
     loss_fn = functools.partial(causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
-    engine = build_engine(model, cfg, strategy, policy, info, loss_fn)
+    engine = build_engine(spec, cfg, strategy, policy, info, loss_fn)  # the model is built, sharded and filled inside
     sampler = make_sampler(cfg, data, info)
     ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir, per_rank={"data": sampler})
     resumed = ckpt.restore()  # step 0, or the checkpoint's step (= data position) with optimizer, RNG, schedule, stream position
@@ -83,5 +85,6 @@ def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Loop,
     log.info(f"{strategy.name} ({strategy.kind}) x{info.world_size} on {info.device}, {cfg.precision}, "
           f"{engine.num_parameters():,} params, "
           f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens")
-    loop = Loop(cfg, info, engine, data, sampler, observer, tracker, guard, ckpt, skipped=int(resumed.counters.get("skipped_steps", 0)))
+    loop = Loop(cfg, info, engine, data, sampler, observer, tracker, guard, ckpt, skipped=int(resumed.counters.get("skipped_steps", 0)),
+                started_at=started)
     return loop, resumed

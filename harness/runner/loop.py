@@ -17,10 +17,13 @@ from harness.config import RunConfig
 from harness.data import BatchSampler, PackedData, split_batches
 from harness.distributed import DistInfo, all_gather_object, all_reduce_mean, all_reduce_sum
 from harness.engine import Engine
+from harness.log import get_logger
 from harness.memory import StepMemoryTracker
 from harness.observability import Observer
 from harness.observability.metrics import PEAK_RANK
 from harness.reliability import StepGuard
+
+log = get_logger(__name__)
 
 
 def write_state_bytes(output_dir: str, info: DistInfo, points: list[dict[str, int]]) -> None:
@@ -83,6 +86,7 @@ class Loop:
     loss_mean: float = float("nan")
     stopped_at: int | None = None  # the step a stop request ended the run at (checkpoint saved)
     after_step: Callable[[], None] | None = None  # run after every engine.step(), e.g. the pruning stage's mask enforcer
+    started_at: float | None = None  # time.perf_counter() when the run began building: time to first step is part of its cost
 
     def run(self, first: int, stop: int) -> bool:
         """Train steps [first, stop); False when a stop request ended the run (saved, observer closed)."""
@@ -119,6 +123,10 @@ class Loop:
                 "perf/samples_per_s": sampler.global_batch / elapsed,
             }
             metrics.update(worst_rank_memory(tracker, info))
+            if step == first and self.started_at is not None:
+                metrics["time/to_first_step_s"] = time.perf_counter() - self.started_at
+                startup = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in engine.startup_s.items())
+                log.info(f"time to first step: {metrics['time/to_first_step_s']:.1f} s ({startup}, then restore and the first step)")
             observer.log_step(step + 1, metrics)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
                 observer.log_eval(step + 1, evaluate(engine, self.data, cfg, info))

@@ -178,13 +178,13 @@ def _in_process(tmp_path: Path, *overrides: str):
     from harness.config import load_config, load_strategy
     from harness.distributed import DistInfo
     from harness.engine import build_engine
-    from harness.models import build_model
+    from harness.models import model_spec
     from harness.training import causal_lm_loss, precision_policy
 
     cfg = load_config(None, ["model.name=tiny-llama", f"output_dir={tmp_path}", *overrides])
     strategy = load_strategy("ddp")
     info = DistInfo(0, 1, 0, torch.device("cpu"), None)
-    engine = build_engine(build_model("tiny-llama", vocab_size=64), cfg, strategy, precision_policy("fp32", info.device, "ddp"),
+    engine = build_engine(model_spec("tiny-llama", vocab_size=64), cfg, strategy, precision_policy("fp32", info.device, "ddp"),
                           info, functools.partial(causal_lm_loss, chunk_size=0))
     return engine, CheckpointManager(cfg, strategy, info, engine)
 

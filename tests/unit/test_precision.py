@@ -14,7 +14,7 @@ from harness.config import load_config, load_strategy
 from harness.distributed import DistInfo
 from harness.engine import build_engine
 from harness.errors import ConfigError
-from harness.models import build_model, decoder_blocks
+from harness.models import decoder_blocks, model_spec
 from harness.training import causal_lm_loss, precision_policy
 
 VOCAB = 256
@@ -24,9 +24,9 @@ def _engine(strategy: str, precision: str, distributed: bool, steps: int = 3):
     cfg = load_config(None, [f"strategy={strategy}", f"precision={precision}", "micro_batch_size=2", f"steps={steps}", "optim.lr=0.01"])
     s = load_strategy(cfg.strategy, env={})
     info = DistInfo(0, 1, 0, torch.device("cpu"), "gloo" if distributed else None)
-    model = build_model("tiny-llama", vocab_size=VOCAB)
     policy = precision_policy(precision, info.device, s.kind)
-    return build_engine(model, cfg, s, policy, info, functools.partial(causal_lm_loss, chunk_size=0)), model
+    engine = build_engine(model_spec("tiny-llama", vocab_size=VOCAB), cfg, s, policy, info, functools.partial(causal_lm_loss, chunk_size=0))
+    return engine, engine.module
 
 
 def _activation_dtype(engine, model) -> torch.dtype:
