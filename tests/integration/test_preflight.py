@@ -2,13 +2,15 @@
 
 Every case calls the user's entry point (`harness.train.main`, what `python -m harness.train
 --config … key=value` runs) as rank 0 of a 2-process job (RANK=0, WORLD_SIZE=2, a
-MASTER_PORT nobody listens on), in this interpreter: a fresh interpreter per case imports
-torch, transformers and DeepSpeed again (seconds of CPU each, minutes for the battery). The
-launcher's environment, the working directory and the harness logger's rank are set per case
-and restored after it (monkeypatch); `init_distributed` is replaced by a function that fails
-the test, so a case that got past pre-flight is reported at once instead of waiting for a
-rank 1 that never comes. The output directory must not exist afterwards (nothing written),
-or, for the output-directory rule, must be byte-for-byte what it was.
+MASTER_PORT nobody listens on), in this interpreter (`launching.call_entry_point`): a fresh
+interpreter per case imports torch, transformers and DeepSpeed again (seconds of CPU each,
+minutes for the battery). The launcher's environment, the working directory, sys.argv and
+the harness logger's rank are set per case and restored after it (monkeypatch);
+`init_distributed` is replaced by a function that fails the test, so a case that got past
+pre-flight is reported at once instead of waiting for a rank 1 that never comes. Exit 2,
+exactly one line on stderr (file descriptor 2), no warning a process would print. The
+output directory must not exist afterwards (nothing written), or, for the output-directory
+rule, must be byte-for-byte what it was.
 
 A few cases (PROCESS_CASES) also run as real processes, as before, for what only a fresh
 interpreter shows: the process's exit status, and that importing everything writes nothing
@@ -20,14 +22,14 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from launching import REPO, TRAIN, env, free_port, run, tiny_config
+from launching import REPO, call_entry_point, env, free_port, run, tiny_config
 
+import harness.train
 from harness.models import build_model
 
 TIMEOUT = 60  # a case run as a process that hangs this long has started a process group
@@ -177,50 +179,11 @@ def _launch_env(extra_env) -> dict[str, str]:
     return e
 
 
-# Warnings a fresh interpreter does not print (its default filters, outside __main__).
-QUIET_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
-
-
-def _in_process(argv, launch_env, monkeypatch, capfd) -> tuple[object, str, list]:
-    """`harness.train.main(argv)` in this interpreter, in the environment a launched process would
-    have: (exit code, what it wrote on stderr, the warnings it raised that a process would print).
-
-    Everything a case could leak into the next is set through monkeypatch, so it is undone
-    after the case: os.environ (made equal to `launch_env`), the working directory, sys.argv,
-    the harness logger's rank (None, as in a fresh process: RANK decides) and init_distributed.
-    """
-    import harness.log
-    import harness.runner.command
-    import harness.train
-
-    for key in set(os.environ) - set(launch_env):
-        monkeypatch.delenv(key)
-    for key, value in launch_env.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(sys, "argv", [TRAIN, *argv])
-    monkeypatch.setitem(harness.log._state, "rank", None)
-
-    def no_process_group(*args, **kwargs):
-        raise AssertionError("pre-flight let the case through: the entry point went on to start a process group")
-
-    monkeypatch.setattr(harness.runner.command, "init_distributed", no_process_group)
-    capfd.readouterr()  # only what the entry point writes
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            code = harness.train.main(argv)
-        except SystemExit as exc:  # argparse's own errors, as a process would end
-            code = exc.code
-    shown = [w for w in caught if not issubclass(w.category, QUIET_WARNINGS)]
-    return code, capfd.readouterr().err, shown
-
-
 @pytest.mark.parametrize("name, extra_env, args, expected", CASES, ids=[_id(c) for c in CASES])
 def test_bad_input_fails_before_any_process_group(ws, tmp_path, monkeypatch, capfd, name, extra_env, args, expected):
     before = _snapshot(ws["done"])
     argv, out = _case_argv(ws, tmp_path / f"case-{name}", args)
-    code, stderr, shown = _in_process(argv, _launch_env(extra_env), monkeypatch, capfd)
+    code, stderr, shown = call_entry_point(harness.train.main, argv, _launch_env(extra_env), monkeypatch, capfd)
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert code == 2, (code, stderr[-2000:])
     assert len(lines) == 1 and lines[0].startswith("harness: error: "), stderr[-2000:]
