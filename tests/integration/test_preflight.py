@@ -29,7 +29,6 @@ import pytest
 import torch
 from launching import REPO, call_entry_point, env, free_port, run, tiny_config
 
-import harness.train
 from harness.models import build_model
 
 TIMEOUT = 60  # a case run as a process that hangs this long has started a process group
@@ -181,6 +180,8 @@ def _launch_env(extra_env) -> dict[str, str]:
 
 @pytest.mark.parametrize("name, extra_env, args, expected", CASES, ids=[_id(c) for c in CASES])
 def test_bad_input_fails_before_any_process_group(ws, tmp_path, monkeypatch, capfd, name, extra_env, args, expected):
+    import harness.train  # here, not at collection: `pytest -m "not integration"` need not import the trainer
+
     before = _snapshot(ws["done"])
     argv, out = _case_argv(ws, tmp_path / f"case-{name}", args)
     code, stderr, shown = call_entry_point(harness.train.main, argv, _launch_env(extra_env), monkeypatch, capfd)
