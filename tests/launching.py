@@ -3,7 +3,9 @@
 Two kinds of launch: the user's entry points under a real launcher (`launch_command`,
 `run`), and a test file run as `world` ranks of its own (`launch`, `start`, `finish`),
 each rank a fresh `python <script>` with the torchrun environment variables, so the code
-under test initialises its process group exactly as under a real launcher.
+under test initialises its process group exactly as under a real launcher. And, for input
+an entry point must refuse before any process group starts, its `main` called in the test's
+own interpreter (`call_entry_point`): no fresh interpreter importing torch for each case.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -141,3 +145,46 @@ def finish(procs: list[subprocess.Popen], what: str, timeout: float = 240.0) -> 
         if p.returncode != 0:
             pytest.fail(f"rank {rank} of {what} failed ({p.returncode}):\n{out[-6000:]}")
     return outputs
+
+
+# Warnings a fresh interpreter does not print (its default filters, outside __main__).
+QUIET_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
+def call_entry_point(main: Callable[[list[str]], int], argv: list[str], launch_env: dict[str, str],
+                     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> tuple[object, str, list]:
+    """An entry point's `main(argv)` (`harness.train.main`, `harness.prune.main`) in this interpreter,
+    in the environment a launched process would have (`launch_env`, e.g. `env()` plus a
+    launcher's variables): (exit code, what it wrote on stderr, the warnings it raised that a
+    process would print). For input that must be refused before any process group starts.
+
+    Everything a call could leak into the next is set through monkeypatch, so it is undone
+    when the test ends: os.environ (made equal to `launch_env`), the working directory (the
+    repository, as `run` uses), sys.argv, the harness logger's rank (None, as in a fresh
+    process: RANK decides) and `init_distributed`, replaced by a failure: input that got past
+    pre-flight fails the test at once instead of waiting for ranks that never come.
+    """
+    import harness.log
+    import harness.runner.command
+
+    for key in set(os.environ) - set(launch_env):
+        monkeypatch.delenv(key)
+    for key, value in launch_env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "argv", [sys.modules[main.__module__].__file__, *argv])  # as `python -m` sets it
+    monkeypatch.setitem(harness.log._state, "rank", None)
+
+    def no_process_group(*args, **kwargs):
+        raise AssertionError("pre-flight let the input through: the entry point went on to start a process group")
+
+    monkeypatch.setattr(harness.runner.command, "init_distributed", no_process_group)
+    capfd.readouterr()  # only what the entry point writes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's own errors, as a process would end
+            code = exc.code
+    shown = [w for w in caught if not issubclass(w.category, QUIET_WARNINGS)]
+    return code, capfd.readouterr().err, shown

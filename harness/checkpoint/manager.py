@@ -66,7 +66,7 @@ from harness.engine import Engine
 from harness.errors import CheckpointError
 from harness.log import get_logger
 from harness.reliability import weights_finite
-from harness.reliability.faults import fault_seconds, fault_step
+from harness.reliability.faults import fault_seconds, fault_step, hold
 
 log = get_logger(__name__)
 
@@ -321,7 +321,7 @@ class CheckpointManager:
         pause = fault_seconds("save_pause", step)
         if pause:  # fault injection (tests): a window in which the save is written but not yet committed
             log.info(f"fault injection: pausing {pause:g}s before committing {final}")
-            time.sleep(pause)
+            hold(pause)
         if os.path.exists(final):  # the same step saved again (e.g. a rerun of a finished run)
             remove_tree(final)
         os.rename(tmp, final)

@@ -3,13 +3,15 @@
 `nan_loss@STEP[:RANK]` (the LM head's output becomes NaN in that step's forward),
 `oom@STEP[:RANK]` (a real `torch.OutOfMemoryError` raised in that step's forward),
 `signal@STEP[:RANK]` (the process sends itself SIGUSR1 in that step's forward),
-`save_pause=SECONDS[@STEP]` (a checkpoint is fully written but not committed for that long),
+`save_pause=SECONDS[@STEP]` (a checkpoint is fully written but not committed for that long, or
+until the file named by `HARNESS_FAULT_RELEASE` exists: a test ends the window when done with it),
 `save_error@STEP[:RANK]` (writing that step's checkpoint fails as a full disk would: ENOSPC).
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +41,14 @@ def fault_seconds(name: str, step: int) -> float:
         if fname == name and fstep in (None, step):
             return float(value)
     return 0.0
+
+
+def hold(seconds: float) -> None:
+    """Sleep `seconds`, or until the file named by HARNESS_FAULT_RELEASE (if set) exists."""
+    release = os.environ.get("HARNESS_FAULT_RELEASE")
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0 and not (release and os.path.exists(release)):
+        time.sleep(min(left, 0.1) if release else left)
 
 
 def fault_step(name: str, rank: int) -> int | None:

@@ -1,11 +1,20 @@
 """Pre-flight: each bad input (the battery: CASES) exits 2 with one actionable line, before any process group.
 
-Every case runs the user's entry point (`python -m harness.train --config … key=value`)
-as rank 0 of a 2-process job (RANK=0, WORLD_SIZE=2, a MASTER_PORT nobody listens on). Had
-the run reached `init_process_group`, rank 0 would wait for a rank 1 that never comes and
-the case would time out; so a prompt exit proves no process group started. The output
-directory must not exist afterwards (nothing written), or, for the output-directory
+Every case calls the user's entry point (`harness.train.main`, what `python -m harness.train
+--config … key=value` runs) as rank 0 of a 2-process job (RANK=0, WORLD_SIZE=2, a
+MASTER_PORT nobody listens on), in this interpreter (`launching.call_entry_point`): a fresh
+interpreter per case imports torch, transformers and DeepSpeed again (seconds of CPU each,
+minutes for the battery). The launcher's environment, the working directory, sys.argv and
+the harness logger's rank are set per case and restored after it (monkeypatch);
+`init_distributed` is replaced by a function that fails the test, so a case that got past
+pre-flight is reported at once instead of waiting for a rank 1 that never comes. Exit 2,
+exactly one line on stderr (file descriptor 2), no warning a process would print. The
+output directory must not exist afterwards (nothing written), or, for the output-directory
 rule, must be byte-for-byte what it was.
+
+A few cases (PROCESS_CASES) also run as real processes, as before, for what only a fresh
+interpreter shows: the process's exit status, and that importing everything writes nothing
+else on stderr.
 """
 from __future__ import annotations
 
@@ -13,15 +22,17 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from launching import REPO, env, free_port, run, tiny_config
+import torch
+from launching import REPO, call_entry_point, env, free_port, run, tiny_config
 
 from harness.models import build_model
 
-TIMEOUT = 60  # a case that hangs this long has started a process group
-CPU_ONLY = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the bad input is only bad without a GPU")
+TIMEOUT = 60  # a case run as a process that hangs this long has started a process group
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the bad input is only bad without a GPU")
 
 
 @pytest.fixture(scope="module")
@@ -145,42 +156,74 @@ def _id(case) -> str:
     return case.values[0] if hasattr(case, "values") else case[0]
 
 
-def _run_case(ws, tmp, name, extra_env, args) -> tuple[subprocess.CompletedProcess, bool]:
+def _case_argv(ws, tmp: Path, args) -> tuple[list[str], Path]:
+    """The entry point's arguments for a case, and the output directory it must not create."""
     fill = {"root": ws["root"], "ckpt": _checkpoint(ws), "done": ws["done"]}
     args = [a.format(**fill) for a in args]
     tmp.mkdir()
     out = tmp / "out"
     if "--config" in args:
-        cmd = [sys.executable, "-m", "harness.train", *args, f"output_dir={out}"]
-    else:
-        # The done run's world was 1 with grad_accum 2: at world 2 the same global batch needs grad_accum 1.
-        accum = [] if any(a.startswith("grad_accum=") for a in args) else ["grad_accum=1"]
-        config = tiny_config(tmp / "run.yaml", ws["cache"], out)
-        cmd = [sys.executable, "-m", "harness.train", "--config", str(config), *accum, *args]
+        return [*args, f"output_dir={out}"], out
+    # The done run's world was 1 with grad_accum 2: at world 2 the same global batch needs grad_accum 1.
+    accum = [] if any(a.startswith("grad_accum=") for a in args) else ["grad_accum=1"]
+    config = tiny_config(tmp / "run.yaml", ws["cache"], out)
+    return ["--config", str(config), *accum, *args], out
+
+
+def _launch_env(extra_env) -> dict[str, str]:
+    """Rank 0 of a 2-process job whose MASTER_PORT nobody listens on (plus the case's own variables)."""
     e = env()
     e.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     e.update(extra_env or {})
-    proc = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=TIMEOUT)
+    return e
+
+
+@pytest.mark.parametrize("name, extra_env, args, expected", CASES, ids=[_id(c) for c in CASES])
+def test_bad_input_fails_before_any_process_group(ws, tmp_path, monkeypatch, capfd, name, extra_env, args, expected):
+    import harness.train  # here, not at collection: `pytest -m "not integration"` need not import the trainer
+
+    before = _snapshot(ws["done"])
+    argv, out = _case_argv(ws, tmp_path / f"case-{name}", args)
+    code, stderr, shown = call_entry_point(harness.train.main, argv, _launch_env(extra_env), monkeypatch, capfd)
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert code == 2, (code, stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("harness: error: "), stderr[-2000:]
+    assert expected in lines[0], lines[0]
+    assert not shown, [f"{w.category.__name__}: {w.message}" for w in shown]  # a process would print them on stderr
+    assert not torch.distributed.is_initialized()
+    assert not out.exists(), "a failed pre-flight wrote into the output directory"
+    assert _snapshot(ws["done"]) == before, "a failed pre-flight touched an existing run's files"
+
+
+# Also run as processes (each a fresh interpreter: ~10 s of CPU on the CI machine): one decided by
+# the launcher's environment alone, and one that imports DeepSpeed (whose import logs the most).
+PROCESS_CASES = ["accelerate_precision_disagrees", "ds_misspelt_top_level_key"]
+
+
+def _run_case(ws, tmp, extra_env, args) -> tuple[subprocess.CompletedProcess, bool]:
+    argv, out = _case_argv(ws, tmp, args)
+    proc = subprocess.run([sys.executable, "-m", "harness.train", *argv], cwd=REPO, env=_launch_env(extra_env),
+                          capture_output=True, text=True, timeout=TIMEOUT)
     return proc, out.exists()
 
 
 @pytest.fixture(scope="module")
-def results(ws):
-    """Every case, three at a time (each is a fresh interpreter importing torch: seconds of CPU)."""
+def processes(ws):
+    """The PROCESS_CASES side by side (each is a fresh interpreter importing torch: seconds of CPU)."""
     from concurrent.futures import ThreadPoolExecutor
 
     before = _snapshot(ws["done"])
-    gpu = __import__("torch").cuda.is_available()
-    cases = [c.values if hasattr(c, "values") else c for c in CASES if not (gpu and hasattr(c, "marks"))]
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {c[0]: pool.submit(_run_case, ws, ws["root"] / f"case-{c[0]}", *c[:3]) for c in cases}
-        out = {name: f.result() for name, f in futures.items()}
+    cases = {_id(c): (c.values if hasattr(c, "values") else c) for c in CASES}
+    with ThreadPoolExecutor(max_workers=len(PROCESS_CASES)) as pool:
+        futures = {n: pool.submit(_run_case, ws, ws["root"] / f"process-{n}", *cases[n][1:3]) for n in PROCESS_CASES}
+        out = {n: f.result() for n, f in futures.items()}
     return out, _snapshot(ws["done"]) == before
 
 
-@pytest.mark.parametrize("name, extra_env, args, expected", CASES, ids=[_id(c) for c in CASES])
-def test_bad_input_fails_before_any_process_group(results, name, extra_env, args, expected):
-    by_case, untouched = results
+@pytest.mark.parametrize("name", PROCESS_CASES)
+def test_bad_input_fails_before_any_process_group_as_a_process(processes, name):
+    expected = next((c.values if hasattr(c, "values") else c)[3] for c in CASES if _id(c) == name)
+    by_case, untouched = processes
     proc, wrote = by_case[name]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])

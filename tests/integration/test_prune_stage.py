@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launching import BIN, REPO, env, free_port, launch_command, run, tiny_config
+from launching import BIN, call_entry_point, env, free_port, launch_command, run, tiny_config
 
 FINETUNE = 2
 STEPS = 3
@@ -186,9 +184,12 @@ def test_prune_command_on_saved_model(cache: Path, tmp_path: Path) -> None:
     assert sum(int((weights[n][m] != 0).sum()) for n, m in masks.items()) > 0
 
 
-def test_prune_command_rejects_bad_input(tmp_path: Path, cache: Path) -> None:
+def test_prune_command_rejects_bad_input(tmp_path: Path, cache: Path, monkeypatch, capfd) -> None:
+    """`python -m harness.prune` refuses each in pre-flight, with exit 2 and one line. Its `main` is
+    called in this interpreter (`call_entry_point`): a fresh one per case would import torch again."""
+    import harness.prune
+
     cfg = tiny_config(tmp_path / "bad.yaml", cache, tmp_path / "bad")
-    base = [sys.executable, "-m", "harness.prune", "--config", str(cfg)]
     cases = {
         "prune.method=none": "needs prune.method",
         "prune.sparsity=1.5": "prune.sparsity=1.5 must be in [0, 1)",
@@ -196,6 +197,9 @@ def test_prune_command_rejects_bad_input(tmp_path: Path, cache: Path) -> None:
     }
     for override, message in cases.items():
         args = [override] if override.startswith("prune.method") else ["prune.method=wanda", override]
-        proc = subprocess.run(base + args, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and message in proc.stderr, (override, proc.stderr[-2000:])
+        code, stderr, shown = call_entry_point(harness.prune.main, ["--config", str(cfg), *args], env(), monkeypatch, capfd)
+        assert code == 2 and message in stderr, (override, stderr[-2000:])
+        lines = [ln for ln in stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("harness.prune: error: "), (override, stderr[-2000:])
+        assert not shown, (override, [f"{w.category.__name__}: {w.message}" for w in shown])
         assert not (tmp_path / "bad").exists()  # rejected before anything was written
