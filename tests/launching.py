@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -119,28 +121,37 @@ def launch(script: str, args: list[str], world: int, timeout: float = 240.0) -> 
 
 
 def start(script: str, args: list[str], world: int) -> tuple[list[subprocess.Popen], int]:
-    """Like `launch` but returns immediately, so two worlds can run side by side."""
+    """Like `launch` but returns immediately, so two worlds can run side by side.
+
+    Each rank writes to a file of its own, not a pipe: a rank blocked on a full pipe (64 KiB,
+    while the test waits on another rank) would stall the collective the others wait in."""
     port = free_port()
     procs = []
     for rank in range(world):
         e = env()
         e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MKL_NUM_THREADS="1", TRANSFORMERS_OFFLINE="1")
-        procs.append(subprocess.Popen([sys.executable, script, *args], env=e, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        log = tempfile.TemporaryFile(mode="w+")
+        proc = subprocess.Popen([sys.executable, script, *args], env=e, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc.log = log  # type: ignore[attr-defined]
+        procs.append(proc)
     return procs, port
 
 
 def finish(procs: list[subprocess.Popen], what: str, timeout: float = 240.0) -> list[str]:
     outputs = []
     try:
+        deadline = time.monotonic() + timeout
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outputs.append(out)
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
+            p.log.seek(0)
+            outputs.append(p.log.read())
+            p.log.close()
     for rank, (p, out) in enumerate(zip(procs, outputs)):
         if p.returncode != 0:
             pytest.fail(f"rank {rank} of {what} failed ({p.returncode}):\n{out[-6000:]}")
