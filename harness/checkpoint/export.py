@@ -18,24 +18,17 @@ import torch
 from harness.checkpoint.layout import read_meta, remove_tree, resolve_checkpoint_path
 from harness.engine import read_model_weights
 from harness.errors import CheckpointError
-
-
-def _empty_model(hf_config_dir: str) -> torch.nn.Module:
-    """The architecture from the checkpoint's own config.json, with uninitialised CPU storage."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(hf_config_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model.to_empty(device="cpu")
+from harness.models import clean_name, empty_model, materialize, model_config
 
 
 def consolidated_weights(path: str) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
-    """Full fp32 weights of a checkpoint and an empty model of its architecture."""
+    """Full fp32 weights of a checkpoint (by the model's own names: DeepSpeed saves them as the
+    module it wrapped had them, activation-checkpoint wrappers included) and the architecture
+    from the checkpoint's config.json with uninitialised CPU storage."""
     meta = read_meta(path)
-    model = _empty_model(os.path.join(path, "hf_config"))
+    model = materialize(empty_model(model_config(os.path.join(path, "hf_config"))), "cpu")
     weights = read_model_weights(path, meta.engine, meta.zero_stage, model)
-    return weights, model
+    return {clean_name(k): v for k, v in weights.items()}, model
 
 
 def export_hf(checkpoint: str, out: str) -> str:
