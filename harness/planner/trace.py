@@ -329,29 +329,35 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     info = param_info(model)
     vocab = int(model.config.vocab_size)
     Timeline = _tracker_class()
-    with fake_process_group(spec.world_size):
-        if spec.ac_mode != "none":
-            apply_activation_checkpointing(model, spec.ac_mode, spec.ac_every)
-        if spec.wrap == "fsdp":
-            model = _wrap_fsdp(model, spec)
-        tracker: Any = Timeline()
-        tracker.track_external(model)
-        with fake_mode:
-            ids = [torch.randint(0, vocab, (spec.micro_batch, spec.seq_len)) for _ in range(spec.micro_batches)]
-            tracker.track_external(*ids)
-            autocast = (torch.autocast("cpu", dtype=_dtype(spec.precision)) if spec.autocast else contextlib.nullcontext())
-            with warnings.catch_warnings(), real_run_masking(), tracker:
-                warnings.simplefilter("ignore")
-                for micro, batch in enumerate(ids):
-                    last = micro == len(ids) - 1
-                    if spec.wrap == "fsdp":
-                        model.set_requires_gradient_sync(last)
-                    if micro:
-                        tracker.reset_mod_stats()
-                    with autocast:
-                        loss = causal_lm_loss(model, batch, chunk_size=spec.loss_chunk_size)
-                    (loss / max(1, spec.micro_batches)).backward()
-                    del loss
+    try:
+        with fake_process_group(spec.world_size):
+            if spec.ac_mode != "none":
+                apply_activation_checkpointing(model, spec.ac_mode, spec.ac_every)
+            if spec.wrap == "fsdp":
+                model = _wrap_fsdp(model, spec)
+            tracker: Any = Timeline()
+            tracker.track_external(model)
+            with fake_mode:
+                ids = [torch.randint(0, vocab, (spec.micro_batch, spec.seq_len)) for _ in range(spec.micro_batches)]
+                tracker.track_external(*ids)
+                autocast = (torch.autocast("cpu", dtype=_dtype(spec.precision)) if spec.autocast else contextlib.nullcontext())
+                with warnings.catch_warnings(), real_run_masking(), tracker:
+                    warnings.simplefilter("ignore")
+                    for micro, batch in enumerate(ids):
+                        last = micro == len(ids) - 1
+                        if spec.wrap == "fsdp":
+                            model.set_requires_gradient_sync(last)
+                        if micro:
+                            tracker.reset_mod_stats()
+                        with autocast:
+                            loss = causal_lm_loss(model, batch, chunk_size=spec.loss_chunk_size)
+                        (loss / max(1, spec.micro_batches)).backward()
+                        del loss
+    except PlanError:
+        raise
+    except Exception as exc:  # the model's own code, or a wrapper it does not support: bad input, not a planner crash
+        raise PlanError(f"cannot trace a training step of model '{spec.model_name}' ({spec.wrap}, AC {spec.ac_mode}): "
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]) from None
     result = TraceResult(spec, tracker.rows, tracker.phases, tracker.modules, tracker.module_names, info,
                          tracker.gloo_extra)
     result.trace_seconds = time.perf_counter() - start

@@ -21,16 +21,18 @@ from typing import Any
 
 import numpy as np
 import torch
+import transformers
 from huggingface_hub import constants, try_to_load_from_cache
 from safetensors import safe_open
 from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from harness.checkpoint import check_compatible, checkpoint_root, read_meta, resume_path
 from harness.config import RunConfig, Strategy, check_run
 from harness.distributed import launch_env
 from harness.errors import CheckpointError, ConfigError
 from harness.log import get_logger
-from harness.models import PRESETS, is_preset
+from harness.models import PRESETS, BlocksNotFound, decoder_block_list, empty_model, is_preset, model_config
 from harness.runner.run_dir import check_not_in_use
 
 log = get_logger(__name__)
@@ -101,6 +103,40 @@ def check_weights(model_dir: str) -> None:
                               f"{(str(exc).splitlines() or [''])[0][:120]}); download them again") from None
         if not keys:
             raise ConfigError(f"model weights '{path}' hold no tensors; download them again")
+
+
+def block_users(cfg: RunConfig, strategy: Strategy) -> list[str]:
+    """The settings that work block by block (and so need the model's decoder blocks)."""
+    users = {"strategy=fsdp (one FSDP2 unit per block)": strategy.kind == "fsdp",
+             f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}": cfg.memory.activation_checkpointing != "none",
+             "memory.compile=block": cfg.memory.compile == "block",
+             f"prune.method={cfg.prune.method}": cfg.prune.method != "none",
+             "memory.layer_hooks": cfg.memory.layer_hooks}
+    return [what for what, used in users.items() if used]
+
+
+def check_architecture(cfg: RunConfig, strategy: Strategy) -> None:
+    """A checkpoint's architecture is one transformers builds as a causal LM, and, where a setting
+    works block by block, harness finds its decoder blocks (built on the meta device: no memory)."""
+    name = cfg.model.name
+    if is_preset(name) or not os.path.isdir(name):
+        return  # presets are Llama; a hub id is checked once downloaded, by the same lookup on every rank
+    try:
+        config = model_config(name)
+    except (ValueError, KeyError) as exc:  # an unknown model_type: this transformers cannot read the config
+        raise ConfigError(f"model.name '{name}': transformers {transformers.__version__} cannot read its config.json "
+                          f"({str(exc).splitlines()[0][:160]})") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"model.name '{name}': model type '{config.model_type}' has no causal-LM class in transformers "
+                          f"{transformers.__version__} (AutoModelForCausalLM); harness trains causal LMs")
+    users = block_users(cfg, strategy)
+    if not users:
+        return
+    try:
+        decoder_block_list(empty_model(config))
+    except BlocksNotFound as exc:
+        raise ConfigError(f"model.name '{name}': {exc}; needed by {', '.join(users)}: turn those off (e.g. strategy=ddp or zero3, "
+                          "memory.activation_checkpointing=none)") from None
 
 
 def check_model(cfg: RunConfig) -> None:
@@ -260,5 +296,6 @@ def preflight(cfg: RunConfig, strategy: Strategy) -> None:
     if cfg.precision == "bf16" and has_accelerator(cfg) and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
     check_model(cfg)
+    check_architecture(cfg, strategy)
     check_data(cfg)
     check_output_and_resume(cfg, strategy, world)
