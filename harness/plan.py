@@ -58,7 +58,7 @@ def _estimate_json(est: Any, gpu_mem: int, cpu_mem: int | None, per_node: int) -
         "allowance_bytes": {"cuda_context": allow.context, "nccl": allow.nccl, "workspaces": allow.workspaces,
                             "fragmentation": allow.fragmentation, "total": allow.total},
         "device_need_bytes": v.device_need, "host_bytes_per_rank": est.host, "host_step_peak_bytes": est.host_peak,
-        "host_model_build_bytes": est.host_init_peak, "host_need_per_node_bytes": v.host_need_per_node,
+        "load_device_bytes": est.load_device, "load_host_bytes": est.load_host, "host_need_per_node_bytes": v.host_need_per_node,
         "fits": v.fits, "verdict": v.reason, "trace_seconds": est.trace_seconds, "params": est.params_total,
     }
 

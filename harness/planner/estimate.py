@@ -53,7 +53,8 @@ class Estimate:
     moments: list[Moment]  # forward/backward peak, end of backward, analytic phases
     host: dict[str, int]  # host bytes per rank held all step (offload); {} without offload
     host_peak: int  # per rank, during the step
-    host_init_peak: int  # per rank, while the trainer builds the model on the host
+    load_device: int  # per rank on the device while the model is built, sharded and filled (before the engine's state)
+    load_host: int  # per rank on the host meanwhile
     target: str
     trace_seconds: float
     notes: list[str] = field(default_factory=list)
@@ -281,12 +282,13 @@ def estimate(cfg: RunConfig, world_size: int, *, target: str = "cuda", vocab_siz
             best = (peak, moments, em, rank)
     assert best is not None
     peak, moments, em, rank = best
+    load_device, load_host = load_phase_bytes(espec, info)
     host_extra = max((p.host_extra for p in em.phases), default=0)
     host_total = sum(em.host.values())
     return Estimate(
         engine=em.name, world_size=world_size, rank=rank, peak=peak, moments=moments,
         host=dict(em.host), host_peak=host_total + host_extra if host_total else 0,
-        host_init_peak=init_host_bytes(info),
+        load_device=load_device, load_host=load_host,
         target=target, trace_seconds=trace.trace_seconds, notes=list(em.notes), params_total=info.total,
         largest_param=info.largest,
     )
@@ -300,10 +302,29 @@ def _worst_ranks(espec: EngineSpec, info: ParamInfo) -> list[int]:
     return [0]
 
 
-def init_host_bytes(info: ParamInfo) -> int:
-    """Host bytes per rank while the trainer builds the model: ``build_model`` makes the full fp32
-    model on the host on every rank before any engine shards it or moves it to the GPU."""
-    return info.total * 4
+def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:
+    """(device, host) bytes per rank while `harness.engine.load_model` builds and fills the model.
+
+    Every path holds its own part of the working weights plus one tensor in flight: the
+    checkpoint slice or seeded init of the tensor being filled, generated or read whole on
+    the host at worst (fp32). FSDP2 shards on the meta device before allocating (a rank's
+    shard); ZeRO-3's `zero.Init` creates each module's tensors whole on the device, then
+    partitions them; ZeRO-0/1/2, DDP and single build the whole model in the working dtype.
+    Parameter offload keeps the part on the host instead.
+    """
+    one_tensor = info.largest * 4
+    # the working weights' dtype: DeepSpeed's half precision, bf16 module under single/DDP, FSDP2's fp32 shards
+    half = ("bf16", "fp16") if espec.kind == "zero" else ("bf16",) if espec.kind in ("single", "ddp") else ()
+    working = 2 if espec.precision in half else 4
+    if espec.kind == "zero" and espec.stage == 3:
+        part, in_flight_device = info.total * working // espec.world, one_tensor
+    elif espec.kind == "fsdp":
+        part, in_flight_device = info.total * 4 // espec.world, one_tensor // espec.world
+    else:
+        part, in_flight_device = info.total * working, 0
+    if espec.offload_params != "none":
+        return in_flight_device, part + one_tensor
+    return part + in_flight_device, one_tensor
 
 
 __all__ = ["Estimate", "Moment", "REPORT_CATS", "engine_kind", "estimate", "resolve_vocab", "specs_for", "walk"]

@@ -89,12 +89,18 @@ def verdict(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_node: int
     On a CPU run there is one memory: ``gpu_mem`` is read as the budget per rank, the peak
     already includes offloaded state, and a node holds ``gpus_per_node`` such peaks.
     """
-    need = est.total + gpu_allowance(est).total
+    allowance = gpu_allowance(est).total
+    need = est.total + allowance
     unit = "per GPU" if est.target == "cuda" else "per rank"
     if est.target == "cuda":
-        host_node = max(est.host_peak, est.host_init_peak) * gpus_per_node
-    else:
-        host_node = max(est.total, est.host_init_peak) * gpus_per_node
+        load_need = est.load_device + allowance
+        host_node = max(est.host_peak, est.load_host) * gpus_per_node
+    else:  # one memory: what loading holds on "device" and host together
+        load_need = est.load_device + est.load_host
+        host_node = max(est.total, load_need) * gpus_per_node
+    if load_need > gpu_mem:
+        return Verdict(False, load_need, host_node, f"loading the model needs {gib(load_need)} {unit} > {gib(gpu_mem)} "
+                                                    "(before the first step)")
     if need > gpu_mem:
         return Verdict(False, need, host_node, f"needs {gib(need)} {unit} > {gib(gpu_mem)}")
     if cpu_mem is not None and host_node > cpu_mem:
@@ -109,6 +115,9 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
     lines = [title, ""]
     lines.append(f"Per-rank peak (worst rank {est.rank} of {est.world_size}, engine {est.engine}): {gib(est.total)}")
     lines.append(f"  when: {est.peak.name}")
+    where = ("on the GPU", "on the host") if est.target == "cuda" else ("as device memory", "as host memory")
+    lines.append(f"  loading the model (before the first step): {gib(est.load_device)} {where[0]}, {gib(est.load_host)} {where[1]} "
+                 "(this rank's part of the weights and one tensor in flight)")
     width = max(len(c) for c in REPORT_CATS)
     for cat in REPORT_CATS:
         value = est.peak.categories.get(cat, 0)
@@ -135,7 +144,7 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
         lines.append(f"    step peak (incl. optimizer temporaries) {gib(est.host_peak)} per rank")
     else:
         lines.append("    no offload: model state stays on the GPU")
-    lines.append(f"    model build (full fp32 model on every rank before sharding) {gib(est.host_init_peak)} per rank")
+    lines.append(f"    loading the model (one tensor in flight; offloaded parameters) {gib(est.load_host)} per rank")
     lines.append(f"    per node ({gpus_per_node} ranks): {gib(v.host_need_per_node or 0)}"
                  + (f" of {gib(cpu_mem)}" if cpu_mem else ""))
     lines.append("")

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from harness.planner.estimate import load_phase_bytes
 from harness.planner.model_states import (
     EngineSpec,
     dtype_breakdown,
@@ -112,3 +113,22 @@ def test_dtype_breakdown_reproduces_reference_003() -> None:
         assert ours == pytest.approx(values, abs=0.011)
     # The reference's shortfall against 47.4 GB for its best case: 15.9 GB.
     assert float(rows["bf16 + bf16 Adam state"]["total"]) / GIB - 47.4 == pytest.approx(15.9, abs=0.05)
+
+
+@pytest.mark.parametrize(("kind", "stage", "precision", "device", "host"), [
+    # sharded engines: this rank's part plus one tensor in flight (FSDP2: its slice of it)
+    ("zero", 3, "bf16", 500 * 2 // 4 + 400 * 4, 400 * 4),
+    ("fsdp", 0, "bf16", 500 * 4 // 4 + 400 * 4 // 4, 400 * 4),
+    # replicated working weights: the whole model in the working dtype, nothing more
+    ("zero", 2, "bf16", 500 * 2, 400 * 4),
+    ("ddp", 0, "bf16", 500 * 2, 400 * 4),
+    ("ddp", 0, "fp32", 500 * 4, 400 * 4),
+])
+def test_load_phase_holds_the_ranks_part_and_one_tensor(kind, stage, precision, device, host) -> None:
+    spec = EngineSpec(kind=kind, stage=stage, world=4, precision=precision, target="cuda")
+    assert load_phase_bytes(spec, _info([100, 400])) == (device, host)
+
+
+def test_load_phase_with_parameter_offload_keeps_the_part_on_the_host() -> None:
+    spec = EngineSpec(kind="zero", stage=3, world=4, precision="bf16", offload_params="cpu", target="cuda")
+    assert load_phase_bytes(spec, _info([100, 400])) == (400 * 4, 500 * 2 // 4 + 400 * 4)
