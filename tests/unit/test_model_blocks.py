@@ -1,0 +1,113 @@
+"""Model construction without memory: the meta template, the block lookup from transformers'
+own metadata, checkpoint reads of a flat range, ties kept, and the pre-flight refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from model_families import family_configs, save_families
+from transformers import LlamaForCausalLM, T5Config
+
+from harness import plan
+from harness.config import load_config, load_strategy
+from harness.errors import ConfigError
+from harness.models import (
+    BlocksNotFound,
+    CheckpointWeights,
+    InitWeights,
+    build_model,
+    decoder_block_list,
+    empty_model,
+    fill,
+    materialize,
+)
+from harness.runner.preflight import check_architecture
+
+BLOCK_PATHS = {"llama": "model.layers", "qwen2": "model.layers", "opt": "model.decoder.layers", "gpt_neox": "gpt_neox.layers",
+               "gpt2": "transformer.h"}
+
+
+@pytest.mark.parametrize("family", list(BLOCK_PATHS))
+def test_blocks_found_from_no_split_modules_wherever_they_live(family):
+    model = empty_model(family_configs()[family])
+    assert all(p.is_meta for p in model.parameters())  # nothing allocated
+    blocks = decoder_block_list(model)
+    path = next(name for name, module in model.named_modules() if module is blocks)
+    assert path == BLOCK_PATHS[family] and len(blocks) == 2
+
+
+def test_no_declared_block_class_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(LlamaForCausalLM, "_no_split_modules", [])
+    model = empty_model(family_configs()["llama"])
+    for module in model.modules():
+        monkeypatch.setattr(module, "_no_split_modules", [], raising=False)
+    with pytest.raises(BlocksNotFound, match="_no_split_modules is empty"):
+        decoder_block_list(model)
+
+
+def test_tied_embeddings_stay_tied_when_materialized():
+    model = materialize(empty_model(family_configs()["qwen2"]), "cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_meta
+
+
+def test_checkpoint_reads_any_flat_range_and_the_whole_model_round_trips(tmp_path):
+    dirs = save_families(tmp_path)
+    for family, directory in dirs.items():
+        model = build_model(directory)
+        ckpt = CheckpointWeights(directory, model.base_model_prefix)
+        for name, tensor in model.state_dict().items():
+            if ckpt.key_for([name]) is None:
+                continue  # a tied head, saved once
+            flat = tensor.reshape(-1)
+            for start, end in ((0, flat.numel()), (3, min(flat.numel(), 77)), (flat.numel() // 2, flat.numel())):
+                assert torch.equal(ckpt.read([name], tensor.shape, start, end).to(tensor.dtype), flat[start:end]), (family, name)
+    with pytest.raises(ValueError, match="the model expects"):
+        ckpt.read(["transformer.wte.weight"], (3, 3), 0, 9)
+
+
+def test_init_is_the_same_for_any_range_and_follows_the_models_init():
+    template = empty_model(family_configs()["llama"])
+    whole = materialize(empty_model(family_configs()["llama"]), "cpu")
+    assert fill(whole, InitWeights(template, seed=7)) == []  # nothing missing
+    q = whole.model.layers[1].self_attn.q_proj.weight.detach()
+    piece = InitWeights(template, seed=7).read(["model.layers.1.self_attn.q_proj.weight"], q.shape, 100, 300)
+    assert torch.equal(piece, q.reshape(-1)[100:300])
+    assert torch.equal(whole.model.norm.weight, torch.ones_like(whole.model.norm.weight))  # the model's own _init_weights
+    assert 0.015 < float(q.std()) < 0.025  # initializer_range 0.02
+    other = materialize(empty_model(family_configs()["llama"]), "cpu")
+    fill(other, InitWeights(template, seed=8))
+    assert not torch.equal(other.model.layers[1].self_attn.q_proj.weight, q)
+
+
+def _cfg(path, *overrides):
+    cfg = load_config(None, [f"model.name={path}", *overrides])
+    return cfg, load_strategy(cfg.strategy, env={})
+
+
+def test_preflight_refuses_a_model_transformers_cannot_build_as_a_causal_lm(tmp_path):
+    T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="model type 't5' has no causal-LM class"):
+        check_architecture(*_cfg(str(tmp_path)))
+
+
+def test_preflight_names_the_settings_that_need_the_blocks(tmp_path, monkeypatch):
+    directory = save_families(tmp_path)["llama"]
+    check_architecture(*_cfg(directory, "strategy=fsdp", "memory.activation_checkpointing=full"))  # found: no error
+    monkeypatch.setattr(LlamaForCausalLM, "_no_split_modules", [])
+    monkeypatch.setattr("transformers.models.llama.modeling_llama.LlamaPreTrainedModel._no_split_modules", [])
+    with pytest.raises(ConfigError, match=r"needed by strategy=fsdp .*memory.activation_checkpointing=full"):
+        check_architecture(*_cfg(directory, "strategy=fsdp", "memory.activation_checkpointing=full"))
+    check_architecture(*_cfg(directory, "strategy=ddp"))  # DDP without per-block settings never asks for them
+    assert json.loads((tmp_path / "llama" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_planner_exits_2_with_one_line_when_it_cannot_trace_a_step(tmp_path, monkeypatch, capsys):
+    directory = save_families(tmp_path)["llama"]
+    monkeypatch.setattr(LlamaForCausalLM, "_no_split_modules", [])
+    monkeypatch.setattr("transformers.models.llama.modeling_llama.LlamaPreTrainedModel._no_split_modules", [])
+    capsys.readouterr()  # the checkpoint writer's progress bars
+    code = plan.main(["--gpus", "2", "--gpu-mem", "80GiB", f"model.name={directory}", "memory.activation_checkpointing=full",
+                      "data.seq_len=32", f"data.cache_dir={tmp_path / 'cache'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "cannot trace a training step" in err[0] and "_no_split_modules" in err[0], err
