@@ -18,7 +18,7 @@ from harness.engine.deepspeed_engine import DeepSpeedEngine
 from harness.engine.torch_engine import TorchEngine
 from harness.log import get_logger
 from harness.memory import OptimizerInBackward, apply_activation_checkpointing, apply_compile
-from harness.models import decoder_blocks
+from harness.models import decoder_blocks, is_quantized
 from harness.training import PrecisionPolicy, build_optimizer, build_scheduler, lr_lambda
 
 log = get_logger(__name__)
@@ -64,7 +64,8 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
 
 
 def _torch_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo, loss_fn: LossFn) -> Engine:
-    model.to(device=info.device, dtype=policy.param_dtype)
+    if not is_quantized(model):  # a QLoRA base was placed and typed by bitsandbytes on load
+        model.to(device=info.device, dtype=policy.param_dtype)
     apply_memory_techniques(model, cfg)
     kind = "single" if not info.distributed else strategy.kind
     wrapped: nn.Module = model
@@ -157,4 +158,5 @@ def build_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: P
     build = _deepspeed_engine if strategy.kind == "deepspeed" else _torch_engine
     engine = build(model, cfg, strategy, policy, info, loss_fn)
     engine.activation_offload = cfg.memory.activation_offload
+    engine.trainable_only = cfg.lora.enabled  # LoRA checkpoints keep the adapters; the base comes from model.name
     return engine
