@@ -26,11 +26,11 @@ from harness.engine import build_engine
 from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.memory import StepMemoryTracker
-from harness.models import build_model
+from harness.models import build_run_model
 from harness.observability import Observer
 from harness.reliability import StepGuard
 from harness.runner.loop import Loop
-from harness.training import causal_lm_loss, precision_policy
+from harness.training import causal_lm_loss, labelled_lm_loss, precision_policy
 
 log = get_logger(__name__)
 
@@ -65,9 +65,10 @@ def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Loop,
     (shared with `python -m harness.prune`). Returns the loop and the restored state."""
     torch.manual_seed(cfg.seed)
     data = prepare(cfg, info)
-    model = build_model(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
+    model = build_run_model(cfg, data.vocab_size, info.device.index or 0)  # LoRA adapters / QLoRA base when configured
     policy = precision_policy(cfg.precision, info.device, strategy.kind)
-    loss_fn = functools.partial(causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
+    labelled = cfg.data.format == "instruction"  # blocks carry (input_ids, labels): loss on the responses only
+    loss_fn = functools.partial(labelled_lm_loss if labelled else causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
     engine = build_engine(model, cfg, strategy, policy, info, loss_fn)
     sampler = make_sampler(cfg, data, info)
     ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir, per_rank={"data": sampler})
