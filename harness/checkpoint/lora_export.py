@@ -64,7 +64,7 @@ def export_lora(path: str, meta: CheckpointMeta, tmp: str, merged: bool) -> None
     if merged:
         peft_model.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
     else:
-        peft_model.save_pretrained(tmp, safe_serialization=True)
+        peft_model.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)  # no hub lookup of the base
     hf_files = os.path.join(path, "hf_config")
     for name in os.listdir(hf_files):  # tokenizer files (and, for the adapter directory, the base's config for reference)
         target = os.path.join(tmp, name if name != "config.json" or merged else "base_config.json")
