@@ -37,7 +37,7 @@ def lora_run(ws, name: str, world: int, *overrides: str, **extra) -> Path:
     config = tiny_config(ws["root"] / f"{name}.yaml", ws["cache"], out, steps=4, grad_accum=2 if world == 1 else 1,
                          **{"data.source": str(ws["data"]), "data.format": "instruction", "data.seq_len": 64,
                             "data.eval_fraction": 0.1, "data.max_tokens": None, "lora.enabled": True, "lora.r": 4,
-                            "checkpoint.every": 2, "checkpoint.keep": 3, **extra})
+                            "checkpoint.every": 2, "checkpoint.keep": 3, "memory.track": True, **extra})
     run(launch_command("python" if world == 1 else "torchrun", world, config, list(overrides)))
     return out
 
@@ -65,6 +65,10 @@ def test_world_one_holds_gradients_and_optimizer_state_for_the_adapters_only(ref
     held = state_bytes(ref, 0)
     # fp32: every parameter is held, but gradients and Adam's two states only for the adapters
     assert held == {"params": 4 * total, "master_params": 0, "grads": 4 * trainable, "optim_state": 8 * trainable}
+    # the step tracker (torch's MemTracker, which hooks every parameter) runs with a frozen base and agrees
+    tracked = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines() if "memory/gradients_peak_bytes" in line]
+    assert tracked and all(r["memory/gradients_peak_bytes"] == 4 * trainable for r in tracked)
+    assert all(r["memory/parameters_peak_bytes"] == 4 * total for r in tracked)
 
 
 # DDP at world 2 ran the same losses when this was written (notes/lora.md); left out to keep the suite's time budget.
