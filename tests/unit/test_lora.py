@@ -108,7 +108,8 @@ def test_lora_freezes_the_base_and_defaults_to_the_block_linears():
     again = apply_lora(build_model("tiny-llama", vocab_size=64), cfg, seed=0)  # seeded: every rank the same adapters
     assert all(torch.equal(a, b) for a, b in zip(inner.state_dict().values(), again.state_dict().values()))
     with pytest.raises(ConfigError, match="does not have"):
-        apply_lora(build_model("tiny-llama", vocab_size=64), load_config(None, ["lora.enabled=true", "lora.target_modules=[qproj]"]).lora, 0)
+        wrong = load_config(None, ["lora.enabled=true", "lora.target_modules=[qproj]"]).lora
+        apply_lora(build_model("tiny-llama", vocab_size=64), wrong, 0)
 
 
 @pytest.mark.parametrize("overrides, accelerator, strategy, message", [
