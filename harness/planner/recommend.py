@@ -221,7 +221,8 @@ def evaluate_lora(cfg: RunConfig, c: Candidate, world: int, gpu_mem: int, target
     """A LoRA/QLoRA candidate: model state by formula, activations from the traced full fine-tune
     at the same precision, recomputation and micro-batch (`harness.planner.lora`)."""
     full = estimate(with_candidate(cfg, replace(c, lora="none", strategy="ddp")), world, target=target, vocab_size=vocab)
-    plan = lora_plan(info, full, mode=c.lora, strategy=c.strategy, world=world, r=cfg.lora.r, targets=cfg.lora.target_modules)
+    plan = lora_plan(info, full, mode=c.lora, strategy=c.strategy, world=world, r=cfg.lora.r, targets=cfg.lora.target_modules,
+                     dtype_bytes=BYTES[c.precision])
     need = plan.total + (gpu_allowance_for(plan.total, world) if target == "cuda" else 0)
     cost = c.cost(cfg.micro_batch_size)
     adapters = f"{plan.adapters / 1e6:.2f}M adapter parameters (r={cfg.lora.r})"
@@ -233,7 +234,7 @@ def evaluate_lora(cfg: RunConfig, c: Candidate, world: int, gpu_mem: int, target
     if cpu_mem is not None and host > cpu_mem:
         return Evaluated(c, cost, False, need, f"needs {gib(host)} host memory per node to build the model > {gib(cpu_mem)}")
     return Evaluated(c, cost, True, need, f"fits: {gib(need)} of {gib(gpu_mem)} per {'GPU' if target == 'cuda' else 'rank'} "
-                                          f"({adapters}; frozen base {gib(plan.categories['parameters'])})")
+                                          f"({adapters}; parameters incl. the frozen base {gib(plan.categories['parameters'])})")
 
 
 def most_frugal(cfg: RunConfig, world: int, nvme: bool) -> Candidate:

@@ -6,6 +6,7 @@ import pytest
 
 from harness.config import load_config
 from harness.models import apply_lora, build_model, trainable_counts
+from harness.plan import EXIT_DOES_NOT_FIT, EXIT_FITS, main
 from harness.planner.estimate import estimate
 from harness.planner.lora import NF4_BYTES, adapter_numel, base_bytes, lora_plan
 from harness.planner.recommend import Candidate, _param_info, evaluate_lora, recommend
@@ -67,3 +68,12 @@ def test_qlora_needs_a_gpu(setup):
     on_cpu = evaluate_lora(cfg, c, 1, 10**12, "cpu", VOCAB, info)
     assert not on_cpu.fits and "needs a CUDA GPU" in on_cpu.reason
     assert "lora.quantize=nf4" in c.overrides() and "needs a CUDA GPU" in c.label()
+
+
+def test_plan_command_models_a_lora_config(capsys):
+    argv = ["--gpu-mem", "8GiB", "--vocab-size", str(VOCAB), *SMALL, "lora.enabled=true", "precision=bf16"]
+    assert main(argv) == EXIT_FITS
+    out = capsys.readouterr().out
+    assert "LoRA (base frozen)" in out and "0.15M adapter parameters" in out
+    assert main([*argv, "lora.quantize=nf4", "--target", "cpu"]) == EXIT_DOES_NOT_FIT
+    assert "QLoRA needs a CUDA GPU" in capsys.readouterr().out
