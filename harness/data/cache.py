@@ -71,6 +71,8 @@ class PackedData:
 def cache_dir_for(model_name: str, cfg: DataConfig) -> str:
     root = cfg.cache_dir or os.environ.get("HARNESS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "harness")
     content = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes what is written
+    if cfg.format == "text":  # keys added with instruction data: text caches keep the names they had before
+        del content["format"], content["packing"]
     key = json.dumps({"format": FORMAT, "data": content,
                       "model": model_name if not os.path.isdir(model_name) else os.path.abspath(model_name),
                       "py": sys.version_info[:2]}, sort_keys=True, default=str)
