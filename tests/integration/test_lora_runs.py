@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from launching import final_eval, instruction_file, launch_command, run, state_bytes, step_losses, tiny_config
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
 from harness import export
 from harness.config import load_config
@@ -111,9 +113,6 @@ def _eval_loss(model: torch.nn.Module, ref: Path) -> float:
 
 
 def test_adapter_and_merged_exports_give_the_runs_eval_loss(ws, ref):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     final = final_eval(ref)
     assert export.main([str(step_dir(ref, 4)), "--out", str(ws["root"] / "adapter")]) == 0
     assert export.main([str(step_dir(ref, 4)), "--out", str(ws["root"] / "merged"), "--merged"]) == 0
