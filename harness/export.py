@@ -8,7 +8,9 @@ Only model weights are read. From a DCP checkpoint we ask DCP for the `model.*` 
 alone (it reassembles each tensor from however many shards were written and never
 touches the optimizer entries); from a DeepSpeed checkpoint we use DeepSpeed's own
 `zero_to_fp32` consolidation (fp32 master weights, lazily loaded), or the module state of a
-stage-0 checkpoint. The result is what `AutoModelForCausalLM.from_pretrained` loads.
+stage-0 checkpoint. The result is what `AutoModelForCausalLM.from_pretrained` loads. A LoRA
+checkpoint gives the PEFT adapter directory (`PeftModel.from_pretrained(base, dir)`), or with
+`--merged` the base with the adapters merged in (`from_pretrained` loads it).
 """
 from __future__ import annotations
 
@@ -23,9 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harness.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a step_* directory, a checkpoints/ directory or a run directory (its latest)")
     parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    parser.add_argument("--merged", action="store_true",
+                        help="LoRA checkpoints: write the base with the adapters merged in (default: the PEFT adapter directory)")
     args = parser.parse_args(argv)
     try:
-        out = export_hf(args.checkpoint, args.out)
+        out = export_hf(args.checkpoint, args.out, merged=args.merged)
     except CheckpointError as exc:
         print(f"harness.export: error: {exc}", file=sys.stderr)
         return 2

@@ -20,12 +20,23 @@ import os
 import sys
 from typing import Any
 
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from harness.config import load_config, read_config_file
 from harness.errors import EXIT_BAD_INPUT, ConfigError
 from harness.planner import PlanError
 from harness.planner.estimate import estimate, resolve_vocab
-from harness.planner.recommend import most_frugal, recommend, recommended_config, with_candidate, write_recommended
+from harness.planner.recommend import (
+    Candidate,
+    evaluate_lora,
+    most_frugal,
+    recommend,
+    recommended_config,
+    with_candidate,
+    write_recommended,
+)
 from harness.planner.report import format_estimate, gib, gpu_allowance, parse_size, verdict
+from harness.planner.trace import build_fake_model, param_info
 
 # The planner's own verdicts; bad input is the same 2 as every command's (harness.errors).
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_NOTHING_FITS = 0, 1, 3
@@ -71,6 +82,20 @@ def _frugal_fits(cfg: Any, world: int, gpu_mem: int, cpu_mem: int | None, per_no
     return verdict(est, gpu_mem, cpu_mem, per_node).fits
 
 
+def _plan_lora(cfg: Any, args: argparse.Namespace, gpu_mem: int, cpu_mem: int | None, per_node: int, vocab: int | None) -> int:
+    """A LoRA/QLoRA config: frozen base and adapter state by formula, activations from the traced
+    full fine-tune (`harness.planner.lora`); sharded strategies (FSDP2, ZeRO-3) shard the base."""
+    mode = "lora" if cfg.lora.quantize == "none" else cfg.lora.quantize
+    sharded = (cfg.strategy or "ddp").startswith(("fsdp", "zero3"))
+    c = Candidate(cfg.precision, cfg.memory.activation_checkpointing, cfg.micro_batch_size, cfg.grad_accum,
+                  "fsdp" if sharded else "ddp", lora=mode)
+    info = param_info(build_fake_model(cfg.model.name, vocab, FakeTensorMode()))
+    ev = evaluate_lora(cfg, c, args.gpus, gpu_mem, args.target, vocab, info, cpu_mem=cpu_mem, per_node=per_node)
+    print(f"Plan: {cfg.model.name} x {args.gpus} rank(s), {c.label()}")
+    print(f"  {ev.reason}")
+    return EXIT_FITS if ev.fits else EXIT_DOES_NOT_FIT
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only; never reach for a hub at planning time
     args, overrides = parse_args(argv)
@@ -90,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         vocab = args.vocab_size or resolve_vocab(cfg)
         if args.recommend:
             return _recommend(args, overrides, cfg, gpu_mem, cpu_mem, per_node, vocab)
+        if cfg.lora.enabled:
+            return _plan_lora(cfg, args, gpu_mem, cpu_mem, per_node, vocab)
         est = estimate(cfg, args.gpus, target=args.target, vocab_size=vocab)
         fits = verdict(est, gpu_mem, cpu_mem, per_node).fits
         if not fits and not _frugal_fits(cfg, args.gpus, gpu_mem, cpu_mem, per_node, args.nvme, args.target, vocab):

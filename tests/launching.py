@@ -54,6 +54,27 @@ def tiny_config(path: Path, cache: Path, output: Path, **extra) -> Path:
     return path
 
 
+INSTRUCTION_WORDS = "apple river stone cloud maple tiger ocean pencil garden silver planet candle".split()
+
+
+def instruction_file(path: Path, n: int, seed: int = 0) -> Path:
+    """`n` instruction records (JSON lines): two thirds prompt/response ("reverse the list"),
+    one third chat messages ("sort"), answers learnable from the prompt."""
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            w = rng.sample(INSTRUCTION_WORDS, 3)
+            if i % 3 == 0:
+                rec: dict = {"messages": [{"role": "user", "content": "Sort: " + " ".join(w)},
+                                          {"role": "assistant", "content": " ".join(sorted(w))}]}
+            else:
+                rec = {"prompt": f"Reverse the list {' '.join(w)}\nAnswer:", "response": " " + " ".join(reversed(w))}
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")

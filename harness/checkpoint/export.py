@@ -16,6 +16,7 @@ import shutil
 import torch
 
 from harness.checkpoint.layout import read_meta, remove_tree, resolve_checkpoint_path
+from harness.checkpoint.lora_export import export_lora, is_lora_checkpoint
 from harness.engine import read_model_weights
 from harness.errors import CheckpointError
 from harness.models import clean_name, empty_model, materialize, model_config
@@ -31,9 +32,19 @@ def consolidated_weights(path: str) -> tuple[dict[str, torch.Tensor], torch.nn.M
     return {clean_name(k): v for k, v in weights.items()}, model
 
 
-def export_hf(checkpoint: str, out: str) -> str:
-    """Write `out` (atomically: temp dir, then rename) from a checkpoint; returns `out`."""
+def export_hf(checkpoint: str, out: str, merged: bool = False) -> str:
+    """Write `out` (atomically: temp dir, then rename) from a checkpoint; returns `out`. A LoRA
+    checkpoint gives its PEFT adapter directory, or with `merged` the merged full model."""
     path = resolve_checkpoint_path(checkpoint)
+    meta = read_meta(path)
+    if is_lora_checkpoint(meta):
+        tmp = f"{out.rstrip(os.sep)}.tmp"
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        export_lora(path, meta, tmp, merged)
+        remove_tree(out)
+        os.rename(tmp, out)
+        return out
     weights, model = consolidated_weights(path)
     bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
     if bad:

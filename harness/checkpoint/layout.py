@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.config import RunConfig, Strategy
+from harness.config import LoraConfig, RunConfig, Strategy
 from harness.errors import CheckpointError, ConfigError
 
 CHECKPOINTS = "checkpoints"
@@ -146,6 +146,11 @@ def check_compatible(meta: CheckpointMeta, path: str, cfg: RunConfig, strategy: 
     if cfg.data.streaming and meta.world_size != world:
         raise ConfigError(f"checkpoint '{path}' streamed its data at world size {meta.world_size}; a streamed run resumes at that "
                           f"world size (each rank's position is in its own part of the stream), not {world}")
+    for key in ("enabled", "r", "alpha", "target_modules", "quantize"):  # a LoRA checkpoint holds only these adapters
+        saved = meta.config.get("lora", {}).get(key, getattr(LoraConfig(), key))
+        if saved != getattr(cfg.lora, key):
+            raise ConfigError(f"checkpoint '{path}' was trained with lora.{key}={saved!r} but this run has {getattr(cfg.lora, key)!r}; "
+                              "resume with the same LoRA settings, or export it (--merged) and start a new run from that model")
     for key in ("seq_len", "source", "seed", "streaming"):
         saved = meta.config.get("data", {}).get(key)
         if saved != getattr(cfg.data, key):

@@ -5,10 +5,13 @@ from harness.config.loading import all_keys, apply_overrides, config_to_dict, lo
 from harness.config.schema import (
     AC_MODES,
     COMPILE_MODES,
+    DATA_FORMATS,
+    LORA_QUANTIZE,
     PRECISIONS,
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
+    LoraConfig,
     MemoryConfig,
     ModelConfig,
     OptimConfig,
@@ -19,7 +22,8 @@ from harness.config.strategies import DS_CONFIG_DIR, Strategy, load_strategy, re
 from harness.errors import ConfigError
 
 __all__ = [
-    "AC_MODES", "COMPILE_MODES", "DS_CONFIG_DIR", "PRECISIONS", "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig",
+    "AC_MODES", "COMPILE_MODES", "DATA_FORMATS", "DS_CONFIG_DIR", "LORA_QUANTIZE", "PRECISIONS", "CheckpointConfig",
+    "ConfigError", "DataConfig", "LoggingConfig", "LoraConfig",
     "MemoryConfig", "ModelConfig", "OptimConfig", "PruneConfig", "RunConfig", "Strategy", "all_keys", "apply_overrides",
     "check_run", "check_values", "config_to_dict", "load_config", "load_strategy", "parse_yaml", "read_config_file",
     "resolve_deepspeed_config",

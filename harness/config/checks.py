@@ -6,7 +6,7 @@ look at the outside world (model and data files, the output directory, checkpoin
 """
 from __future__ import annotations
 
-from harness.config.schema import AC_MODES, COMPILE_MODES, PRECISIONS, RunConfig
+from harness.config.schema import AC_MODES, COMPILE_MODES, DATA_FORMATS, LORA_QUANTIZE, PRECISIONS, RunConfig
 from harness.config.strategies import Strategy, resolve_deepspeed_config
 from harness.errors import ConfigError, did_you_mean
 
@@ -27,6 +27,8 @@ def check_values(cfg: RunConfig) -> None:
         "prune.stat_dtype": (cfg.prune.stat_dtype, ("bf16", "fp16")),
         "device": (cfg.device, ("auto", "cpu", "cuda")),
         "data.token_dtype": (cfg.data.token_dtype, ("uint16", "uint32")),
+        "data.format": (cfg.data.format, DATA_FORMATS),
+        "lora.quantize": (cfg.lora.quantize, LORA_QUANTIZE),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -71,9 +73,53 @@ def check_values(cfg: RunConfig) -> None:
                           "(unset data.max_tokens)")
     if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
         raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1 (or unset: the machine's cores)")
+    check_lora_values(cfg)
+    if cfg.data.format == "instruction" and (cfg.data.source == "embedded" or cfg.data.streaming):
+        raise ConfigError("data.format=instruction reads a local JSON lines file of prompt/response or messages records "
+                          f"(data.source={cfg.data.source!r}{', streaming' if cfg.data.streaming else ''}); "
+                          "set data.source to it and data.streaming=false")
     for key, frac in (("data.eval_fraction", cfg.data.eval_fraction), ("data.calib_fraction", cfg.data.calib_fraction)):
         if not 0.0 < frac < 0.5:
             raise ConfigError(f"{key}={frac} must be in (0, 0.5)")
+
+
+def check_lora_values(cfg: RunConfig) -> None:
+    """LoRA values peft would reject later (or misuse silently), refused on load."""
+    lo = cfg.lora
+    if lo.r < 1:
+        raise ConfigError(f"lora.r={lo.r} must be >= 1")
+    if not lo.alpha > 0:
+        raise ConfigError(f"lora.alpha={lo.alpha} must be > 0")
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.dropout={lo.dropout} must be in [0, 1)")
+    if lo.target_modules is not None and not lo.target_modules:
+        raise ConfigError("lora.target_modules=[] selects nothing to train; name modules (e.g. [q_proj, v_proj]) or leave it unset")
+    if lo.quantize != "none" and not lo.enabled:
+        raise ConfigError(f"lora.quantize={lo.quantize} quantizes a frozen base for QLoRA; set lora.enabled=true as well")
+
+
+def check_lora(cfg: RunConfig, strategy_kind: str, has_accelerator: bool) -> None:
+    """What LoRA/QLoRA can run with, decided before any process group starts."""
+    lo = cfg.lora
+    if cfg.data.format == "instruction" and cfg.prune.method != "none":
+        raise ConfigError("data.format=instruction cannot calibrate pruning (its blocks carry labels); prune on text data, "
+                          "export, then fine-tune the pruned model")
+    if not lo.enabled:
+        return
+    if cfg.prune.method != "none":
+        raise ConfigError(f"lora.enabled=true with prune.method={cfg.prune.method}: prune first (harness.prune), export the "
+                          "pruned model, then fine-tune it with LoRA (see notes/lora.md)")
+    if cfg.memory.optimizer_in_backward:
+        raise ConfigError("lora.enabled=true with memory.optimizer_in_backward=true: the adapters' optimizer state is already "
+                          "small; turn optimizer_in_backward off")
+    if lo.quantize == "none":
+        return
+    if not has_accelerator:
+        raise ConfigError(f"lora.quantize={lo.quantize} needs a CUDA GPU (bitsandbytes' {lo.quantize} kernels); this machine has "
+                          "none: use lora.quantize=none (plain LoRA) on CPU")
+    if strategy_kind not in ("ddp", "single"):
+        raise ConfigError(f"lora.quantize={lo.quantize} runs under ddp (or one process), not {strategy_kind}: sharding a "
+                          "bitsandbytes-quantized base is not implemented here")
 
 
 def check_optimizer_in_backward(cfg: RunConfig, strategy_kind: str, world_size: int) -> None:
@@ -151,6 +197,7 @@ def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: b
     check_optimizer_in_backward(cfg, strategy.kind, world)
     check_batch(cfg, world)
     check_prune_config(cfg, world)
+    check_lora(cfg, strategy.kind, has_accelerator)
     if strategy.kind == "deepspeed":
         resolve_deepspeed_config(strategy, cfg, world, hidden_size=1)  # contradictions and 'auto' holes
 

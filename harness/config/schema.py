@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 PRECISIONS = ("fp32", "bf16", "fp16")
 AC_MODES = ("none", "full", "selective", "op")
 COMPILE_MODES = ("none", "block", "model")
+LORA_QUANTIZE = ("none", "int8", "nf4")
+DATA_FORMATS = ("text", "instruction")
 
 
 @dataclass
@@ -37,6 +39,8 @@ class DataConfig:
     eos_id: int | None = None  # document separator for pre-tokenized input without a tokenizer
     token_dtype: str = "uint16"  # element type of a raw .bin token file (uint16 | uint32)
     stream_eval_blocks: int = 256  # streaming: eval and calib blocks read from the start of the stream
+    format: str = "text"  # text (pretraining: loss on every token) | instruction (JSON lines prompt/response or messages)
+    packing: bool = True  # instruction: pack examples into full blocks (else one example per block, padded)
 
 
 @dataclass
@@ -114,6 +118,19 @@ class PruneConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA/QLoRA fine-tuning (`harness.models.lora`, built on `peft`): the base is frozen, the
+    adapters train, so gradients and optimizer state exist for the adapters only."""
+
+    enabled: bool = False
+    r: int = 8  # adapter rank
+    alpha: float = 16.0  # scaling alpha / r
+    dropout: float = 0.0  # on the adapter input
+    target_modules: list[str] | None = None  # module names; None: every linear layer inside the decoder blocks
+    quantize: str = "none"  # none | int8 | nf4 (QLoRA; the base is quantized by bitsandbytes: needs a CUDA GPU)
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -122,6 +139,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     strategy: str | None = None  # a name in ds_configs/ or a JSON path; None: from the launcher, else ddp
     precision: str = "fp32"  # fp32 | bf16 | fp16
     micro_batch_size: int = 4

@@ -41,6 +41,7 @@ from tqdm import tqdm
 from harness.config import DataConfig
 from harness.data import tokens as tokenization
 from harness.data.documents import SPLITS, is_token_file, open_documents, open_stream, pretokenized
+from harness.data.instructions import PAIRS, load_pairs, prepare_instructions
 from harness.data.tokenizer import eos_id, given_tokenizer, train_bpe_tokenizer
 from harness.distributed import FileLock
 from harness.errors import ConfigError
@@ -70,6 +71,8 @@ class PackedData:
 def cache_dir_for(model_name: str, cfg: DataConfig) -> str:
     root = cfg.cache_dir or os.environ.get("HARNESS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "harness")
     content = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes what is written
+    if cfg.format == "text":  # keys added with instruction data: text caches keep the names they had before
+        del content["format"], content["packing"]
     key = json.dumps({"format": FORMAT, "data": content,
                       "model": model_name if not os.path.isdir(model_name) else os.path.abspath(model_name),
                       "py": sys.version_info[:2]}, sort_keys=True, default=str)
@@ -142,6 +145,9 @@ def _build(model_name: str, cfg: DataConfig, tmp: str, progress: bool) -> str:
     if cfg.streaming:
         stats = _prepare_stream(model_name, cfg, tmp)
         tok = stats.pop("tokenizer")
+    elif cfg.format == "instruction":  # (input_ids, labels) blocks, loss on the responses only
+        stats = prepare_instructions(model_name, cfg, tmp)
+        tok = stats.pop("tokenizer")
     elif is_token_file(cfg.source):
         tok = given_tokenizer(model_name, cfg)
         stats = tokenization.split_token_file(cfg, tmp, eos_id(tok, cfg) if tok is not None or cfg.eos_id is not None else None)
@@ -159,6 +165,8 @@ def _build(model_name: str, cfg: DataConfig, tmp: str, progress: bool) -> str:
         tok.save_pretrained(os.path.join(tmp, "tokenizer"))
     meta = {"format": FORMAT, "vocab_size": vocab, "seq_len": cfg.seq_len, "dtype": stats["dtype"], "tokens": stats["tokens"],
             "documents": stats["documents"], "bytes": stats["bytes"], "seconds": time.perf_counter() - t0, "source": cfg.source}
+    if "layout" in stats:  # instruction blocks: <split>.pairs.npy, and how many tokens carry a label
+        meta.update(layout=stats["layout"], labelled=stats["labelled"])
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return (f"data: {sum(stats['tokens'].values()):,} tokens ({', '.join(f'{s} {n:,}' for s, n in stats['tokens'].items())}) "
@@ -260,8 +268,8 @@ def load_packed(cache: str) -> PackedData:
     with open(os.path.join(cache, "meta.json")) as f:
         meta = json.load(f)
     seq, dtype = int(meta["seq_len"]), np.dtype(meta["dtype"])
-    blocks = {}
-    for split in SPLITS:
+    blocks = load_pairs(cache) if meta.get("layout") == PAIRS else {}
+    for split in SPLITS if not blocks else ():
         n = int(meta["tokens"][split]) // seq
         path = os.path.join(cache, f"{split}.bin")
         blocks[split] = np.memmap(path, dtype=dtype, mode="r", shape=(n, seq)) if n else np.zeros((0, seq), dtype=dtype)

@@ -20,12 +20,14 @@ from harness.engine.parallelize import apply_memory_techniques, build_engine, fs
 from harness.engine.torch_engine import TorchEngine
 
 
-def read_model_weights(directory: str, checkpoint_format: str, zero_stage: int, model: nn.Module) -> dict[str, torch.Tensor]:
+def read_model_weights(directory: str, checkpoint_format: str, zero_stage: int, model: nn.Module,
+                       trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The whole model weights of a checkpoint's engine state, read in one process by the
-    engine that wrote it (`Engine.checkpoint_format`); `model` gives keys, shapes and dtypes."""
+    engine that wrote it (`Engine.checkpoint_format`); `model` gives keys, shapes and dtypes.
+    `trainable_only`: the checkpoint holds the trainable parameters only (`Engine.trainable_only`)."""
     if checkpoint_format == DeepSpeedEngine.checkpoint_format:
-        return deepspeed_engine.read_model_weights(directory, zero_stage)
-    return torch_engine.read_model_weights(directory, model)
+        return deepspeed_engine.read_model_weights(directory, zero_stage, trainable_only)
+    return torch_engine.read_model_weights(directory, model, trainable_only)
 
 
 __all__ = ["DeepSpeedEngine", "Engine", "LossFn", "StepResult", "TorchEngine", "apply_memory_techniques", "build_engine", "load_model",

@@ -38,6 +38,9 @@ class Engine:
     module: nn.Module  # the underlying HF model (for pruning, export, hooks)
     model: nn.Module  # what forward is called on
     oib: Any = None  # the optimizer-in-backward object, when the optimizer steps inside backward
+    # Checkpoints keep the trainable parameters only (LoRA: the adapters); the frozen base is
+    # rebuilt from model.name on resume and export, so a checkpoint is the adapters' size.
+    trainable_only: bool = False
 
     def __init__(self, policy: PrecisionPolicy, loss_fn: LossFn, grad_accum: int, device: torch.device):
         self.policy = policy

@@ -60,11 +60,12 @@ class DeepSpeedEngine(Engine):
         from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE
 
         client = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-        self.ds.save_checkpoint(os.path.join(directory, "ds"), tag=DS_TAG, client_state=client, save_latest=False)
+        self.ds.save_checkpoint(os.path.join(directory, "ds"), tag=DS_TAG, client_state=client, save_latest=False,
+                                exclude_frozen_parameters=self.trainable_only)
 
     def load_state(self, directory: str, saved_world_size: int, is_main: bool) -> None:
         if saved_world_size == dist.get_world_size():
-            loaded, _ = self.ds.load_checkpoint(os.path.join(directory, "ds"), tag=DS_TAG)
+            loaded, _ = self.ds.load_checkpoint(os.path.join(directory, "ds"), tag=DS_TAG, load_module_strict=not self.trainable_only)
         else:
             universal = os.path.join(directory, DS_UNIVERSAL)
             if is_main and not os.path.isdir(universal):
@@ -74,7 +75,7 @@ class DeepSpeedEngine(Engine):
             dist.barrier()
             self.ds._config.load_universal_checkpoint = True  # read by load_checkpoint only
             try:
-                loaded, _ = self.ds.load_checkpoint(universal, tag=DS_TAG)
+                loaded, _ = self.ds.load_checkpoint(universal, tag=DS_TAG, load_module_strict=not self.trainable_only)
             finally:
                 self.ds._config.load_universal_checkpoint = False
         if loaded is None:
@@ -197,7 +198,7 @@ def convert_to_universal(ds_dir: str, out_dir: str) -> None:
     os.replace(tmp, out_dir)
 
 
-def read_model_weights(directory: str, zero_stage: int) -> dict[str, torch.Tensor]:
+def read_model_weights(directory: str, zero_stage: int, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The fp32 model weights of a checkpoint `save_state` wrote, whole, in one process: DeepSpeed's
     own `zero_to_fp32` consolidation (lazily loaded), or the module state of a stage-0 checkpoint."""
     ds_dir = os.path.join(directory, "ds")
@@ -206,5 +207,5 @@ def read_model_weights(directory: str, zero_stage: int) -> dict[str, torch.Tenso
         return {k: v.float() for k, v in states["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    lazy = get_fp32_state_dict_from_zero_checkpoint(ds_dir, tag=DS_TAG, lazy_mode=True)
+    lazy = get_fp32_state_dict_from_zero_checkpoint(ds_dir, tag=DS_TAG, lazy_mode=True, exclude_frozen_parameters=trainable_only)
     return {k: v.contiguous() for k, v in lazy.items()}

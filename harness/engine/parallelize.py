@@ -20,7 +20,7 @@ from harness.engine.storage import local_part
 from harness.engine.torch_engine import TorchEngine
 from harness.log import get_logger
 from harness.memory import OptimizerInBackward, apply_activation_checkpointing, apply_compile
-from harness.models import ModelSpec, construct_model, decoder_blocks, empty_model, fill, materialize
+from harness.models import ModelSpec, build_run_model, construct_model, decoder_blocks, empty_model, fill, is_quantized, materialize
 from harness.training import PrecisionPolicy, build_optimizer, build_scheduler, lr_lambda
 
 log = get_logger(__name__)
@@ -71,6 +71,8 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
 def _torch_model(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
     """Single, DDP: the model built directly on the device in its working dtype. FSDP2: built on
     the meta device, sharded, then each rank allocates and fills only its shards."""
+    if cfg.lora.enabled:
+        return _lora_model(spec, cfg, strategy, policy, info)
     model = empty_model(spec.config).to(dtype=policy.param_dtype)
     weights = WeightsToLoad(spec)
     if _torch_kind(strategy, info) == "fsdp":
@@ -80,6 +82,18 @@ def _torch_model(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy: Pr
     else:
         weights.fill(materialize(model, info.device))
         apply_memory_techniques(model, cfg)
+    return model
+
+
+def _lora_model(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
+    """LoRA/QLoRA: peft injects adapters into a built model, so the frozen base is built whole on
+    each rank (a QLoRA base quantized on load by bitsandbytes), then sharded like any model."""
+    model = build_run_model(cfg, spec.config.vocab_size, info.device.index or 0)
+    if not is_quantized(model):  # a QLoRA base was placed and typed by bitsandbytes on load
+        model.to(device=info.device, dtype=policy.param_dtype)
+    apply_memory_techniques(model, cfg)
+    if _torch_kind(strategy, info) == "fsdp":
+        fsdp_wrap(model, strategy, policy, info)
     return model
 
 
@@ -125,6 +139,11 @@ def _deepspeed_model(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy
     import deepspeed
 
     ds_config = resolve_deepspeed_config(strategy, cfg, info.world_size, getattr(spec.config, "hidden_size", None))
+    if cfg.lora.enabled:  # adapters need a built model: the frozen base whole, partitioned by deepspeed.initialize
+        model = build_run_model(cfg, spec.config.vocab_size, info.device.index or 0)
+        model.to(device=info.device, dtype=_deepspeed_dtype(ds_config))
+        apply_memory_techniques(model, cfg)
+        return model
     weights = WeightsToLoad(spec)
     if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
         # zero.Init reads the world size from DeepSpeed's communicator: wrap our process group first
@@ -230,4 +249,5 @@ def build_engine(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy: Pr
     engine = build(model, cfg, strategy, policy, info, loss_fn)
     engine.activation_offload = cfg.memory.activation_offload
     engine.startup_s = {"load": loaded - started, "engine_init": time.perf_counter() - loaded}
+    engine.trainable_only = cfg.lora.enabled  # LoRA checkpoints keep the adapters; the base comes from model.name
     return engine

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -82,7 +83,8 @@ class TorchEngine(Engine):
             optim_sd = get_optimizer_state_dict(self.model, self._optimizer)
         else:  # optimizer-in-backward: already FQN-keyed through DCP's helpers
             optim_sd = self._optimizer.state_dict()
-        return {"model": get_model_state_dict(self.model), "optim": optim_sd}
+        options = StateDictOptions(ignore_frozen_params=self.trainable_only)
+        return {"model": get_model_state_dict(self.model, options=options), "optim": optim_sd}
 
     def save_state(self, directory: str) -> None:
         with _quiet_dcp():
@@ -92,7 +94,8 @@ class TorchEngine(Engine):
         state = self._dcp_state()  # the targets: this run's shapes and placements (DCP reshards into them)
         with _quiet_dcp():
             dcp.load(state, checkpoint_id=f"{directory}/dcp", no_dist=not _group_initialized())
-        set_model_state_dict(self.model, state["model"])
+        # trainable_only: the frozen base is not in the checkpoint (it was rebuilt from model.name)
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=not self.trainable_only))
         if isinstance(self._optimizer, torch.optim.Optimizer):
             set_optimizer_state_dict(self.model, self._optimizer, state["optim"])
         else:
@@ -190,11 +193,13 @@ class TorchEngine(Engine):
         return float(self.scheduler.get_last_lr()[0])
 
 
-def read_model_weights(directory: str, model: nn.Module) -> dict[str, torch.Tensor]:
+def read_model_weights(directory: str, model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The model weights of a checkpoint `save_state` wrote, whole, in one process: DCP reassembles
     each tensor from however many shards were written and never reads the optimizer entries.
-    `model` (empty storage is fine) gives the keys, shapes and dtypes."""
-    state = {"model": dict(model.state_dict())}
+    `model` (empty storage is fine) gives the keys, shapes and dtypes; `trainable_only`: the
+    checkpoint holds only the parameters that require gradients (a LoRA run's adapters)."""
+    wanted = {name for name, p in model.named_parameters() if p.requires_grad or not trainable_only}
+    state = {"model": {k: v for k, v in model.state_dict().items() if k in wanted or not trainable_only}}
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=f"{directory}/dcp", no_dist=True)
     return state["model"]

@@ -62,12 +62,30 @@ def _retry_on_repeat(tracker: MemTracker, fn: Any, *args: Any, **kwargs: Any) ->
         return fn(*args, **kwargs)
 
 
+class _NoHook:
+    """Stands in for the gradient hooks MemTracker would register on a frozen parameter."""
+
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen(tracker: MemTracker, module: nn.Module) -> None:
+    """MemTracker registers a gradient hook on every parameter, which torch refuses for one that
+    does not require a gradient (a LoRA run's frozen base): mark those as already hooked. Their
+    bytes are still counted as parameters; they never get a gradient to count."""
+    handles = tracker._param_to_grad_hook_handles
+    for p in module.parameters():
+        if not p.requires_grad and p not in handles:
+            handles[p] = (_NoHook(), _NoHook())
+
+
 class _Tracker(_CategoryMaxima, MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self._init_maxima()
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        _skip_frozen(self, module)
         _retry_on_repeat(self, super()._pre_fw_hook, module, inputs)
 
 

@@ -16,6 +16,11 @@ relative to DDP's all-reduce, PCIe traffic plus a CPU optimizer for offload.
 Candidates whose model state alone (no activations) cannot fit are rejected without a
 trace; the others are estimated (traces are cached and shared by every strategy that runs
 the bare module), until ``max_fits`` fitting configurations are found.
+
+When no full fine-tune fits, the tree's last two steps follow, in order: LoRA (frozen bf16
+base, adapters trained; `harness.planner.lora`) and QLoRA (NF4 base, which needs a CUDA GPU
+with bitsandbytes). They change what is trained, not only how, so they are never chosen for
+speed over a full fine-tune that fits; the first that fits is named.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from typing import Any
 
 from harness.config import RunConfig, apply_overrides, check_values, load_config, load_strategy
 from harness.planner.estimate import Estimate, estimate, resolve_vocab, specs_for, walk
+from harness.planner.lora import lora_plan
 from harness.planner.model_states import BYTES, engine_model, fsdp_local_numel
 from harness.planner.report import CUDA_CONTEXT, FRAGMENTATION, LIBRARY_WORKSPACES, NCCL_BUFFERS, gib, verdict
 from harness.planner.trace import ParamInfo, TraceResult, build_fake_model, param_info
@@ -38,6 +44,10 @@ SPEED: dict[str, dict[str, float]] = {
         "zero2_offload": 1.4, "fsdp_offload": 1.6, "zero3_offload": 2.0, "zero3_nvme": 4.0,
     },
 }
+# The tree's last steps (LoRA, then QLoRA): taken only when no full fine-tune fits. NF4 costs a
+# dequantization per matmul (QLoRA paper: slower than 16-bit LoRA); an assumed factor.
+SPEED["lora"] = {"none": 1.0, "lora": 1.0, "nf4": 1.3}
+LORA_STEPS = ("lora", "nf4")
 MICRO_BATCH_HALVING = 0.05  # each halving of the micro-batch: ~5% lower GPU efficiency
 
 
@@ -48,22 +58,26 @@ class Candidate:
     micro_batch: int
     grad_accum: int
     strategy: str
+    lora: str = "none"  # none (full fine-tune) | lora | nf4 (QLoRA)
 
     def overrides(self) -> list[str]:
         out = [f"precision={self.precision}", f"memory.activation_checkpointing={self.ac}",
                f"micro_batch_size={self.micro_batch}", f"grad_accum={self.grad_accum}", f"strategy={self.strategy}"]
         if self.ac == "selective":
             out.append("memory.ac_every=2")
+        if self.lora != "none":
+            out += ["lora.enabled=true", f"lora.quantize={'nf4' if self.lora == 'nf4' else 'none'}"]
         return out
 
     def cost(self, base_micro: int) -> float:
         halvings = math.log2(base_micro / self.micro_batch) if self.micro_batch < base_micro else 0.0
         return (SPEED["precision"][self.precision] * SPEED["ac"][self.ac] * SPEED["strategy"][self.strategy]
-                * (1 + MICRO_BATCH_HALVING * halvings))
+                * SPEED["lora"][self.lora] * (1 + MICRO_BATCH_HALVING * halvings))
 
     def label(self) -> str:
         ac = f"AC {self.ac}" if self.ac != "none" else "no AC"
-        return f"{self.strategy}, {self.precision}, {ac}, micro-batch {self.micro_batch} x accum {self.grad_accum}"
+        tuned = {"none": "", "lora": ", LoRA (base frozen)", "nf4": ", QLoRA (NF4 base; needs a CUDA GPU with bitsandbytes)"}
+        return f"{self.strategy}, {self.precision}, {ac}, micro-batch {self.micro_batch} x accum {self.grad_accum}{tuned[self.lora]}"
 
 
 @dataclass
@@ -147,6 +161,9 @@ def recommend(cfg: RunConfig, world: int, gpu_mem: int, *, cpu_mem: int | None =
         nonlocal traced
         if c in results:
             return results[c]
+        if c.lora != "none":
+            results[c] = evaluate_lora(cfg, c, world, gpu_mem, target, vocab, info, cpu_mem=cpu_mem, per_node=per_node)
+            return results[c]
         run = with_candidate(cfg, c)
         cost = c.cost(cfg.micro_batch_size)
         floor = _model_state_floor(run, world, target, info, vocab)
@@ -173,10 +190,51 @@ def recommend(cfg: RunConfig, world: int, gpu_mem: int, *, cpu_mem: int | None =
         frugal = evaluate(most_frugal(cfg, world, nvme))
         if frugal.fits:
             fits.append(frugal)
+    full_fits = bool(fits)
+    for c in [] if fits else lora_candidates(cfg, world):  # the tree's last steps, in order: the first that fits
+        ev = evaluate(c)
+        if ev.fits:
+            fits.append(ev)
+            break
     rec = Recommendation(fits, list(results.values()))
     for ev in fits[:1]:
         rec.why[ev.candidate] = explain(cfg, ev.candidate, evaluate)
+        if not full_fits:
+            rec.why[ev.candidate].insert(0, "no full fine-tune fits, not even the most frugal (bf16, full recomputation, "
+                                            "micro-batch 1, everything offloaded): the adapters train, the base is frozen")
     return rec
+
+
+def lora_candidates(cfg: RunConfig, world: int) -> list[Candidate]:
+    """LoRA then QLoRA; within each, the user's micro-batch without recomputation before the most frugal."""
+    out = []
+    for mode in LORA_STEPS:
+        for ac, micro in (("none", cfg.micro_batch_size), ("full", 1)):
+            accum = max(1, math.ceil(cfg.micro_batch_size * cfg.grad_accum / micro))
+            for strategy in ("ddp", "fsdp") if world > 1 and mode == "lora" else ("ddp",):
+                out.append(Candidate("bf16", ac, micro, accum, strategy, lora=mode))
+    return out
+
+
+def evaluate_lora(cfg: RunConfig, c: Candidate, world: int, gpu_mem: int, target: str, vocab: int | None,
+                  info: ParamInfo, cpu_mem: int | None = None, per_node: int = 1) -> Evaluated:
+    """A LoRA/QLoRA candidate: model state by formula, activations from the traced full fine-tune
+    at the same precision, recomputation and micro-batch (`harness.planner.lora`)."""
+    full = estimate(with_candidate(cfg, replace(c, lora="none", strategy="ddp")), world, target=target, vocab_size=vocab)
+    plan = lora_plan(info, full, mode=c.lora, strategy=c.strategy, world=world, r=cfg.lora.r, targets=cfg.lora.target_modules,
+                     dtype_bytes=BYTES[c.precision])
+    need = plan.total + (gpu_allowance_for(plan.total, world) if target == "cuda" else 0)
+    cost = c.cost(cfg.micro_batch_size)
+    adapters = f"{plan.adapters / 1e6:.2f}M adapter parameters (r={cfg.lora.r})"
+    if c.lora != "lora" and target != "cuda":
+        return Evaluated(c, cost, False, need, f"QLoRA needs a CUDA GPU (bitsandbytes kernels); {gib(need)} on one would hold it")
+    if need > gpu_mem:
+        return Evaluated(c, cost, False, need, f"needs {gib(need)} > {gib(gpu_mem)} ({adapters})")
+    host = info.total * 4 * per_node  # LoRA builds the frozen base whole in fp32 on the host, then injects adapters
+    if cpu_mem is not None and host > cpu_mem:
+        return Evaluated(c, cost, False, need, f"needs {gib(host)} host memory per node to build the model > {gib(cpu_mem)}")
+    return Evaluated(c, cost, True, need, f"fits: {gib(need)} of {gib(gpu_mem)} per {'GPU' if target == 'cuda' else 'rank'} "
+                                          f"({adapters}; parameters incl. the frozen base {gib(plan.categories['parameters'])})")
 
 
 def most_frugal(cfg: RunConfig, world: int, nvme: bool) -> Candidate:
@@ -222,8 +280,9 @@ def with_candidate(cfg: RunConfig, c: Candidate) -> RunConfig:
     import dataclasses
 
     memory = dataclasses.replace(cfg.memory, activation_checkpointing=c.ac, ac_every=2 if c.ac == "selective" else cfg.memory.ac_every)
+    lora = cfg.lora if c.lora == "none" else dataclasses.replace(cfg.lora, enabled=True, quantize="nf4" if c.lora == "nf4" else "none")
     run = dataclasses.replace(cfg, precision=c.precision, micro_batch_size=c.micro_batch, grad_accum=c.grad_accum,
-                              strategy=c.strategy, memory=memory, global_batch_size=None)
+                              strategy=c.strategy, memory=memory, global_batch_size=None, lora=lora)
     check_values(run)
     return run
 
@@ -253,5 +312,6 @@ def write_recommended(path: str, data: dict[str, Any], header: str) -> None:
     load_config(path)
 
 
-__all__ = ["Candidate", "Evaluated", "Recommendation", "SPEED", "candidates", "most_frugal", "recommend", "recommended_config",
+__all__ = ["Candidate", "Evaluated", "LORA_STEPS", "Recommendation", "SPEED", "candidates", "evaluate_lora",
+           "lora_candidates", "most_frugal", "recommend", "recommended_config",
            "strategies_for", "with_candidate", "write_recommended"]

@@ -31,7 +31,7 @@ from harness.models import model_spec
 from harness.observability import Observer
 from harness.reliability import StepGuard
 from harness.runner.loop import Loop
-from harness.training import causal_lm_loss, precision_policy
+from harness.training import causal_lm_loss, labelled_lm_loss, precision_policy
 
 log = get_logger(__name__)
 
@@ -69,8 +69,9 @@ def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Loop,
     started = time.perf_counter()
     spec = model_spec(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
     policy = precision_policy(cfg.precision, info.device, strategy.kind)
-    loss_fn = functools.partial(causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
-    engine = build_engine(spec, cfg, strategy, policy, info, loss_fn)  # the model is built, sharded and filled inside
+    labelled = cfg.data.format == "instruction"  # blocks carry (input_ids, labels): loss on the responses only
+    loss_fn = functools.partial(labelled_lm_loss if labelled else causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
+    engine = build_engine(spec, cfg, strategy, policy, info, loss_fn)  # built, sharded and filled (LoRA: adapters) inside
     sampler = make_sampler(cfg, data, info)
     ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir, per_rank={"data": sampler})
     resumed = ckpt.restore()  # step 0, or the checkpoint's step (= data position) with optimizer, RNG, schedule, stream position

@@ -29,6 +29,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from harness.checkpoint import check_compatible, checkpoint_root, read_meta, resume_path
 from harness.config import RunConfig, Strategy, check_run
+from harness.data import read_records
 from harness.distributed import launch_env
 from harness.errors import CheckpointError, ConfigError
 from harness.log import get_logger
@@ -168,6 +169,9 @@ def check_data(cfg: RunConfig) -> None:
     source = cfg.data.source
     if cfg.data.tokenizer and not os.path.exists(cfg.data.tokenizer):
         raise ConfigError(f"data.tokenizer '{cfg.data.tokenizer}' does not exist; give a tokenizer directory or leave it unset")
+    if cfg.data.format == "instruction":
+        read_records(source)  # every record must be prompt/response or messages: one line naming the first that is not
+        return
     if source == "embedded":
         return
     if os.path.exists(source):

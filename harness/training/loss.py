@@ -209,4 +209,13 @@ def causal_lm_loss(
     return total / denom
 
 
-__all__ = ["IGNORE_INDEX", "causal_lm_loss", "chunked_ce_sum", "install_loss_forward", "shift_targets", "unwrap_model"]
+def labelled_lm_loss(model: nn.Module, batch: torch.Tensor, chunk_size: int = 0) -> torch.Tensor:
+    """The loss of `(B, 2, S)` blocks of (input_ids, labels) - instruction data, where labels are
+    -100 on prompt tokens and padding - averaged over the labelled tokens only. A micro-batch
+    without one labelled token (a prompt longer than the block) contributes 0, not 0/0."""
+    input_ids, labels = batch[:, 0].contiguous(), batch[:, 1].contiguous()
+    counted = (shift_targets(labels) != IGNORE_INDEX).sum().clamp(min=1)
+    return causal_lm_loss(model, input_ids, labels, chunk_size=chunk_size, num_items=counted)
+
+
+__all__ = ["IGNORE_INDEX", "causal_lm_loss", "labelled_lm_loss", "chunked_ce_sum", "install_loss_forward", "shift_targets", "unwrap_model"]

@@ -1,0 +1,149 @@
+"""LoRA and QLoRA with `peft`: adapters on a frozen base, and the base quantized where a GPU allows.
+
+The adapters are injected into the HF model *in place* (`peft.get_peft_model` keeps the
+original module as `base_model.model`), and the engines train that HF module: FSDP2 finds
+its decoder blocks, the chunked loss finds its head, and checkpoints key parameters by the
+same names as any other run (`...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight`).
+The `PeftModel` around it is rebuilt when it is needed, by export (`save_pretrained` of the
+adapter directory, `merge_and_unload` for a merged model).
+
+Only what requires gradients is trained, so gradients and optimizer state exist for the
+adapters alone; the engines already build their optimizers from trainable parameters.
+
+QLoRA (`lora.quantize: int8 | nf4`) loads the base through bitsandbytes
+(`BitsAndBytesConfig` via `from_pretrained`, then `prepare_model_for_kbit_training`). It
+needs a CUDA GPU; the run config's checks refuse it before launch on a machine without one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness.config import LoraConfig, RunConfig
+from harness.errors import ConfigError
+from harness.log import get_logger
+from harness.models.blocks import decoder_blocks
+from harness.models.build import build_model, is_preset
+
+log = get_logger(__name__)
+
+
+def default_target_modules(model: nn.Module) -> list[str]:
+    """Every linear layer inside the decoder blocks, by its attribute name (QLoRA's "all linear
+    layers" choice: attention and MLP projections; embeddings and the LM head stay frozen).
+    Found on the model itself, so it is right for any architecture whose blocks we can find."""
+    names = {name.rsplit(".", 1)[-1] for block in decoder_blocks(model) for name, mod in block.named_modules()
+             if isinstance(mod, nn.Linear) or type(mod).__name__ in ("Linear8bitLt", "Linear4bit")}
+    if not names:
+        raise ConfigError(f"{type(model).__name__}: no linear layers in its decoder blocks to adapt; set lora.target_modules")
+    return sorted(names)
+
+
+def resolve_target_modules(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """The user's `lora.target_modules` (each must name a module of this model), or the default, logged."""
+    if cfg.target_modules is None:
+        targets = default_target_modules(model)
+        log.info(f"lora.target_modules: unset, filled with every linear layer of the decoder blocks: {targets}")
+        return targets
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in cfg.target_modules if t not in present]
+    if missing:
+        available = default_target_modules(model)
+        raise ConfigError(f"lora.target_modules names {missing} which {type(model).__name__} does not have; "
+                          f"its decoder linears are {available}")
+    return list(cfg.target_modules)
+
+
+def peft_config(cfg: LoraConfig, targets: list[str]) -> Any:
+    """The `peft.LoraConfig` of a run (the same one training and export use)."""
+    import peft
+
+    return peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none",
+                           task_type="CAUSAL_LM")
+
+
+def wrap_peft(model: nn.Module, cfg: LoraConfig, targets: list[str], seed: int) -> Any:
+    """`model` with adapters injected in place, as a `PeftModel`. The adapters' random init
+    (lora_A; lora_B starts at zero) is seeded, so every rank and every launcher gets the same."""
+    import peft
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return peft.get_peft_model(model, peft_config(cfg, targets))
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
+    """Freeze the base and inject adapters; returns the HF module the engines train (the same object)."""
+    targets = resolve_target_modules(model, cfg)
+    wrapped = wrap_peft(model, cfg, targets, seed)
+    inner = wrapped.base_model.model
+    trainable, total = trainable_counts(inner)
+    log.info(f"LoRA r={cfg.r} alpha={cfg.alpha:g} on {targets}: {trainable:,} trainable of {total:,} parameters "
+             f"({100.0 * trainable / max(total, 1):.2f}%), base frozen{'' if cfg.quantize == 'none' else ', ' + cfg.quantize}")
+    return inner
+
+
+def trainable_counts(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter elements."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """A bitsandbytes-quantized base: it stays where `from_pretrained` put it (no `.to(dtype)`)."""
+    return bool(getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False)
+                or getattr(model, "is_loaded_in_8bit", False))
+
+
+def quantization_config(quantize: str, compute_dtype: torch.dtype) -> Any:
+    """bitsandbytes' config for `from_pretrained`: 8-bit LLM.int8, or 4-bit NF4 with double
+    quantization (the QLoRA paper's choice), computing in `compute_dtype`."""
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
+def load_quantized_base(name_or_path: str, quantize: str, compute_dtype: torch.dtype, device_index: int) -> nn.Module:
+    """QLoRA's base: a pretrained model quantized on load by bitsandbytes onto this rank's GPU,
+    prepared for k-bit training (norms in fp32, input gradients for checkpointing).
+
+    Written against the documented transformers/peft path; not run on the development
+    machine (no GPU) - see notes/lora.md."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    if is_preset(name_or_path):
+        raise ConfigError(f"lora.quantize={quantize} quantizes pretrained weights on load; model.name={name_or_path} is a "
+                          "random-init preset: save it (or give a model directory) first")
+    try:
+        import bitsandbytes  # noqa: F401  (the kernels; an actionable line when they are missing)
+    except ImportError:
+        raise ConfigError("lora.quantize needs the bitsandbytes package (pip install bitsandbytes) on the GPU machine") from None
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, quantization_config=quantization_config(quantize, compute_dtype),
+                                                 dtype=compute_dtype, device_map={"": device_index})
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model.train()
+    return model
+
+
+def build_run_model(cfg: RunConfig, vocab_size: int, device_index: int = 0) -> nn.Module:
+    """The model a run trains: the preset or pretrained model (quantized on load for QLoRA), with
+    LoRA adapters on a frozen base when `lora.enabled`. Resume rebuilds the same base this way,
+    which is why a LoRA checkpoint needs only the adapters."""
+    if cfg.lora.enabled and cfg.lora.quantize != "none":
+        compute = torch.float16 if cfg.precision == "fp16" else torch.bfloat16
+        model = load_quantized_base(cfg.model.name, cfg.lora.quantize, compute, device_index)
+    else:
+        model = build_model(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora, seed=cfg.model.seed)
+    return model
+
+
+__all__ = ["apply_lora", "build_run_model", "default_target_modules", "is_quantized", "load_quantized_base", "peft_config",
+           "quantization_config", "resolve_target_modules", "trainable_counts", "wrap_peft"]

@@ -1,0 +1,146 @@
+"""LoRA fine-tuning on instruction data through the user's entry points.
+
+One world-1 reference run (tiny Llama, LoRA r=4 on every block linear, 4 steps, checkpoints
+at 2 and 4) and the runs that must agree with it: world 2 under FSDP2 and ZeRO-3
+(same losses; per-rank bytes show gradients and optimizer state for the adapters only), a
+resume from step 2 (bit-exact), the adapter and merged exports (the merged model loads with
+`from_pretrained` and gives the run's own eval loss), pruning of the merged model, and the
+quantized base refused on a CPU machine before anything starts.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from launching import final_eval, instruction_file, launch_command, run, state_bytes, step_losses, tiny_config
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from harness import export
+from harness.config import load_config
+from harness.data import load_packed, split_batches
+from harness.models import apply_lora, build_model, trainable_counts
+from harness.training import labelled_lm_loss
+
+WORLD_RTOL = 1e-5  # world 1 vs world 2 fp32 reduction order (observed: equal to the printed digit)
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    return {"root": root, "data": instruction_file(root / "instructions.jsonl", 600), "cache": root / "cache"}
+
+
+def lora_run(ws, name: str, world: int, *overrides: str, **extra) -> Path:
+    out = ws["root"] / name
+    config = tiny_config(ws["root"] / f"{name}.yaml", ws["cache"], out, steps=4, grad_accum=2 if world == 1 else 1,
+                         **{"data.source": str(ws["data"]), "data.format": "instruction", "data.seq_len": 64,
+                            "data.eval_fraction": 0.1, "data.max_tokens": None, "lora.enabled": True, "lora.r": 4,
+                            "checkpoint.every": 2, "checkpoint.keep": 3, "memory.track": True, **extra})
+    run(launch_command("python" if world == 1 else "torchrun", world, config, list(overrides)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref(ws):
+    return lora_run(ws, "ref", 1)
+
+
+@pytest.fixture(scope="module")
+def counts(ref):
+    """(trainable, total) parameters of the run's model, built as the run builds it."""
+    meta = json.loads(next(Path(ref.parent / "cache").glob("data-*/meta.json")).read_text())
+    model = apply_lora(build_model("tiny-llama", vocab_size=meta["vocab_size"]), load_config(None, ["lora.r=4"]).lora, 0)
+    return trainable_counts(model)
+
+
+def step_dir(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step_{step:08d}"
+
+
+def test_world_one_holds_gradients_and_optimizer_state_for_the_adapters_only(ref, counts):
+    trainable, total = counts
+    assert trainable < 0.1 * total
+    held = state_bytes(ref, 0)
+    # fp32: every parameter is held, but gradients and Adam's two states only for the adapters
+    assert held == {"params": 4 * total, "master_params": 0, "grads": 4 * trainable, "optim_state": 8 * trainable}
+    # the step tracker (torch's MemTracker, which hooks every parameter) runs with a frozen base and agrees
+    tracked = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines() if "memory/gradients_peak_bytes" in line]
+    assert tracked and all(r["memory/gradients_peak_bytes"] == 4 * trainable for r in tracked)
+    assert all(r["memory/parameters_peak_bytes"] == 4 * total for r in tracked)
+
+
+# DDP at world 2 ran the same losses when this was written (notes/lora.md); left out to keep the suite's time budget.
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_world_two_matches_world_one_and_shards_adapter_state(ws, ref, counts, strategy):
+    trainable, total = counts
+    out = lora_run(ws, f"w2_{strategy}", 2, f"strategy={strategy}")
+    assert step_losses(out) == pytest.approx(step_losses(ref), rel=WORLD_RTOL)
+    share = 0.5  # sharded over two ranks
+    for rank in (0, 1):
+        held = state_bytes(out, rank)
+        assert held["grads"] == pytest.approx(share * 4 * trainable, rel=0.02), (strategy, rank, held)
+        assert held["optim_state"] == pytest.approx(share * 8 * trainable, rel=0.02), (strategy, rank, held)
+        assert held["params"] == pytest.approx(0.5 * 4 * total, rel=0.1), (strategy, rank, held)
+
+
+def test_resume_is_bit_exact_and_the_checkpoint_holds_adapters_only(ws, ref, counts):
+    trainable, total = counts
+    resumed = lora_run(ws, "resumed", 1, f"checkpoint.resume={step_dir(ref, 2)}")
+    ref_losses, got = step_losses(ref), step_losses(resumed)
+    assert got == ref_losses[2:]  # steps 3 and 4, bit for bit
+    metadata = dcp.FileSystemReader(str(step_dir(ref, 4) / "dcp")).read_metadata().state_dict_metadata
+    model_keys = [k for k in metadata if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys)
+    assert sum(int(torch.Size(metadata[k].size).numel()) for k in model_keys) == trainable
+    size = sum(f.stat().st_size for f in (step_dir(ref, 4) / "dcp").iterdir())
+    assert size < 4 * total  # smaller than the frozen base's weights alone (a full checkpoint: >= 12x total)
+
+
+def _eval_loss(model: torch.nn.Module, ref: Path) -> float:
+    """The run's evaluation (harness.runner.evaluate at world 1) on another model."""
+    cfg = load_config(str(ref.parent / "ref.yaml"))
+    data = load_packed(str(next(Path(cfg.data.cache_dir).glob("data-*/"))))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in split_batches(data, "eval", cfg.micro_batch_size, cfg.eval_batches, 1, 0):
+            total += float(labelled_lm_loss(model, batch)) * batch.shape[0]
+            count += batch.shape[0]
+    return total / count
+
+
+def test_adapter_and_merged_exports_give_the_runs_eval_loss(ws, ref):
+    final = final_eval(ref)
+    assert export.main([str(step_dir(ref, 4)), "--out", str(ws["root"] / "adapter")]) == 0
+    assert export.main([str(step_dir(ref, 4)), "--out", str(ws["root"] / "merged"), "--merged"]) == 0
+    assert (ws["root"] / "adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(ws["root"] / "merged").eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    vocab = merged.config.vocab_size
+    adapted = PeftModel.from_pretrained(build_model("tiny-llama", vocab_size=vocab), ws["root"] / "adapter").eval()
+    assert _eval_loss(merged, ref) == pytest.approx(final, rel=1e-5)
+    assert _eval_loss(adapted, ref) == pytest.approx(final, rel=1e-5)
+
+
+def test_a_merged_model_prunes_like_any_saved_model(ws, ref):
+    merged = ws["root"] / "merged"
+    if not merged.is_dir():
+        assert export.main([str(step_dir(ref, 4)), "--out", str(merged), "--merged"]) == 0
+    out = ws["root"] / "pruned"
+    config = tiny_config(ws["root"] / "prune.yaml", ws["cache"], out, **{"model.name": str(merged), "prune.method": "magnitude",
+                                                                          "prune.sparsity": 0.5})
+    proc = run([*launch_command("python", 1, config, [])[:2], "harness.prune", *launch_command("python", 1, config, [])[3:]])
+    assert "zero weights" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_quantized_base_is_refused_on_cpu_in_one_line(ws):
+    out = ws["root"] / "qlora"
+    config = tiny_config(ws["root"] / "qlora.yaml", ws["cache"], out, **{"lora.enabled": True, "lora.quantize": "nf4"})
+    proc = run(launch_command("python", 1, config, []), check=False)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "lora.quantize=nf4 needs a CUDA GPU" in lines[0], proc.stderr
+    assert not out.exists()

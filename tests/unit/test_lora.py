@@ -1,0 +1,133 @@
+"""LoRA and instruction data, in process: what is labelled, what trains, what is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from harness.config import load_config, load_strategy
+from harness.config.checks import check_run
+from harness.data.instructions import IGNORE, encode_record, to_blocks
+from harness.errors import ConfigError
+from harness.models import apply_lora, build_model, default_target_modules, trainable_counts
+from harness.training import labelled_lm_loss
+
+
+def word_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer: one id per word, so expected ids can be written down."""
+    vocab = {w: i for i, w in enumerate("<eos> <unk> user: assistant: what is two plus two four five [U] [A] [/]".split())}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
+def test_prompt_tokens_are_unlabelled_and_response_ends_with_eos():
+    tok = word_tokenizer()
+    ids, labels = encode_record({"prompt": "what is two plus two", "response": "four"}, tok, eos=0)
+    prompt = tok("what is two plus two")["input_ids"]
+    assert ids == prompt + [tok.convert_tokens_to_ids("four"), 0]
+    assert labels == [IGNORE] * len(prompt) + ids[len(prompt):]
+
+
+def test_chat_messages_label_assistant_turns_through_the_template():
+    template = ("{% for m in messages %}{% if m.role == 'user' %}[U] {{ m.content }} [/] "
+                "{% else %}[A] {{ m.content }} [/] {% endif %}{% endfor %}")
+    tok = word_tokenizer(template)
+    messages = [{"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"},
+                {"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "five"}]
+    ids, labels = encode_record({"messages": messages}, tok, eos=0)
+    words = tok.convert_ids_to_tokens(ids)
+    labelled = [w for w, lab in zip(words, labels) if lab != IGNORE]
+    assert labelled == ["[A]", "four", "[/]", "[A]", "five", "[/]"]
+    assert [lab for lab in labels if lab != IGNORE] == [i for i, lab in zip(ids, labels) if lab != IGNORE]
+    # without a template: plain 'role: content' lines, the assistant's ended by EOS
+    ids, labels = encode_record({"messages": messages[:2]}, word_tokenizer(), eos=0)
+    assert tok.convert_ids_to_tokens([i for i, lab in zip(ids, labels) if lab != IGNORE]) == ["assistant:", "four", "<eos>"]
+
+
+def test_blocks_packed_and_padded():
+    examples = [([1, 2, 3], [IGNORE, 2, 3]), ([4, 5, 6, 7, 8], [IGNORE, IGNORE, 6, 7, 8])]
+    packed, _ = to_blocks(examples, seq_len=4, packing=True, eos=0)
+    assert packed.shape == (2, 2, 4)
+    assert packed[:, 0].ravel().tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert packed[:, 1].ravel().tolist() == [IGNORE, 2, 3, IGNORE, IGNORE, 6, 7, 8]
+    padded, truncated = to_blocks(examples, seq_len=4, packing=False, eos=0)
+    assert padded[0, 0].tolist() == [1, 2, 3, 0] and padded[0, 1].tolist() == [IGNORE, 2, 3, IGNORE]
+    assert truncated == 1  # the second example's last response token did not fit
+
+
+def test_loss_counts_response_tokens_only():
+    torch.manual_seed(0)
+    model = build_model("tiny-llama", vocab_size=64)
+    ids = torch.randint(1, 64, (2, 16))
+    labels = ids.clone()
+    labels[:, :10] = IGNORE  # the prompt
+    loss = labelled_lm_loss(model, torch.stack([ids, labels], dim=1))
+    logits = model(input_ids=ids).logits.float()
+    # position t predicts labels[t + 1]: only the predictions of response tokens count
+    manual = F.cross_entropy(logits[:, 9:-1].reshape(-1, 64), ids[:, 10:].reshape(-1))
+    assert float(loss.detach()) == pytest.approx(float(manual), rel=1e-5)
+    full = F.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
+    assert abs(float(full) - float(manual)) > 1e-3  # the prompt would have changed it
+    # through the harness loss itself: the gradient reaching the logits of prompt positions is zero
+    seen = {}
+
+    def keep(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.retain_grad()
+        seen["logits"] = out
+
+    model.lm_head.register_forward_hook(keep)
+    labelled_lm_loss(model, torch.stack([ids, labels], dim=1)).backward()
+    grad = seen["logits"].grad
+    assert grad[:, :9].abs().max() == 0 and grad[:, 9:-1].abs().min(dim=-1).values.gt(0).all()
+
+
+def test_a_block_without_labels_gives_zero_not_nan():
+    model = build_model("tiny-llama", vocab_size=64)
+    ids = torch.randint(1, 64, (1, 8))
+    loss = labelled_lm_loss(model, torch.stack([ids, torch.full_like(ids, IGNORE)], dim=1))
+    assert float(loss) == 0.0
+
+
+def test_lora_freezes_the_base_and_defaults_to_the_block_linears():
+    model = build_model("tiny-llama", vocab_size=64)
+    assert default_target_modules(model) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    cfg = load_config(None, ["lora.enabled=true", "lora.r=4"]).lora
+    inner = apply_lora(model, cfg, seed=0)
+    trainable, total = trainable_counts(inner)
+    h, i, layers = 64, 176, 2  # tiny-llama: hidden, intermediate, blocks; 4 heads, 2 kv heads
+    kv = h // 4 * 2
+    per_block = 4 * ((h + h) + (h + kv) * 2 + (h + h)) + 4 * ((h + i) * 2 + (i + h))  # r * (in + out) per target
+    assert trainable == layers * per_block
+    assert all(("lora_" in n) == p.requires_grad for n, p in inner.named_parameters())
+    again = apply_lora(build_model("tiny-llama", vocab_size=64), cfg, seed=0)  # seeded: every rank the same adapters
+    assert all(torch.equal(a, b) for a, b in zip(inner.state_dict().values(), again.state_dict().values()))
+    with pytest.raises(ConfigError, match="does not have"):
+        wrong = load_config(None, ["lora.enabled=true", "lora.target_modules=[qproj]"]).lora
+        apply_lora(build_model("tiny-llama", vocab_size=64), wrong, 0)
+
+
+@pytest.mark.parametrize("overrides, accelerator, strategy, message", [
+    (["lora.enabled=true", "lora.quantize=nf4"], False, "ddp", "lora.quantize=nf4 needs a CUDA GPU"),
+    (["lora.enabled=true", "lora.quantize=int8"], True, "fsdp", "runs under ddp"),
+    (["lora.enabled=true", "prune.method=magnitude"], False, "ddp", "prune first"),
+])
+def test_refused_before_launch_in_one_line(overrides, accelerator, strategy, message):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError, match=message) as err:
+        check_run(cfg, load_strategy(strategy), 1, accelerator)
+    assert "\n" not in str(err.value)
+
+
+def test_config_values_refused_on_load():
+    with pytest.raises(ConfigError, match="set lora.enabled=true"):
+        load_config(None, ["lora.quantize=nf4"])
+    with pytest.raises(ConfigError, match="lora.r=0"):
+        load_config(None, ["lora.enabled=true", "lora.r=0"])
+    with pytest.raises(ConfigError, match="local JSON lines"):
+        load_config(None, ["data.format=instruction"])
