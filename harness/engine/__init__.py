@@ -17,6 +17,7 @@ from harness.engine import deepspeed_engine, torch_engine
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.deepspeed_engine import DeepSpeedEngine
 from harness.engine.parallelize import apply_memory_techniques, build_engine, fsdp_wrap, load_model
+from harness.engine.storage import local_part
 from harness.engine.torch_engine import TorchEngine
 
 
@@ -30,5 +31,5 @@ def read_model_weights(directory: str, checkpoint_format: str, zero_stage: int, 
     return torch_engine.read_model_weights(directory, model, trainable_only)
 
 
-__all__ = ["DeepSpeedEngine", "Engine", "LossFn", "StepResult", "TorchEngine", "apply_memory_techniques", "build_engine", "load_model",
-           "fsdp_wrap", "read_model_weights"]
+__all__ = ["DeepSpeedEngine", "Engine", "LossFn", "StepResult", "TorchEngine", "apply_memory_techniques", "build_engine",
+           "fsdp_wrap", "load_model", "local_part", "read_model_weights"]

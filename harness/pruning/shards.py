@@ -22,8 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from harness.engine import local_part
 from harness.models import decoder_blocks
 from harness.pruning.comm import Comm
 from harness.pruning.layout import Layout, even_ranges, gather_ranges
@@ -253,36 +256,21 @@ def _global_shape(p: torch.Tensor) -> tuple[int, int]:
 
 
 def _local_range(p: torch.Tensor, rows: int, cols: int, comm: Comm) -> tuple[str, int, int]:
-    numel = rows * cols
-    from torch.distributed.tensor import DTensor, Shard
-
+    """This rank's flat range of a weight: the engine's own storage (FSDP2 rows, a ZeRO-3
+    partition; `harness.engine.local_part`), ZeRO-1/2's fragment, or an even split of a replica."""
     if isinstance(p, DTensor):
-        mesh = p.device_mesh
-        if mesh.ndim != 1 or mesh.size() != comm.world:
-            raise NotImplementedError(f"FSDP2 mesh {tuple(mesh.shape)}: only a 1-D mesh over all ranks is supported (no HSDP)")
-        (placement,) = p.placements
-        if not (isinstance(placement, Shard) and placement.dim == 0):
-            raise NotImplementedError(f"FSDP2 placement {placement}: only Shard(0) is supported")
-        per = -(-rows // comm.world)
-        r0 = min(mesh.get_local_rank() * per, rows)
-        local_rows = p.to_local().shape[0]
-        if r0 + local_rows > rows:
-            raise RuntimeError(f"unexpected FSDP2 shard: rows {r0}+{local_rows} of {rows}")
-        return "dtensor", r0 * cols, (r0 + local_rows) * cols
+        if p.device_mesh.ndim != 1 or p.device_mesh.size() != comm.world:
+            raise NotImplementedError(f"FSDP2 mesh {tuple(p.device_mesh.shape)}: only a 1-D mesh over all ranks is supported (no HSDP)")
+        return "dtensor", *local_part(p)[1:3]
     if hasattr(p, "ds_id"):
-        import torch.distributed as dist
-
-        group = getattr(p, "ds_process_group", None)
-        if dist.get_world_size(group) != comm.world:
+        if dist.get_world_size(getattr(p, "ds_process_group", None)) != comm.world:
             raise NotImplementedError("ZeRO-3 partition groups smaller than the world (MiCS/hpZ) are not supported")
-        per = p.ds_tensor.ds_numel
-        a = min(dist.get_rank(group) * per, numel)
-        return "zero3", a, min(a + per, numel)
+        return "zero3", *local_part(p)[1:3]
     if hasattr(p, "_hp_mapping"):
         mapping = p._hp_mapping
         if mapping is None:
             return "zero12", 0, 0
         a = mapping.lp_fragment_address.start
         return "zero12", a, a + mapping.lp_fragment_address.numel
-    a, b = even_ranges(numel, comm.world)[comm.rank]
+    a, b = even_ranges(rows * cols, comm.world)[comm.rank]
     return "replicated", a, b

@@ -12,14 +12,21 @@ from harness.pruning import run_pruning
 from harness.pruning.select import count_for
 
 
+class ToyBlock(nn.Module):
+    pass
+
+
 class Toy(nn.Module):
-    """One 'decoder block' holding one Linear, so target discovery works as on an HF model."""
+    """One 'decoder block' holding one Linear, declared as transformers models declare theirs, so
+    target discovery works as on an HF model."""
+
+    _no_split_modules = ["ToyBlock"]
 
     def __init__(self, weight: list[list[float]]) -> None:
         super().__init__()
         w = torch.tensor(weight)
         self.model = nn.Module()
-        self.model.layers = nn.ModuleList([nn.Module()])
+        self.model.layers = nn.ModuleList([ToyBlock()])
         self.model.layers[0].proj = nn.Linear(w.shape[1], w.shape[0], bias=False)
         with torch.no_grad():
             self.model.layers[0].proj.weight.copy_(w)
