@@ -1,6 +1,8 @@
 """Predicted vs measured per-rank peak, side by side with DeepSpeed's and accelerate's estimators.
 
     python benchmarks/plan_accuracy.py > table.md
+    python benchmarks/plan_accuracy.py --model runs/loading/llama-300m --worlds 2 --strategies ddp fsdp zero2 zero3 \
+        --precisions fp32 --ac none --seq-len 64 --micro-batch 1 > table_300m.md   # at ~300M parameters
 
 For every CPU-runnable strategy x {fp32, bf16} x {AC none, full} x world {1, 2} on the tiny
 Llama (micro-batch 2, seq 64): the real run measured with MemTracker over every storage
@@ -13,6 +15,7 @@ after loading). Errors are against the measured peak.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -23,7 +26,6 @@ from harness.planner import estimate
 from harness.planner.measure import launch
 
 STRATEGIES = ["ddp", "fsdp", "fsdp_grad_op", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
-SHAPE = ["model.name=tiny-llama", "micro_batch_size=2", "data.seq_len=64"]
 VOCAB = 2048
 
 
@@ -52,16 +54,28 @@ def accelerate_estimate(total_bytes_fp32: int, precision: str) -> int:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama", help="a preset or a saved model directory")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--strategies", nargs="+", default=STRATEGIES)
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--ac", nargs="+", default=["none", "full"])
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    shape = [f"model.name={args.model}", f"micro_batch_size={args.micro_batch}", f"data.seq_len={args.seq_len}"]
+    vocab = VOCAB if args.model == "tiny-llama" else None
     rows = []
-    for world in (1, 2):
-        for strategy in STRATEGIES:
-            runs = [[f"strategy={strategy}", *SHAPE, f"precision={p}", f"memory.activation_checkpointing={ac}"]
-                    for p in ("fp32", "bf16") for ac in ("none", "full")]
-            results = launch(runs, world, steps=3, vocab_size=VOCAB, trainer_view=True)
+    for world in args.worlds:
+        for strategy in args.strategies:
+            runs = [[f"strategy={strategy}", *shape, f"precision={p}", f"memory.activation_checkpointing={ac}"]
+                    for p in args.precisions for ac in args.ac]
+            results = launch(runs, world, steps=3, vocab_size=vocab, trainer_view=True, timeout=args.timeout)
             for overrides, ranks in zip(runs, results):
                 measured = max(r["peak"] for r in ranks)
                 trainer = [r["trainer_tracker_peak"] for r in ranks]
-                est = estimate(load_config(None, overrides), world, target="cpu", vocab_size=VOCAB)
+                est = estimate(load_config(None, overrides), world, target="cpu", vocab_size=vocab)
                 total = est.params_total
                 ds = deepspeed_estimate(strategy, total, est.largest_param, world)
                 acc = accelerate_estimate(total * 4, overrides[-2].split("=")[1])
