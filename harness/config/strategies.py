@@ -393,6 +393,13 @@ def resolve_deepspeed_config(strategy: Strategy, cfg: RunConfig, world_size: int
         "allgather_bucket_size": (hidden_size or 0) ** 2,
         "stage3_prefetch_bucket_size": int(0.9 * (hidden_size or 0) ** 2),
         "stage3_param_persistence_threshold": 10 * (hidden_size or 0),
+        # About two decoder blocks (12·h² parameters each): DeepSpeed keeps a gathered parameter
+        # whose next use lies within this many parameters (and prefetches up to it). Its default
+        # 1e9 exceeds a whole forward plus backward of models up to ~500M parameters, so from the
+        # second step on nothing is released and every rank holds the whole model; two blocks
+        # release like FSDP2 (the current block and the next one gathered).
+        "stage3_max_live_parameters": 24 * (hidden_size or 0) ** 2,
+        "stage3_max_reuse_distance": 24 * (hidden_size or 0) ** 2,
     }
     for key, value in size_autos.items():
         if _is_auto(zero.get(key)):

@@ -36,6 +36,23 @@ def test_auto_values_filled_from_run_config():
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
 
 
+@pytest.mark.parametrize("name", ["zero3", "zero3_offload", "zero3_nvme"])
+def test_shipped_zero3_files_release_parameters_after_about_two_blocks(name, tmp_path):
+    # DeepSpeed's own 1e9 keeps every parameter of a model under ~500M gathered from step 2 on
+    cfg = load_config(None, [])
+    filled: list[str] = []
+    strategy = load_strategy(name, env={})
+    for off in ("offload_param", "offload_optimizer"):  # the NVMe file names a path: point it at a writable one
+        if (strategy.raw["zero_optimization"].get(off) or {}).get("device") == "nvme":
+            strategy.raw["zero_optimization"][off]["nvme_path"] = str(tmp_path)
+    ds = resolve_deepspeed_config(strategy, cfg, world_size=2, hidden_size=1024, filled=filled)
+    zero = ds["zero_optimization"]
+    assert zero["stage3_max_live_parameters"] == zero["stage3_max_reuse_distance"] == 24 * 1024**2
+    assert any(line.startswith("zero_optimization.stage3_max_reuse_distance=") for line in filled)
+    own = _user_file(tmp_path, {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 5}})
+    assert resolve_deepspeed_config(load_strategy(own, env={}), cfg, 2, 1024)["zero_optimization"]["stage3_max_reuse_distance"] == 5
+
+
 def _user_file(tmp_path, data):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(data))
