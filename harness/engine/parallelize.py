@@ -20,7 +20,17 @@ from harness.engine.storage import local_part
 from harness.engine.torch_engine import TorchEngine
 from harness.log import get_logger
 from harness.memory import OptimizerInBackward, apply_activation_checkpointing, apply_compile
-from harness.models import ModelSpec, build_run_model, construct_model, decoder_blocks, empty_model, fill, is_quantized, materialize
+from harness.models import (
+    ModelSpec,
+    build_run_model,
+    clean_name,
+    construct_model,
+    decoder_blocks,
+    empty_model,
+    fill,
+    is_quantized,
+    materialize,
+)
 from harness.training import PrecisionPolicy, build_optimizer, build_scheduler, lr_lambda
 
 log = get_logger(__name__)
@@ -150,9 +160,13 @@ def _deepspeed_model(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy
         deepspeed.comm.init_distributed(dist_backend=info.backend or "gloo", dist_init_required=False)
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = construct_model(spec.config)
+        if ds_config["zero_optimization"].get("offload_param", {}).get("device") == "nvme":
+            weights.fill_gathered(model, info.rank)
+        else:
+            weights.fill(model)
     else:
         model = materialize(empty_model(spec.config).to(dtype=_deepspeed_dtype(ds_config)), info.device)
-    weights.fill(model)
+        weights.fill(model)
     apply_memory_techniques(model, cfg)
     return model
 
@@ -207,6 +221,18 @@ class WeightsToLoad:
 
     def fill(self, model: nn.Module) -> None:
         fill(model, self.source, part_of=local_part, fallback=self.fallback)
+
+    def fill_gathered(self, model: nn.Module, rank: int) -> None:
+        """ZeRO-3 with parameters offloaded to NVMe: a partition may be swapped out, so each parameter
+        is gathered in turn, written whole by rank 0, then partitioned (and swapped) again."""
+        import deepspeed
+
+        for name, p in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+                if rank == 0:
+                    names = [clean_name(name)]
+                    piece = self.source.read(names, p.shape, 0, p.numel())
+                    p.data.view(-1).copy_(piece if piece is not None else self.fallback.read(names, p.shape, 0, p.numel()))
 
 
 def _client_optimizer(model: nn.Module, cfg: RunConfig, strategy: Strategy, ds_config: dict[str, Any]):
