@@ -133,7 +133,9 @@ class ModelSpec:
     def source(self, template: nn.Module) -> WeightSource:
         if self.directory is None:
             return InitWeights(template, self.seed)
-        return CheckpointWeights(self.directory, getattr(template, "base_model_prefix", ""))
+        weights = CheckpointWeights(self.directory, getattr(template, "base_model_prefix", ""))
+        weights.follow_conversions(template)
+        return weights
 
     def fallback(self, template: nn.Module) -> InitWeights:
         """Init for what a checkpoint lacks (as transformers does: e.g. a head on a base model)."""

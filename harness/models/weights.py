@@ -58,6 +58,8 @@ class CheckpointWeights:
         self.directory = directory
         self.prefix = prefix + "." if prefix else ""
         self._where: dict[str, str] = {}
+        self._renamed: dict[str, str] = {}  # model name -> checkpoint key, by transformers' conversion mapping
+        self._merged: list[str] = []  # checkpoint keys transformers merges into other tensors on load (follow_conversions)
         self._handles: dict[str, object] = {}
         self._bins: dict[str, dict[str, torch.Tensor]] = {}
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
@@ -75,6 +77,28 @@ class CheckpointWeights:
             for key in self._open(file).keys():
                 self._where[key] = file
 
+    def follow_conversions(self, template: nn.Module) -> None:
+        """transformers (5.x) renames some checkpoints' keys on load (GPT-NeoX's `embed_out` is
+        `lm_head`) and merges others (per-expert tensors into stacked ones): read renamed keys by
+        the model's names; merged ones cannot be read a slice at a time, which `read` says."""
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightRenaming, rename_source_key
+        except ImportError:  # transformers 4: no conversions
+            return
+        transforms = get_model_conversion_mapping(template)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+        if not transforms:
+            return
+        meta = template.state_dict()
+        for key in self._where:
+            renamed, merged = rename_source_key(key, renamings, converters, getattr(template, "base_model_prefix", None), meta)
+            if merged is not None:
+                self._merged.append(key)
+            elif renamed != key:
+                self._renamed[renamed] = key
+
     def _open(self, file: str):
         if file.endswith(".bin"):
             if file not in self._bins:  # memory-mapped: slicing reads only the pages asked for
@@ -87,11 +111,20 @@ class CheckpointWeights:
     def keys(self) -> set[str]:
         return set(self._where)
 
+    @property
+    def merged(self) -> list[str]:
+        return list(self._merged)
+
     def key_for(self, names: Sequence[str]) -> str | None:
         for name in names:
             for key in (name, name.removeprefix(self.prefix), self.prefix + name):
                 if key in self._where:
                     return key
+                if key in self._renamed:
+                    return self._renamed[key]
+        if self._merged:
+            raise ValueError(f"{self.directory}: {names[0]} is made by transformers from several checkpoint tensors "
+                             f"({self._merged[0]}, ...); harness reads tensors a slice at a time and cannot merge them")
         return None
 
     def read(self, names: Sequence[str], shape: Sequence[int], start: int, end: int) -> torch.Tensor | None:

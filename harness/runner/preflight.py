@@ -33,7 +33,7 @@ from harness.data import read_records
 from harness.distributed import launch_env
 from harness.errors import CheckpointError, ConfigError
 from harness.log import get_logger
-from harness.models import PRESETS, BlocksNotFound, decoder_block_list, empty_model, is_preset, model_config
+from harness.models import PRESETS, BlocksNotFound, CheckpointWeights, decoder_block_list, empty_model, is_preset, model_config
 from harness.runner.run_dir import check_not_in_use
 
 log = get_logger(__name__)
@@ -130,11 +130,18 @@ def check_architecture(cfg: RunConfig, strategy: Strategy) -> None:
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ConfigError(f"model.name '{name}': model type '{config.model_type}' has no causal-LM class in transformers "
                           f"{transformers.__version__} (AutoModelForCausalLM); harness trains causal LMs")
+    template = empty_model(config)
+    weights = CheckpointWeights(name, getattr(template, "base_model_prefix", ""))
+    weights.follow_conversions(template)
+    if weights.merged:
+        raise ConfigError(f"model.name '{name}': transformers builds some of its tensors by merging several checkpoint tensors "
+                          f"({weights.merged[0]}, ...), which harness's sharded loader cannot read a shard at a time; "
+                          "this checkpoint layout (e.g. per-expert MoE tensors) is not supported yet")
     users = block_users(cfg, strategy)
     if not users:
         return
     try:
-        decoder_block_list(empty_model(config))
+        decoder_block_list(template)
     except BlocksNotFound as exc:
         raise ConfigError(f"model.name '{name}': {exc}; needed by {', '.join(users)}: turn those off (e.g. strategy=ddp or zero3, "
                           "memory.activation_checkpointing=none)") from None

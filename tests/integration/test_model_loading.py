@@ -78,10 +78,11 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
             if not torch.equal(view, full.reshape(-1)[start:end].to(view.dtype)):
                 mismatched.append(clean_name(name))
         file_equal = None
-        if family in dirs:  # and the reference itself is the file's content
+        if family in dirs:  # and the reference itself is the file's content, every parameter found in it
             ckpt = CheckpointWeights(path, reference.base_model_prefix)
-            file_equal = all(torch.equal(t.reshape(-1), ckpt.read([n], t.shape, 0, t.numel()).to(t.dtype))
-                             for n, t in reference.state_dict().items() if ckpt.key_for([n]) is not None)
+            ckpt.follow_conversions(reference)
+            file_equal = all(torch.equal(p.detach().reshape(-1), ckpt.read([n], p.shape, 0, p.numel()).to(p.dtype))
+                             for n, p in reference.named_parameters())
         buffers = sum(b.numel() * b.element_size() for b in reference.buffers())
         whole = sum(p.numel() * 4 for p in reference.parameters())
         del model, reference, ref

@@ -9,12 +9,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from model_families import save_families
 
 from harness.config import load_config, load_strategy
 from harness.distributed import DistInfo
-from harness.engine import build_engine
+from harness.engine import build_engine, load_model
 from harness.errors import ConfigError
-from harness.models import decoder_blocks, model_spec
+from harness.models import CheckpointWeights, decoder_blocks, model_spec
 from harness.training import causal_lm_loss, precision_policy
 
 VOCAB = 256
@@ -107,3 +108,26 @@ def test_bf16_without_hardware_support_is_an_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
     with pytest.raises(ConfigError, match="V100 has no bf16 support; use precision=fp16"):
         precision_policy("bf16", torch.device("cuda", 0), "ddp")
+
+
+def test_deepspeed_bf16_loads_a_bf16_file_without_an_fp32_copy(group_of_one, tmp_path):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    directory = save_families(tmp_path)["gpt_neox"]  # saved in bf16
+    cfg = load_config(None, [f"model.name={directory}", "strategy=zero2", "precision=bf16", "micro_batch_size=2"])
+    s = load_strategy(cfg.strategy, env={})
+    info = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")
+    tracker = MemTracker()
+    with tracker:
+        model = load_model(model_spec(directory), cfg, s, precision_policy("bf16", info.device, s.kind), info)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    params = {id(p): p for p in model.parameters()}.values()
+    assert {p.dtype for p in params} == {torch.bfloat16}  # DeepSpeed's working dtype, built directly
+    ckpt = CheckpointWeights(directory, model.base_model_prefix)
+    ckpt.follow_conversions(model)  # GPT-NeoX's head is `embed_out` in the file, `lm_head` in transformers 5
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach().reshape(-1), ckpt.read([name], p.shape, 0, p.numel())), name  # bit for bit
+    bf16_bytes = sum(p.numel() * 2 for p in params)
+    largest_fp32 = max(p.numel() * 4 for p in params)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert bf16_bytes <= peak <= bf16_bytes + largest_fp32 + 3 * buffers < 2 * bf16_bytes  # never the fp32 model
