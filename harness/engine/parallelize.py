@@ -98,12 +98,18 @@ def _torch_model(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy: Pr
 def _lora_model(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
     """LoRA/QLoRA: peft injects adapters into a built model, so the frozen base is built whole on
     each rank (a QLoRA base quantized on load by bitsandbytes), then sharded like any model."""
-    model = build_run_model(cfg, spec.config.vocab_size, info.device.index or 0)
-    if not is_quantized(model):  # a QLoRA base was placed and typed by bitsandbytes on load
-        model.to(device=info.device, dtype=policy.param_dtype)
-    apply_memory_techniques(model, cfg)
+    model = _lora_base(spec, cfg, info, policy.param_dtype)
     if _torch_kind(strategy, info) == "fsdp":
         fsdp_wrap(model, strategy, policy, info)
+    return model
+
+
+def _lora_base(spec: ModelSpec, cfg: RunConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
+    """The frozen base built whole with its adapters, on the device in `dtype`, AC and compile applied."""
+    model = build_run_model(cfg, spec.config.vocab_size, info.device.index or 0)
+    if not is_quantized(model):  # a QLoRA base was placed and typed by bitsandbytes on load
+        model.to(device=info.device, dtype=dtype)
+    apply_memory_techniques(model, cfg)
     return model
 
 
@@ -150,10 +156,7 @@ def _deepspeed_model(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy
 
     ds_config = resolve_deepspeed_config(strategy, cfg, info.world_size, getattr(spec.config, "hidden_size", None))
     if cfg.lora.enabled:  # adapters need a built model: the frozen base whole, partitioned by deepspeed.initialize
-        model = build_run_model(cfg, spec.config.vocab_size, info.device.index or 0)
-        model.to(device=info.device, dtype=_deepspeed_dtype(ds_config))
-        apply_memory_techniques(model, cfg)
-        return model
+        return _lora_base(spec, cfg, info, _deepspeed_dtype(ds_config))
     weights = WeightsToLoad(spec)
     if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
         # zero.Init reads the world size from DeepSpeed's communicator: wrap our process group first

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from torch import nn
 
-# Activation-checkpoint and compile wrappers put the block one attribute deeper; the class
-# that identifies it is the wrapped module's.
-_WRAPPED = ("_checkpoint_wrapped_module", "_orig_mod")
+# Activation-checkpoint, compile and FSDP1 wrappers put a module one attribute deeper (and into
+# its parameters' names); the class that identifies a block is the wrapped module's.
+WRAPPER_ATTRS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
 
 class BlocksNotFound(ValueError):
@@ -25,7 +25,7 @@ class BlocksNotFound(ValueError):
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
-    for attr in _WRAPPED:
+    for attr in WRAPPER_ATTRS:
         inner = getattr(module, attr, None)
         if isinstance(inner, nn.Module):
             return _unwrapped(inner)

@@ -93,21 +93,6 @@ def model_directory(name_or_path: str) -> str:
     return snapshot_download(name_or_path, allow_patterns=["*.json", *weights])
 
 
-def empty_model(config: Any) -> nn.Module:
-    """The model with its parameters on the meta device (no storage, no init) and real buffers
-    (rotary frequencies are computed in the modules' constructors): the template every engine
-    shards, or fills in place, before any parameter takes memory."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    with init_empty_weights(include_buffers=False), no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.tie_weights()  # transformers ties inside `init_weights`, which `no_init_weights` skips
-    model.train()
-    return model
-
-
 def construct_model(config: Any) -> nn.Module:
     """The model built in the caller's context without any init (the weights are filled after):
     under DeepSpeed's `zero.Init` each parameter is partitioned as its module is created."""
@@ -118,6 +103,18 @@ def construct_model(config: Any) -> nn.Module:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.tie_weights()  # transformers ties inside `init_weights`, which `no_init_weights` skips
     model.train()
+    return model
+
+
+def empty_model(config: Any) -> nn.Module:
+    """The model with its parameters on the meta device (no storage, no init) and real buffers
+    (rotary frequencies are computed in the modules' constructors): the template every engine
+    shards, or fills in place, before any parameter takes memory."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = construct_model(config)
+    model.tie_weights()  # again outside: inside, accelerate re-registers the tied weight as a new meta parameter
     return model
 
 

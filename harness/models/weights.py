@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from harness.log import get_logger
+from harness.models.blocks import WRAPPER_ATTRS
 
 log = get_logger(__name__)
 
@@ -194,14 +195,10 @@ class InitWeights:
 # flat end, view); engines that shard supply their own (`harness.engine.storage.local_part`).
 Part = tuple[Sequence[int], int, int, torch.Tensor]
 
-# Wrapper modules insert these segments into parameter names (activation checkpointing,
-# torch.compile, DDP); the checkpoint's names have none of them.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
 def clean_name(name: str) -> str:
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
+    """A parameter's name without the wrappers' segments (the checkpoint's names have none)."""
+    for attr in WRAPPER_ATTRS:
+        name = name.replace(attr + ".", "")
     return name
 
 
