@@ -23,6 +23,7 @@ def check_values(cfg: RunConfig) -> None:
         "prune.method": (cfg.prune.method, ("none", "magnitude", "wanda", "sparsegpt", "gradprobe")),
         "prune.base": (cfg.prune.base, ("magnitude", "wanda")),
         "prune.scope": (cfg.prune.scope, ("per_matrix", "global")),
+        "prune.decision": (cfg.prune.decision, ("rank", "veto", "original")),
         "prune.targets": (cfg.prune.targets, ("decoder_linears", "all_linears")),
         "prune.stat_dtype": (cfg.prune.stat_dtype, ("bf16", "fp16")),
         "device": (cfg.device, ("auto", "cpu", "cuda")),

@@ -107,6 +107,7 @@ class PruneConfig:
     threshold: float = 0.0
     reduction: float = 0.1
     exact_target: bool = True
+    decision: str = "rank"  # gradprobe: rank | veto | original (see harness/pruning/gradprobe.py)
     scope: str = "per_matrix"  # per_matrix | global
     targets: str = "decoder_linears"  # decoder_linears | all_linears
     pool: float = 0.25  # exact-target GradProbe: probe (1 + pool) x target candidates
