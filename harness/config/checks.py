@@ -6,7 +6,7 @@ look at the outside world (model and data files, the output directory, checkpoin
 """
 from __future__ import annotations
 
-from harness.config.schema import AC_MODES, COMPILE_MODES, DATA_FORMATS, LORA_QUANTIZE, PRECISIONS, RunConfig
+from harness.config.schema import AC_MODES, COMPILE_MODES, DATA_FORMATS, EMBEDDED_CORPORA, GRADPROBE_DECISIONS, LORA_QUANTIZE, PRECISIONS, PRUNE_BASES, RunConfig
 from harness.config.strategies import Strategy, resolve_deepspeed_config
 from harness.errors import ConfigError, did_you_mean
 
@@ -21,9 +21,9 @@ def check_values(cfg: RunConfig) -> None:
         "optim.name": (cfg.optim.name, ("adamw", "adam", "sgd")),
         "checkpoint.on_nonfinite": (cfg.checkpoint.on_nonfinite, ("skip", "stop")),
         "prune.method": (cfg.prune.method, ("none", "magnitude", "wanda", "sparsegpt", "gradprobe")),
-        "prune.base": (cfg.prune.base, ("magnitude", "wanda")),
+        "prune.base": (cfg.prune.base, PRUNE_BASES),
         "prune.scope": (cfg.prune.scope, ("per_matrix", "global")),
-        "prune.decision": (cfg.prune.decision, ("rank", "veto", "original")),
+        "prune.decision": (cfg.prune.decision, GRADPROBE_DECISIONS),
         "prune.targets": (cfg.prune.targets, ("decoder_linears", "all_linears")),
         "prune.stat_dtype": (cfg.prune.stat_dtype, ("bf16", "fp16")),
         "device": (cfg.device, ("auto", "cpu", "cuda")),
@@ -75,7 +75,7 @@ def check_values(cfg: RunConfig) -> None:
     if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
         raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1 (or unset: the machine's cores)")
     check_lora_values(cfg)
-    if cfg.data.format == "instruction" and (cfg.data.source == "embedded" or cfg.data.streaming):
+    if cfg.data.format == "instruction" and (cfg.data.source in EMBEDDED_CORPORA or cfg.data.streaming):
         raise ConfigError("data.format=instruction reads a local JSON lines file of prompt/response or messages records "
                           f"(data.source={cfg.data.source!r}{', streaming' if cfg.data.streaming else ''}); "
                           "set data.source to it and data.streaming=false")

@@ -12,6 +12,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 AC_MODES = ("none", "full", "selective", "op")
 COMPILE_MODES = ("none", "block", "model")
 LORA_QUANTIZE = ("none", "int8", "nf4")
+EMBEDDED_CORPORA = ("embedded", "stdlib")  # data.source names of corpora shipped with Python (harness.data.documents)
+GRADPROBE_DECISIONS = ("rank", "veto", "saliency", "original")  # prune.decision (harness.pruning.gradprobe)
+PRUNE_BASES = ("magnitude", "wanda", "gblm", "taylor", "ria")  # GradProbe's base scores (harness.pruning.methods)
 DATA_FORMATS = ("text", "instruction")
 
 
@@ -24,7 +27,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "embedded"  # "embedded", a hub dataset name, a local file/dir, or a flat token file (.npy/.bin)
+    source: str = "embedded"  # "embedded" | "stdlib" (harness.data.documents), a hub dataset name, a local file/dir, or a flat token file (.npy/.bin)
     text_field: str = "text"
     seq_len: int = 128
     eval_fraction: float = 0.05
@@ -98,7 +101,7 @@ class CheckpointConfig:
 @dataclass
 class PruneConfig:
     method: str = "none"  # none | magnitude | wanda | sparsegpt | gradprobe
-    base: str = "wanda"  # gradprobe's candidate strategy: magnitude | wanda
+    base: str = "wanda"  # gradprobe's base score (candidates and order): one of PRUNE_BASES
     sparsity: float = 0.5
     pattern: str = "unstructured"  # unstructured | N:M, e.g. 2:4
     calib_samples: int = 16
@@ -107,7 +110,7 @@ class PruneConfig:
     threshold: float = 0.0
     reduction: float = 0.1
     exact_target: bool = True
-    decision: str = "rank"  # gradprobe: rank | veto | original (see harness/pruning/gradprobe.py)
+    decision: str = "rank"  # gradprobe: one of GRADPROBE_DECISIONS (see harness/pruning/gradprobe.py)
     scope: str = "per_matrix"  # per_matrix | global
     targets: str = "decoder_linears"  # decoder_linears | all_linears
     pool: float = 0.25  # exact-target GradProbe: probe (1 + pool) x target candidates

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from harness.config import DataConfig
+from harness.config.schema import EMBEDDED_CORPORA
 from harness.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -31,10 +32,18 @@ EOS = "<|endoftext|>"
 TOKEN_FILE_SUFFIXES = (".npy", ".bin")  # a flat, pre-tokenized token stream
 
 
-def embedded_documents(max_chars: int = 3_000_000) -> list[str]:
+# Corpora every Python installation carries, by `data.source` name: "embedded" is the first
+# ~3M characters (the default: a run in a minute), "stdlib" all of the standard library,
+# packages and tests included (~32M characters on CPython 3.11; the pruning benchmark's,
+# where a model has to be trained long enough that pruning hurts).
+EMBEDDED_SOURCES: dict[str, int | None] = dict(zip(EMBEDDED_CORPORA, (3_000_000, None), strict=True))
+
+
+def embedded_documents(max_chars: int | None = 3_000_000) -> list[str]:
     """Text every Python installation has: pydoc topics and standard-library sources.
 
-    Sorted and capped, so the corpus is deterministic for a given Python version.
+    Sorted and capped (`max_chars`; None: the whole library, subpackages included, without
+    site-packages), so the corpus is deterministic for a given Python version.
     """
     docs: list[str] = []
     try:
@@ -44,9 +53,14 @@ def embedded_documents(max_chars: int = 3_000_000) -> list[str]:
     except ImportError:  # some distributions strip pydoc_data
         pass
     stdlib = os.path.dirname(os.__file__)
+    if max_chars is None:
+        paths = [p for p in sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True))
+                 if "site-packages" not in os.path.relpath(p, stdlib).split(os.sep)]
+    else:
+        paths = sorted(glob.glob(os.path.join(stdlib, "*.py")))
     total = sum(map(len, docs))
-    for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
-        if total >= max_chars:
+    for path in paths:
+        if max_chars is not None and total >= max_chars:
             break
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
@@ -110,8 +124,8 @@ def open_documents(cfg: DataConfig) -> datasets.Dataset:
     """The whole source as one map-style dataset (Arrow, memory-mapped for files and the hub)."""
     import datasets
 
-    if cfg.source == "embedded":
-        return datasets.Dataset.from_dict({cfg.text_field: embedded_documents()})
+    if cfg.source in EMBEDDED_SOURCES:
+        return datasets.Dataset.from_dict({cfg.text_field: embedded_documents(EMBEDDED_SOURCES[cfg.source])})
     if os.path.exists(cfg.source):
         builder, kwargs = _builder(_data_files(cfg.source))
         ds = datasets.load_dataset(builder, data_files=_data_files(cfg.source), split="train", **kwargs)
@@ -129,8 +143,9 @@ def open_stream(cfg: DataConfig) -> datasets.IterableDataset:
     """The source read on the fly (`data.streaming`): nothing is converted or cached on disk."""
     import datasets
 
-    if cfg.source == "embedded":
-        return datasets.Dataset.from_dict({cfg.text_field: embedded_documents()}).to_iterable_dataset(num_shards=8)
+    if cfg.source in EMBEDDED_SOURCES:
+        docs = embedded_documents(EMBEDDED_SOURCES[cfg.source])
+        return datasets.Dataset.from_dict({cfg.text_field: docs}).to_iterable_dataset(num_shards=8)
     if os.path.exists(cfg.source):
         builder, kwargs = _builder(_data_files(cfg.source))
         ds = datasets.load_dataset(builder, data_files=_data_files(cfg.source), split="train", streaming=True, **kwargs)

@@ -32,6 +32,9 @@ PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset(64, 176, 2, 4, 2, 512, 2048),
     # Small but not trivial: the CPU experiment matrix and pruning benchmark.
     "small-llama": Preset(256, 688, 4, 8, 4, 1024, 4096),
+    # The pruning benchmark's: narrow and six blocks deep, so that trained on the whole standard
+    # library (data.source=stdlib, ~10M tokens) pruning half its weights costs real perplexity.
+    "bench-llama": Preset(128, 384, 6, 4, 4, 512, 2048),
     # The Peak Memory study's model: 32 layers, hidden 2048 (~1.6B with a 32k vocabulary).
     "llama-1.6b": Preset(2048, 5632, 32, 16, 16, 2048, 32000),
     # Llama-3-8B shape, for the planner's benchmark (never trained here).

@@ -29,7 +29,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from harness.checkpoint import check_compatible, checkpoint_root, read_meta, resume_path
 from harness.config import RunConfig, Strategy, check_run
-from harness.data import read_records
+from harness.data import EMBEDDED_SOURCES, read_records
 from harness.distributed import launch_env
 from harness.errors import CheckpointError, ConfigError
 from harness.log import get_logger
@@ -179,7 +179,7 @@ def check_data(cfg: RunConfig) -> None:
     if cfg.data.format == "instruction":
         read_records(source)  # every record must be prompt/response or messages: one line naming the first that is not
         return
-    if source == "embedded":
+    if source in EMBEDDED_SOURCES:
         return
     if os.path.exists(source):
         files = ([os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs] if os.path.isdir(source) else [source])
