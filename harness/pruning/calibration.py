@@ -207,10 +207,14 @@ class InputStats:
 def gradient_max(
     runner: Runner, steps: list[list[Any]], views: list[ShardView], dtype: torch.dtype,
     stats: InputStats | None = None, ledger: Ledger | None = None, tag: str = "G",
+    sumsq: dict[str, torch.Tensor] | None = None, signed: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One pass of fwd+bwd over the calibration steps; per view, max_t |grad_t| of its shard.
 
-    One backward per step serves every view passed in, whatever their number.
+    One backward per step serves every view passed in, whatever their number. `sumsq`, when
+    given, is filled with sum_t grad_t^2 (fp32) from the same backwards: the gradient-informed
+    base scores cost no pass of their own; `signed` likewise with sum_t grad_t (fp32), the
+    calibration set's gradient, for the saliency decision.
     """
     out: dict[str, torch.Tensor] = {}
     runner.zero_grad()
@@ -218,12 +222,22 @@ def gradient_max(
         for step in steps:
             runner.forward_backward(step)
             for v in views:
-                g = v.grad().abs().to(dtype)
+                grad = v.grad()
+                g = grad.abs().to(dtype)
                 out[v.name] = g if v.name not in out else torch.maximum(out[v.name], g)
+                if sumsq is not None:
+                    sq = grad.float().square()
+                    sumsq[v.name] = sq if v.name not in sumsq else sumsq[v.name].add_(sq)
+                if signed is not None:
+                    signed[v.name] = grad.float().clone() if v.name not in signed else signed[v.name].add_(grad.float())
             runner.zero_grad()
     if ledger is not None:
         for name, t in out.items():
             ledger.add(f"{tag}/{name}", t)
+        for name, t in (sumsq or {}).items():
+            ledger.add(f"{tag}/sumsq/{name}", t)
+        for name, t in (signed or {}).items():
+            ledger.add(f"{tag}/signed/{name}", t)
     return out
 
 

@@ -25,13 +25,20 @@ from harness.pruning.comm import Comm
 from harness.pruning.masks import MaskSet
 from harness.pruning.methods import (
     COMPOSITE_BITS,
+    GRADIENT_BASES,
+    INPUT_NORM_BASES,
     Rule,
     exact_keys,
+    gblm_scores,
     gradient_ratio,
     magnitude_scores,
     original_decision,
+    ria_scores,
+    saliency_keys,
     score_keys,
     select,
+    taylor_scores,
+    veto_keys,
     wanda_scores,
     widen,
 )
@@ -41,23 +48,35 @@ from harness.pruning.shards import ShardView, sync_views
 
 @dataclass
 class ProbeSettings:
-    base: str  # magnitude | wanda
+    base: str  # one of methods.BASES
     reduction: float
     threshold: float
     exact: bool
     pool: float
     stat_dtype: torch.dtype
     sequential: bool
+    decision: str = "rank"  # exact target: rank the pool by G1/G0 | veto: base order, G1/G0 only vetoes | saliency
     keep_g0: bool = False
     g0: dict[str, torch.Tensor] = field(default_factory=dict)  # filled when keep_g0
 
 
-def _base_scores(v: ShardView, base: str, stats: InputStats | None) -> torch.Tensor:
+def _base_scores(v: ShardView, base: str, stats: InputStats | None, grad_sumsq: dict[str, torch.Tensor], comm: Comm) -> torch.Tensor:
+    """The base score of this rank's piece of `v` (lowest pruned first). Collective for the
+    bases that normalise over the whole matrix (gblm, ria): every rank calls it per view."""
     w = v.weight()
+    if base == "magnitude":
+        return magnitude_scores(w)
+    if base == "taylor":
+        return taylor_scores(w, grad_sumsq[v.name])
+    assert stats is not None and v.layout is not None
+    norms = stats.norms(v.name)
     if base == "wanda":
-        assert stats is not None and v.layout is not None
-        return wanda_scores(w, v.layout, stats.norms(v.name))
-    return magnitude_scores(w)
+        return wanda_scores(w, v.layout, norms)
+    if base == "gblm":
+        return gblm_scores(w, v.layout, norms, grad_sumsq[v.name], comm)
+    if base == "ria":
+        return ria_scores(w, v.layout, norms, comm)
+    raise ValueError(f"unknown GradProbe base {base!r}")
 
 
 @torch.no_grad()
@@ -86,6 +105,8 @@ def run_gradprobe(
     """The masks GradProbe chooses for every view (applied per group if `sequential`)."""
     if rule.kind == "global" and settings.base == "wanda":
         raise ValueError("GradProbe on a Wanda base compares within rows; scope=global does not apply")
+    if rule.kind == "global" and settings.decision == "saliency":
+        raise ValueError("the saliency decision ranks each matrix's pool on its own; scope=global does not apply (use per_matrix)")
     if rule.kind == "global" and settings.sequential:
         raise ValueError("a global selection needs every layer probed before any is pruned; sequential=True contradicts it")
     if rule.kind == "nm" and not settings.exact:
@@ -106,13 +127,19 @@ def run_gradprobe(
     masks: dict[str, torch.Tensor] = {}
     deferred: dict[str, torch.Tensor] = {}  # global exact mode: bf16 ratios until every group is probed
     for gi, views in enumerate(groups):
-        stats = InputStats(views, hessian=False, ledger=ledger) if settings.base == "wanda" else None
-        g0 = gradient_max(runner, steps, views, settings.stat_dtype, stats, ledger, tag=f"G0/{gi}/")
+        stats = InputStats(views, hessian=False, ledger=ledger) if settings.base in INPUT_NORM_BASES else None
+        grad_sumsq: dict[str, torch.Tensor] = {}
+        saliency = settings.decision == "saliency"
+        sum0: dict[str, torch.Tensor] = {}
+        sum1: dict[str, torch.Tensor] = {}
+        g0 = gradient_max(runner, steps, views, settings.stat_dtype, stats, ledger, tag=f"G0/{gi}/",
+                          sumsq=grad_sumsq if settings.base in GRADIENT_BASES else None, signed=sum0 if saliency else None)
         if stats is not None:
             stats.finalize(comm)
         if settings.keep_g0:
             settings.g0.update({k: t.clone() for k, t in g0.items()})
-        base = {v.name: _base_scores(v, settings.base, stats) for v in views}
+        base = {v.name: _base_scores(v, settings.base, stats, grad_sumsq, comm) for v in views}
+        del grad_sumsq
         if rule.kind == "global":
             pools = {v.name: global_pool[v.name] for v in views}
         else:
@@ -124,7 +151,7 @@ def run_gradprobe(
         saved = _scale(views, pools, settings.reduction, comm)
         for name, t in saved.items():
             ledger.add(f"saved/{name}", t)
-        g1 = gradient_max(runner, steps, views, settings.stat_dtype, None, ledger, tag=f"G1/{gi}/")
+        g1 = gradient_max(runner, steps, views, settings.stat_dtype, None, ledger, tag=f"G1/{gi}/", signed=sum1 if saliency else None)
         _restore(views, pools, saved, comm)
         ledger.drop("saved/")
         if not settings.exact:
@@ -135,7 +162,14 @@ def run_gradprobe(
                 deferred[v.name] = gradient_ratio(g0[v.name], g1[v.name]).to(torch.bfloat16)
                 ledger.add(f"ratio/{v.name}", deferred[v.name])
         else:
-            keys = [exact_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], forced.get(v.name)) for v in views]
+            if settings.decision == "veto":
+                keys = [veto_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], settings.threshold, forced.get(v.name))
+                        for v in views]
+            elif saliency:
+                keys = [saliency_keys(pools[v.name], v.weight(), sum0[v.name], sum1[v.name], settings.reduction, forced.get(v.name))
+                        for v in views]
+            else:
+                keys = [exact_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], forced.get(v.name)) for v in views]
             chosen = select(rule, [v.layout for v in views], keys, comm, COMPOSITE_BITS + 1)
             for v, k, m in zip(views, keys, chosen):
                 if (k[m] == (1 << COMPOSITE_BITS)).any():
@@ -151,13 +185,15 @@ def run_gradprobe(
             ledger.drop("pool/")
         if settings.sequential:
             MaskSet({v.name: masks[v.name] for v in views}).apply(views, comm)
-        del g0, g1, base
+        del g0, g1, base, sum0, sum1
     if deferred:
         ones = {v.name: torch.ones_like(deferred[v.name]) for v in all_views}
-        keys = [
-            exact_keys(global_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), forced.get(v.name))
-            for v in all_views
-        ]
+        if settings.decision == "veto":
+            keys = [veto_keys(global_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), settings.threshold,
+                              forced.get(v.name)) for v in all_views]
+        else:
+            keys = [exact_keys(global_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), forced.get(v.name))
+                    for v in all_views]
         chosen = select(rule, [v.layout for v in all_views], keys, comm, COMPOSITE_BITS + 1)
         for v, k, m in zip(all_views, keys, chosen):
             if (k[m] == (1 << COMPOSITE_BITS)).any():

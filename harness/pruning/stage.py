@@ -166,7 +166,7 @@ def run_pruning(
             pool_frac = float(pool if pool is not None else getattr(cfg, "pool", DEFAULT_POOL))
             settings = ProbeSettings(
                 base=cfg.base, reduction=cfg.reduction, threshold=cfg.threshold, exact=cfg.exact_target,
-                pool=pool_frac, stat_dtype=stat_dtype, sequential=sequential, keep_g0=keep_g0,
+                pool=pool_frac, stat_dtype=stat_dtype, sequential=sequential, decision=cfg.decision, keep_g0=keep_g0,
             )
             masks = run_gradprobe(groups, rule, settings, runner, runner.steps(batches), comm, ledger, forced)
             g0 = settings.g0

@@ -2,6 +2,8 @@
 plus exact-target sparsity and 2:4 validity on the tiny Llama."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +11,9 @@ from torch import nn
 from harness.config import PruneConfig
 from harness.models import build_model, decoder_blocks
 from harness.pruning import run_pruning
+from harness.pruning.comm import Comm
+from harness.pruning.layout import Layout
+from harness.pruning.methods import PER_ROW_BASES, Rule, exact_keys, select, veto_keys
 from harness.pruning.select import count_for
 
 
@@ -152,6 +157,7 @@ def calib() -> list[torch.Tensor]:
 METHODS = [
     ("magnitude", {}), ("wanda", {}), ("sparsegpt", {}),
     ("gradprobe", {"base": "wanda"}), ("gradprobe", {"base": "magnitude"}),
+    ("gradprobe", {"base": "ria"}), ("gradprobe", {"base": "gblm", "decision": "veto"}), ("gradprobe", {"base": "taylor"}),
 ]
 
 
@@ -164,7 +170,7 @@ def test_exact_target_sparsity(method: str, extra: dict) -> None:
     model = build_model("tiny-llama")
     sparsity = 0.37
     report = run_pruning(model, calib(), PruneConfig(method=method, sparsity=sparsity, group_size=1, **extra), lm_loss)
-    per_row = method == "wanda" or extra.get("base") == "wanda"
+    per_row = method == "wanda" or extra.get("base") in PER_ROW_BASES
     for lin in target_linears(model):
         rows, cols = lin.weight.shape
         zeros = (lin.weight == 0)
@@ -218,3 +224,111 @@ def test_refusals_are_explicit() -> None:
         run_pruning(model, calib(), PruneConfig(method="magnitude", pattern="2:4", sparsity=0.6), lm_loss)
     with pytest.raises(ValueError, match="row"):
         run_pruning(model, calib(), PruneConfig(method="wanda", scope="global"), lm_loss)
+
+
+# ------------------------------------------------------------------------- gradient-informed bases, veto
+# With pool=0 the candidate pool is exactly the target, so the probe cannot change the base's
+# choice: these runs check each base score alone, through the whole stage.
+
+
+def probe_grads(w: list[float]) -> list[list[float]]:
+    """Per probe step (one batch each), dL/dw = r_b x_b."""
+    out = []
+    for x, t in PROBE_BATCHES:
+        r = sum(a * b for a, b in zip(w, x[0].tolist())) - float(t)
+        out.append([r * xi for xi in x[0].tolist()])
+    return out
+
+
+def lowest(scores: list[float], k: int) -> set[tuple[int, int]]:
+    return {(0, j) for j in sorted(range(len(scores)), key=lambda j: (scores[j], j))[:k]}
+
+
+def test_taylor_base_is_weight_times_gradient_rms() -> None:
+    toy = Toy(PROBE_W)
+    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="taylor", sparsity=0.5), probe_loss, pool=0.0)
+    w = PROBE_W[0]
+    g = probe_grads(w)  # [[-1,0,0,0], [0,2,2,0]]
+    scores = [abs(w[j]) * math.sqrt(sum(step[j] ** 2 for step in g)) for j in range(4)]  # [1, 4, 6, 0]
+    assert lowest(scores, 2) == {(0, 3), (0, 0)}  # magnitude would prune w0, w1; Wanda w0 and w3 as well
+    assert pruned(toy) == lowest(scores, 2)
+
+
+def test_gblm_base_adds_the_rescaled_gradient_term_to_wanda() -> None:
+    toy = Toy(PROBE_W)
+    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="gblm", sparsity=0.25), probe_loss, pool=0.0)
+    w = PROBE_W[0]
+    g = probe_grads(w)
+    norms = [math.sqrt(sum(x[0, j].item() ** 2 for x, _ in PROBE_BATCHES)) for j in range(4)]  # [1, 1, 1, 0]
+    wanda = [abs(w[j]) * norms[j] for j in range(4)]  # [1, 2, 3, 0]
+    grad = [abs(w[j]) * math.sqrt(sum(step[j] ** 2 for step in g)) for j in range(4)]  # [1, 4, 6, 0]
+    scale = sum(wanda) / sum(grad)  # 6 / 11
+    scores = [a + scale * b for a, b in zip(wanda, grad)]
+    assert lowest(scores, 1) == {(0, 3)}
+    assert pruned(toy) == lowest(scores, 1)
+
+
+def test_ria_hand_case() -> None:
+    toy = Toy(W)
+    x = torch.tensor([[[1.0, 0.0, 0.0, 2.0], [1.0, 0.0, 1.0, 0.0]]])  # ||X_j|| = [sqrt2, 0, 1, 2]
+    run_pruning(toy, [(x, torch.zeros(1, 2, 2))], PruneConfig(method="gradprobe", base="ria", sparsity=0.5), probe_loss, pool=0.0)
+    a = [[abs(v) for v in row] for row in W]
+    rows = [sum(r) for r in a]
+    cols = [sum(a[i][j] for i in range(2)) for j in range(4)]
+    norms = [math.sqrt(2), 0.0, 1.0, 2.0]
+    expected = set()
+    for i in range(2):
+        score = [(a[i][j] / rows[i] + a[i][j] / cols[j]) * math.sqrt(norms[j]) for j in range(4)]
+        expected |= {(i, j) for j in sorted(range(4), key=lambda j: (score[j], j))[:2]}
+    # row 0: [0.433, 0, 0.057, 1.17] -> cols 1, 2; row 1: [0.635, 0, 1.84, 0.153] -> cols 1, 3 (Wanda's choice here too)
+    assert expected == {(0, 1), (0, 2), (1, 1), (1, 3)}
+    assert pruned(toy) == expected
+
+
+def test_veto_keeps_the_base_order_where_rank_reorders() -> None:
+    """Pool = the first four; the fifth has the lowest base score but is outside the pool.
+    G1/G0 = [2, 0.5, 0.9, 0.1]: element 0 is vetoed (its gradient grew)."""
+    layout = Layout(1, 5, 0, 5, ((0, 5),))
+    pool = torch.tensor([True, True, True, True, False])
+    base = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.05])
+    g0 = torch.ones(5, dtype=torch.bfloat16)
+    rule = Rule("per_matrix", 0.4)  # floor(0.4 x 5) = 2 pruned
+
+    def chosen(keys: torch.Tensor) -> list[int]:
+        (mask,) = select(rule, [layout], [keys], Comm(), 49)
+        return mask.nonzero().flatten().tolist()
+
+    g1 = torch.tensor([2.0, 0.5, 0.9, 0.1, 1.0], dtype=torch.bfloat16)
+    assert chosen(veto_keys(pool, g0, g1, base, 0.0, None)) == [1, 2]  # the base order among those that passed
+    assert chosen(exact_keys(pool, g0, g1, base, None)) == [1, 3]  # the lowest ratios
+    # too few pass: the vetoed fill up, again in base order
+    g1 = torch.tensor([2.0, 2.0, 2.0, 0.5, 1.0], dtype=torch.bfloat16)
+    assert chosen(veto_keys(pool, g0, g1, base, 0.0, None)) == [0, 3]
+    # a threshold lets a growth through, as in the original rule
+    assert chosen(veto_keys(pool, g0, g1, base, 1.5, None)) == [0, 1]
+
+
+@pytest.mark.parametrize("decision", ["rank", "veto"])
+def test_veto_and_rank_through_the_stage(decision: str) -> None:
+    toy = Toy(PROBE_W)
+    cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, decision=decision)
+    run_pruning(toy, PROBE_BATCHES, cfg, probe_loss, pool=0.5)
+    # pool = w0, w1, w2; G1/G0 = [1.5, 0.25, 0.25]: w0 is vetoed (veto) or ranked last (rank)
+    assert pruned(toy) == {(0, 1), (0, 2)}
+
+
+def test_saliency_picks_the_pair_whose_removal_costs_least() -> None:
+    """The probe as a Hessian-vector product. Summed gradients: g0 = [-1, 2, 2, 0] (dense), and
+    with the pool w0..w2 halved g1 = [-1.5, -0.5, -0.5, 0]. Predicted loss increase per weight,
+    -g0 w + w (g0 - g1) / (2 (1 - r)) with r = 0.5: [1.5, 1, 1.5, -]; prune w1, then w0 (tie, lower
+    index). The true loss (2.5 dense): without w0, w1 it is 2.0; without w1, w2 (what the rank
+    and veto decisions choose) 5.0; without w0, w2 2.5."""
+    toy = Toy(PROBE_W)
+    cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, decision="saliency")
+    run_pruning(toy, PROBE_BATCHES, cfg, probe_loss, pool=0.5)
+    assert pruned(toy) == {(0, 0), (0, 1)}
+
+    def loss(w: list[float]) -> float:
+        return sum(0.5 * (sum(a * b for a, b in zip(w, x[0].tolist())) - float(t)) ** 2 for x, t in PROBE_BATCHES)
+
+    assert loss([0, 0, 3, 4]) < loss([0, 2, 0, 4]) < loss([1, 0, 0, 4])
