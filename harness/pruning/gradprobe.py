@@ -12,6 +12,12 @@ these weights?"); G1 the same way; restore the weights bit-exactly. Then
 G0 is always taken on the model as it was when the stage started unless `sequential` is
 set, so K=1 and K=all see the same G0 and K is a memory knob. G1 differs with K by
 design: it measures shrinking the candidates of the probed group only.
+
+Candidates are chosen per group from the model as each group finds it, except when they are
+fixed once up front from the model as the stage found it: a global selection (one threshold
+over every matrix), and `dense_candidates` (the original GradProbe, whose strategy picks its
+candidates once on the dense model before streaming through the matrices; a Wanda base then
+takes its input norms for every matrix from the first G0 pass, which still sees that model).
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ class ProbeSettings:
     stat_dtype: torch.dtype
     sequential: bool
     keep_g0: bool = False
+    dense_candidates: bool = False  # candidates of every matrix chosen once, before the first group is probed
     g0: dict[str, torch.Tensor] = field(default_factory=dict)  # filled when keep_g0
 
 
@@ -86,8 +93,10 @@ def run_gradprobe(
     """The masks GradProbe chooses for every view (applied per group if `sequential`)."""
     if rule.kind == "global" and settings.base == "wanda":
         raise ValueError("GradProbe on a Wanda base compares within rows; scope=global does not apply")
-    if rule.kind == "global" and settings.sequential:
-        raise ValueError("a global selection needs every layer probed before any is pruned; sequential=True contradicts it")
+    if rule.kind == "global" and settings.sequential and settings.exact:
+        raise ValueError("an exact-target global ranking needs every matrix probed before any is pruned; sequential=True contradicts it")
+    if settings.dense_candidates and settings.exact:
+        raise ValueError("candidates fixed on the dense model belong to the original veto (exact_target=false)")
     if rule.kind == "nm" and not settings.exact:
         raise ValueError(
             "N:M with exact_target=false: the original veto leaves some groups with fewer than M-N zeros, which no N:M "
@@ -96,25 +105,33 @@ def run_gradprobe(
     forced = forced or {}
     cand_rule = widen(rule, settings.pool) if settings.exact else rule
     all_views = [v for g in groups for v in g]
-    global_pool: dict[str, torch.Tensor] = {}
-    if rule.kind == "global":
-        keys = [score_keys(magnitude_scores(v.weight()), forced.get(v.name)) for v in all_views]
-        global_pool = dict(zip([v.name for v in all_views], select(cand_rule, [v.layout for v in all_views], keys, comm, FLOAT_KEY_BITS)))
-        del keys
-        for name, m in global_pool.items():
+    upfront = rule.kind == "global" or settings.dense_candidates
+    fixed_pool: dict[str, torch.Tensor] = {}  # upfront: every matrix's candidates
+
+    def choose_upfront(base: str, stats: InputStats | None) -> None:
+        keys = [score_keys(_base_scores(v, base, stats), forced.get(v.name)) for v in all_views]
+        fixed_pool.update(zip([v.name for v in all_views], select(cand_rule, [v.layout for v in all_views], keys, comm, FLOAT_KEY_BITS)))
+        for name, m in fixed_pool.items():
             ledger.add(f"pool/{name}", m)
+
+    if upfront and settings.base == "magnitude":
+        choose_upfront("magnitude", None)
     masks: dict[str, torch.Tensor] = {}
     deferred: dict[str, torch.Tensor] = {}  # global exact mode: bf16 ratios until every group is probed
     for gi, views in enumerate(groups):
-        stats = InputStats(views, hessian=False, ledger=ledger) if settings.base == "wanda" else None
+        dense_norms = upfront and settings.base == "wanda" and gi == 0  # the first pass still sees the dense model
+        wanda_here = settings.base == "wanda" and (not upfront or dense_norms)
+        stats = InputStats(all_views if dense_norms else views, hessian=False, ledger=ledger) if wanda_here else None
         g0 = gradient_max(runner, steps, views, settings.stat_dtype, stats, ledger, tag=f"G0/{gi}/")
         if stats is not None:
             stats.finalize(comm)
+        if dense_norms:
+            choose_upfront("wanda", stats)
         if settings.keep_g0:
             settings.g0.update({k: t.clone() for k, t in g0.items()})
-        base = {v.name: _base_scores(v, settings.base, stats) for v in views}
-        if rule.kind == "global":
-            pools = {v.name: global_pool[v.name] for v in views}
+        base = {} if upfront else {v.name: _base_scores(v, settings.base, stats) for v in views}
+        if upfront:
+            pools = {v.name: fixed_pool[v.name] for v in views}
         else:
             keys = [score_keys(base[v.name], forced.get(v.name)) for v in views]
             pools = dict(zip([v.name for v in views], select(cand_rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS)))
@@ -147,7 +164,7 @@ def run_gradprobe(
                 ledger.add(f"mask/{v.name}", masks[v.name])
         ledger.drop(f"G0/{gi}/")
         ledger.drop(f"G1/{gi}/")
-        if rule.kind != "global":
+        if not upfront:
             ledger.drop("pool/")
         if settings.sequential:
             MaskSet({v.name: masks[v.name] for v in views}).apply(views, comm)
@@ -155,7 +172,7 @@ def run_gradprobe(
     if deferred:
         ones = {v.name: torch.ones_like(deferred[v.name]) for v in all_views}
         keys = [
-            exact_keys(global_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), forced.get(v.name))
+            exact_keys(fixed_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), forced.get(v.name))
             for v in all_views
         ]
         chosen = select(rule, [v.layout for v in all_views], keys, comm, COMPOSITE_BITS + 1)
