@@ -6,7 +6,21 @@ look at the outside world (model and data files, the output directory, checkpoin
 """
 from __future__ import annotations
 
-from harness.config.schema import AC_MODES, COMPILE_MODES, DATA_FORMATS, EMBEDDED_CORPORA, GRADPROBE_DECISIONS, LORA_QUANTIZE, PRECISIONS, PRUNE_BASES, RunConfig
+from harness.config.prune_modes import check_prune_mode
+from harness.config.schema import (
+    AC_MODES,
+    COMPILE_MODES,
+    DATA_FORMATS,
+    EMBEDDED_CORPORA,
+    LORA_QUANTIZE,
+    PRECISIONS,
+    PRUNE_BASES,
+    PRUNE_DECISIONS,
+    PRUNE_METHODS,
+    PRUNE_SCOPES,
+    STAT_DTYPES,
+    RunConfig,
+)
 from harness.config.strategies import Strategy, resolve_deepspeed_config
 from harness.errors import ConfigError, did_you_mean
 
@@ -20,18 +34,21 @@ def check_values(cfg: RunConfig) -> None:
         "optim.schedule": (cfg.optim.schedule, ("cosine", "linear", "constant")),
         "optim.name": (cfg.optim.name, ("adamw", "adam", "sgd")),
         "checkpoint.on_nonfinite": (cfg.checkpoint.on_nonfinite, ("skip", "stop")),
-        "prune.method": (cfg.prune.method, ("none", "magnitude", "wanda", "sparsegpt", "gradprobe")),
+        "prune.method": (cfg.prune.method, PRUNE_METHODS),
         "prune.base": (cfg.prune.base, PRUNE_BASES),
-        "prune.scope": (cfg.prune.scope, ("per_matrix", "global")),
-        "prune.decision": (cfg.prune.decision, GRADPROBE_DECISIONS),
+        "prune.scope": (cfg.prune.scope, PRUNE_SCOPES),
+        "prune.decision": (cfg.prune.decision, PRUNE_DECISIONS),
         "prune.targets": (cfg.prune.targets, ("decoder_linears", "all_linears")),
-        "prune.stat_dtype": (cfg.prune.stat_dtype, ("bf16", "fp16")),
+        "prune.stat_dtype": (cfg.prune.stat_dtype, STAT_DTYPES),
         "device": (cfg.device, ("auto", "cpu", "cuda")),
         "data.token_dtype": (cfg.data.token_dtype, ("uint16", "uint32")),
         "data.format": (cfg.data.format, DATA_FORMATS),
         "lora.quantize": (cfg.lora.quantize, LORA_QUANTIZE),
     }
+    unset_is_mode_default = ("prune.scope", "prune.stat_dtype")  # None: the decision mode's default (prune_modes)
     for key, (value, allowed) in choices.items():
+        if value is None and key in unset_is_mode_default:
+            continue
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{did_you_mean(str(value), list(allowed))}")
     positive = {
@@ -160,6 +177,7 @@ def check_prune_config(cfg: RunConfig, world: int) -> None:
         raise ConfigError(f"prune.schedule raises an unstructured target; prune.pattern={p.pattern} fixes the sparsity")
     if p.finetune_steps < 0:
         raise ConfigError(f"prune.finetune_steps={p.finetune_steps} must be >= 0")
+    check_prune_mode(p)
 
 
 def check_strategy_against_run(strategy: Strategy, cfg: RunConfig, has_accelerator: bool) -> None:

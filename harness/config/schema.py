@@ -13,9 +13,12 @@ AC_MODES = ("none", "full", "selective", "op")
 COMPILE_MODES = ("none", "block", "model")
 LORA_QUANTIZE = ("none", "int8", "nf4")
 EMBEDDED_CORPORA = ("embedded", "stdlib")  # data.source names of corpora shipped with Python (harness.data.documents)
-GRADPROBE_DECISIONS = ("rank", "veto", "saliency", "original")  # prune.decision (harness.pruning.gradprobe)
-PRUNE_BASES = ("magnitude", "wanda", "gblm", "taylor", "ria")  # GradProbe's base scores (harness.pruning.methods)
 DATA_FORMATS = ("text", "instruction")
+PRUNE_METHODS = ("none", "magnitude", "wanda", "sparsegpt", "gradprobe")
+PRUNE_BASES = ("magnitude", "wanda", "gblm", "taylor", "ria")  # GradProbe's base scores (harness.pruning.methods)
+PRUNE_DECISIONS = ("rank", "veto", "saliency", "original")  # GradProbe's decision rule (harness/config/prune_modes.py)
+PRUNE_SCOPES = ("per_matrix", "global")
+STAT_DTYPES = ("bf16", "fp16", "fp32")  # storage of GradProbe's gradient statistics
 
 
 @dataclass
@@ -106,18 +109,20 @@ class PruneConfig:
     pattern: str = "unstructured"  # unstructured | N:M, e.g. 2:4
     calib_samples: int = 16
     calib_seed: int = 0
-    group_size: int = 0  # K layers probed together; 0 = chosen from memory
+    group_size: int = 0  # K decoder blocks probed together; 0 = chosen from memory (decision=original: one matrix)
     threshold: float = 0.0
     reduction: float = 0.1
-    exact_target: bool = True
-    decision: str = "rank"  # gradprobe: one of GRADPROBE_DECISIONS (see harness/pruning/gradprobe.py)
-    scope: str = "per_matrix"  # per_matrix | global
+    # The next four: None = the decision mode's default (harness/config/prune_modes.py): rank/veto
+    # exact, per_matrix, bf16, sequential for SparseGPT only; original: veto, global (magnitude base), fp32, sequential.
+    exact_target: bool | None = None
+    decision: str = "rank"  # gradprobe: one of PRUNE_DECISIONS (harness/pruning/gradprobe.py)
+    scope: str | None = None  # per_matrix | global
     targets: str = "decoder_linears"  # decoder_linears | all_linears
     pool: float = 0.25  # exact-target GradProbe: probe (1 + pool) x target candidates
-    sequential: bool | None = None  # apply each group's mask before probing the next (None: SparseGPT only)
+    sequential: bool | None = None  # apply each group's mask before probing the next
     schedule: list[float] | None = None  # iterative targets, e.g. [0.3, 0.4, 0.5]
     max_metric_increase: float = 0.1  # iterative schedule stops when eval loss rises more than this
-    stat_dtype: str = "bf16"  # storage of gradient statistics: bf16 | fp16
+    stat_dtype: str | None = None  # storage of gradient statistics: bf16 | fp16 | fp32
     finetune_steps: int = 0  # training steps after pruning (masks enforced)
 
 

@@ -12,6 +12,12 @@ these weights?"); G1 the same way; restore the weights bit-exactly. Then
 G0 is always taken on the model as it was when the stage started unless `sequential` is
 set, so K=1 and K=all see the same G0 and K is a memory knob. G1 differs with K by
 design: it measures shrinking the candidates of the probed group only.
+
+Candidates are chosen per group from the model as each group finds it, except when they are
+fixed once up front from the model as the stage found it: a global selection (one threshold
+over every matrix), and `dense_candidates` (the original GradProbe, whose strategy picks its
+candidates once on the dense model before streaming through the matrices; a Wanda base then
+takes its input norms for every matrix from the first G0 pass, which still sees that model).
 """
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ from harness.pruning.shards import ShardView, sync_views
 
 @dataclass
 class ProbeSettings:
-    base: str  # one of methods.BASES
+    base: str  # one of methods' bases (PRUNE_BASES)
     reduction: float
     threshold: float
     exact: bool
@@ -57,6 +63,7 @@ class ProbeSettings:
     sequential: bool
     decision: str = "rank"  # exact target: rank the pool by G1/G0 | veto: base order, G1/G0 only vetoes | saliency
     keep_g0: bool = False
+    dense_candidates: bool = False  # candidates of every matrix chosen once, before the first group is probed
     g0: dict[str, torch.Tensor] = field(default_factory=dict)  # filled when keep_g0
 
 
@@ -107,8 +114,10 @@ def run_gradprobe(
         raise ValueError("GradProbe on a Wanda base compares within rows; scope=global does not apply")
     if rule.kind == "global" and settings.decision == "saliency":
         raise ValueError("the saliency decision ranks each matrix's pool on its own; scope=global does not apply (use per_matrix)")
-    if rule.kind == "global" and settings.sequential:
-        raise ValueError("a global selection needs every layer probed before any is pruned; sequential=True contradicts it")
+    if rule.kind == "global" and settings.sequential and settings.exact:
+        raise ValueError("an exact-target global ranking needs every matrix probed before any is pruned; sequential=True contradicts it")
+    if settings.dense_candidates and settings.exact:
+        raise ValueError("candidates fixed on the dense model belong to the original veto (exact_target=false)")
     if rule.kind == "nm" and not settings.exact:
         raise ValueError(
             "N:M with exact_target=false: the original veto leaves some groups with fewer than M-N zeros, which no N:M "
@@ -117,31 +126,39 @@ def run_gradprobe(
     forced = forced or {}
     cand_rule = widen(rule, settings.pool) if settings.exact else rule
     all_views = [v for g in groups for v in g]
-    global_pool: dict[str, torch.Tensor] = {}
-    if rule.kind == "global":
-        keys = [score_keys(magnitude_scores(v.weight()), forced.get(v.name)) for v in all_views]
-        global_pool = dict(zip([v.name for v in all_views], select(cand_rule, [v.layout for v in all_views], keys, comm, FLOAT_KEY_BITS)))
-        del keys
-        for name, m in global_pool.items():
+    upfront = rule.kind == "global" or settings.dense_candidates
+    fixed_pool: dict[str, torch.Tensor] = {}  # upfront: every matrix's candidates
+
+    def choose_upfront(base: str, stats: InputStats | None) -> None:
+        keys = [score_keys(_base_scores(v, base, stats, {}, comm), forced.get(v.name)) for v in all_views]
+        fixed_pool.update(zip([v.name for v in all_views], select(cand_rule, [v.layout for v in all_views], keys, comm, FLOAT_KEY_BITS)))
+        for name, m in fixed_pool.items():
             ledger.add(f"pool/{name}", m)
+
+    if upfront and settings.base == "magnitude":
+        choose_upfront("magnitude", None)
     masks: dict[str, torch.Tensor] = {}
     deferred: dict[str, torch.Tensor] = {}  # global exact mode: bf16 ratios until every group is probed
     for gi, views in enumerate(groups):
-        stats = InputStats(views, hessian=False, ledger=ledger) if settings.base in INPUT_NORM_BASES else None
+        dense_norms = upfront and settings.base == "wanda" and gi == 0  # the first pass still sees the dense model
+        norms_here = settings.base in INPUT_NORM_BASES and (not upfront or dense_norms)
+        stats = InputStats(all_views if dense_norms else views, hessian=False, ledger=ledger) if norms_here else None
         grad_sumsq: dict[str, torch.Tensor] = {}
         saliency = settings.decision == "saliency"
         sum0: dict[str, torch.Tensor] = {}
         sum1: dict[str, torch.Tensor] = {}
         g0 = gradient_max(runner, steps, views, settings.stat_dtype, stats, ledger, tag=f"G0/{gi}/",
-                          sumsq=grad_sumsq if settings.base in GRADIENT_BASES else None, signed=sum0 if saliency else None)
+                          sumsq=grad_sumsq if settings.base in GRADIENT_BASES and not upfront else None, signed=sum0 if saliency else None)
         if stats is not None:
             stats.finalize(comm)
+        if dense_norms:
+            choose_upfront("wanda", stats)
         if settings.keep_g0:
             settings.g0.update({k: t.clone() for k, t in g0.items()})
-        base = {v.name: _base_scores(v, settings.base, stats, grad_sumsq, comm) for v in views}
+        base = {} if upfront else {v.name: _base_scores(v, settings.base, stats, grad_sumsq, comm) for v in views}
         del grad_sumsq
-        if rule.kind == "global":
-            pools = {v.name: global_pool[v.name] for v in views}
+        if upfront:
+            pools = {v.name: fixed_pool[v.name] for v in views}
         else:
             keys = [score_keys(base[v.name], forced.get(v.name)) for v in views]
             pools = dict(zip([v.name for v in views], select(cand_rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS)))
@@ -181,7 +198,7 @@ def run_gradprobe(
                 ledger.add(f"mask/{v.name}", masks[v.name])
         ledger.drop(f"G0/{gi}/")
         ledger.drop(f"G1/{gi}/")
-        if rule.kind != "global":
+        if not upfront:
             ledger.drop("pool/")
         if settings.sequential:
             MaskSet({v.name: masks[v.name] for v in views}).apply(views, comm)
@@ -189,10 +206,10 @@ def run_gradprobe(
     if deferred:
         ones = {v.name: torch.ones_like(deferred[v.name]) for v in all_views}
         if settings.decision == "veto":
-            keys = [veto_keys(global_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), settings.threshold,
+            keys = [veto_keys(fixed_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), settings.threshold,
                               forced.get(v.name)) for v in all_views]
         else:
-            keys = [exact_keys(global_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), forced.get(v.name))
+            keys = [exact_keys(fixed_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), forced.get(v.name))
                     for v in all_views]
         chosen = select(rule, [v.layout for v in all_views], keys, comm, COMPOSITE_BITS + 1)
         for v, k, m in zip(all_views, keys, chosen):

@@ -8,10 +8,12 @@ Passes over the calibration data, per method (K = layers per group, L = layers):
   magnitude  0
   wanda      1 forward (statistics for every layer at once; `sequential`: one per group)
   sparsegpt  1 forward per group (each group is pruned and updated before the next)
-  gradprobe  2 forward+backward per group: 2 when K = all, 2L when K = 1 (the original).
+  gradprobe  2 forward+backward per group: 2 when K = all, 2L when K = 1; decision=original:
+             one group per matrix, so 2 per matrix (the original's low-memory streaming).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -21,6 +23,8 @@ from typing import Any
 import torch
 
 from harness.config import PruneConfig
+from harness.config.prune_modes import check_original, is_original, resolve_prune
+from harness.config.schema import STAT_DTYPES
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
 from harness.pruning.comm import Comm
 from harness.pruning.gradprobe import ProbeSettings, run_gradprobe
@@ -45,6 +49,10 @@ log = logging.getLogger(__name__)
 # `PruneConfig.pool` when the config has that field.
 DEFAULT_POOL = 0.25
 
+# `prune.stat_dtype` names (harness.config.schema.STAT_DTYPES) -> the storage of G0 and G1.
+STAT_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+assert tuple(STAT_TORCH_DTYPES) == STAT_DTYPES
+
 
 @dataclass
 class LayerReport:
@@ -66,7 +74,7 @@ class PruneReport:
     target_sparsity: float
     achieved_sparsity: float  # over the pruned (target) layers
     layers: list[LayerReport]
-    group_size: int
+    group_size: int  # K decoder blocks per group (decision=original: 1, one matrix per group)
     groups: int
     fwd_passes: float  # passes over the calibration set, forward only
     fwd_bwd_passes: float  # passes over the calibration set, forward + backward
@@ -102,7 +110,7 @@ def run_pruning(
     comm: Comm | None = None,
     sequential: bool | None = None,
     prior: MaskSet | None = None,
-    stat_dtype: torch.dtype = torch.bfloat16,
+    stat_dtype: torch.dtype | None = None,
     keep_g0: bool = False,
     apply: bool = True,
     pool: float | None = None,
@@ -113,14 +121,27 @@ def run_pruning(
     `loss_fn(model_or_engine, batch)` returns the scalar loss. A probe step is
     `grad_accum` micro-batches (a DeepSpeed engine's own accumulation). `prior` masks stay
     pruned (iterative schedules, reloaded masks). `sequential` applies each group's result
-    before the next group's statistics (default: only SparseGPT, whose update rewrites
-    weights). `pool`: exact-target GradProbe's extra candidates (default `cfg.pool` if the
-    config has it, else DEFAULT_POOL). `apply=False` returns masks without zeroing weights
+    before the next group's statistics (default `cfg.sequential`, else the decision mode's:
+    SparseGPT, whose update rewrites weights, and GradProbe's original mode). `stat_dtype`
+    overrides `cfg.stat_dtype`. Unset config keys take the mode's defaults
+    (`harness.config.prune_modes`); decision=original probes one matrix per group. `pool`:
+    exact-target GradProbe's extra candidates (default `cfg.pool` if the config has it,
+    else DEFAULT_POOL). `apply=False` returns masks without zeroing weights
     (not for SparseGPT, which rewrites weights). Collective: every rank calls it with the
     same config.
     """
     if cfg.method == "none":
         raise ValueError("prune.method is 'none': nothing to run")
+    if sequential is not None:
+        cfg = dataclasses.replace(cfg, sequential=sequential)
+    if stat_dtype is not None:
+        cfg = dataclasses.replace(cfg, stat_dtype=next(k for k, t in STAT_TORCH_DTYPES.items() if t == stat_dtype))
+    if cfg.decision == "original":
+        check_original(cfg)
+    cfg, filled = resolve_prune(cfg)
+    sequential = bool(cfg.sequential)
+    assert cfg.stat_dtype is not None and cfg.scope is not None and cfg.exact_target is not None
+    stat_dtype = STAT_TORCH_DTYPES[cfg.stat_dtype]
     comm = comm or Comm()
     comm.barrier()
     start = time.perf_counter()
@@ -139,18 +160,21 @@ def run_pruning(
     if cfg.method != "magnitude" and not batches:
         raise ValueError(f"prune.method={cfg.method} needs calibration batches")
     rule = make_rule(cfg.method, cfg.base, parse_pattern(cfg.pattern), cfg.sparsity, cfg.scope)
-    if sequential is None:
-        sequential = cfg.method == "sparsegpt"
+    if comm.rank == 0 and filled and is_original(cfg):
+        log.info(f"prune: decision=original filled what the config left unset: {', '.join(filled)}")
     if not apply and (sequential or cfg.method == "sparsegpt"):
         raise ValueError("apply=False cannot be honoured by a sequential run (each group is applied before the next)")
     if cfg.method == "sparsegpt" and not sequential:
         raise ValueError("SparseGPT rewrites the weights of each group before the next is measured; sequential=False is not supported")
 
-    units = sorted({v.target.unit for v in views})
-    device = views[0].lp().device
-    k = cfg.group_size or default_group_size(views, units, comm, hessian=cfg.method == "sparsegpt", device=device)
-    k = max(1, min(k, len(units)))
-    groups = [[v for v in views if v.target.unit in units[i : i + k]] for i in range(0, len(units), k)]
+    if is_original(cfg):
+        k, groups = 1, [[v] for v in views]  # one matrix at a time, in model order (build_views' order)
+    else:
+        units = sorted({v.target.unit for v in views})
+        device = views[0].lp().device
+        k = cfg.group_size or default_group_size(views, units, comm, hessian=cfg.method == "sparsegpt", device=device)
+        k = max(1, min(k, len(units)))
+        groups = [[v for v in views if v.target.unit in units[i : i + k]] for i in range(0, len(units), k)]
     forced = None if prior is None else {v.name: prior[v.name] for v in views if v.name in prior}
     ledger = Ledger()
     g0: dict[str, torch.Tensor] = {}
@@ -167,6 +191,7 @@ def run_pruning(
             settings = ProbeSettings(
                 base=cfg.base, reduction=cfg.reduction, threshold=cfg.threshold, exact=cfg.exact_target,
                 pool=pool_frac, stat_dtype=stat_dtype, sequential=sequential, decision=cfg.decision, keep_g0=keep_g0,
+                dense_candidates=is_original(cfg),
             )
             masks = run_gradprobe(groups, rule, settings, runner, runner.steps(batches), comm, ledger, forced)
             g0 = settings.g0

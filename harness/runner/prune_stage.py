@@ -43,7 +43,6 @@ log = get_logger(__name__)
 MASKS_DIR = "prune_masks"  # under output_dir: MaskSet files, loadable at any world size
 REPORT_FILE = "prune_report.json"  # under output_dir: the stats of the stage (rank 0)
 HOLDOUT_SPLIT = "calib_holdout"  # calib-split blocks not drawn for calibration: the schedule's metric
-STAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class PruneStats(dict):
@@ -133,9 +132,8 @@ def run_prune_stage(
     before = before or evaluate(engine, data, cfg, info)
     target = engine.model
     kwargs: dict[str, Any] = dict(
-        grad_accum=None if engine.owns_grad_accumulation else cfg.grad_accum, comm=comm, sequential=p.sequential,
-        stat_dtype=STAT_DTYPES[p.stat_dtype],
-    )
+        grad_accum=None if engine.owns_grad_accumulation else cfg.grad_accum, comm=comm,
+    )  # sequential and stat_dtype: from `p`, unset keys filled by the decision mode inside run_pruning
     loss_fn = lambda _, batch: engine.forward_loss(batch)
     oib = engine.oib
     with oib.micro_batch(last=False) if oib is not None else contextlib.nullcontext():  # probe backwards must not step

@@ -140,6 +140,15 @@ CASES = [
     ("streaming_with_max_tokens", {}, ["data.streaming=true"], "with data.streaming=true"),
     ("keep_zero_checkpoints", {}, ["checkpoint.keep=0"], "checkpoint.keep=0 must be >= 1"),
     ("prune_calibration_too_small", {}, ["prune.method=wanda", "prune.calib_samples=1"], "cannot fill one probe step"),
+    ("prune_original_exact_target", {}, ["prune.method=gradprobe", "prune.decision=original", "prune.exact_target=true"],
+     "prune.exact_target=true with prune.decision=original"),
+    ("prune_original_bf16_statistics", {}, ["prune.method=gradprobe", "prune.decision=original", "prune.stat_dtype=bf16"],
+     "prune.stat_dtype=bf16 with prune.decision=original"),
+    ("prune_original_n_m", {}, ["prune.method=gradprobe", "prune.decision=original", "prune.pattern=2:4"],
+     "use prune.decision=rank for N:M"),
+    ("prune_rank_without_exact_target", {}, ["prune.method=gradprobe", "prune.exact_target=false"], "the undershooting veto"),
+    ("prune_global_sequential_rank", {}, ["prune.method=gradprobe", "prune.base=magnitude", "prune.scope=global",
+                                          "prune.sequential=true"], "needs every matrix probed before any is pruned"),
 ]
 
 

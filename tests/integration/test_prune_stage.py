@@ -194,9 +194,15 @@ def test_prune_command_rejects_bad_input(tmp_path: Path, cache: Path, monkeypatc
         "prune.method=none": "needs prune.method",
         "prune.sparsity=1.5": "prune.sparsity=1.5 must be in [0, 1)",
         "prune.calib_samples=2": "cannot fill one probe step",
+        "prune.decision=original": "prune.decision=original is GradProbe's rule",
+        ("prune.method=gradprobe", "prune.decision=original", "prune.group_size=2"): "prune.group_size=2 with prune.decision=original",
+        ("prune.method=gradprobe", "prune.exact_target=false"): "the undershooting veto",
     }
     for override, message in cases.items():
-        args = [override] if override.startswith("prune.method") else ["prune.method=wanda", override]
+        if isinstance(override, tuple):
+            args = list(override)
+        else:
+            args = [override] if override.startswith("prune.method") else ["prune.method=wanda", override]
         code, stderr, shown = call_entry_point(harness.prune.main, ["--config", str(cfg), *args], env(), monkeypatch, capfd)
         assert code == 2 and message in stderr, (override, stderr[-2000:])
         lines = [ln for ln in stderr.splitlines() if ln.strip()]

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from harness.config import PruneConfig
+from harness.config.prune_modes import resolve_prune
 
 GP_WANDA = PruneConfig(method="gradprobe", base="wanda", sparsity=0.5, group_size=1)
 RUNS = {
@@ -29,6 +30,10 @@ RUNS = {
         "gp_24": PruneConfig(method="gradprobe", base="magnitude", pattern="2:4", sparsity=0.5, group_size=2),
         "gp_original": PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, exact_target=False, group_size=1),
         "gp_gblm": PruneConfig(method="gradprobe", base="gblm", sparsity=0.5, group_size=1),
+        # the original GradProbe (candidates from one global threshold, then one matrix at a time, each
+        # applied before the next is probed, fp32 statistics) and its Wanda-base variant
+        "gp_decision_original": PruneConfig(method="gradprobe", base="magnitude", decision="original", sparsity=0.5),
+        "gp_decision_original_wanda": PruneConfig(method="gradprobe", base="wanda", decision="original", sparsity=0.5),
     },
     "zero3": {
         "gp_wanda": GP_WANDA,
@@ -250,7 +255,7 @@ def test_masks_identical_for_world_1_and_2(launched, strategy: str, name: str) -
     r1, r2 = load_results(out, 1, strategy), load_results(out, 2, strategy)
     assert r1[f"{strategy}/{name}"]["achieved"] == r2[f"{strategy}/{name}"]["achieved"]
     assert r2[f"{strategy}/kinds"] == [KINDS[strategy]]
-    cfg = RUNS[strategy][name]
+    cfg = resolve_prune(RUNS[strategy][name])[0]  # exact_target unset: the decision mode's default
     if cfg.exact_target or cfg.method != "gradprobe":
         assert r1[f"{strategy}/{name}"]["achieved"] == pytest.approx(cfg.sparsity, abs=1e-3)
     else:
@@ -329,6 +334,15 @@ def test_probe_memory_per_rank_shrinks_with_world(launched, strategy: str) -> No
     key = f"{strategy}/gp_wanda"
     assert r2[key]["probe_bytes"] < r1[key]["probe_bytes"]
     assert r1[key]["fwd_bwd"] == r2[key]["fwd_bwd"] == 4  # 2 passes x 2 groups (K=1, 2 layers)
+
+
+def test_decision_original_probes_each_matrix_at_both_world_sizes(launched) -> None:
+    """2 fwd+bwd passes per matrix (14 matrices) whatever the world size; the veto undershoots."""
+    out = launched("fsdp")
+    for name in ("gp_decision_original", "gp_decision_original_wanda"):
+        r1, r2 = (load_results(out, w, "fsdp")[f"fsdp/{name}"] for w in (1, 2))
+        assert r1["fwd_bwd"] == r2["fwd_bwd"] == 2 * 14, name
+        assert 0 < r1["achieved"] == r2["achieved"] < 0.5, name
 
 
 @pytest.mark.parametrize("strategy", list(RUNS))

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from harness.config import all_keys, load_config
+from harness.config import all_keys, check_run, load_config, load_strategy
 from harness.errors import ConfigError
 
 
@@ -76,3 +76,50 @@ def test_nm_pattern_is_not_a_base60_number(tmp_path):
     path.write_text("prune:\n  pattern: 2:4\n")
     assert load_config(str(path)).prune.pattern == "2:4"
     assert load_config(None, ["prune.pattern=2:4"]).prune.pattern == "2:4"
+
+
+ORIGINAL = ["prune.method=gradprobe", "prune.decision=original"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([*ORIGINAL, "prune.pattern=2:4"], "use prune.decision=rank for N:M"),
+        ([*ORIGINAL, "prune.exact_target=true"], "prune.exact_target=true with prune.decision=original"),
+        ([*ORIGINAL, "prune.sequential=false"], "prune.sequential=false with prune.decision=original"),
+        ([*ORIGINAL, "prune.group_size=2"], "prune.group_size=2 with prune.decision=original"),
+        ([*ORIGINAL, "prune.base=magnitude", "prune.scope=per_matrix"], "whose magnitude candidates are below one global"),
+        ([*ORIGINAL, "prune.stat_dtype=bf16"], "prune.stat_dtype=bf16 with prune.decision=original"),
+        ([*ORIGINAL, "prune.stat_dtype=fp16"], "prune.stat_dtype=fp16 with prune.decision=original"),
+        ([*ORIGINAL, "prune.base=wanda", "prune.scope=global"], "wanda compares weights within an output row"),
+        (["prune.method=wanda", "prune.decision=original"], "prune.decision=original is GradProbe's rule"),
+        (["prune.method=gradprobe", "prune.exact_target=false"], "the undershooting veto"),
+        (["prune.method=gradprobe", "prune.decision=veto", "prune.exact_target=false"], "veto prunes exactly the target"),
+        (["prune.method=gradprobe", "prune.base=magnitude", "prune.scope=global", "prune.sequential=true"],
+         "needs every matrix probed before any is pruned"),
+        (["prune.method=wanda", "prune.scope=global"], "wanda compares weights within an output row"),
+    ],
+)
+def test_prune_mode_contradictions_are_refused_before_launch(overrides, message):
+    """Each is one line from check_run (what harness.train, harness.prune and the pre-flight run on every rank)."""
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as err:
+        check_run(cfg, load_strategy("ddp"), 1, False)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ORIGINAL,
+        [*ORIGINAL, "prune.base=magnitude", "prune.scope=global", "prune.stat_dtype=fp32", "prune.exact_target=false",
+         "prune.sequential=true", "prune.group_size=1"],
+        [*ORIGINAL, "prune.base=wanda", "prune.scope=per_matrix"],
+        ["prune.method=gradprobe", "prune.stat_dtype=fp32"],
+        ["prune.method=gradprobe", "prune.base=magnitude", "prune.scope=global"],
+        ["prune.method=gradprobe", "prune.sequential=true"],
+    ],
+)
+def test_prune_modes_accepted(overrides):
+    check_run(load_config(None, overrides), load_strategy("ddp"), 1, False)

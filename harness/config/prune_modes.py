@@ -1,0 +1,115 @@
+"""GradProbe's decision modes: the settings each implies, and the combinations none can run.
+
+`prune.decision` names the rule; `scope`, `stat_dtype`, `exact_target` and `sequential` left
+unset (None) take the mode's default, so a run that names `decision: original` gets the
+original algorithm without having to spell out its five settings, and a setting the user did
+write is never silently replaced: if it contradicts the mode, the run is refused before
+launch (`check_prune_mode`, called from `checks.check_prune_config`).
+
+| mode | candidates | groups | decision | statistics |
+|---|---|---|---|---|
+| rank (default) | base rule x (1 + pool) per group | K decoder blocks | exactly the target, ranked by G1/G0 | bf16 |
+| veto | (implemented elsewhere) | K decoder blocks | | bf16 |
+| original | base rule at the target, once, on the dense model (magnitude: one global threshold; Wanda: per row) | one matrix, in model order, applied before the next | G1 <= G0 (1 + threshold), undershoots | fp32 |
+
+The original mode is dcifrian/GradProbe's low-memory streaming pruner: 2 forward+backward
+passes per matrix.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from harness.config.schema import PruneConfig
+from harness.errors import ConfigError
+
+# The keys a mode fills when the user left them unset (None; group_size 0 = automatic).
+MODE_KEYS = ("scope", "stat_dtype", "exact_target", "sequential", "group_size")
+
+
+def is_original(p: PruneConfig) -> bool:
+    return p.method == "gradprobe" and p.decision == "original"
+
+
+def mode_defaults(p: PruneConfig) -> dict[str, Any]:
+    """What an unset key means under this config's mode."""
+    if is_original(p):
+        # The original's magnitude strategy prunes below one threshold over all matrices
+        # (torch's global_unstructured); its Wanda strategy compares within rows, for
+        # which the scope is not read.
+        return {"scope": "global" if p.base == "magnitude" else "per_matrix", "stat_dtype": "fp32", "exact_target": False,
+                "sequential": True, "group_size": 1}
+    # SparseGPT rewrites each group's weights before the next is measured, so it alone
+    # runs sequentially by default; the others measure the model as the stage found it.
+    return {"scope": "per_matrix", "stat_dtype": "bf16", "exact_target": True, "sequential": p.method == "sparsegpt",
+            "group_size": p.group_size}
+
+
+def resolve_prune(p: PruneConfig) -> tuple[PruneConfig, list[str]]:
+    """(the config with every unset mode key filled, 'key=value' for each key filled)."""
+    defaults = mode_defaults(p)
+    filled: dict[str, Any] = {}
+    for key in MODE_KEYS:
+        unset = getattr(p, key) == 0 if key == "group_size" else getattr(p, key) is None
+        if unset and defaults[key] != getattr(p, key):
+            filled[key] = defaults[key]
+    shown = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in filled.items()]
+    return dataclasses.replace(p, **filled), shown
+
+
+def check_prune_mode(p: PruneConfig) -> None:
+    """Refuse (ConfigError, one line) a decision mode combined with a setting it cannot honour.
+
+    Checked on the config as written, so an explicit contradiction is named, not overridden.
+    """
+    if p.method == "none":
+        return
+    row_score = "wanda" if p.method == "wanda" else p.base if p.method == "gradprobe" and p.base != "magnitude" else None
+    if row_score is not None and p.scope == "global":
+        raise ConfigError(f"prune.scope=global with {'prune.base' if p.method == 'gradprobe' else 'prune.method'}={row_score}: "
+                          f"{row_score} compares weights within an output row; unset prune.scope (or per_matrix)")
+    if p.decision == "original":
+        check_original(p)
+        return
+    if p.method != "gradprobe":
+        return
+    if p.exact_target is False:
+        raise ConfigError(f"prune.exact_target=false with prune.decision={p.decision}: {p.decision} prunes exactly the target; "
+                          "the undershooting veto (prune only where the gradient did not grow) is prune.decision=original")
+    if p.decision == "saliency" and p.scope == "global":
+        raise ConfigError("prune.scope=global with prune.decision=saliency: the saliency decision ranks each matrix's "
+                          "candidates on their own; unset prune.scope (or per_matrix)")
+    if p.scope == "global" and p.sequential:
+        raise ConfigError(f"prune.scope=global with prune.sequential=true and prune.decision={p.decision}: an exact-target "
+                          "global ranking needs every matrix probed before any is pruned; set prune.sequential=false, "
+                          "prune.scope=per_matrix, or prune.decision=original (global candidates, applied matrix by matrix)")
+
+
+def check_original(p: PruneConfig) -> None:
+    """The original mode's own contradictions (also checked by `run_pruning`, which library
+    callers reach without a run config's checks)."""
+    if p.method != "gradprobe":
+        raise ConfigError(f"prune.decision=original is GradProbe's rule; prune.method={p.method} has no gradient veto: set "
+                          "prune.method=gradprobe or unset prune.decision")
+    why = "prune.decision=original reproduces the original GradProbe"
+    if p.base not in ("magnitude", "wanda"):
+        raise ConfigError(f"prune.base={p.base} with prune.decision=original: {why}, whose candidates come from magnitude "
+                          "or Wanda; set prune.base=magnitude or wanda")
+    if p.pattern != "unstructured":
+        raise ConfigError(f"prune.pattern={p.pattern} with prune.decision=original: the veto leaves some groups with fewer "
+                          f"than M-N zeros, which no N:M kernel can store; use prune.decision=rank for N:M")
+    if p.exact_target:
+        raise ConfigError("prune.exact_target=true with prune.decision=original: the original's veto undershoots the target "
+                          "by design; unset prune.exact_target, or use prune.decision=rank for an exact target")
+    if p.sequential is False:
+        raise ConfigError(f"prune.sequential=false with prune.decision=original: {why}, which zeroes each matrix's pruned "
+                          "weights before probing the next; unset prune.sequential")
+    if p.group_size not in (0, 1):
+        raise ConfigError(f"prune.group_size={p.group_size} with prune.decision=original: {why}, which probes one matrix "
+                          "at a time (2 passes per matrix); unset prune.group_size (or 1)")
+    if p.base == "magnitude" and p.scope == "per_matrix":
+        raise ConfigError(f"prune.scope=per_matrix with prune.decision=original and prune.base=magnitude: {why}, whose "
+                          "magnitude candidates are below one global threshold; unset prune.scope (or global)")
+    if p.stat_dtype is not None and p.stat_dtype != "fp32":
+        raise ConfigError(f"prune.stat_dtype={p.stat_dtype} with prune.decision=original: {why}, which compares fp32 "
+                          "gradient statistics; unset prune.stat_dtype (or fp32)")
