@@ -9,7 +9,8 @@ launch (`check_prune_mode`, called from `checks.check_prune_config`).
 | mode | candidates | groups | decision | statistics |
 |---|---|---|---|---|
 | rank (default) | base rule x (1 + pool) per group | K decoder blocks | exactly the target, ranked by G1/G0 | bf16 |
-| veto | (implemented elsewhere) | K decoder blocks | | bf16 |
+| veto | base rule x (1 + pool) per group | K decoder blocks | exactly the target in base order; G1/G0 > 1 + threshold only vetoes | bf16 |
+| saliency | base rule x (1 + pool) per group | K decoder blocks | exactly the target, ranked by the loss increase the probe predicts (a Hessian-vector product) | bf16 max, fp32 sums |
 | original | base rule at the target, once, on the dense model (magnitude: one global threshold; Wanda: per row) | one matrix, in model order, applied before the next | G1 <= G0 (1 + threshold), undershoots | fp32 |
 
 The original mode is dcifrian/GradProbe's low-memory streaming pruner: 2 forward+backward
@@ -68,6 +69,17 @@ def check_prune_mode(p: PruneConfig) -> None:
     if row_score is not None and p.scope == "global":
         raise ConfigError(f"prune.scope=global with {'prune.base' if p.method == 'gradprobe' else 'prune.method'}={row_score}: "
                           f"{row_score} compares weights within an output row; unset prune.scope (or per_matrix)")
+    if p.allocation != "uniform":
+        if p.pattern != "unstructured" or p.scope == "global":
+            raise ConfigError(f"prune.allocation={p.allocation} with {'prune.pattern=' + p.pattern if p.pattern != 'unstructured' else 'prune.scope=global'}: "
+                              "the allocation sets each block's unstructured sparsity; use prune.pattern=unstructured and "
+                              "prune.scope=per_matrix, or prune.allocation=uniform")
+        if not 0.0 < p.owl_lambda < min(p.sparsity, 1.0 - p.sparsity) + 1e-12:
+            raise ConfigError(f"prune.owl_lambda={p.owl_lambda} must be in (0, {min(p.sparsity, 1.0 - p.sparsity):g}] so every "
+                              f"block's sparsity stays within [0, 1) around prune.sparsity={p.sparsity}")
+        if p.decision == "original" and p.method == "gradprobe":
+            raise ConfigError("prune.allocation=owl with prune.decision=original: the original prunes to one global threshold; "
+                              "unset prune.allocation")
     if p.decision == "original":
         check_original(p)
         return

@@ -17,6 +17,7 @@ DATA_FORMATS = ("text", "instruction")
 PRUNE_METHODS = ("none", "magnitude", "wanda", "sparsegpt", "gradprobe")
 PRUNE_BASES = ("magnitude", "wanda", "gblm", "taylor", "ria")  # GradProbe's base scores (harness.pruning.methods)
 PRUNE_DECISIONS = ("rank", "veto", "saliency", "original")  # GradProbe's decision rule (harness/config/prune_modes.py)
+PRUNE_ALLOCATIONS = ("uniform", "owl")
 PRUNE_SCOPES = ("per_matrix", "global")
 STAT_DTYPES = ("bf16", "fp16", "fp32")  # storage of GradProbe's gradient statistics
 
@@ -124,6 +125,9 @@ class PruneConfig:
     max_metric_increase: float = 0.1  # iterative schedule stops when eval loss rises more than this
     stat_dtype: str | None = None  # storage of gradient statistics: bf16 | fp16 | fp32
     finetune_steps: int = 0  # training steps after pruning (masks enforced)
+    allocation: str = "uniform"  # per-block sparsity: uniform | owl (outlier-weighted, harness/pruning/allocation.py)
+    owl_lambda: float = 0.08  # OWL: block sparsities span target +- lambda
+    owl_m: float = 5.0  # OWL: an outlier is a Wanda score above m x its block's mean
 
 
 @dataclass

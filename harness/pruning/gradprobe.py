@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from harness.pruning.allocation import view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, Runner, gradient_max
 from harness.pruning.comm import Comm
 from harness.pruning.masks import MaskSet
@@ -62,6 +63,7 @@ class ProbeSettings:
     stat_dtype: torch.dtype
     sequential: bool
     decision: str = "rank"  # exact target: rank the pool by G1/G0 | veto: base order, G1/G0 only vetoes | saliency
+    allocation: dict[str, float] | None = None  # per-matrix sparsities (OWL); None: the rule's, uniform
     keep_g0: bool = False
     dense_candidates: bool = False  # candidates of every matrix chosen once, before the first group is probed
     g0: dict[str, torch.Tensor] = field(default_factory=dict)  # filled when keep_g0
@@ -125,13 +127,15 @@ def run_gradprobe(
         )
     forced = forced or {}
     cand_rule = widen(rule, settings.pool) if settings.exact else rule
+    widening = settings.pool if settings.exact else 0.0
     all_views = [v for g in groups for v in g]
     upfront = rule.kind == "global" or settings.dense_candidates
     fixed_pool: dict[str, torch.Tensor] = {}  # upfront: every matrix's candidates
 
     def choose_upfront(base: str, stats: InputStats | None) -> None:
         keys = [score_keys(_base_scores(v, base, stats, {}, comm), forced.get(v.name)) for v in all_views]
-        fixed_pool.update(zip([v.name for v in all_views], select(cand_rule, [v.layout for v in all_views], keys, comm, FLOAT_KEY_BITS)))
+        fixed_pool.update(zip([v.name for v in all_views], select(cand_rule, [v.layout for v in all_views], keys, comm, FLOAT_KEY_BITS,
+                                                                  view_sparsities(all_views, settings.allocation, widening))))
         for name, m in fixed_pool.items():
             ledger.add(f"pool/{name}", m)
 
@@ -161,7 +165,8 @@ def run_gradprobe(
             pools = {v.name: fixed_pool[v.name] for v in views}
         else:
             keys = [score_keys(base[v.name], forced.get(v.name)) for v in views]
-            pools = dict(zip([v.name for v in views], select(cand_rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS)))
+            pools = dict(zip([v.name for v in views], select(cand_rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS,
+                                                             view_sparsities(views, settings.allocation, widening))))
             del keys
             for name, m in pools.items():
                 ledger.add(f"pool/{name}", m)
@@ -187,7 +192,7 @@ def run_gradprobe(
                         for v in views]
             else:
                 keys = [exact_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], forced.get(v.name)) for v in views]
-            chosen = select(rule, [v.layout for v in views], keys, comm, COMPOSITE_BITS + 1)
+            chosen = select(rule, [v.layout for v in views], keys, comm, COMPOSITE_BITS + 1, view_sparsities(views, settings.allocation))
             for v, k, m in zip(views, keys, chosen):
                 if (k[m] == (1 << COMPOSITE_BITS)).any():
                     raise RuntimeError(f"{v.name}: the selection reached outside the candidate pool")

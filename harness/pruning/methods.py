@@ -76,15 +76,21 @@ def widen(rule: Rule, pool: float) -> Rule:
     return Rule(rule.kind, min(1.0, rule.sparsity * (1.0 + pool)), rule.n, rule.m)
 
 
-def select(rule: Rule, layouts: list[Layout], keys: list[torch.Tensor], comm: Comm, key_bits: int) -> list[torch.Tensor]:
-    """Apply a rule to int64 keys (lowest pruned first); returns local boolean masks."""
+def select(rule: Rule, layouts: list[Layout], keys: list[torch.Tensor], comm: Comm, key_bits: int,
+           sparsities: list[float] | None = None) -> list[torch.Tensor]:
+    """Apply a rule to int64 keys (lowest pruned first); returns local boolean masks.
+    `sparsities`: one per layout instead of the rule's (a per-layer allocation such as OWL;
+    unstructured per-row / per-matrix rules only)."""
+    if sparsities is not None and rule.kind not in ("per_row", "per_matrix"):
+        raise ValueError(f"a per-layer sparsity allocation needs unstructured per-matrix selection, not {rule.kind}")
+    each = sparsities if sparsities is not None else [rule.sparsity] * len(layouts)
     if rule.kind == "nm":
         return select_per_unit(layouts, keys, [rule.m] * len(layouts), [rule.prune_per_group] * len(layouts), comm, key_bits)
     if rule.kind == "per_row":
-        return select_per_unit(layouts, keys, [lay.cols for lay in layouts], [count_for(rule.sparsity, lay.cols) for lay in layouts],
+        return select_per_unit(layouts, keys, [lay.cols for lay in layouts], [count_for(s, lay.cols) for s, lay in zip(each, layouts)],
                                comm, key_bits)
     if rule.kind == "per_matrix":
-        return select_per_matrix(layouts, keys, [count_for(rule.sparsity, lay.numel) for lay in layouts], comm, key_bits)
+        return select_per_matrix(layouts, keys, [count_for(s, lay.numel) for s, lay in zip(each, layouts)], comm, key_bits)
     if rule.kind == "global":
         return select_global(layouts, keys, count_for(rule.sparsity, sum(lay.numel for lay in layouts)), comm, key_bits)
     raise ValueError(f"unknown selection {rule.kind}")

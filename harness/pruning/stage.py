@@ -25,6 +25,7 @@ import torch
 from harness.config import PruneConfig
 from harness.config.prune_modes import check_original, is_original, resolve_prune
 from harness.config.schema import STAT_DTYPES
+from harness.pruning.allocation import owl_sparsities, view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
 from harness.pruning.comm import Comm
 from harness.pruning.gradprobe import ProbeSettings, run_gradprobe
@@ -180,18 +181,19 @@ def run_pruning(
     g0: dict[str, torch.Tensor] = {}
 
     with runner.eval_mode():
+        alloc = _allocation(cfg, views, rule, runner, batches, comm, ledger)
         if cfg.method == "magnitude":
-            masks = _magnitude(groups, rule, forced, comm, sequential)
+            masks = _magnitude(groups, rule, forced, comm, sequential, alloc)
         elif cfg.method == "wanda":
-            masks = _wanda(groups, rule, forced, runner, batches, comm, sequential, ledger)
+            masks = _wanda(groups, rule, forced, runner, batches, comm, sequential, ledger, alloc)
         elif cfg.method == "sparsegpt":
-            masks = _sparsegpt(groups, rule, forced, runner, batches, comm, ledger)
+            masks = _sparsegpt(groups, rule, forced, runner, batches, comm, ledger, alloc)
         elif cfg.method == "gradprobe":
             pool_frac = float(pool if pool is not None else getattr(cfg, "pool", DEFAULT_POOL))
             settings = ProbeSettings(
                 base=cfg.base, reduction=cfg.reduction, threshold=cfg.threshold, exact=cfg.exact_target,
                 pool=pool_frac, stat_dtype=stat_dtype, sequential=sequential, decision=cfg.decision, keep_g0=keep_g0,
-                dense_candidates=is_original(cfg),
+                dense_candidates=is_original(cfg), allocation=alloc,
             )
             masks = run_gradprobe(groups, rule, settings, runner, runner.steps(batches), comm, ledger, forced)
             g0 = settings.g0
@@ -222,13 +224,30 @@ def run_pruning(
     return report
 
 
-def _magnitude(groups: list[list[ShardView]], rule: Rule, forced: dict[str, torch.Tensor] | None, comm: Comm, sequential: bool) -> MaskSet:
+def _allocation(cfg: PruneConfig, views: list[ShardView], rule: Rule, runner: Runner, batches: list[Any], comm: Comm,
+                ledger: Ledger) -> dict[str, float] | None:
+    """Per-matrix sparsities of a non-uniform allocation (None: uniform). OWL reads the dense
+    model's input norms: one forward pass of its own, counted in the report's passes."""
+    if cfg.allocation == "uniform":
+        return None
+    if rule.kind not in ("per_row", "per_matrix"):
+        raise ValueError(f"prune.allocation={cfg.allocation} allocates unstructured sparsity per block; not with {rule.kind} selection")
+    stats = InputStats(views, hessian=False, ledger=ledger)
+    forward_pass(runner, batches, stats)
+    stats.finalize(comm)
+    alloc = owl_sparsities(views, stats, cfg.sparsity, cfg.owl_lambda, cfg.owl_m, comm)
+    ledger.drop("stats/")
+    return alloc
+
+
+def _magnitude(groups: list[list[ShardView]], rule: Rule, forced: dict[str, torch.Tensor] | None, comm: Comm, sequential: bool,
+               alloc: dict[str, float] | None = None) -> MaskSet:
     forced = forced or {}
     chunks = [[v for g in groups for v in g]] if rule.kind == "global" else groups
     masks: dict[str, torch.Tensor] = {}
     for views in chunks:
         keys = [score_keys(magnitude_scores(v.weight()), forced.get(v.name)) for v in views]
-        for v, m in zip(views, select(rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS)):
+        for v, m in zip(views, select(rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS, view_sparsities(views, alloc))):
             masks[v.name] = m
         if sequential:
             MaskSet({v.name: masks[v.name] for v in views}).apply(views, comm)
@@ -237,7 +256,7 @@ def _magnitude(groups: list[list[ShardView]], rule: Rule, forced: dict[str, torc
 
 def _wanda(
     groups: list[list[ShardView]], rule: Rule, forced: dict[str, torch.Tensor] | None, runner: Runner,
-    batches: list[Any], comm: Comm, sequential: bool, ledger: Ledger,
+    batches: list[Any], comm: Comm, sequential: bool, ledger: Ledger, alloc: dict[str, float] | None = None,
 ) -> MaskSet:
     """Scores |W| * ||X_j||; the norms need one forward pass (per group when sequential)."""
     forced = forced or {}
@@ -254,7 +273,7 @@ def _wanda(
             stats.finalize(comm)
         assert stats is not None
         keys = [score_keys(wanda_scores(v.weight(), v.layout, stats.norms(v.name)), forced.get(v.name)) for v in views]
-        for v, m in zip(views, select(rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS)):
+        for v, m in zip(views, select(rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS, view_sparsities(views, alloc))):
             masks[v.name] = m
         if sequential:
             MaskSet({v.name: masks[v.name] for v in views}).apply(views, comm)
@@ -263,7 +282,7 @@ def _wanda(
 
 def _sparsegpt(
     groups: list[list[ShardView]], rule: Rule, forced: dict[str, torch.Tensor] | None, runner: Runner,
-    batches: list[Any], comm: Comm, ledger: Ledger,
+    batches: list[Any], comm: Comm, ledger: Ledger, alloc: dict[str, float] | None = None,
 ) -> MaskSet:
     """Hessians of a group from one forward pass, then the OBS update, written in place."""
     if rule.kind == "global":
@@ -276,7 +295,8 @@ def _sparsegpt(
         stats.finalize(comm)
         for v in views:
             assert v.layout is not None
-            values, mask = sparsegpt_prune(v.layout, v.weight(), stats.hessian_of(v.name), rule, comm, forced.get(v.name))
+            own = dataclasses.replace(rule, sparsity=alloc[v.name]) if alloc else rule
+            values, mask = sparsegpt_prune(v.layout, v.weight(), stats.hessian_of(v.name), own, comm, forced.get(v.name))
             v.write(torch.ones_like(mask), values, master=True)
             masks[v.name] = mask
             ledger.add(f"mask/{v.name}", mask)

@@ -332,3 +332,32 @@ def test_saliency_picks_the_pair_whose_removal_costs_least() -> None:
         return sum(0.5 * (sum(a * b for a, b in zip(w, x[0].tolist())) - float(t)) ** 2 for x, t in PROBE_BATCHES)
 
     assert loss([0, 0, 3, 4]) < loss([0, 2, 0, 4]) < loss([1, 0, 0, 4])
+
+
+def test_owl_prunes_the_block_with_more_outliers_less() -> None:
+    """Two blocks: OWL gives them target -+ lambda; the one whose Wanda scores have more
+    outliers (above 5x the block mean; recomputed here from captured inputs) is pruned less."""
+    model = build_model("tiny-llama")
+    inputs: dict[str, torch.Tensor] = {}
+    names = {m: n for n, m in model.named_modules()}
+    hooks = [lin.register_forward_pre_hook(lambda mod, a: inputs.setdefault(names[mod], []).append(a[0].detach().reshape(-1, a[0].shape[-1])))
+             for lin in target_linears(model)]
+    with torch.no_grad():
+        for batch in calib():
+            model(input_ids=batch)
+    for h in hooks:
+        h.remove()
+    ratio = []
+    for block in decoder_blocks(model):
+        scores = [(lin.weight.abs() * torch.cat(inputs[names[lin]]).double().norm(dim=0).float()).flatten()
+                  for lin in block.modules() if isinstance(lin, nn.Linear)]
+        flat = torch.cat(scores)
+        ratio.append(float((flat > 5 * flat.mean()).float().mean()))
+    assert ratio[0] != ratio[1]
+    sparsity = [0.42, 0.58] if ratio[0] > ratio[1] else [0.58, 0.42]
+    report = run_pruning(model, calib(), PruneConfig(method="wanda", sparsity=0.5, allocation="owl", owl_lambda=0.08), lm_loss)
+    for layer in report.layers:
+        block = 0 if ".layers.0." in f".{layer.name}." else 1
+        rows, cols = next(m.weight.shape for n, m in model.named_modules() if n == layer.name)
+        assert layer.pruned == rows * count_for(sparsity[block], cols), layer.name
+    assert report.fwd_passes == 2  # OWL's own pass over the dense model, then Wanda's
