@@ -176,8 +176,8 @@ def collective_race_bytes(trace: TraceResult, cpu_run: bool) -> int:
     LM head's 512 KiB all-gather output still alive at the loss, the step's peak, in some
     runs. The lifetime is gloo's, not the trainer's, so the plan includes one such buffer -
     the largest any collective of the step uses - and a run peaks anywhere in
-    ``[total - race_bytes, total]``. Only FSDP2 frees collective buffers within the step
-    (DDP's and DeepSpeed's are resident); NCCL is not modelled here (CUDA plans get 0).
+    ``[total - race_bytes, total]``. FSDP2 only: DDP's buckets are resident and neither DDP
+    nor DeepSpeed has shown it in the accuracy tests; NCCL is not modelled (CUDA plans get 0).
     """
     if not cpu_run or trace.spec.wrap != "fsdp" or trace.spec.world_size < 2:
         return 0
