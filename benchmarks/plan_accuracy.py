@@ -81,15 +81,16 @@ def main() -> None:
                 acc = accelerate_estimate(total * 4, overrides[-2].split("=")[1])
                 rows.append((strategy, world, overrides[-2].split("=")[1], overrides[-1].split("=")[1], measured,
                              max(t for t in trainer if t is not None) if any(t is not None for t in trainer) else None,
-                             est.total, est.peak.name, ds, acc))
+                             est.total, est.race_bytes, est.peak.name, ds, acc))
             print(f"... {strategy} world {world} done", file=sys.stderr, flush=True)
     print("| strategy | world | precision | AC | measured peak | trainer tracker | ours | ours err | "
           "DeepSpeed est. | DS err | accelerate est. | acc. err | our peak moment |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for s, w, p, ac, m, t, ours, moment, ds, acc in rows:
-        def err(x: int | None) -> str:
-            return "n/a" if x is None else f"{(x - m) / m:+.1%}"
-        print(f"| {s} | {w} | {p} | {ac} | {m:,} | {t if t is None else f'{t:,}'} | {ours:,} | {err(ours)} | "
+    for s, w, p, ac, m, t, ours, race, moment, ds, acc in rows:
+        def err(x: int | None, race: int = 0) -> str:
+            # ours: the distance from [total - race_bytes, total] (harness.planner.estimate.collective_race_bytes)
+            return "n/a" if x is None else f"{(min(max(m, x - race), x) - m) / m:+.1%}"
+        print(f"| {s} | {w} | {p} | {ac} | {m:,} | {t if t is None else f'{t:,}'} | {ours:,} | {err(ours, race)} | "
               f"{'n/a' if ds is None else f'{ds:,}'} | {err(ds)} | {acc:,} | {err(acc)} | {moment} |")
 
 

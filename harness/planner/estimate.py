@@ -60,6 +60,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     params_total: int = 0
     largest_param: int = 0
+    race_bytes: int = 0  # included in every moment: see collective_race_bytes; a real run peaks in [total - race_bytes, total]
 
     @property
     def total(self) -> int:
@@ -163,19 +164,43 @@ def _add(cats: dict[str, int], extra: dict[str, int]) -> dict[str, int]:
     return out
 
 
+def collective_race_bytes(trace: TraceResult, cpu_run: bool) -> int:
+    """Bytes a real run may or may not hold at its peak, depending on thread scheduling alone.
+
+    gloo runs each collective on a worker thread, which signals completion and only then
+    drops its own reference to the op's tensors. FSDP2 frees a collective's buffer (the
+    all-gather output once copied into the parameters, the reduce-scatter input once
+    scattered) by dropping its last Python reference right after the wait returns; when the
+    worker thread has not run since signalling (a loaded machine), the buffer outlives that
+    point until it does. Measured on tiny-llama at world 2 (notes/planner_accuracy.md): the
+    LM head's 512 KiB all-gather output still alive at the loss, the step's peak, in some
+    runs. The lifetime is gloo's, not the trainer's, so the plan includes one such buffer -
+    the largest any collective of the step uses - and a run peaks anywhere in
+    ``[total - race_bytes, total]``. FSDP2 only: DDP's buckets are resident and neither DDP
+    nor DeepSpeed has shown it in the accuracy tests; NCCL is not modelled (CUDA plans get 0).
+    """
+    if not cpu_run or trace.spec.wrap != "fsdp" or trace.spec.world_size < 2:
+        return 0
+    return trace.largest_collective_buffer
+
+
 def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Moment]:
     """Forward/backward peak, end of backward and the analytic phases of one rank.
 
     Each traced op's bytes get the engine's parameters and gradients in place of the bare
     module's, the bucket once the first gradient exists, then the resident state. On a CPU
     run the host *is* the device: offloaded state and the host-side step count there too,
-    and gloo's reduce-scatter copy (NCCL has none) is added inside that collective.
+    gloo's reduce-scatter copy (NCCL has none) is added inside that collective, and every
+    moment carries one collective buffer gloo's worker may still hold (:func:`collective_race_bytes`).
     """
+    race = collective_race_bytes(trace, cpu_run)
+
     def finish(cats: dict[str, int], host_extra: int = 0) -> dict[str, int]:
         out = _add(cats, em.resident)
         if cpu_run:
             out = _add(out, em.host)
             out["optimizer_state"] += host_extra
+            out["communication"] += race
         return out
 
     best: Moment | None = None
@@ -283,14 +308,19 @@ def estimate(cfg: RunConfig, world_size: int, *, target: str = "cuda", vocab_siz
     assert best is not None
     peak, moments, em, rank = best
     load_device, load_host = load_phase_bytes(espec, info)
+    race = collective_race_bytes(trace, target == "cpu")
+    notes = list(em.notes)
+    if race:
+        notes.append(f"includes {race:,} B of one collective buffer gloo's worker thread may still hold "
+                     f"(a run peaks between {peak.total - race:,} and {peak.total:,} B)")
     host_extra = max((p.host_extra for p in em.phases), default=0)
     host_total = sum(em.host.values())
     return Estimate(
         engine=em.name, world_size=world_size, rank=rank, peak=peak, moments=moments,
         host=dict(em.host), host_peak=host_total + host_extra if host_total else 0,
         load_device=load_device, load_host=load_host,
-        target=target, trace_seconds=trace.trace_seconds, notes=list(em.notes), params_total=info.total,
-        largest_param=info.largest,
+        target=target, trace_seconds=trace.trace_seconds, notes=notes, params_total=info.total,
+        largest_param=info.largest, race_bytes=race,
     )
 
 
@@ -327,4 +357,4 @@ def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:
     return part + in_flight_device, one_tensor
 
 
-__all__ = ["Estimate", "Moment", "REPORT_CATS", "engine_kind", "estimate", "resolve_vocab", "specs_for", "walk"]
+__all__ = ["Estimate", "Moment", "REPORT_CATS", "collective_race_bytes", "engine_kind", "estimate", "resolve_vocab", "specs_for", "walk"]

@@ -96,6 +96,7 @@ class TraceResult:
     module_names: list[str]
     params: ParamInfo
     gloo_extra: dict[int, int] = field(default_factory=dict)  # row -> bytes gloo adds inside that collective
+    largest_collective_buffer: int = 0  # bytes of the largest all-gather output / reduce-scatter input
     trace_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -231,6 +232,7 @@ class _Timeline:
         self._comm: dict[int, Any] = {}  # id(storage) -> weakref to a storage used by a collective
         self.gloo_extra: dict[int, int] = {}  # row -> bytes gloo allocates inside that op (CPU runs only)
         self._pending_gloo = 0
+        self.largest_collective_buffer = 0  # the most one collective's buffer holds (see estimate.collective_race_bytes)
 
     def _note_collective(self, func: Any, args: tuple[Any, ...]) -> None:
         c10d = torch.ops.c10d
@@ -245,6 +247,7 @@ class _Timeline:
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 self._comm[id(st)] = weakref.ref(st)
+                self.largest_collective_buffer = max(self.largest_collective_buffer, st.nbytes())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         self._note_collective(func, args)
@@ -359,7 +362,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         raise PlanError(f"cannot trace a training step of model '{spec.model_name}' ({spec.wrap}, AC {spec.ac_mode}): "
                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]) from None
     result = TraceResult(spec, tracker.rows, tracker.phases, tracker.modules, tracker.module_names, info,
-                         tracker.gloo_extra)
+                         tracker.gloo_extra, tracker.largest_collective_buffer)
     result.trace_seconds = time.perf_counter() - start
     return result
 

@@ -3,7 +3,10 @@
 For every strategy that runs on CPU x {fp32, bf16} x {AC off, full} at world 1 and 2, the
 planner's prediction (``target="cpu"``: host and device are one memory, as in the run) must
 be within 3% of the largest per-rank peak measured over real steps. The test fails when it
-drifts - a new buffer in DeepSpeed, a changed wrapper in the trainer, a new loss.
+drifts - a new buffer in DeepSpeed, a changed wrapper in the trainer, a new loss. Under FSDP2
+at world 2 the plan includes one collective buffer whose lifetime is gloo's worker thread's
+(``Estimate.race_bytes``): a run peaks with or without it, so the measured peak is judged
+against the interval ``[total - race_bytes, total]`` (see notes/planner_accuracy.md).
 
 Ground truth today is ``harness.planner.measure``: the trainer's own engine
 (``harness.parallelize.build_engine``, its loss, its optimizer) run by torchrun with gloo
@@ -32,14 +35,27 @@ def measured_peaks(runs: list[list[str]], world: int) -> list[int]:
     return [max(rank["peak"] for rank in ranks) for ranks in results]
 
 
+def relative_error(total: int, race_bytes: int, truth: int) -> float:
+    """How far a measured peak lies outside ``[total - race_bytes, total]``, relative to it.
+
+    The planner's total includes ``race_bytes`` (a collective buffer gloo's worker thread
+    may still hold at the peak, see ``harness.planner.estimate.collective_race_bytes``):
+    a run peaks with or without it depending on thread scheduling, so both ends are exact.
+    """
+    low = total - race_bytes
+    nearest = min(max(truth, low), total)
+    return (nearest - truth) / truth
+
+
 def _check(runs: list[list[str]], world: int) -> None:
     measured = measured_peaks(runs, world)
     report = {}
     for overrides, truth in zip(runs, measured):
-        predicted = estimate(load_config(None, overrides), world, target="cpu", vocab_size=VOCAB).total
-        report[" ".join(overrides)] = (predicted, truth, (predicted - truth) / truth)
-    bad = {k: v for k, v in report.items() if abs(v[2]) > TOLERANCE}
-    assert not bad, "\n".join(f"{k}: predicted {p:,} measured {m:,} ({e:+.2%})" for k, (p, m, e) in bad.items())
+        est = estimate(load_config(None, overrides), world, target="cpu", vocab_size=VOCAB)
+        report[" ".join(overrides)] = (est.total, est.race_bytes, truth, relative_error(est.total, est.race_bytes, truth))
+    bad = {k: v for k, v in report.items() if abs(v[3]) > TOLERANCE}
+    assert not bad, "\n".join(f"{k}: predicted {p:,} (race {r:,}) measured {m:,} ({e:+.2%})"
+                               for k, (p, r, m, e) in bad.items())
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -58,10 +74,6 @@ def test_accumulation_and_chunked_loss_within_3_percent(strategy: str) -> None:
     _check(runs, 2)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known race, not yet explained: in some runs rank 1 holds one extra 512 KiB buffer at its peak "
-    "under FSDP2 + optimizer-in-backward at world 2 (measured -7.8% once in CI, within 0.3% in "
-    "isolation); see notes/planner_accuracy.md"))
 def test_optimizer_in_backward_with_fsdp_within_3_percent() -> None:
     runs = [["strategy=fsdp", *SHAPE, f"precision={p}", "memory.optimizer_in_backward=true", "optim.grad_clip=0"]
             for p in ("fp32", "bf16")]
