@@ -6,12 +6,16 @@ original algorithm without having to spell out its five settings, and a setting 
 write is never silently replaced: if it contradicts the mode, the run is refused before
 launch (`check_prune_mode`, called from `checks.check_prune_config`).
 
-| mode | candidates | groups | decision | statistics |
-|---|---|---|---|---|
-| rank (default) | base rule x (1 + pool) per group | K decoder blocks | exactly the target, ranked by G1/G0 | bf16 |
-| veto | base rule x (1 + pool) per group | K decoder blocks | exactly the target in base order; G1/G0 > 1 + threshold only vetoes | bf16 |
-| saliency | base rule x (1 + pool) per group | K decoder blocks | exactly the target, ranked by the loss increase the probe predicts (a Hessian-vector product) | bf16 max, fp32 sums |
-| original | base rule at the target, once, on the dense model (magnitude: one global threshold; Wanda: per row) | one matrix, in model order, applied before the next | G1 <= G0 (1 + threshold), undershoots | fp32 |
+Per mode: candidates; groups; decision; statistics.
+- rank: the base rule x (1 + pool) per group; K decoder blocks; exactly the target, ranked by
+  G1/G0; bf16.
+- veto (default): as rank, but exactly the target in base order, G1/G0 > 1 + threshold only
+  vetoes; bf16.
+- saliency: as rank, ranked by the loss increase the probe predicts (a Hessian-vector
+  product); bf16 max, fp32 sums.
+- original: the base rule at the target, once, on the dense model (magnitude: one global
+  threshold; Wanda: per row); one matrix at a time in model order, each applied before the
+  next; G1 <= G0 (1 + threshold), undershoots; fp32.
 
 The original mode is dcifrian/GradProbe's low-memory streaming pruner: 2 forward+backward
 passes per matrix.
@@ -71,7 +75,8 @@ def check_prune_mode(p: PruneConfig) -> None:
                           f"{row_score} compares weights within an output row; unset prune.scope (or per_matrix)")
     if p.allocation != "uniform":
         if p.pattern != "unstructured" or p.scope == "global":
-            raise ConfigError(f"prune.allocation={p.allocation} with {'prune.pattern=' + p.pattern if p.pattern != 'unstructured' else 'prune.scope=global'}: "
+            clash = f"prune.pattern={p.pattern}" if p.pattern != "unstructured" else "prune.scope=global"
+            raise ConfigError(f"prune.allocation={p.allocation} with {clash}: "
                               "the allocation sets each block's unstructured sparsity; use prune.pattern=unstructured and "
                               "prune.scope=per_matrix, or prune.allocation=uniform")
         if not 0.0 < p.owl_lambda < min(p.sparsity, 1.0 - p.sparsity) + 1e-12:

@@ -31,7 +31,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "embedded"  # "embedded" | "stdlib" (harness.data.documents), a hub dataset name, a local file/dir, or a flat token file (.npy/.bin)
+    # "embedded" | "stdlib" (harness.data.documents), a hub dataset name, a local file/dir, or a flat token file (.npy/.bin)
+    source: str = "embedded"
     text_field: str = "text"
     seq_len: int = 128
     eval_fraction: float = 0.05
@@ -116,7 +117,10 @@ class PruneConfig:
     # The next four: None = the decision mode's default (harness/config/prune_modes.py): rank/veto
     # exact, per_matrix, bf16, sequential for SparseGPT only; original: veto, global (magnitude base), fp32, sequential.
     exact_target: bool | None = None
-    decision: str = "rank"  # gradprobe: one of PRUNE_DECISIONS (harness/pruning/gradprobe.py)
+    # gradprobe: one of PRUNE_DECISIONS (harness/pruning/gradprobe.py). veto is the default because
+    # it is the decision that costs least against its Wanda base on the pruning benchmark
+    # (notes/pruning.md); rank and saliency are measured there to do worse.
+    decision: str = "veto"
     scope: str | None = None  # per_matrix | global
     targets: str = "decoder_linears"  # decoder_linears | all_linears
     pool: float = 0.25  # exact-target GradProbe: probe (1 + pool) x target candidates

@@ -10,6 +10,6 @@ from harness.data.instructions import read_records
 from harness.data.sampling import BatchSampler, StreamSampler, describe_consumption, split_batches
 from harness.data.tokenizer import eos_id, given_tokenizer, load_tokenizer
 
-__all__ = ["EOS", "SPLITS", "BatchSampler", "PackedData", "StreamSampler", "cache_dir_for", "describe_consumption",
-           "EMBEDDED_SOURCES", "embedded_documents", "eos_id", "given_tokenizer", "is_complete", "load_packed", "load_tokenizer", "open_documents",
-           "prepare_data", "read_records", "split_batches", "split_of"]
+__all__ = ["EMBEDDED_SOURCES", "EOS", "SPLITS", "BatchSampler", "PackedData", "StreamSampler", "cache_dir_for",
+           "describe_consumption", "embedded_documents", "eos_id", "given_tokenizer", "is_complete", "load_packed",
+           "load_tokenizer", "open_documents", "prepare_data", "read_records", "split_batches", "split_of"]

@@ -62,7 +62,7 @@ class ProbeSettings:
     pool: float
     stat_dtype: torch.dtype
     sequential: bool
-    decision: str = "rank"  # exact target: rank the pool by G1/G0 | veto: base order, G1/G0 only vetoes | saliency
+    decision: str = "veto"  # exact target: rank the pool by G1/G0 | veto: base order, G1/G0 only vetoes | saliency
     allocation: dict[str, float] | None = None  # per-matrix sparsities (OWL); None: the rule's, uniform
     keep_g0: bool = False
     dense_candidates: bool = False  # candidates of every matrix chosen once, before the first group is probed

@@ -132,7 +132,7 @@ def test_gradprobe_original_mode_hand_case(threshold: float) -> None:
 
 def test_gradprobe_exact_mode_hand_case() -> None:
     toy = Toy(PROBE_W)
-    cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, exact_target=True)
+    cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, exact_target=True, decision="rank")
     report = run_pruning(toy, PROBE_BATCHES, cfg, probe_loss, pool=0.5)
     w = PROBE_W[0]
     pool = [0, 1, 2]  # floor(0.5 * 1.5 * 4) = 3 smallest |w|
@@ -338,10 +338,13 @@ def test_owl_prunes_the_block_with_more_outliers_less() -> None:
     """Two blocks: OWL gives them target -+ lambda; the one whose Wanda scores have more
     outliers (above 5x the block mean; recomputed here from captured inputs) is pruned less."""
     model = build_model("tiny-llama")
-    inputs: dict[str, torch.Tensor] = {}
+    inputs: dict[str, list[torch.Tensor]] = {}
     names = {m: n for n, m in model.named_modules()}
-    hooks = [lin.register_forward_pre_hook(lambda mod, a: inputs.setdefault(names[mod], []).append(a[0].detach().reshape(-1, a[0].shape[-1])))
-             for lin in target_linears(model)]
+
+    def capture(mod: nn.Module, a: tuple) -> None:
+        inputs.setdefault(names[mod], []).append(a[0].detach().reshape(-1, a[0].shape[-1]))
+
+    hooks = [lin.register_forward_pre_hook(capture) for lin in target_linears(model)]
     with torch.no_grad():
         for batch in calib():
             model(input_ids=batch)
