@@ -1,22 +1,24 @@
-"""Pruning benchmark: magnitude, Wanda, SparseGPT and GradProbe on a trained model, honestly.
+"""Pruning benchmark: magnitude, Wanda, SparseGPT and GradProbe (and what GradProbe is made of)
+on a model that pruning actually hurts.
 
     OMP_NUM_THREADS=1 python benchmarks/prune_bench.py --work runs/prune_bench
 
-1. Trains `small-llama` (4 layers, hidden 256, 3.95M parameters with the 2048-token BPE
-   vocabulary; 2.88M of them in the pruned decoder Linears) on the embedded corpus with
-   `python -m harness.train` and exports it to an HF directory (cached in `--work`: a
-   second run with the same settings reuses it).
-2. In one process (world 1, the trainer's own engine built by `harness.train.build_run`),
+1. Trains `bench-llama` (6 blocks, hidden 128; 1.3M parameters in the pruned decoder Linears)
+   on `data.source=stdlib` (the whole standard library, ~10M tokens with the local 2048-token
+   BPE) with `python -m harness.train`, long enough that 50% magnitude pruning costs well over
+   20% perplexity, and exports it (cached in `--work`: a second run with the same settings
+   reuses it).
+2. In one process (world 1, the trainer's own engine built by `harness.runner.build_run`),
    restores the dense weights before every run and calls the pruning stage
-   (`harness.prune.run_prune_stage`) for each method x pattern x calibration seed.
+   (`harness.runner.run_prune_stage`) for each variant x pattern x calibration seed.
    Calibration samples come from the `calib` split; perplexity is measured on the `eval`
-   split, which calibration never touches. GradProbe runs with its defaults (reduction
-   0.1, pool 0.25, exact target): nothing was tuned, on eval or anywhere else.
-3. The cost rows: GradProbe K=1 vs K=all at world 1 (in process) and at world 2
-   (`torchrun --nproc_per_node 2 -m harness.prune`, FSDP2), passes over the calibration
-   set and probe memory per rank against 4 B x parameters / world + one layer group.
+   split, which calibration never reads. Nothing is tuned on eval.
+3. The masked fine-tune column: `python -m harness.prune ... prune.finetune_steps=N` per
+   method (seed 0), the command users run.
+4. `--world2`: GradProbe's cost per rank at world 2 (FSDP2, torchrun), K=1 and K=all.
 
-Writes `<work>/results.json` and `<work>/table.md` (the tables for notes/pruning.md).
+Writes `notes/pruning/results.json` (`dense_ppl`, `ppl[method][pattern]` means over seeds,
+their sd, every run) and `<work>/table.md` (the table for notes/pruning.md).
 """
 from __future__ import annotations
 
@@ -36,17 +38,49 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-METHODS = [  # (label, prune overrides); magnitude does not read calibration data: one seed
-    ("magnitude", {"method": "magnitude"}),
-    ("wanda", {"method": "wanda"}),
-    ("sparsegpt", {"method": "sparsegpt"}),
-    ("gradprobe (wanda base)", {"method": "gradprobe", "base": "wanda"}),
-    ("gradprobe (magnitude base)", {"method": "gradprobe", "base": "magnitude"}),
+# (key in results.json, label in the table, prune overrides). Every row runs at 50% unstructured
+# and 2:4 for each calibration seed (magnitude reads no calibration data: one seed). GradProbe's
+# rows with pool=0 have a candidate pool equal to the target: the probe cannot change the base's
+# choice, so they measure the base score alone (the gradient bases still need G0's pass).
+VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
+    ("magnitude", "magnitude", {"method": "magnitude"}),
+    ("wanda", "wanda", {"method": "wanda"}),
+    ("sparsegpt", "sparsegpt", {"method": "sparsegpt"}),
+    ("gradprobe", "gradprobe (the defaults)", {"method": "gradprobe"}),
+    ("gradprobe_rank_wanda", "gradprobe rank, wanda base", {"method": "gradprobe", "base": "wanda", "decision": "rank"}),
+    ("gradprobe_veto_wanda", "gradprobe veto, wanda base", {"method": "gradprobe", "base": "wanda", "decision": "veto"}),
+    ("score_taylor", "score alone: taylor |W|·‖G‖", {"method": "gradprobe", "base": "taylor", "pool": 0.0}),
+    ("score_gblm", "score alone: gblm |W|·‖X‖ + |W|·‖G‖", {"method": "gradprobe", "base": "gblm", "pool": 0.0}),
+    ("score_ria", "score alone: ria", {"method": "gradprobe", "base": "ria", "pool": 0.0}),
+    ("gradprobe_rank_gblm", "gradprobe rank, gblm base", {"method": "gradprobe", "base": "gblm", "decision": "rank"}),
+    ("gradprobe_veto_gblm", "gradprobe veto, gblm base", {"method": "gradprobe", "base": "gblm", "decision": "veto"}),
+    ("gradprobe_veto_ria", "gradprobe veto, ria base", {"method": "gradprobe", "base": "ria", "decision": "veto"}),
+    ("gradprobe_saliency_wanda", "gradprobe saliency, wanda base", {"method": "gradprobe", "base": "wanda", "decision": "saliency"}),
+    ("gradprobe_saliency_wanda_pool1", "gradprobe saliency, wanda base, pool 1.0",
+     {"method": "gradprobe", "base": "wanda", "decision": "saliency", "pool": 1.0}),
+    ("gradprobe_saliency_gblm", "gradprobe saliency, gblm base", {"method": "gradprobe", "base": "gblm", "decision": "saliency"}),
+    # The probe as a local measurement: shrink the pool by 10% instead of to 10%
+    ("gradprobe_saliency_wanda_r09", "gradprobe saliency, wanda base, reduction 0.9",
+     {"method": "gradprobe", "base": "wanda", "decision": "saliency", "reduction": 0.9}),
+    ("gradprobe_rank_wanda_r09", "gradprobe rank, wanda base, reduction 0.9",
+     {"method": "gradprobe", "base": "wanda", "decision": "rank", "reduction": 0.9}),
+    ("gradprobe_veto_wanda_r09", "gradprobe veto, wanda base, reduction 0.9",
+     {"method": "gradprobe", "base": "wanda", "decision": "veto", "reduction": 0.9}),
+    # OWL sets each block's unstructured sparsity: unstructured rows only
+    ("wanda_owl", "wanda + OWL allocation", {"method": "wanda", "allocation": "owl"}),
+    ("gradprobe_saliency_wanda_owl", "gradprobe saliency, wanda base + OWL allocation",
+     {"method": "gradprobe", "base": "wanda", "decision": "saliency", "allocation": "owl"}),
 ]
-PATTERNS = [("50% unstructured", "unstructured"), ("2:4", "2:4")]
-ORIGINAL = "gradprobe original (wanda base, threshold 0)"  # the reference's veto: undershoots the target
-MATCHED = "wanda at the same achieved sparsity"
-CONTROL = "control: random choice in GradProbe's Wanda pool"
+PATTERNS = [("unstructured_50", "unstructured"), ("2:4", "2:4")]
+FINETUNED = ["magnitude", "wanda", "sparsegpt", "gradprobe"]  # the masked fine-tune column (seed 0)
+ORIGINAL = "gradprobe_original"  # the reference's streaming veto: undershoots the target
+MATCHED = "wanda_at_original_sparsity"
+CONTROL = "control_random_in_wanda_pool"
+LABELS = {key: label for key, label, _ in VARIANTS} | {
+    ORIGINAL: "gradprobe original (streaming, global magnitude candidates, veto, fp32)",
+    MATCHED: "wanda at the original's achieved sparsity",
+    CONTROL: "control: random choice in GradProbe's Wanda pool",
+}
 
 
 def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: str, seed: int) -> dict[str, Any]:
@@ -81,12 +115,16 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
 
 
 def base_config(work: Path, steps: int, calib: int) -> dict[str, Any]:
-    """One config for training and pruning: the eval set is the same 400 blocks in both."""
+    """One config for training and pruning: the eval set is the same blocks in both.
+
+    The model is trained long enough on enough text (`bench-llama`, 1.3M parameters in its
+    pruned Linears, on the whole standard library) that pruning half its weights by magnitude
+    costs well over 20% perplexity: a model that barely notices pruning cannot rank methods."""
     return {
-        "model": {"name": "small-llama", "seed": 0},
-        "data": {"seq_len": 128, "max_tokens": None, "cache_dir": str(work / "cache")},
-        "micro_batch_size": 8, "grad_accum": 2, "steps": steps, "eval_batches": 50,
-        "optim": {"lr": 3e-3, "warmup_steps": 30, "schedule": "cosine", "min_lr_ratio": 0.1},
+        "model": {"name": "bench-llama", "seed": 0},
+        "data": {"source": "stdlib", "seq_len": 128, "max_tokens": None, "cache_dir": str(work / "cache")},
+        "micro_batch_size": 16, "grad_accum": 1, "steps": steps, "eval_batches": 25, "eval_every": 1000,
+        "optim": {"lr": 3e-3, "warmup_steps": 200, "schedule": "cosine", "min_lr_ratio": 0.1, "weight_decay": 0.1},
         "logging": {"wandb": False, "progress": False, "plots": False},
         "memory": {"track": False},
         "prune": {"calib_samples": calib, "sparsity": 0.5},
@@ -99,6 +137,14 @@ def env() -> dict[str, str]:
     e.update(OMP_NUM_THREADS=e.get("OMP_NUM_THREADS", "1"), WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     return e
+
+
+def trained_stamp(work: Path) -> str:
+    """A short hash of the trained model's weights file: cached pruning runs belong to it."""
+    import hashlib
+
+    with (work / "dense" / "hf" / "model.safetensors").open("rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
 
 
 def train_dense(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -125,13 +171,22 @@ def train_dense(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def prune_in_process(work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Every method x pattern x seed on one engine, dense weights restored before each run."""
+def prune_in_process(work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[int],
+                     only: list[str] | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every variant x pattern x seed on one engine, dense weights restored before each run."""
     import torch
 
     from harness import distributed as dist_utils
     from harness.config import load_config, load_strategy
     from harness.runner import build_run, evaluate, run_prune_stage
+    from harness.runner.prune_stage import HOLDOUT_SPLIT, calibration_split
+
+    def holdout_perplexity(prune: Any) -> float:
+        """Perplexity on the calib blocks this seed did not draw: what a user could select a
+        method on without touching eval (the defaults were chosen on it, never on eval)."""
+        _, holdout = calibration_split(data, dataclasses.replace(cfg, prune=prune))
+        val = dataclasses.replace(data, blocks={**data.blocks, HOLDOUT_SPLIT: holdout})
+        return evaluate(engine, val, cfg, info, split=HOLDOUT_SPLIT)["eval/perplexity"]
 
     path = work / "prune.yaml"
     path.write_text(yaml.safe_dump({**cfg_dict, "model": {"name": hf}, "steps": 1, "output_dir": str(work / "prune_w1"),
@@ -142,42 +197,85 @@ def prune_in_process(work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[
     engine, data = loop.engine, loop.data
     dense_state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     dense = evaluate(engine, data, cfg, info)
-    results = []
-    runs = [(label, over, pat_label, pattern, seed) for label, over in METHODS for pat_label, pattern in PATTERNS
+    dense["holdout_perplexity"] = {s: holdout_perplexity(dataclasses.replace(cfg.prune, calib_seed=s)) for s in seeds}
+    variants = [v for v in VARIANTS if only is None or v[0] in only]
+    runs = [(key, over, pat_key, pattern, seed) for key, _, over in variants for pat_key, pattern in PATTERNS
+            if pattern == "unstructured" or over.get("allocation", "uniform") == "uniform"
             for seed in (seeds[:1] if over["method"] == "magnitude" else seeds)]
-    runs += [("gradprobe K=1 (wanda base)", {"method": "gradprobe", "base": "wanda", "group_size": 1}, "50% unstructured", "unstructured",
-              seeds[0])]
-    runs += [(ORIGINAL, {"method": "gradprobe", "base": "wanda", "exact_target": False}, "50% unstructured", "unstructured", s)
-             for s in seeds]
-    runs += [(MATCHED, {"method": "wanda"}, "50% unstructured", "unstructured", s) for s in seeds]
+    if only is None or ORIGINAL in only:
+        runs += [(ORIGINAL, {"method": "gradprobe", "decision": "original", "base": "magnitude"}, "unstructured_50", "unstructured", s)
+                 for s in seeds]
+        runs += [(MATCHED, {"method": "wanda"}, "unstructured_50", "unstructured", s) for s in seeds]
     base_masks: dict[tuple[str, str, int], dict[str, torch.Tensor]] = {}
-    for label, over, pat_label, pattern, seed in runs:
-        engine.module.load_state_dict(dense_state)
-        if label == MATCHED:  # Wanda pruned to exactly what the original-mode GradProbe of this seed reached
-            over = {**over, "sparsity": next(r["achieved_sparsity"] for r in results if r["label"] == ORIGINAL and r["seed"] == seed)}
+    results: list[dict[str, Any]] = []
+    # Finished runs, by everything that decides them (the settings after the variant's overrides,
+    # so a changed default re-runs exactly the rows it changes); valid for this trained model.
+    done_path = work / f"runs-{trained_stamp(work)}.jsonl"
+    done = {r["cache_key"]: r for r in map(json.loads, done_path.read_text().splitlines())} if done_path.exists() else {}
+    for key, over, pat_key, pattern, seed in runs:
+        if key == MATCHED:  # Wanda pruned to exactly what the original-mode GradProbe of this seed reached
+            over = {**over, "sparsity": next(r["achieved_sparsity"] for r in results if r["key"] == ORIGINAL and r["seed"] == seed)}
         prune = dataclasses.replace(cfg.prune, pattern=pattern, calib_seed=seed, **over)
-        stats = run_prune_stage(engine, data, dataclasses.replace(cfg, prune=prune), info, enforce=False, save_masks=False, before=dense)
-        row = {**{k: v for k, v in stats.items() if k != "layers"}, "label": label, "pattern": pat_label, "seed": seed}
-        row["target_numel"] = sum(x["numel"] for x in stats["layers"])
-        masks = {k: m.clone() for k, m in stats.masks.masks.items()}
-        if over["method"] in ("wanda", "magnitude") and label != MATCHED:
-            base_masks[(over["method"], pat_label, seed)] = masks
-        base = base_masks.get((over.get("base", ""), pat_label, seed if over.get("base") == "wanda" else seeds[0]))
-        if over["method"] == "gradprobe" and base is not None and over.get("exact_target", True):
-            # Share of GradProbe's pruned weights its base would have kept: what the gradient veto changed.
-            row["differs_from_base"] = sum(int((masks[k] & ~base[k]).sum()) for k in masks) / sum(int(m.sum()) for m in masks.values())
-        results.append(row)
-        print(f"[bench] {label:28s} {pat_label:17s} seed {seed}: ppl {row['eval_perplexity_after']:.3f} sparsity "
-              f"{row['achieved_sparsity']:.4f} {row['wall_time_s']:.1f}s", file=sys.stderr, flush=True)
-    for (pat_label, pattern), seed in [(pt, s) for pt in PATTERNS for s in seeds]:
+        cache_key = json.dumps(dataclasses.asdict(prune), sort_keys=True)
+        if cache_key in done:
+            results.append({**done[cache_key], "key": key, "pattern": pat_key, "seed": seed})
+            print(f"[bench] {key:28s} {pat_key:16s} seed {seed}: reused", file=sys.stderr, flush=True)
+            continue
         engine.module.load_state_dict(dense_state)
-        row = {**random_pool_control(engine, data, cfg, info, pattern, seed), "label": CONTROL, "pattern": pat_label, "seed": seed}
+        stats = run_prune_stage(engine, data, dataclasses.replace(cfg, prune=prune), info, enforce=False, save_masks=False, before=dense)
+        row = {**{k: v for k, v in stats.items() if k != "layers"}, "key": key, "pattern": pat_key, "seed": seed,
+               "target_numel": sum(x["numel"] for x in stats["layers"]), "settings": dataclasses.asdict(prune)}
+        row["holdout_perplexity"] = holdout_perplexity(prune)
+        masks = {k: m.clone() for k, m in stats.masks.masks.items()}
+        if key in ("wanda", "magnitude"):
+            base_masks[(key, pat_key, seed)] = masks
+        base = base_masks.get((prune.base, pat_key, seed if prune.base == "wanda" else seeds[0]))
+        if prune.method == "gradprobe" and base is not None and key != ORIGINAL:
+            # Share of GradProbe's pruned weights its base would have kept: what the gradient changed.
+            row["differs_from_base"] = sum(int((masks[k] & ~base[k]).sum()) for k in masks) / sum(int(m.sum()) for m in masks.values())
+        row["cache_key"] = cache_key
+        done[cache_key] = row
+        with done_path.open("a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
         results.append(row)
-        print(f"[bench] {CONTROL} {pat_label} seed {seed}: ppl {row['eval_perplexity_after']:.3f}", file=sys.stderr, flush=True)
+        print(f"[bench] {key:28s} {pat_key:16s} seed {seed}: ppl {row['eval_perplexity_after']:.3f} sparsity "
+              f"{row['achieved_sparsity']:.4f} {row['wall_time_s']:.1f}s", file=sys.stderr, flush=True)
+    if only is None or CONTROL in only:
+        for (pat_key, pattern), seed in [(pt, s) for pt in PATTERNS for s in seeds]:
+            engine.module.load_state_dict(dense_state)
+            row = {**random_pool_control(engine, data, cfg, info, pattern, seed), "key": CONTROL, "pattern": pat_key, "seed": seed}
+            results.append(row)
+            print(f"[bench] {CONTROL} {pat_key} seed {seed}: ppl {row['eval_perplexity_after']:.3f}", file=sys.stderr, flush=True)
     engine.module.load_state_dict(dense_state)
     params = sum(p.numel() for p in engine.module.parameters())
     dist_utils.teardown()
-    return results, {"eval_perplexity": dense["eval/perplexity"], "eval_loss": dense["eval/loss"], "params": params}
+    return results, {"eval_perplexity": dense["eval/perplexity"], "eval_loss": dense["eval/loss"], "params": params,
+                     "holdout_perplexity": dense["holdout_perplexity"]}
+
+
+def finetune_runs(work: Path, cfg_dict: dict[str, Any], hf: str, steps: int, seed: int) -> list[dict[str, Any]]:
+    """The masked fine-tune column: `python -m harness.prune` (the command users run) prunes
+    the dense model, trains `steps` steps with the masks enforced (AdamW, its own short
+    schedule, on the train split) and evaluates on the same eval split."""
+    rows = []
+    for key in FINETUNED:
+        over = next(o for k, _, o in VARIANTS if k == key)
+        for pat_key, pattern in PATTERNS:
+            out = work / f"ft_{key}_{pat_key.replace(':', '')}"
+            path = work / f"{out.name}.yaml"
+            prune = {**cfg_dict["prune"], **over, "pattern": pattern, "calib_seed": seed, "finetune_steps": steps}
+            path.write_text(yaml.safe_dump({**cfg_dict, "model": {"name": hf}, "output_dir": str(out), "checkpoint": {"overwrite": True},
+                                            "optim": {**cfg_dict["optim"], "lr": 3e-4, "warmup_steps": max(1, steps // 10)},
+                                            "prune": prune}))
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "harness.prune", "--config", str(path)], cwd=REPO, env=env(), check=True,
+                           stdout=subprocess.DEVNULL)
+            summary = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            final = [r for r in summary if r["kind"] == "eval"][-1]["eval/perplexity"]
+            rows.append({"key": key, "pattern": pat_key, "seed": seed, "finetune_steps": steps, "eval_perplexity_finetuned": final,
+                         "wall_s": time.perf_counter() - t0})
+            print(f"[bench] fine-tuned {key:12s} {pat_key:16s}: ppl {final:.3f}", file=sys.stderr, flush=True)
+    return rows
 
 
 def prune_world2(work: Path, cfg_dict: dict[str, Any], hf: str, group_size: int) -> dict[str, Any]:
@@ -186,7 +284,7 @@ def prune_world2(work: Path, cfg_dict: dict[str, Any], hf: str, group_size: int)
     path = work / f"w2_k{group_size}.yaml"
     path.write_text(yaml.safe_dump({**cfg_dict, "model": {"name": hf}, "grad_accum": 1, "output_dir": str(out), "strategy": "fsdp",
                                     "checkpoint": {"overwrite": True},
-                                    "prune": {**cfg_dict["prune"], "method": "gradprobe", "base": "wanda", "group_size": group_size}}))
+                                    "prune": {**cfg_dict["prune"], "method": "gradprobe", "group_size": group_size}}))
     import socket
 
     with socket.socket() as s:
@@ -207,47 +305,71 @@ def mean_sd(values: list[float], fmt: str) -> str:
     return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt)}"
 
 
-def tables(results: list[dict[str, Any]], dense: dict[str, Any], trained: dict[str, Any], world2: list[dict[str, Any]],
-           seeds: list[int]) -> str:
+def summary(results: list[dict[str, Any]], dense: dict[str, Any], finetuned: list[dict[str, Any]]) -> dict[str, Any]:
+    """results.json's head: dense perplexity and, per method and pattern, the mean over seeds."""
+    out: dict[str, Any] = {"dense_ppl": dense["eval_perplexity"], "ppl": {}, "ppl_sd": {}, "seeds": {}, "achieved_sparsity": {}}
+    for key in dict.fromkeys(r["key"] for r in results):
+        for pat_key, _ in PATTERNS:
+            rows = [r for r in results if r["key"] == key and r["pattern"] == pat_key]
+            if not rows:
+                continue
+            ppl = [r["eval_perplexity_after"] for r in rows]
+            out["ppl"].setdefault(key, {})[pat_key] = statistics.mean(ppl)
+            out["ppl_sd"].setdefault(key, {})[pat_key] = statistics.stdev(ppl) if len(ppl) > 1 else 0.0
+            out["seeds"].setdefault(key, {})[pat_key] = [r["seed"] for r in rows]
+            out["achieved_sparsity"].setdefault(key, {})[pat_key] = statistics.mean(r["achieved_sparsity"] for r in rows)
+            if all("holdout_perplexity" in r for r in rows):
+                out.setdefault("holdout_ppl", {}).setdefault(key, {})[pat_key] = statistics.mean(r["holdout_perplexity"] for r in rows)
+    out["ppl_finetuned"] = {}
+    for r in finetuned:
+        out["ppl_finetuned"].setdefault(r["key"], {})[r["pattern"]] = r["eval_perplexity_finetuned"]
+    return out
+
+
+def tables(results: list[dict[str, Any]], dense: dict[str, Any], trained: dict[str, Any], finetuned: list[dict[str, Any]],
+           world2: list[dict[str, Any]], seeds: list[int]) -> str:
+    head = summary(results, dense, finetuned)
+    ft_steps = finetuned[0]["finetune_steps"] if finetuned else 0
     lines = [
         f"Dense model: eval perplexity {dense['eval_perplexity']:.3f} (loss {dense['eval_loss']:.4f}); "
         f"{dense['params']:,} parameters, {results[0]['target_numel']:,} in the pruned decoder Linears.",
         "",
-        f"| method | pattern | eval perplexity (mean ± sd, seeds {', '.join(map(str, seeds))}) | achieved sparsity | wall time (s) "
-        "| passes fwd / fwd+bwd | K (groups) | probe memory per rank (MiB) | pruned weights the base keeps |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| method | pattern | eval perplexity (mean ± sd, seeds {', '.join(map(str, seeds))}) | vs dense | vs wanda "
+        f"| after {ft_steps} masked fine-tune steps (seed {seeds[0]}) | calib holdout perplexity (selection) | achieved sparsity "
+        "| wall time (s) | passes fwd / fwd+bwd "
+        "| probe memory per rank (MiB) | pruned weights the base keeps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    order = [(label, pat) for label, _ in METHODS for pat, _ in PATTERNS] + [(CONTROL, pat) for pat, _ in PATTERNS] \
-        + [(ORIGINAL, PATTERNS[0][0]), (MATCHED, PATTERNS[0][0])]
-    for label, pat in order:
-        rows = [r for r in results if r["label"] == label and r["pattern"] == pat]
-        if not rows:
-            continue
-        seeds_note = "" if len(rows) > 1 else " (no calibration data: seed-independent)"
-        lines.append(
-            f"| {label} | {pat} | {mean_sd([r['eval_perplexity_after'] for r in rows], '.3f')}{seeds_note} "
-            f"| {mean_sd([r['achieved_sparsity'] for r in rows], '.4f')} | {mean_sd([r['wall_time_s'] for r in rows], '.1f')} "
-            f"| {rows[0]['fwd_passes']:g} / {rows[0]['fwd_bwd_passes']:g} | {rows[0]['group_size']} ({rows[0]['groups']}) "
-            f"| {max(r['peak_probe_bytes'] for r in rows) / 2**20:.2f} "
-            f"| {mean_sd([100 * r['differs_from_base'] for r in rows], '.1f') + ' %' if 'differs_from_base' in rows[0] else ''} |"
-        )
-    target = results[0]["target_numel"]
-    lines += [
-        "",
-        "GradProbe cost (Wanda base, 50% unstructured, calibration seed 0; P = pruned parameters; the issue's target is "
-        "4 B x P / world + one layer group; world 2 is FSDP2 through `torchrun -m harness.prune`):",
-        "",
-        "| world | K | groups | fwd+bwd passes | wall time (s) | probe memory per rank (MiB) | 4 B x P / world (MiB) | "
-        "B per pruned parameter per rank |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    cost = [r for r in results if r["label"] in ("gradprobe (wanda base)", "gradprobe K=1 (wanda base)")
-            and r["pattern"] == "50% unstructured"
-            and r["seed"] == seeds[0]]
-    for r in sorted(cost, key=lambda r: r["group_size"]) + sorted(world2, key=lambda r: r["group_size"]):
-        w = r["world_size"]
-        lines.append(f"| {w} | {r['group_size']} | {r['groups']} | {r['fwd_bwd_passes']:g} | {r['wall_time_s']:.1f} "
-                     f"| {r['peak_probe_bytes'] / 2**20:.2f} | {4 * target / w / 2**20:.2f} | {r['peak_probe_bytes'] / (target / w):.2f} |")
+    for key in dict.fromkeys(r["key"] for r in results):
+        for pat_key, _ in PATTERNS:
+            rows = [r for r in results if r["key"] == key and r["pattern"] == pat_key]
+            if not rows:
+                continue
+            ppl = statistics.mean(r["eval_perplexity_after"] for r in rows)
+            wanda = head["ppl"].get("wanda", {}).get(pat_key)
+            ft = head["ppl_finetuned"].get(key, {}).get(pat_key)
+            note = "" if len(rows) > 1 else " (no calibration data)"
+            lines.append(
+                f"| {LABELS[key]} | {pat_key} | {mean_sd([r['eval_perplexity_after'] for r in rows], '.3f')}{note} "
+                f"| {100 * (ppl / dense['eval_perplexity'] - 1):+.1f}% | {'' if wanda is None else f'{100 * (ppl / wanda - 1):+.2f}%'} "
+                f"| {'' if ft is None else f'{ft:.3f}'} "
+                f"| {mean_sd([r['holdout_perplexity'] for r in rows], '.3f') if all('holdout_perplexity' in r for r in rows) else ''} "
+                f"| {mean_sd([r['achieved_sparsity'] for r in rows], '.4f')} "
+                f"| {mean_sd([r['wall_time_s'] for r in rows], '.1f')} | {rows[0]['fwd_passes']:g} / {rows[0]['fwd_bwd_passes']:g} "
+                f"| {max(r['peak_probe_bytes'] for r in rows) / 2**20:.2f} "
+                f"| {mean_sd([100 * r['differs_from_base'] for r in rows], '.1f') + ' %' if 'differs_from_base' in rows[0] else ''} |"
+            )
+    if world2:
+        target = results[0]["target_numel"]
+        lines += [
+            "", "GradProbe cost per rank (its defaults, 50% unstructured, seed 0; world 2 is FSDP2 through `torchrun -m harness.prune`):",
+            "", "| world | K | groups | fwd+bwd passes | wall time (s) | probe memory per rank (MiB) | B per pruned parameter per rank |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in sorted(world2, key=lambda r: r["group_size"]):
+            w = r["world_size"]
+            lines.append(f"| {w} | {r['group_size']} | {r['groups']} | {r['fwd_bwd_passes']:g} | {r['wall_time_s']:.1f} "
+                         f"| {r['peak_probe_bytes'] / 2**20:.2f} | {r['peak_probe_bytes'] / (target / w):.2f} |")
     lines += ["", f"Training: {trained['config']['steps']} steps x {16 * 128:,} tokens, "
               f"final train loss {trained['final_train_loss']:.3f}, "
               f"{trained['wall_s']:.0f}s (when not reused from the cache)."]
@@ -257,10 +379,14 @@ def tables(results: list[dict[str, Any]], dense: dict[str, Any], trained: dict[s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default="runs/prune_bench", help="working directory (trained model cache, results)")
-    parser.add_argument("--train-steps", type=int, default=300)
+    parser.add_argument("--train-steps", type=int, default=4000)
+    parser.add_argument("--train-only", action="store_true", help="train (or reuse) the dense model and stop")
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--no-world2", action="store_true", help="skip the world-2 cost rows (torchrun)")
+    parser.add_argument("--only", nargs="+", default=None, help="run only these result keys (a study; results.json is not written)")
+    parser.add_argument("--finetune-steps", type=int, default=200, help="the masked fine-tune column (0: skip)")
+    parser.add_argument("--world2", action="store_true", help="also the world-2 cost rows (torchrun, FSDP2)")
+    parser.add_argument("--results", default=str(REPO / "notes" / "pruning" / "results.json"))
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -269,13 +395,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg = base_config(work, args.train_steps, args.calib_samples)
     trained = train_dense(work, cfg)
     print(f"[bench] dense model: eval perplexity {trained['eval_perplexity']:.3f}", file=sys.stderr, flush=True)
-    results, dense = prune_in_process(work, cfg, trained["hf"], args.seeds)
-    world2 = [] if args.no_world2 else [prune_world2(work, cfg, trained["hf"], k) for k in (1, 0)]
-    table = tables(results, dense, trained, world2, args.seeds)
+    if args.train_only:
+        return 0
+    results, dense = prune_in_process(work, cfg, trained["hf"], args.seeds, args.only)
+    finetuned = [] if args.only or not args.finetune_steps else finetune_runs(work, cfg, trained["hf"], args.finetune_steps, args.seeds[0])
+    world2 = [prune_world2(work, cfg, trained["hf"], k) for k in (1, 0)] if args.world2 else []
+    table = tables(results, dense, trained, finetuned, world2, args.seeds)
     total = time.perf_counter() - t0
-    (work / "results.json").write_text(json.dumps({"dense": dense, "trained": trained, "runs": results, "world2": world2,
-                                                   "total_wall_s": total}, indent=1, default=str))
+    record = {**summary(results, dense, finetuned), "dense": dense, "trained": trained, "runs": results, "finetuned": finetuned,
+              "world2": world2, "total_wall_s": total, "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}
+    (work / "results.json").write_text(json.dumps(record, indent=1, default=str))
     (work / "table.md").write_text(table + "\n")
+    if not args.only:
+        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.results).write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(table)
     print(f"\n[bench] total {total:.0f}s", file=sys.stderr)
     return 0
