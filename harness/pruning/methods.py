@@ -188,6 +188,14 @@ def original_decision(candidates: torch.Tensor, g0: torch.Tensor, g1: torch.Tens
     return mask | forced if forced is not None else mask
 
 
+def _within_pool(keys: torch.Tensor, pool: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
+    """Decision keys confined to the pool: non-pool weights EXCLUDED, already-pruned ones first."""
+    keys = torch.where(pool, keys, torch.full_like(keys, EXCLUDED))
+    if forced is not None:
+        keys = torch.where(forced, torch.full_like(keys, FORCED_KEY), keys)
+    return keys
+
+
 def exact_keys(pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_scores: torch.Tensor,
                forced: torch.Tensor | None) -> torch.Tensor:
     """Composite keys ranking the pool by relative gradient increase (lowest pruned first),
@@ -195,10 +203,7 @@ def exact_keys(pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_scor
     # Rounded to bf16 (monotone), so ratios stored in bf16 for a global selection rank the same.
     ratio16 = float_keys(gradient_ratio(g0, g1).to(torch.bfloat16).float()) >> (FLOAT_KEY_BITS - RATIO_BITS)
     keys = (ratio16 << FLOAT_KEY_BITS) | float_keys(base_scores)
-    keys = torch.where(pool, keys, torch.full_like(keys, EXCLUDED))
-    if forced is not None:
-        keys = torch.where(forced, torch.full_like(keys, FORCED_KEY), keys)
-    return keys
+    return _within_pool(keys, pool, forced)
 
 
 def veto_keys(pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_scores: torch.Tensor, threshold: float,
@@ -210,10 +215,7 @@ def veto_keys(pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_score
     (again in base order) only if too few passed."""
     vetoed = (gradient_ratio(g0, g1) > 1.0 + threshold).to(torch.int64)
     keys = (vetoed << FLOAT_KEY_BITS) | float_keys(base_scores)
-    keys = torch.where(pool, keys, torch.full_like(keys, EXCLUDED))
-    if forced is not None:
-        keys = torch.where(forced, torch.full_like(keys, FORCED_KEY), keys)
-    return keys
+    return _within_pool(keys, pool, forced)
 
 
 def saliency_keys(pool: torch.Tensor, weight: torch.Tensor, sum0: torch.Tensor, sum1: torch.Tensor, reduction: float,
@@ -231,10 +233,7 @@ def saliency_keys(pool: torch.Tensor, weight: torch.Tensor, sum0: torch.Tensor, 
     s0, s1 = sum0.to(weight.device).double(), sum1.to(weight.device).double()
     loss = -s0 * w + w * (s0 - s1) / (2.0 * (1.0 - reduction))
     keys = float_keys(loss.float())
-    keys = torch.where(pool, keys, torch.full_like(keys, EXCLUDED))
-    if forced is not None:
-        keys = torch.where(forced, torch.full_like(keys, FORCED_KEY), keys)
-    return keys
+    return _within_pool(keys, pool, forced)
 
 
 # ------------------------------------------------------------------------------ SparseGPT
