@@ -225,11 +225,12 @@ def gradient_max(
                 grad = v.grad()
                 g = grad.abs().to(dtype)
                 out[v.name] = g if v.name not in out else torch.maximum(out[v.name], g)
-                if sumsq is not None:
-                    sq = grad.float().square()
-                    sumsq[v.name] = sq if v.name not in sumsq else sumsq[v.name].add_(sq)
-                if signed is not None:
-                    signed[v.name] = grad.float().clone() if v.name not in signed else signed[v.name].add_(grad.float())
+                if sumsq is not None or signed is not None:
+                    g32 = grad.float()
+                    if sumsq is not None:
+                        sumsq[v.name] = g32.square() if v.name not in sumsq else sumsq[v.name].add_(g32.square())
+                    if signed is not None:
+                        signed[v.name] = g32.clone() if v.name not in signed else signed[v.name].add_(g32)
             runner.zero_grad()
     if ledger is not None:
         for name, t in out.items():

@@ -24,7 +24,6 @@ import torch
 
 from harness.config import PruneConfig
 from harness.config.prune_modes import check_original, is_original, resolve_prune
-from harness.config.schema import STAT_DTYPES
 from harness.pruning.allocation import owl_sparsities, view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
 from harness.pruning.comm import Comm
@@ -41,6 +40,7 @@ from harness.pruning.methods import (
 )
 from harness.pruning.select import FLOAT_KEY_BITS, parse_pattern
 from harness.pruning.shards import ShardView, build_views, sync_views
+from harness.training import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 # among weights the base strategy already considers unimportant. Read from
 # `PruneConfig.pool` when the config has that field.
 DEFAULT_POOL = 0.25
-
-# `prune.stat_dtype` names (harness.config.schema.STAT_DTYPES) -> the storage of G0 and G1.
-STAT_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-assert tuple(STAT_TORCH_DTYPES) == STAT_DTYPES
 
 
 @dataclass
@@ -136,13 +132,13 @@ def run_pruning(
     if sequential is not None:
         cfg = dataclasses.replace(cfg, sequential=sequential)
     if stat_dtype is not None:
-        cfg = dataclasses.replace(cfg, stat_dtype=next(k for k, t in STAT_TORCH_DTYPES.items() if t == stat_dtype))
+        cfg = dataclasses.replace(cfg, stat_dtype=next(k for k, t in DTYPES.items() if t == stat_dtype))
     if cfg.decision == "original":
         check_original(cfg)
     cfg, filled = resolve_prune(cfg)
     sequential = bool(cfg.sequential)
     assert cfg.stat_dtype is not None and cfg.scope is not None and cfg.exact_target is not None
-    stat_dtype = STAT_TORCH_DTYPES[cfg.stat_dtype]
+    stat_dtype = DTYPES[cfg.stat_dtype]  # prune.stat_dtype names the storage of G0 and G1
     comm = comm or Comm()
     comm.barrier()
     start = time.perf_counter()
