@@ -19,6 +19,7 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
 
 .PHONY: install train test

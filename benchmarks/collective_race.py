@@ -14,6 +14,7 @@ happen in most steps). Results: notes/planner_accuracy.md.
 
     python benchmarks/collective_race.py --runs 2 --steps 4 --one-core --hog --starve
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,14 @@ from harness.planner import estimate
 from harness.planner.measure import _cpu_categories
 from harness.training import causal_lm_loss, precision_policy
 
-DEFAULT = ["strategy=fsdp_grad_op", "model.name=tiny-llama", "micro_batch_size=2", "data.seq_len=64",
-           "precision=fp32", "memory.activation_checkpointing=none"]
+DEFAULT = [
+    "strategy=fsdp_grad_op",
+    "model.name=tiny-llama",
+    "micro_batch_size=2",
+    "data.seq_len=64",
+    "precision=fp32",
+    "memory.activation_checkpointing=none",
+]
 VOCAB = 2048
 _MAIN = threading.get_ident()
 _STATE = threading.local()  # the op being dispatched on this thread, for the allocation tag
@@ -48,8 +55,11 @@ _STATE = threading.local()  # the op being dispatched on this thread, for the al
 
 def _frames() -> str:
     """The FSDP/harness/optimizer frames of the current stack, innermost first."""
-    keep = [f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in traceback.extract_stack(limit=40)[:-3]
-            if "/_tools/" not in f.filename and any(k in f.filename for k in ("fsdp", "harness", "optim"))]
+    keep = [
+        f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}"
+        for f in traceback.extract_stack(limit=40)[:-3]
+        if "/_tools/" not in f.filename and any(k in f.filename for k in ("fsdp", "harness", "optim"))
+    ]
     return " < ".join(reversed(keep[-6:]))
 
 
@@ -75,8 +85,7 @@ class RaceTracker(MemTracker):
         winfo = self._WINFO.get(st, (None, None))[0]
         if winfo is not None and not hasattr(winfo, "tag") and st.nbytes() >= self.min_bytes:
             modules = sorted(p for p in self._mod_tracker.parents if p != "Global")
-            winfo.tag = (f"{st.nbytes()} B {getattr(_STATE, 'op', '?')} step {self.step} "
-                         f"in {modules[-1] if modules else '-'} [{_frames()}]")
+            winfo.tag = f"{st.nbytes()} B {getattr(_STATE, 'op', '?')} step {self.step} in {modules[-1] if modules else '-'} [{_frames()}]"
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         super()._track(reftype, t)
@@ -97,8 +106,14 @@ class RaceTracker(MemTracker):
         before = self._peak_mem.get(cpu, 0)
         super()._update_peak_stats(peak_state)
         if self._peak_mem.get(cpu, 0) > before:
-            self.live_at_peak = sorted(((w.mem_consumed, getattr(w, "tag", "untagged")) for w, _ in list(self._WINFO.values())
-                                        if w.mem_consumed >= self.min_bytes), reverse=True)
+            self.live_at_peak = sorted(
+                (
+                    (w.mem_consumed, getattr(w, "tag", "untagged"))
+                    for w, _ in list(self._WINFO.values())
+                    if w.mem_consumed >= self.min_bytes
+                ),
+                reverse=True,
+            )
             self.peak_op = getattr(_STATE, "op", "?")
 
 
@@ -119,8 +134,9 @@ def worker(overrides: list[str], steps: int, min_bytes: int, starve: bool, out: 
     with tracker:
         spec = model_spec(cfg.model.name, vocab_size=VOCAB, seed=cfg.model.seed)
         policy = precision_policy(cfg.precision, info.device, strategy.kind)
-        engine = build_engine(spec, cfg, strategy, policy, info,
-                              lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size))
+        engine = build_engine(
+            spec, cfg, strategy, policy, info, lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
+        )
         batch = torch.randint(0, VOCAB, (cfg.micro_batch_size, cfg.data.seq_len), generator=gen)
     if starve:  # after the engine: FSDP2's device mesh may have started process groups of its own
         _starve_other_threads()
@@ -133,8 +149,15 @@ def worker(overrides: list[str], steps: int, min_bytes: int, starve: bool, out: 
             engine.backward(loss, last_micro=True)
             del loss
             engine.step()
-        results.append({"step": step, "peak": _cpu_categories(tracker.get_tracker_snapshot("peak"))["total"],
-                        "peak_op": tracker.peak_op, "live": tracker.live_at_peak, "deaths": tracker.deaths})
+        results.append(
+            {
+                "step": step,
+                "peak": _cpu_categories(tracker.get_tracker_snapshot("peak"))["total"],
+                "peak_op": tracker.peak_op,
+                "live": tracker.live_at_peak,
+                "deaths": tracker.deaths,
+            }
+        )
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"rank": info.rank, "steps": results})
     teardown()
@@ -152,9 +175,24 @@ def _launch(overrides: list[str], steps: int, min_bytes: int, starve: bool, one_
         s.close()
         out = os.path.join(tmp, "out.json")
         cmd = (["taskset", "-c", "0"] if one_core else []) + [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-            os.path.abspath(__file__), "--worker", "--out", out, "--steps", str(steps), "--min-bytes", str(min_bytes),
-            *(["--starve"] if starve else []), *overrides]
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            os.path.abspath(__file__),
+            "--worker",
+            "--out",
+            out,
+            "--steps",
+            str(steps),
+            "--min-bytes",
+            str(min_bytes),
+            *(["--starve"] if starve else []),
+            *overrides,
+        ]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp, timeout=900)
@@ -182,16 +220,21 @@ def main(argv: list[str] | None = None) -> int:
         worker(overrides, args.steps, args.min_bytes, args.starve, args.out)
         return 0
     plan = estimate(load_config(None, overrides), 2, target="cpu", vocab_size=VOCAB)
-    print(f"plan: {plan.total:,} B, race_bytes {plan.race_bytes:,}: a run peaks in "
-          f"[{plan.total - plan.race_bytes:,}, {plan.total:,}]", flush=True)
+    print(
+        f"plan: {plan.total:,} B, race_bytes {plan.race_bytes:,}: a run peaks in [{plan.total - plan.race_bytes:,}, {plan.total:,}]",
+        flush=True,
+    )
     hog = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"]) if args.hog else None
     try:
         for run in range(args.runs):
             for rank in _launch(overrides, args.steps, args.min_bytes, args.starve, args.one_core):
                 for st in rank["steps"]:
                     off_main = [d["tag"] for d in st["deaths"] if not d["main_thread"]]
-                    print(f"run {run} rank {rank['rank']} step {st['step']}: peak {st['peak']:,} at {st['peak_op']}; "
-                          f"{len(off_main)} freed off the main thread", flush=True)
+                    print(
+                        f"run {run} rank {rank['rank']} step {st['step']}: peak {st['peak']:,} at {st['peak_op']}; "
+                        f"{len(off_main)} freed off the main thread",
+                        flush=True,
+                    )
                     for tag in off_main:
                         print(f"    freed off main: {tag}", flush=True)
                     for nbytes, tag in st["live"]:

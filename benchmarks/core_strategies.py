@@ -6,6 +6,7 @@ Each strategy runs through `torchrun harness/train.py` (the user's entry point) 
 tiny Llama and the embedded corpus; bytes come from the run's state_bytes/rank*.json
 (tensors actually held), speed and loss from its metrics.jsonl.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,17 @@ STRATEGIES = ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"
 def run_one(strategy: str, nproc: int, steps: int, work: Path, precision: str) -> dict:
     out = work / strategy
     cfg = {
-        "model": {"name": "tiny-llama"}, "data": {"seq_len": 128}, "strategy": strategy, "precision": precision,
-        "micro_batch_size": 8, "grad_accum": 1, "steps": steps, "eval_batches": 4,
-        "logging": {"wandb": False, "progress": False, "plots": False}, "memory": {"track": False}, "output_dir": str(out),
+        "model": {"name": "tiny-llama"},
+        "data": {"seq_len": 128},
+        "strategy": strategy,
+        "precision": precision,
+        "micro_batch_size": 8,
+        "grad_accum": 1,
+        "steps": steps,
+        "eval_batches": 4,
+        "logging": {"wandb": False, "progress": False, "plots": False},
+        "memory": {"track": False},
+        "output_dir": str(out),
     }
     path = work / f"{strategy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -40,8 +49,14 @@ def run_one(strategy: str, nproc: int, steps: int, work: Path, precision: str) -
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={port}",
-           str(REPO / "harness" / "train.py"), "--config", str(path)]
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        f"--nproc_per_node={nproc}",
+        f"--master_port={port}",
+        str(REPO / "harness" / "train.py"),
+        "--config",
+        str(path),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{strategy} failed:\n{proc.stderr[-3000:]}")
@@ -50,8 +65,11 @@ def run_one(strategy: str, nproc: int, steps: int, work: Path, precision: str) -
     steady = [r["perf/tokens_per_s"] for r in train[2:]] or [r["perf/tokens_per_s"] for r in train]
     ranks = [json.loads((out / "state_bytes" / f"rank{r}.json").read_text())["peak"] for r in range(nproc)]
     return {
-        "strategy": strategy, "bytes": ranks[0], "tokens_per_s": statistics.median(steady),
-        "final_loss": train[-1]["train/loss"], "eval_loss": [r["eval/loss"] for r in rows if "eval/loss" in r][-1],
+        "strategy": strategy,
+        "bytes": ranks[0],
+        "tokens_per_s": statistics.median(steady),
+        "final_loss": train[-1]["train/loss"],
+        "eval_loss": [r["eval/loss"] for r in rows if "eval/loss" in r][-1],
     }
 
 
@@ -76,8 +94,10 @@ def main() -> None:
         for strategy in args.strategies.split(","):
             r = run_one(strategy, args.nproc, args.steps, Path(tmp), args.precision)
             b = r["bytes"]
-            lines.append(f"| {strategy} | {kib(b['params'])} | {kib(b['master_params'])} | {kib(b['grads'])} | {kib(b['optim_state'])} "
-                         f"| {r['tokens_per_s']:,.0f} | {r['final_loss']:.4f} | {r['eval_loss']:.4f} |")
+            lines.append(
+                f"| {strategy} | {kib(b['params'])} | {kib(b['master_params'])} | {kib(b['grads'])} | {kib(b['optim_state'])} "
+                f"| {r['tokens_per_s']:,.0f} | {r['final_loss']:.4f} | {r['eval_loss']:.4f} |"
+            )
             print(lines[-1], flush=True)
     print("\n".join(lines))
 

@@ -9,6 +9,7 @@ every document is distinct. The tokenizer is a 32,000-entry byte-level BPE train
 the embedded corpus and saved to disk; both sides load it from there. Peak RSS is measured
 by the kernel (wait4) for each process tree: the parent's own peak and the largest child's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,9 +72,18 @@ def make_corpus(path: Path, megabytes: int) -> int:
 def make_tokenizer(path: Path) -> None:
     if (path / "tokenizer.json").exists():
         return
-    subprocess.run([sys.executable, "-c", "import sys; from harness.data import embedded_documents; "
-                    "from harness.data.tokenizer import train_bpe_tokenizer; "
-                    "train_bpe_tokenizer([embedded_documents()], 32000, sys.argv[1])", str(path)], check=True, cwd=REPO)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from harness.data import embedded_documents; "
+            "from harness.data.tokenizer import train_bpe_tokenizer; "
+            "train_bpe_tokenizer([embedded_documents()], 32000, sys.argv[1])",
+            str(path),
+        ],
+        check=True,
+        cwd=REPO,
+    )
 
 
 def measure(cmd: list[str], env: dict[str, str], logs: Path) -> tuple[dict, float, int]:
@@ -92,37 +102,63 @@ def measure(cmd: list[str], env: dict[str, str], logs: Path) -> tuple[dict, floa
 def run_size(work: Path, size: int, tok: Path, num_proc: int) -> dict:
     corpus = work / f"corpus_{size}mb.jsonl"
     nbytes = make_corpus(corpus, size)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_CACHE=str(work / "hf_cache"))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(work / "hf_cache")
+    )
     cache = work / f"cache_{size}"
     if cache.exists():
         subprocess.run(["rm", "-rf", str(cache)], check=True)
-    ours_cmd = [sys.executable, "-m", "harness.data", f"data.source={corpus}", f"data.tokenizer={tok}", "data.seq_len=1024",
-                f"data.cache_dir={cache}", f"data.num_proc={num_proc}"]
+    ours_cmd = [
+        sys.executable,
+        "-m",
+        "harness.data",
+        f"data.source={corpus}",
+        f"data.tokenizer={tok}",
+        "data.seq_len=1024",
+        f"data.cache_dir={cache}",
+        f"data.num_proc={num_proc}",
+    ]
     ours, ours_wall, ours_tree = measure(ours_cmd, env, work / f"ours_{size}")
-    base, base_wall, base_tree = measure([sys.executable, "-c", BASELINE, str(corpus), str(tok), str(num_proc)], env,
-                                         work / f"baseline_{size}")
-    return {"size_mb": size, "bytes": nbytes, "ours": ours, "ours_wall_s": ours_wall, "ours_tree_max_rss": ours_tree,
-            "baseline": base, "baseline_wall_s": base_wall, "baseline_tree_max_rss": base_tree}
+    base, base_wall, base_tree = measure(
+        [sys.executable, "-c", BASELINE, str(corpus), str(tok), str(num_proc)], env, work / f"baseline_{size}"
+    )
+    return {
+        "size_mb": size,
+        "bytes": nbytes,
+        "ours": ours,
+        "ours_wall_s": ours_wall,
+        "ours_tree_max_rss": ours_tree,
+        "baseline": base,
+        "baseline_wall_s": base_wall,
+        "baseline_tree_max_rss": base_tree,
+    }
 
 
 def table(rows: list[dict], num_proc: int) -> str:
     gib = 2**30
-    lines = ["| corpus | tool | seconds | MB/s | tokens/s | peak RSS: parent | largest worker | any process (wait4) | tokens |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| corpus | tool | seconds | MB/s | tokens/s | peak RSS: parent | largest worker | any process (wait4) | tokens |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         o, b = r["ours"], r["baseline"]
         mb = r["bytes"] / 1e6
-        lines.append(f"| {r['size_mb']} MB | harness.data | {o['prepare_seconds']:.1f} | {mb / o['prepare_seconds']:.2f} | "
-                     f"{o['tokens'] / o['prepare_seconds']:,.0f} | {o['peak_rss_bytes']['self'] / gib:.2f} GiB | "
-                     f"{o['peak_rss_bytes']['tokenizer_processes'] / gib:.2f} GiB | {r['ours_tree_max_rss'] / gib:.2f} GiB | "
-                     f"{o['tokens']:,} |")
+        lines.append(
+            f"| {r['size_mb']} MB | harness.data | {o['prepare_seconds']:.1f} | {mb / o['prepare_seconds']:.2f} | "
+            f"{o['tokens'] / o['prepare_seconds']:,.0f} | {o['peak_rss_bytes']['self'] / gib:.2f} GiB | "
+            f"{o['peak_rss_bytes']['tokenizer_processes'] / gib:.2f} GiB | {r['ours_tree_max_rss'] / gib:.2f} GiB | "
+            f"{o['tokens']:,} |"
+        )
         tokens = b["tokens"]
-        lines.append(f"| {r['size_mb']} MB | datasets load + map(num_proc={num_proc}) | {b['seconds']:.1f} | {mb / b['seconds']:.2f} | "
-                     f"{tokens / b['seconds']:,.0f} | {b['peak_rss_bytes']['self'] / gib:.2f} GiB | "
-                     f"{b['peak_rss_bytes']['workers'] / gib:.2f} GiB | {r['baseline_tree_max_rss'] / gib:.2f} GiB | {b['tokens']:,} |")
-        lines.append(f"| {r['size_mb']} MB | ratio (ours / baseline throughput) | | **{b['seconds'] / o['prepare_seconds']:.2f}x** | "
-                     f"| | | | {kept(o, b)} |")
+        lines.append(
+            f"| {r['size_mb']} MB | datasets load + map(num_proc={num_proc}) | {b['seconds']:.1f} | {mb / b['seconds']:.2f} | "
+            f"{tokens / b['seconds']:,.0f} | {b['peak_rss_bytes']['self'] / gib:.2f} GiB | "
+            f"{b['peak_rss_bytes']['workers'] / gib:.2f} GiB | {r['baseline_tree_max_rss'] / gib:.2f} GiB | {b['tokens']:,} |"
+        )
+        lines.append(
+            f"| {r['size_mb']} MB | ratio (ours / baseline throughput) | | **{b['seconds'] / o['prepare_seconds']:.2f}x** | "
+            f"| | | | {kept(o, b)} |"
+        )
     return "\n".join(lines)
 
 
@@ -145,8 +181,9 @@ def main() -> None:
     make_tokenizer(tok)
     rows = [run_size(work, size, tok, args.num_proc) for size in args.sizes]
     (work / "results.json").write_text(json.dumps(rows, indent=1))
-    text = (f"Machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}; num_proc={args.num_proc}\n\n"
-            + table(rows, args.num_proc))
+    text = f"Machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}; num_proc={args.num_proc}\n\n" + table(
+        rows, args.num_proc
+    )
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

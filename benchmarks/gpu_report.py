@@ -7,6 +7,7 @@ key present in several files an "ok" item beats a failed one, which beats a skip
 among equals the later file wins. Every number comes from a run's files; a number the run did
 not produce is printed as "-" with the reason, never estimated.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,7 +80,7 @@ def status_note(item: dict[str, Any] | None) -> str:
 
 
 def items_under(data: dict[str, Any], prefix: str) -> dict[str, dict[str, Any]]:
-    return {k[len(prefix):]: v for k, v in data["items"].items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in data["items"].items() if k.startswith(prefix)}
 
 
 def host_gib(meminfo: Any) -> str:
@@ -96,16 +97,23 @@ def device_line(data: dict[str, Any]) -> list[str]:
         return ["Device facts were not recorded."]
     lines = []
     if facts.get("gpu_name"):
-        lines.append(f"- Device: **{facts.get('gpu_name')}** x {facts.get('gpus')} ({facts.get('gpu_memory_mib')} MiB each); "
-                     f"{facts.get('cpu_count')} CPU cores, host memory {host_gib(facts.get('host_memory'))}.")
+        lines.append(
+            f"- Device: **{facts.get('gpu_name')}** x {facts.get('gpus')} ({facts.get('gpu_memory_mib')} MiB each); "
+            f"{facts.get('cpu_count')} CPU cores, host memory {host_gib(facts.get('host_memory'))}."
+        )
     else:
-        lines.append(f"- Device: **no GPU** (dry run on CPU: {facts.get('cpu_count')} cores, "
-                     f"host memory {host_gib(facts.get('host_memory'))}).")
-    lines.append(f"- torch {facts.get('torch')} (CUDA {facts.get('cuda')}), DeepSpeed {facts.get('deepspeed')}, transformers "
-                 f"{facts.get('transformers')}, accelerate {facts.get('accelerate')}, Python {facts.get('python_version')}.")
+        lines.append(
+            f"- Device: **no GPU** (dry run on CPU: {facts.get('cpu_count')} cores, host memory {host_gib(facts.get('host_memory'))})."
+        )
+    lines.append(
+        f"- torch {facts.get('torch')} (CUDA {facts.get('cuda')}), DeepSpeed {facts.get('deepspeed')}, transformers "
+        f"{facts.get('transformers')}, accelerate {facts.get('accelerate')}, Python {facts.get('python_version')}."
+    )
     if facts.get("capability"):
-        lines.append(f"- Compute capability {facts.get('capability')}, {facts.get('sms')} SMs, bf16 {facts.get('bf16')}, "
-                     f"NCCL {facts.get('nccl')}, cuDNN {facts.get('cudnn')}.")
+        lines.append(
+            f"- Compute capability {facts.get('capability')}, {facts.get('sms')} SMs, bf16 {facts.get('bf16')}, "
+            f"NCCL {facts.get('nccl')}, cuDNN {facts.get('cudnn')}."
+        )
     if facts.get("nvidia_smi_query"):
         lines += ["", "```", str(facts["nvidia_smi_query"]), "```"]
     setup = facts.get("setup")
@@ -152,7 +160,8 @@ def strategy_table(data: dict[str, Any]) -> list[str]:
             f"{mib(sb.get('optim_state'))} | {gib(m.get('max_allocated_bytes'))} | {gib(m.get('max_reserved_bytes'))} | "
             f"{gib(mem.get('load_peak_bytes'))} | {gib(mem.get('run_peak_bytes'))} | {num(m.get('tokens_per_s'))} | "
             f"{num(m.get('final_loss'), '{:.4f}')} | {num(m.get('eval_loss'), '{:.4f}')} | {it.get('cpu_adam') or ''} | "
-            f"{status_note(it)} |")
+            f"{status_note(it)} |"
+        )
     src = next((it.get("device_memory", {}).get("source") for it in items.values() if it.get("device_memory", {}).get("source")), None)
     if src:
         lines += ["", f"Device peaks sampled from outside: {src}."]
@@ -164,27 +173,34 @@ def throughput_table(data: dict[str, Any]) -> list[str]:
     if not items:
         return ["Not run."]
     cfg = next(iter(items.values())).get("config") or {}
-    lines = [f"Model {cfg.get('model', {}).get('name')}, bf16, one process (`strategy=ddp`, world 1), seq "
-             f"{cfg.get('data', {}).get('seq_len')}, {cfg.get('steps')} steps; medians exclude the first warm-up steps "
-             "(compile, the memory split on steps 0-1). MFU is the harness's `perf/mfu` (6N + 12·L·H·d·S FLOPs per token over "
-             "the device's dense bf16 peak).", "",
-             "| configuration | micro-batch | tokens/s | tokens/s/device | step time s | MFU | peak FLOP/s used | "
-             "max allocated GiB | status |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"Model {cfg.get('model', {}).get('name')}, bf16, one process (`strategy=ddp`, world 1), seq "
+        f"{cfg.get('data', {}).get('seq_len')}, {cfg.get('steps')} steps; medians exclude the first warm-up steps "
+        "(compile, the memory split on steps 0-1). MFU is the harness's `perf/mfu` (6N + 12·L·H·d·S FLOPs per token over "
+        "the device's dense bf16 peak).",
+        "",
+        "| configuration | micro-batch | tokens/s | tokens/s/device | step time s | MFU | peak FLOP/s used | max allocated GiB | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     best = None
     for name, it in items.items():
         m = it.get("metrics") or {}
         c = it.get("config") or {}
-        lines.append(f"| {name} | {c.get('micro_batch_size')} | {num(m.get('tokens_per_s'))} | {num(m.get('tokens_per_s_per_device'))} | "
-                     f"{num(m.get('step_time_s'), '{:.3f}')} | {pct(m.get('mfu'))} | {num(m.get('peak_flops_per_device'), '{:.3g}')} | "
-                     f"{gib(m.get('max_allocated_bytes'))} | {status_note(it)} |")
+        lines.append(
+            f"| {name} | {c.get('micro_batch_size')} | {num(m.get('tokens_per_s'))} | {num(m.get('tokens_per_s_per_device'))} | "
+            f"{num(m.get('step_time_s'), '{:.3f}')} | {pct(m.get('mfu'))} | {num(m.get('peak_flops_per_device'), '{:.3g}')} | "
+            f"{gib(m.get('max_allocated_bytes'))} | {status_note(it)} |"
+        )
         if it.get("status") == "ok" and isinstance(m.get("mfu"), (int, float)) and (best is None or m["mfu"] > best[1]):
             best = (name, m["mfu"], m.get("tokens_per_s"))
     facts = data["items"].get("facts") or {}
     if best:
         target = "met" if best[1] >= 0.40 else "NOT met"
-        lines += ["", f"Best: **{best[0]}**, {num(best[2])} tokens/s, MFU **{best[1]:.1%}** "
-                      f"(target >= 40% on an H100: {target}; device {facts.get('gpu_name')})."]
+        lines += [
+            "",
+            f"Best: **{best[0]}**, {num(best[2])} tokens/s, MFU **{best[1]:.1%}** "
+            f"(target >= 40% on an H100: {target}; device {facts.get('gpu_name')}).",
+        ]
     else:
         lines += ["", "No run produced an MFU (on CPU there is no peak-FLOPs table: expected in a dry run)."]
     return lines
@@ -197,12 +213,15 @@ def matrix_table(data: dict[str, Any]) -> list[str]:
     ctrl = items.get("control fp32", {})
     ctrl_peak = (ctrl.get("experiments_row") or {}).get("peak_bytes")
     sets = next((it.get("matrix_set") for it in items.values() if it.get("matrix_set")), [])
-    lines = [f"`python -m harness.experiments experiments/peak_memory_gpu.yaml --only ROW --set {' '.join(sets)}`, one row per "
-             "process. Peak = the harness's row peak (`torch.cuda.max_memory_allocated` on a GPU); samples/s = median after 2 "
-             "warm-up steps. The study ran 100 steps on an RTX 4090 (its samples/s include compile time).", "",
-             "| configuration | peak GiB | reduction vs control | samples/s | eval ppl | study 4090 peak GiB | study reduction | "
-             "study samples/s | status |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"`python -m harness.experiments experiments/peak_memory_gpu.yaml --only ROW --set {' '.join(sets)}`, one row per "
+        "process. Peak = the harness's row peak (`torch.cuda.max_memory_allocated` on a GPU); samples/s = median after 2 "
+        "warm-up steps. The study ran 100 steps on an RTX 4090 (its samples/s include compile time).",
+        "",
+        "| configuration | peak GiB | reduction vs control | samples/s | eval ppl | study 4090 peak GiB | study reduction | "
+        "study samples/s | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     order = list(STUDY_4090) + [k for k in items if k not in STUDY_4090]
     for name in order:
         if name not in items:
@@ -212,10 +231,12 @@ def matrix_table(data: dict[str, Any]) -> list[str]:
         peak = row.get("peak_bytes")
         red = 1 - peak / ctrl_peak if isinstance(peak, (int, float)) and ctrl_peak else None
         study = STUDY_4090.get(name)
-        lines.append(f"| {name} | {gib(peak)} | {pct(red) if name != 'control fp32' else '-'} | "
-                     f"{num(row.get('samples_per_s'), '{:.2f}')} | "
-                     f"{num(row.get('eval_perplexity'), '{:.1f}')} | {study[0] if study else '-'} | "
-                     f"{pct(study[1]) if study and study[1] is not None else '-'} | {study[2] if study else '-'} | {status_note(it)} |")
+        lines.append(
+            f"| {name} | {gib(peak)} | {pct(red) if name != 'control fp32' else '-'} | "
+            f"{num(row.get('samples_per_s'), '{:.2f}')} | "
+            f"{num(row.get('eval_perplexity'), '{:.1f}')} | {study[0] if study else '-'} | "
+            f"{pct(study[1]) if study and study[1] is not None else '-'} | {study[2] if study else '-'} | {status_note(it)} |"
+        )
     sources = {(it.get("experiments_row") or {}).get("peak_source") for it in items.values()} - {None}
     if sources:
         lines += ["", "Peak source(s): " + ", ".join(sorted(sources)) + "."]
@@ -226,13 +247,16 @@ def planner_table(data: dict[str, Any]) -> list[str]:
     plans = items_under(data, "plan/")
     if not plans:
         return ["No plan was run."]
-    lines = ["`python -m harness.plan --config <the run's config> --gpus W --gpu-mem <device MiB> --json` for each measured run. "
-             "Predicted = `peak_bytes` (the planner's prediction of max_memory_allocated); measured = max over steps of "
-             "`memory/max_allocated_bytes`. Stated allowance = the planner's context + NCCL + workspaces + fragmentation; "
-             "observed overhead = run-phase device memory in use (outside sampler, minus the idle baseline) - measured max allocated.",
-             "", "| run | predicted GiB | measured GiB | measured by | error | stated allowance GiB | observed overhead GiB | "
-             "predicted need GiB | observed device peak GiB | plan status |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "`python -m harness.plan --config <the run's config> --gpus W --gpu-mem <device MiB> --json` for each measured run. "
+        "Predicted = `peak_bytes` (the planner's prediction of max_memory_allocated); measured = max over steps of "
+        "`memory/max_allocated_bytes`. Stated allowance = the planner's context + NCCL + workspaces + fragmentation; "
+        "observed overhead = run-phase device memory in use (outside sampler, minus the idle baseline) - measured max allocated.",
+        "",
+        "| run | predicted GiB | measured GiB | measured by | error | stated allowance GiB | observed overhead GiB | "
+        "predicted need GiB | observed device peak GiB | plan status |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
     errors = []
     for key, plan in sorted(plans.items()):
         run = data["items"].get(key) or {}
@@ -253,11 +277,16 @@ def planner_table(data: dict[str, Any]) -> list[str]:
         mem = run.get("device_memory") or {}
         peak, base = mem.get("run_peak_bytes"), mem.get("baseline_bytes") or 0
         observed = peak - base if isinstance(peak, (int, float)) else None
-        overhead = observed - measured if isinstance(observed, (int, float)) and isinstance(measured, (int, float)) \
-            and source == "max_memory_allocated" else None
-        lines.append(f"| {key} | {gib(pred)} | {gib(measured)} | {source} | {pct(err) if err is not None else '-'} | "
-                     f"{gib(allow)} | {gib(overhead)} | "
-                     f"{gib(plan.get('device_need_bytes'))} | {gib(observed)} | {status_note(plan)} |")
+        overhead = (
+            observed - measured
+            if isinstance(observed, (int, float)) and isinstance(measured, (int, float)) and source == "max_memory_allocated"
+            else None
+        )
+        lines.append(
+            f"| {key} | {gib(pred)} | {gib(measured)} | {source} | {pct(err) if err is not None else '-'} | "
+            f"{gib(allow)} | {gib(overhead)} | "
+            f"{gib(plan.get('device_need_bytes'))} | {gib(observed)} | {status_note(plan)} |"
+        )
     if errors:
         errors.sort()
         lines += ["", f"{len(errors)} configs compared: median |error| {errors[len(errors) // 2]:.1%}, max {errors[-1]:.1%}."]
@@ -269,25 +298,32 @@ def offload_section(data: dict[str, Any]) -> list[str]:
     for s in ("fsdp_offload", "zero2_offload", "zero3_offload"):
         for key, it in sorted(items_under(data, f"strategies/{s}/").items()):
             m = it.get("metrics") or {}
-            lines.append(f"- `{s}` world {key.lstrip('w')}: {status_note(it)}; max allocated {gib(m.get('max_allocated_bytes'))} GiB, "
-                         f"{num(m.get('tokens_per_s'))} tokens/s, final loss {num(m.get('final_loss'), '{:.4f}')}"
-                         + (f"; optimizer: {it['cpu_adam']}" if it.get("cpu_adam") else ""))
+            lines.append(
+                f"- `{s}` world {key.lstrip('w')}: {status_note(it)}; max allocated {gib(m.get('max_allocated_bytes'))} GiB, "
+                f"{num(m.get('tokens_per_s'))} tokens/s, final loss {num(m.get('final_loss'), '{:.4f}')}"
+                + (f"; optimizer: {it['cpu_adam']}" if it.get("cpu_adam") else "")
+            )
     return lines or ["Not run."]
 
 
 def load_section(data: dict[str, Any]) -> list[str]:
-    lines = ["The harness resets the allocator's peak at every step and logs no load-phase number, so the load phase is measured "
-             "from outside: device memory in use (all processes, CUDA context and allocator cache included) from process start "
-             "until the metrics `start` record (written once the engine is built), minus the idle baseline. A true "
-             "`max_memory_allocated` for the load phase needs harness support (see notes/gpu_plan.md).", ""]
+    lines = [
+        "The harness resets the allocator's peak at every step and logs no load-phase number, so the load phase is measured "
+        "from outside: device memory in use (all processes, CUDA context and allocator cache included) from process start "
+        "until the metrics `start` record (written once the engine is built), minus the idle baseline. A true "
+        "`max_memory_allocated` for the load phase needs harness support (see notes/gpu_plan.md).",
+        "",
+    ]
     for s in ("fsdp", "zero3"):
         for key, it in sorted(items_under(data, f"strategies/{s}/").items()):
             mem = it.get("device_memory") or {}
             base = mem.get("baseline_bytes") or 0
             lp = mem.get("load_peak_bytes")
-            lines.append(f"- `{s}` world {key.lstrip('w')} loading the saved model: load-phase device peak "
-                         f"{gib(lp - base if isinstance(lp, (int, float)) else None)} GiB above an idle baseline of {gib(base)} GiB "
-                         f"(boundary: {mem.get('load_boundary', '-')}); {status_note(it)}")
+            lines.append(
+                f"- `{s}` world {key.lstrip('w')} loading the saved model: load-phase device peak "
+                f"{gib(lp - base if isinstance(lp, (int, float)) else None)} GiB above an idle baseline of {gib(base)} GiB "
+                f"(boundary: {mem.get('load_boundary', '-')}); {status_note(it)}"
+            )
     return lines
 
 
@@ -306,15 +342,44 @@ def build(data: dict[str, Any]) -> str:
     dry = data["meta"].get("dry_run")
     facts = data["items"].get("facts") or {}
     title = f"# GPU measurements: {facts.get('gpu_name') or 'no GPU'}" + (" (DRY RUN on CPU: plumbing only, no GPU numbers)" if dry else "")
-    parts = [title, "", "Written by `benchmarks/gpu_suite.sh`; see notes/gpu_plan.md for how it was run.", "",
-             "## Device", "", *device_line(data), "",
-             "## Strategies on the GPU (notes/core.md's table)", "", *strategy_table(data), "",
-             "## llama-1.6b bf16 throughput and MFU", "", *throughput_table(data), "",
-             "## Peak-memory matrix (s004) next to the study's RTX 4090", "", *matrix_table(data), "",
-             "## Planner vs torch.cuda.max_memory_allocated", "", *planner_table(data), "",
-             "## Offload actually run on the GPU", "", *offload_section(data), "",
-             "## Load phase of a sharded load", "", *load_section(data), "",
-             "## Failures, timeouts and skips", "", *failures(data), ""]
+    parts = [
+        title,
+        "",
+        "Written by `benchmarks/gpu_suite.sh`; see notes/gpu_plan.md for how it was run.",
+        "",
+        "## Device",
+        "",
+        *device_line(data),
+        "",
+        "## Strategies on the GPU (notes/core.md's table)",
+        "",
+        *strategy_table(data),
+        "",
+        "## llama-1.6b bf16 throughput and MFU",
+        "",
+        *throughput_table(data),
+        "",
+        "## Peak-memory matrix (s004) next to the study's RTX 4090",
+        "",
+        *matrix_table(data),
+        "",
+        "## Planner vs torch.cuda.max_memory_allocated",
+        "",
+        *planner_table(data),
+        "",
+        "## Offload actually run on the GPU",
+        "",
+        *offload_section(data),
+        "",
+        "## Load phase of a sharded load",
+        "",
+        *load_section(data),
+        "",
+        "## Failures, timeouts and skips",
+        "",
+        *failures(data),
+        "",
+    ]
     mt = data["items"].get("matrix_table") or {}
     if mt.get("results_md"):
         parts += ["## harness.experiments' own table (rows finished in one state folder)", "", mt["results_md"]]

@@ -25,6 +25,7 @@ Every run's device memory is sampled from outside (NVML, else nvidia-smi; RSS of
 tree in --dry-run) so the load phase (process start .. the metrics 'start' record, written
 once the engine is built) and the training phase are separated.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,24 +57,57 @@ GIB = 2**30
 
 # Sizes. GPU: what the issue asks for. Dry run: the same code paths on tiny models, 2 steps, CPU.
 GPU = {
-    "table_model": "300m", "table_data": {"seq_len": 1024, "vocab_size": 32000, "max_tokens": 2000000},
-    "table_precision": "bf16", "table_micro": 8, "table_steps": 8, "table_eval_batches": 4, "table_run_cap_s": 150,
-    "tp_model": "llama-1.6b", "tp_data": {"seq_len": 2048, "vocab_size": 32000, "max_tokens": 2000000},  # = the matrix's data: one cache
-    "tp_steps": 12, "tp_warm": 4, "tp_run_cap_s": 240,
+    "table_model": "300m",
+    "table_data": {"seq_len": 1024, "vocab_size": 32000, "max_tokens": 2000000},
+    "table_precision": "bf16",
+    "table_micro": 8,
+    "table_steps": 8,
+    "table_eval_batches": 4,
+    "table_run_cap_s": 150,
+    "tp_model": "llama-1.6b",
+    "tp_data": {"seq_len": 2048, "vocab_size": 32000, "max_tokens": 2000000},  # = the matrix's data: one cache
+    "tp_steps": 12,
+    "tp_warm": 4,
+    "tp_run_cap_s": 240,
     # GPU_SUITE_MATRIX_SET (space-separated key=value) replaces this, e.g. adding data.seq_len=1024 if fp32 rows run out of memory
     "matrix_set": os.environ.get("GPU_SUITE_MATRIX_SET", "steps=8 memory.track_every=1000").split(),
-    "matrix_eager_cap_s": 180, "matrix_compiled_cap_s": 300,
-    "min_start_s": 45, "min_compiled_s": 150, "plan_timeout_s": 240, "plan_workers": 3,
+    "matrix_eager_cap_s": 180,
+    "matrix_compiled_cap_s": 300,
+    "min_start_s": 45,
+    "min_compiled_s": 150,
+    "plan_timeout_s": 240,
+    "plan_workers": 3,
 }
 DRY = {
-    "table_model": "tiny", "table_data": {"seq_len": 64, "vocab_size": 2048, "max_tokens": 50000},
-    "table_precision": "fp32", "table_micro": 2, "table_steps": 2, "table_eval_batches": 1, "table_run_cap_s": 120,
-    "tp_model": "tiny-llama", "tp_data": {"seq_len": 64, "vocab_size": 2048, "max_tokens": 50000},
-    "tp_steps": 3, "tp_warm": 1, "tp_run_cap_s": 120,
-    "matrix_set": ["model.name=tiny-llama", "data.seq_len=64", "data.vocab_size=2048", "data.max_tokens=50000",
-                   "micro_batch_size=2", "steps=2", "eval_batches=1", "device=cpu", "memory.track_every=1000"],
-    "matrix_eager_cap_s": 150, "matrix_compiled_cap_s": 150,
-    "min_start_s": 15, "min_compiled_s": 15, "plan_timeout_s": 180, "plan_workers": 1,
+    "table_model": "tiny",
+    "table_data": {"seq_len": 64, "vocab_size": 2048, "max_tokens": 50000},
+    "table_precision": "fp32",
+    "table_micro": 2,
+    "table_steps": 2,
+    "table_eval_batches": 1,
+    "table_run_cap_s": 120,
+    "tp_model": "tiny-llama",
+    "tp_data": {"seq_len": 64, "vocab_size": 2048, "max_tokens": 50000},
+    "tp_steps": 3,
+    "tp_warm": 1,
+    "tp_run_cap_s": 120,
+    "matrix_set": [
+        "model.name=tiny-llama",
+        "data.seq_len=64",
+        "data.vocab_size=2048",
+        "data.max_tokens=50000",
+        "micro_batch_size=2",
+        "steps=2",
+        "eval_batches=1",
+        "device=cpu",
+        "memory.track_every=1000",
+    ],
+    "matrix_eager_cap_s": 150,
+    "matrix_compiled_cap_s": 150,
+    "min_start_s": 15,
+    "min_compiled_s": 15,
+    "plan_timeout_s": 180,
+    "plan_workers": 1,
 }
 # The dry run runs the eager rows of the matrix; compiled rows need minutes of inductor on 2 CPU cores.
 
@@ -151,8 +185,9 @@ def gpu_inventory() -> tuple[int, int | None, str | None]:
     if shutil.which("nvidia-smi") is None:
         return 0, None, None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return 0, None, None
     rows = [r.split(",") for r in out.strip().splitlines() if r.strip()]
@@ -197,8 +232,9 @@ class MemSampler(threading.Thread):
 
     @staticmethod
     def _smi() -> int:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10
+        ).stdout
         return max(int(float(x)) for x in out.split()) * 2**20
 
     def _rss(self) -> int:
@@ -243,8 +279,11 @@ class MemSampler(threading.Thread):
         train = [v for t, v in self.samples if boundary is not None and t >= boundary]
         peak = max(v for _, v in self.samples)
         return {
-            "source": self.source, "samples": len(self.samples), "baseline_bytes": baseline,
-            "peak_bytes": peak, "load_peak_bytes": max(load) if load else None,
+            "source": self.source,
+            "samples": len(self.samples),
+            "baseline_bytes": baseline,
+            "peak_bytes": peak,
+            "load_peak_bytes": max(load) if load else None,
             "run_peak_bytes": max(train) if train else None,
         }
 
@@ -274,8 +313,7 @@ def _on_term(signum: int, frame: Any) -> None:
     os._exit(124)
 
 
-def launch(ctx: Ctx, cmd: list[str], log: Path, timeout: float, env: dict[str, str], sampler_gpu: bool,
-           cwd: Path = REPO) -> dict[str, Any]:
+def launch(ctx: Ctx, cmd: list[str], log: Path, timeout: float, env: dict[str, str], sampler_gpu: bool, cwd: Path = REPO) -> dict[str, Any]:
     """Run a command in its own session, log its output with timestamps, sample memory; kill the group at timeout."""
     baseline_sampler = MemSampler(None, sampler_gpu)
     baseline = baseline_sampler.read_once() if sampler_gpu else 0
@@ -284,8 +322,9 @@ def launch(ctx: Ctx, cmd: list[str], log: Path, timeout: float, env: dict[str, s
     with open(log, "w") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, bufsize=1)
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, bufsize=1
+        )
         ACTIVE_GROUPS.add(proc.pid)
         sampler = MemSampler(proc.pid, sampler_gpu)
         sampler.start()
@@ -322,8 +361,15 @@ def launch(ctx: Ctx, cmd: list[str], log: Path, timeout: float, env: dict[str, s
         wall = time.time() - start
         f.write(f"[{wall:8.2f}] exit {proc.returncode}{f' (timed out after {timeout:.0f} s)' if timed_out else ''}\n")
     text = log.read_text(errors="replace")
-    return {"rc": proc.returncode, "timed_out": timed_out, "wall_s": round(wall, 1), "log_text": text,
-            "sampler": sampler, "baseline": baseline, "banner_at": banner_at[0] if banner_at else None}
+    return {
+        "rc": proc.returncode,
+        "timed_out": timed_out,
+        "wall_s": round(wall, 1),
+        "log_text": text,
+        "sampler": sampler,
+        "baseline": baseline,
+        "banner_at": banner_at[0] if banner_at else None,
+    }
 
 
 def read_metrics(out_dir: Path, warm: int) -> dict[str, Any]:
@@ -350,12 +396,20 @@ def read_metrics(out_dir: Path, warm: int) -> dict[str, Any]:
         return max(vals) if vals else None
 
     return {
-        "start_time": start.get("time"), "device_name": start.get("device_name"), "world_size": start.get("world_size"),
-        "flops_per_token": start.get("flops_per_token"), "peak_flops_per_device": start.get("peak_flops_per_device"),
-        "steps_logged": len(train), "timed_steps": len(steady),
-        "tokens_per_s": med("perf/tokens_per_s"), "tokens_per_s_per_device": med("perf/tokens_per_s_per_device"),
-        "samples_per_s": med("perf/samples_per_s"), "step_time_s": med("perf/step_time_s"), "mfu": med("perf/mfu"),
-        "max_allocated_bytes": mx("memory/max_allocated_bytes"), "max_reserved_bytes": mx("memory/max_reserved_bytes"),
+        "start_time": start.get("time"),
+        "device_name": start.get("device_name"),
+        "world_size": start.get("world_size"),
+        "flops_per_token": start.get("flops_per_token"),
+        "peak_flops_per_device": start.get("peak_flops_per_device"),
+        "steps_logged": len(train),
+        "timed_steps": len(steady),
+        "tokens_per_s": med("perf/tokens_per_s"),
+        "tokens_per_s_per_device": med("perf/tokens_per_s_per_device"),
+        "samples_per_s": med("perf/samples_per_s"),
+        "step_time_s": med("perf/step_time_s"),
+        "mfu": med("perf/mfu"),
+        "max_allocated_bytes": mx("memory/max_allocated_bytes"),
+        "max_reserved_bytes": mx("memory/max_reserved_bytes"),
         "tracked_total_peak_bytes": mx("memory/total_peak_bytes"),
         "final_loss": train[-1].get("train/loss") if train else None,
         "eval_loss": evals[-1].get("eval/loss") if evals else None,
@@ -395,11 +449,24 @@ def finish_run(ctx: Ctx, key: str, res: dict[str, Any], out_dir: Path, warm: int
     metrics = read_metrics(out_dir, warm)
     boundary = metrics.get("start_time") or res["banner_at"]
     mem = res["sampler"].summary(res["baseline"], boundary)
-    mem["load_boundary"] = ("metrics.jsonl 'start' record (engine built)" if metrics.get("start_time")
-                            else "'[harness] ...' banner line" if res["banner_at"] else "not found")
+    mem["load_boundary"] = (
+        "metrics.jsonl 'start' record (engine built)"
+        if metrics.get("start_time")
+        else "'[harness] ...' banner line"
+        if res["banner_at"]
+        else "not found"
+    )
     status = "timeout" if res["timed_out"] else ("ok" if res["rc"] == 0 and metrics.get("steps_logged") else "failed")
-    item = dict(extra, status=status, rc=res["rc"], wall_s=res["wall_s"], metrics=metrics, device_memory=mem,
-                state_bytes=read_state_bytes(out_dir), log=str(res["log_path"].relative_to(ctx.state.root)))
+    item = dict(
+        extra,
+        status=status,
+        rc=res["rc"],
+        wall_s=res["wall_s"],
+        metrics=metrics,
+        device_memory=mem,
+        state_bytes=read_state_bytes(out_dir),
+        log=str(res["log_path"].relative_to(ctx.state.root)),
+    )
     if status != "ok":
         item["reason"] = ("timed out" if res["timed_out"] else f"exit {res['rc']}") + "; log tail in 'log_tail'"
         item["log_tail"] = tail(res["log_text"])
@@ -415,8 +482,17 @@ def done_already(ctx: Ctx, key: str) -> bool:
     return False
 
 
-def run_train(ctx: Ctx, key: str, cfg: dict[str, Any], world: int, cap: float, warm: int,
-              extra: dict[str, Any] | None = None, plan: bool = True, minimum: float | None = None) -> dict[str, Any] | None:
+def run_train(
+    ctx: Ctx,
+    key: str,
+    cfg: dict[str, Any],
+    world: int,
+    cap: float,
+    warm: int,
+    extra: dict[str, Any] | None = None,
+    plan: bool = True,
+    minimum: float | None = None,
+) -> dict[str, Any] | None:
     """One harness.train run (torch.distributed.run when world > 1) from a config dict; recorded under `key`."""
     extra = dict(extra or {}, world=world, config=cfg)
     if done_already(ctx, key):
@@ -434,8 +510,16 @@ def run_train(ctx: Ctx, key: str, cfg: dict[str, Any], world: int, cap: float, w
     config = work / "config.json"
     write_config(config, cfg)
     if world > 1:
-        cmd = [ctx.py, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={free_port()}",
-               str(REPO / "harness" / "train.py"), "--config", str(config)]
+        cmd = [
+            ctx.py,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={world}",
+            f"--master_port={free_port()}",
+            str(REPO / "harness" / "train.py"),
+            "--config",
+            str(config),
+        ]
     else:
         cmd = [ctx.py, "-m", "harness.train", "--config", str(config)]
     res = launch(ctx, cmd, work / "log.txt", timeout, ctx.env(), sampler_gpu=not ctx.dry)
@@ -470,13 +554,19 @@ def run_plan(ctx: Ctx, key: str, config: Path, world: int) -> None:
     except subprocess.TimeoutExpired as exc:
         rc, text = None, f"timed out after {ctx.cfg['plan_timeout_s']} s\n{exc.stdout or ''}{exc.stderr or ''}"
     (config.parent / "plan.txt").write_text(f"$ {' '.join(cmd)}\n{text}")
-    item: dict[str, Any] = {"rc": rc, "gpu_mem": mem, "world": world, "seconds": round(time.time() - t0, 1),
-                            "command": " ".join(cmd)}
+    item: dict[str, Any] = {"rc": rc, "gpu_mem": mem, "world": world, "seconds": round(time.time() - t0, 1), "command": " ".join(cmd)}
     if rc in (0, 1) and out.exists():
         data = json.loads(out.read_text())
-        item.update(status="ok", peak_bytes=data.get("peak_bytes"), device_need_bytes=data.get("device_need_bytes"),
-                    allowance_bytes=data.get("allowance_bytes"), peak_moment=data.get("peak_moment"),
-                    fits=data.get("fits"), verdict=data.get("verdict"), host_bytes_per_rank=data.get("host_bytes_per_rank"))
+        item.update(
+            status="ok",
+            peak_bytes=data.get("peak_bytes"),
+            device_need_bytes=data.get("device_need_bytes"),
+            allowance_bytes=data.get("allowance_bytes"),
+            peak_moment=data.get("peak_moment"),
+            fits=data.get("fits"),
+            verdict=data.get("verdict"),
+            host_bytes_per_rank=data.get("host_bytes_per_rank"),
+        )
     else:
         item.update(status="failed", reason=f"harness.plan exit {rc}", log_tail=tail(text, 1500))
     ctx.state.item(f"plan/{key}", item)
@@ -493,12 +583,18 @@ def wait_plans(ctx: Ctx) -> None:
 
 # ------------------------------------------------------------------------------------ parts
 def part_facts(ctx: Ctx) -> None:
-    facts: dict[str, Any] = {"gpus": ctx.ngpu, "gpu_name": ctx.gpu_name, "gpu_memory_mib": ctx.gpu_mem_mib,
-                             "cpu_count": os.cpu_count(), "python": ctx.py}
+    facts: dict[str, Any] = {
+        "gpus": ctx.ngpu,
+        "gpu_name": ctx.gpu_name,
+        "gpu_memory_mib": ctx.gpu_mem_mib,
+        "cpu_count": os.cpu_count(),
+        "python": ctx.py,
+    }
     if shutil.which("nvidia-smi"):
-        for name, args in (("nvidia_smi_L", ["-L"]),
-                           ("nvidia_smi_query", ["--query-gpu=name,memory.total,driver_version,power.limit,clocks.max.sm",
-                                                 "--format=csv"])):
+        for name, args in (
+            ("nvidia_smi_L", ["-L"]),
+            ("nvidia_smi_query", ["--query-gpu=name,memory.total,driver_version,power.limit,clocks.max.sm", "--format=csv"]),
+        ):
             try:
                 facts[name] = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30).stdout.strip()
             except (OSError, subprocess.TimeoutExpired) as exc:
@@ -548,12 +644,23 @@ def record_cpu_adam_build(ctx: Ctx) -> None:
         return
     rc_file, log = ctx.state.root / "cpu_adam_build.rc", ctx.state.root / "logs" / "cpu_adam_build.log"
     if not rc_file.exists():
-        ctx.state.item("setup/cpu_adam_build", {"status": "running" if log.exists() else "not started",
-                                                "log_tail": tail(log.read_text(errors="replace"), 1500) if log.exists() else None})
+        ctx.state.item(
+            "setup/cpu_adam_build",
+            {
+                "status": "running" if log.exists() else "not started",
+                "log_tail": tail(log.read_text(errors="replace"), 1500) if log.exists() else None,
+            },
+        )
         return
     rc = rc_file.read_text().strip()
-    ctx.state.item("setup/cpu_adam_build", {"status": "ok" if rc == "0" else "failed", "rc": rc,
-                                            "log_tail": tail(log.read_text(errors="replace"), 1500) if log.exists() else None})
+    ctx.state.item(
+        "setup/cpu_adam_build",
+        {
+            "status": "ok" if rc == "0" else "failed",
+            "rc": rc,
+            "log_tail": tail(log.read_text(errors="replace"), 1500) if log.exists() else None,
+        },
+    )
 
 
 def ensure_model(ctx: Ctx) -> Path | None:
@@ -567,20 +674,39 @@ def ensure_model(ctx: Ctx) -> Path | None:
         return None
     target.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    proc = subprocess.run([ctx.py, str(Path(__file__).resolve()), "--make-model", str(target), "--size", size],
-                          capture_output=True, text=True, timeout=timeout, env=ctx.env(CUDA_VISIBLE_DEVICES=""))
+    proc = subprocess.run(
+        [ctx.py, str(Path(__file__).resolve()), "--make-model", str(target), "--size", size],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ctx.env(CUDA_VISIBLE_DEVICES=""),
+    )
     ok = proc.returncode == 0 and (target / "config.json").exists()
     info = json.loads(proc.stdout.strip().splitlines()[-1]) if ok else {}
-    ctx.state.item("saved_model", dict(info, status="ok" if ok else "failed", path=str(target), seconds=round(time.time() - t0, 1),
-                                       **({} if ok else {"log_tail": tail(proc.stdout + proc.stderr)})))
+    ctx.state.item(
+        "saved_model",
+        dict(
+            info,
+            status="ok" if ok else "failed",
+            path=str(target),
+            seconds=round(time.time() - t0, 1),
+            **({} if ok else {"log_tail": tail(proc.stdout + proc.stderr)}),
+        ),
+    )
     return target if ok else None
 
 
 def table_config(ctx: Ctx, model: str, strategy: str) -> dict[str, Any]:
     c = ctx.cfg
     cfg: dict[str, Any] = {
-        "model": {"name": model}, "data": dict(c["table_data"]), "strategy": strategy, "precision": c["table_precision"],
-        "micro_batch_size": c["table_micro"], "grad_accum": 1, "steps": c["table_steps"], "eval_batches": c["table_eval_batches"],
+        "model": {"name": model},
+        "data": dict(c["table_data"]),
+        "strategy": strategy,
+        "precision": c["table_precision"],
+        "micro_batch_size": c["table_micro"],
+        "grad_accum": 1,
+        "steps": c["table_steps"],
+        "eval_batches": c["table_eval_batches"],
         "optim": {"lr": 1.0e-3, "warmup_steps": 2},
         "logging": {"wandb": False, "progress": False, "plots": False},
         # track: max_memory_allocated every step; the category split (slow) only on steps 0 and 1
@@ -606,8 +732,10 @@ def part_strategies(ctx: Ctx) -> None:
             key = f"strategies/{strategy}/w{world}"
             cfg = table_config(ctx, str(model), strategy)
             if ctx.dry and strategy in NEEDS_GPU:
-                ctx.state.item(key, {"status": "skipped", "reason": "needs a GPU (CPUOffloadPolicy needs an accelerator)",
-                                     "world": world, "config": cfg})
+                ctx.state.item(
+                    key,
+                    {"status": "skipped", "reason": "needs a GPU (CPUOffloadPolicy needs an accelerator)", "world": world, "config": cfg},
+                )
                 continue
             run_train(ctx, key, cfg, world, ctx.cfg["table_run_cap_s"], warm=2, extra={"strategy": strategy})
     record_cpu_adam_build(ctx)
@@ -626,8 +754,14 @@ def part_throughput(ctx: Ctx) -> None:
         name, memory, micro, minimum = queue.pop(0)
         key = f"throughput/{name}"
         cfg = {
-            "model": {"name": c["tp_model"]}, "data": dict(c["tp_data"]), "strategy": "ddp", "precision": "bf16",
-            "micro_batch_size": micro if not ctx.dry else 2, "grad_accum": 1, "steps": c["tp_steps"], "eval_batches": 2,
+            "model": {"name": c["tp_model"]},
+            "data": dict(c["tp_data"]),
+            "strategy": "ddp",
+            "precision": "bf16",
+            "micro_batch_size": micro if not ctx.dry else 2,
+            "grad_accum": 1,
+            "steps": c["tp_steps"],
+            "eval_batches": 2,
             "optim": {"lr": 1.0e-3, "warmup_steps": 2},
             "logging": {"wandb": False, "progress": False, "plots": False},
             "memory": dict({"track": True, "track_every": 1000}, **memory),
@@ -635,11 +769,13 @@ def part_throughput(ctx: Ctx) -> None:
         if ctx.dry:
             cfg["device"] = "cpu"
             if memory.get("compile"):
-                ctx.state.item(key, {"status": "skipped", "reason": "dry run: inductor on 2 CPU cores takes minutes",
-                                     "config": cfg, "world": 1})
+                ctx.state.item(
+                    key, {"status": "skipped", "reason": "dry run: inductor on 2 CPU cores takes minutes", "config": cfg, "world": 1}
+                )
                 continue
-        item = run_train(ctx, key, cfg, 1, c["tp_run_cap_s"], warm=c["tp_warm"], extra={"candidate": name},
-                         minimum=None if ctx.dry else minimum)
+        item = run_train(
+            ctx, key, cfg, 1, c["tp_run_cap_s"], warm=c["tp_warm"], extra={"candidate": name}, minimum=None if ctx.dry else minimum
+        )
         # The planner predicts ~58 GiB for micro 8 (fits 80 GB); if the allocator disagrees, retry this one at micro 4.
         if item and item.get("status") == "failed" and micro > 4 and "out of memory" in item.get("log_tail", "").lower():
             queue.insert(0, (name.replace(f"micro {micro}", "micro 4") + f" (micro {micro} ran out of memory)", memory, 4, minimum))
@@ -662,9 +798,17 @@ def load_matrix_runs(path: Path) -> list[dict[str, Any]]:
 
         return list((yaml.safe_load(path.read_text()) or {}).get("runs") or [])
     except ImportError:
-        out = subprocess.run([os.environ.get("PY") or sys.executable, "-c",
-                              "import json,sys,yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))['runs']))", str(path)],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [
+                os.environ.get("PY") or sys.executable,
+                "-c",
+                "import json,sys,yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))['runs']))",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         return json.loads(out)
 
 
@@ -714,14 +858,31 @@ def part_matrix_table(ctx: Ctx) -> None:
     if not done:
         ctx.state.item("matrix_table", {"status": "skipped", "reason": "no finished matrix row in this state folder"})
         return
-    cmd = [ctx.py, "-m", "harness.experiments", str(MATRIX_YAML), "--out", str(out), "--only", ",".join(done), "--resume",
-           "--set", *ctx.cfg["matrix_set"]]
+    cmd = [
+        ctx.py,
+        "-m",
+        "harness.experiments",
+        str(MATRIX_YAML),
+        "--out",
+        str(out),
+        "--only",
+        ",".join(done),
+        "--resume",
+        "--set",
+        *ctx.cfg["matrix_set"],
+    ]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=ctx.env(), capture_output=True, text=True, timeout=max(30, ctx.remaining() - 5))
         ok = proc.returncode == 0 and (out / "results.md").exists()
-        ctx.state.item("matrix_table", {"status": "ok" if ok else "failed", "rows": done,
-                                        "results_md": (out / "results.md").read_text() if ok else None,
-                                        **({} if ok else {"log_tail": tail(proc.stdout + proc.stderr)})})
+        ctx.state.item(
+            "matrix_table",
+            {
+                "status": "ok" if ok else "failed",
+                "rows": done,
+                "results_md": (out / "results.md").read_text() if ok else None,
+                **({} if ok else {"log_tail": tail(proc.stdout + proc.stderr)}),
+            },
+        )
     except subprocess.TimeoutExpired:
         ctx.state.item("matrix_table", {"status": "timeout", "rows": done})
 
@@ -744,18 +905,41 @@ def make_model(target: str, size: str) -> None:
 
     shapes = {
         # ~323M parameters: 20 layers, hidden 1024, a 32k vocabulary (the GPU runs' tokenizer size)
-        "300m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16,
-                     num_key_value_heads=16, max_position_embeddings=2048, vocab_size=32000),
-        "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=512, vocab_size=2048),
+        "300m": dict(
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=20,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            max_position_embeddings=2048,
+            vocab_size=32000,
+        ),
+        "tiny": dict(
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            vocab_size=2048,
+        ),
     }[size]
     cfg = LlamaConfig(**shapes, tie_word_embeddings=False, attn_implementation="sdpa")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.to(torch.bfloat16).save_pretrained(target, safe_serialization=True)  # bf16 on disk, as published checkpoints are
     files = sum(p.stat().st_size for p in Path(target).glob("*.safetensors"))
-    print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "size": size, "dtype_on_disk": "bf16",
-                      "safetensors_bytes": files, "shape": shapes}))
+    print(
+        json.dumps(
+            {
+                "params": sum(p.numel() for p in model.parameters()),
+                "size": size,
+                "dtype_on_disk": "bf16",
+                "safetensors_bytes": files,
+                "shape": shapes,
+            }
+        )
+    )
 
 
 def main() -> int:
@@ -792,8 +976,13 @@ def main() -> int:
     except Exception as exc:
         import traceback
 
-        ctx.state.part(args.part, status="failed", wall_s=round(time.time() - t0, 1),
-                       reason=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+        ctx.state.part(
+            args.part,
+            status="failed",
+            wall_s=round(time.time() - t0, 1),
+            reason=f"{type(exc).__name__}: {exc}",
+            traceback=traceback.format_exc()[-3000:],
+        )
         print(traceback.format_exc(), flush=True)
         return 1
     return 0

@@ -18,6 +18,7 @@ tokenizer trained on the embedded corpus). Each (code version, strategy, world) 
 `--before` runs the same matrix with another checkout's code (e.g. the commit before sharded
 loading), in the same invocation, so both sides share the machine's conditions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,15 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024**3
-MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
-             max_position_embeddings=512, tie_word_embeddings=False)
+MODEL = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def save_model(work: Path, vocab_size: int) -> tuple[Path, int, int]:
@@ -87,18 +95,35 @@ def _workers(launcher_pid: int) -> list[int]:
 def run_one(code: Path, model_dir: Path, strategy: str, world: int, work: Path, steps: int = 1) -> dict:
     label = Path(strategy).stem
     out = work / "runs" / f"{code.name}-{label}-{world}-s{steps}"
-    cfg = {"model": {"name": str(model_dir)}, "data": {"seq_len": 64, "cache_dir": str(work / "cache")},
-           "strategy": strategy, "precision": "fp32", "micro_batch_size": 1, "grad_accum": 1, "steps": steps, "eval_batches": 1,
-           "optim": {"warmup_steps": 0}, "logging": {"wandb": False, "progress": False, "plots": False},
-           "memory": {"track": False}, "output_dir": str(out), "checkpoint": {"overwrite": True}}
+    cfg = {
+        "model": {"name": str(model_dir)},
+        "data": {"seq_len": 64, "cache_dir": str(work / "cache")},
+        "strategy": strategy,
+        "precision": "fp32",
+        "micro_batch_size": 1,
+        "grad_accum": 1,
+        "steps": steps,
+        "eval_batches": 1,
+        "optim": {"warmup_steps": 0},
+        "logging": {"wandb": False, "progress": False, "plots": False},
+        "memory": {"track": False},
+        "output_dir": str(out),
+        "checkpoint": {"overwrite": True},
+    }
     path = work / f"{code.name}-{label}-{world}-s{steps}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONPATH=str(code))
-    cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={world}", f"--master_port={port}",
-           str(code / "harness" / "train.py"), "--config", str(path)]
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        f"--nproc_per_node={world}",
+        f"--master_port={port}",
+        str(code / "harness" / "train.py"),
+        "--config",
+        str(path),
+    ]
     metrics = out / "metrics.jsonl"
     if metrics.exists():
         metrics.unlink()
@@ -125,8 +150,17 @@ def run_one(code: Path, model_dir: Path, strategy: str, world: int, work: Path, 
     if proc.returncode != 0:
         raise RuntimeError(f"{code.name} {strategy} x{world} exited {proc.returncode}:\n{log[-3000:]}")
     internal = [line.split("time to first step:")[1].strip() for line in log.splitlines() if "time to first step:" in line]
-    return {"code": code.name, "strategy": label, "world": world, "steps": steps, "before_first_step": before, "run": peak,
-            "to_first_step_s": first_step_at, "logged": internal[0] if internal else None, "wall_s": time.monotonic() - started}
+    return {
+        "code": code.name,
+        "strategy": label,
+        "world": world,
+        "steps": steps,
+        "before_first_step": before,
+        "run": peak,
+        "to_first_step_s": first_step_at,
+        "logged": internal[0] if internal else None,
+        "wall_s": time.monotonic() - started,
+    }
 
 
 def load_peak_worker(model_dir: str, strategy: str, out: str) -> None:
@@ -167,29 +201,53 @@ def tensor_peaks(model_dir: Path, strategies: list[str], worlds: list[int], work
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
-            cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={world}", f"--master_port={port}",
-                   __file__, "--worker-load", str(model_dir), strategy, str(out)]
+            cmd = [
+                str(Path(sys.executable).parent / "torchrun"),
+                f"--nproc_per_node={world}",
+                f"--master_port={port}",
+                __file__,
+                "--worker-load",
+                str(model_dir),
+                strategy,
+                str(out),
+            ]
             with open(out.with_suffix(".log"), "w") as log:
-                subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)), stdout=log,
-                               stderr=subprocess.STDOUT, check=True)
+                subprocess.run(
+                    cmd,
+                    cwd=REPO,
+                    env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    check=True,
+                )
             ranks = json.loads(out.read_text())
-            row = {"strategy": strategy, "world": world, "peak": max(r["peak"] for r in ranks), "held": max(r["held"] for r in ranks),
-                   "seconds": max(r["seconds"] for r in ranks)}
+            row = {
+                "strategy": strategy,
+                "world": world,
+                "peak": max(r["peak"] for r in ranks),
+                "held": max(r["held"] for r in ranks),
+                "seconds": max(r["seconds"] for r in ranks),
+            }
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
 
 
 def table(rows: list[dict], params: int, largest: int) -> str:
-    lines = ["| code | strategy | world | steps | private before step 1 (GiB, max rank) | target (GiB) | private over the run (GiB) | "
-             "time to step 1 (s) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| code | strategy | world | steps | private before step 1 (GiB, max rank) | target (GiB) | private over the run (GiB) | "
+        "time to step 1 (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         target = ""
         if r["strategy"].startswith(("zero3", "fsdp")):
             target = f"{(params * 4 / r['world'] + largest * 4) / GIB:.2f} + baseline"
         before = max(r["before_first_step"]) / GIB
-        lines.append(f"| {r['code']} | {r['strategy']} | {r['world']} | {r['steps']} | {before:.2f} | {target} | "
-                     f"{max(r['run']) / GIB:.2f} | {r['to_first_step_s']:.1f} |")
+        lines.append(
+            f"| {r['code']} | {r['strategy']} | {r['world']} | {r['steps']} | {before:.2f} | {target} | "
+            f"{max(r['run']) / GIB:.2f} | {r['to_first_step_s']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -219,8 +277,10 @@ def main() -> None:
         print("| strategy | world | load-phase peak, tensor bytes (GiB) | held after load (GiB) | whole model fp32 (GiB) | load (s) |")
         print("|---|---|---|---|---|---|")
         for r in peaks:
-            print(f"| {r['strategy']} | {r['world']} | {r['peak'] / GIB:.3f} | {r['held'] / GIB:.3f} | {params * 4 / GIB:.3f} | "
-                  f"{r['seconds']:.1f} |")
+            print(
+                f"| {r['strategy']} | {r['world']} | {r['peak'] / GIB:.3f} | {r['held'] / GIB:.3f} | {params * 4 / GIB:.3f} | "
+                f"{r['seconds']:.1f} |"
+            )
         return
     rows = []
     for world in args.worlds:
@@ -231,8 +291,10 @@ def main() -> None:
                 row = run_one(code.resolve(), model_dir, strategy, world, args.work, args.steps)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    text = (f"{platform.node()} ({os.cpu_count()} cores), {params:,}-parameter Llama (fp32 safetensors), "
-            f"command: python {' '.join(sys.argv)}\n\n{table(rows, params, largest)}\n")
+    text = (
+        f"{platform.node()} ({os.cpu_count()} cores), {params:,}-parameter Llama (fp32 safetensors), "
+        f"command: python {' '.join(sys.argv)}\n\n{table(rows, params, largest)}\n"
+    )
     print(text)
     if args.out:
         args.out.write_text(text)

@@ -14,6 +14,7 @@ state held per rank (`state_bytes/rank*.json`), samples/s (median over steps; ev
 `track_every`-th step also splits its peak and is slower, hence the median) and the eval
 loss (response tokens only) at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,21 @@ def launch(config: dict, work: Path, name: str, nproc: int, module: str = "harne
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)), WANDB_MODE="disabled",
-               HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={port}",
-           str(REPO / module), "--config", str(path)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)),
+        WANDB_MODE="disabled",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=str(REPO),
+    )
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        f"--nproc_per_node={nproc}",
+        f"--master_port={port}",
+        str(REPO / module),
+        "--config",
+        str(path),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
@@ -61,9 +73,14 @@ def summarize(out: Path, nproc: int) -> dict:
     peaks = {c: max((r.get(f"memory/{c}_max_bytes") or 0) for r in train) for c in CATS}  # each category's own maximum
     total = max((r.get("memory/total_peak_bytes") or 0) for r in train)  # the step's peak (all categories at once)
     state = [json.loads((out / "state_bytes" / f"rank{r}.json").read_text())["peak"] for r in range(nproc)]
-    return {"peaks": peaks, "step_peak": total, "state": state,
-            "samples_per_s": statistics.median(r["perf/samples_per_s"] for r in train[2:]),
-            "eval_loss": [r["eval/loss"] for r in rows if "eval/loss" in r][-1], "train_loss": train[-1]["train/loss"]}
+    return {
+        "peaks": peaks,
+        "step_peak": total,
+        "state": state,
+        "samples_per_s": statistics.median(r["perf/samples_per_s"] for r in train[2:]),
+        "eval_loss": [r["eval/loss"] for r in rows if "eval/loss" in r][-1],
+        "train_loss": train[-1]["train/loss"],
+    }
 
 
 def main() -> None:
@@ -80,14 +97,33 @@ def main() -> None:
     mib = lambda b: f"{b / 2**20:,.2f}"
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        base = launch({**common, "model": {"name": "small-llama"}, "data": {"seq_len": 128, "cache_dir": str(work / "cache")},
-                       "micro_batch_size": 8, "steps": args.pretrain_steps, "memory": {"track": False},
-                       "checkpoint": {"export_hf": True}}, work, "pretrain", args.nproc) / "hf"
+        base = (
+            launch(
+                {
+                    **common,
+                    "model": {"name": "small-llama"},
+                    "data": {"seq_len": 128, "cache_dir": str(work / "cache")},
+                    "micro_batch_size": 8,
+                    "steps": args.pretrain_steps,
+                    "memory": {"track": False},
+                    "checkpoint": {"export_hf": True},
+                },
+                work,
+                "pretrain",
+                args.nproc,
+            )
+            / "hf"
+        )
         data = instruction_file(work / "instructions.jsonl", 4000)
-        tune = {**common, "model": {"name": str(base)}, "steps": args.steps, "micro_batch_size": 8,
-                "data": {"source": str(data), "format": "instruction", "seq_len": 128, "eval_fraction": 0.1,
-                         "cache_dir": str(work / "cache")},
-                "optim": {"lr": lrs[0], "warmup_steps": 5}, "memory": {"track": True, "track_every": 10}}
+        tune = {
+            **common,
+            "model": {"name": str(base)},
+            "steps": args.steps,
+            "micro_batch_size": 8,
+            "data": {"source": str(data), "format": "instruction", "seq_len": 128, "eval_fraction": 0.1, "cache_dir": str(work / "cache")},
+            "optim": {"lr": lrs[0], "warmup_steps": 5},
+            "memory": {"track": True, "track_every": 10},
+        }
         runs = {f"full fine-tune, lr {lrs[0]:g}": summarize(launch(tune, work, "full", args.nproc), args.nproc)}
         for lr in lrs:
             lora = {**tune, "optim": {"lr": lr, "warmup_steps": 5}, "lora": {"enabled": True, "r": 8, "alpha": 16}}
@@ -104,10 +140,12 @@ def main() -> None:
     ]
     for name, r in runs.items():
         p, s = r["peaks"], r["state"][0]
-        lines.append(f"| {name} | {mib(r['step_peak'])} | {mib(p['parameters'])} | {mib(p['gradients'])} | "
-                     f"{mib(p['optimizer_state'])} | {mib(p['activations'])} | {mib(p['temporaries'])} | {mib(p['communication'])} | "
-                     f"{mib(s['params'])} / {mib(s['grads'])} / {mib(s['optim_state'])} | {r['samples_per_s']:.1f} | "
-                     f"{r['eval_loss']:.4f} |")
+        lines.append(
+            f"| {name} | {mib(r['step_peak'])} | {mib(p['parameters'])} | {mib(p['gradients'])} | "
+            f"{mib(p['optimizer_state'])} | {mib(p['activations'])} | {mib(p['temporaries'])} | {mib(p['communication'])} | "
+            f"{mib(s['params'])} / {mib(s['grads'])} / {mib(s['optim_state'])} | {r['samples_per_s']:.1f} | "
+            f"{r['eval_loss']:.4f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

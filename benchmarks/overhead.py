@@ -7,6 +7,7 @@ loop is nanoGPT-style (HF loss, AdamW, no logging). harness runs as users run it
 (`python -m harness.train`, memory tracking and W&B off, progress on). Reported: median
 samples/s after two warm-up steps, and the ratio harness / hand loop (target >= 0.97).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,18 +64,28 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        raw = {"model": {"name": args.model}, "data": {"seq_len": 256, "vocab_size": 4096}, "micro_batch_size": 4,
-               "steps": args.steps, "eval_batches": 1, "precision": args.precision,
-               "optim": {"grad_clip": 0.0, "warmup_steps": 0, "schedule": "constant"},
-               "memory": {"track": False}, "logging": {"wandb": False, "plots": False}, "output_dir": str(out)}
+        raw = {
+            "model": {"name": args.model},
+            "data": {"seq_len": 256, "vocab_size": 4096},
+            "micro_batch_size": 4,
+            "steps": args.steps,
+            "eval_batches": 1,
+            "precision": args.precision,
+            "optim": {"grad_clip": 0.0, "warmup_steps": 0, "schedule": "constant"},
+            "memory": {"track": False},
+            "logging": {"wandb": False, "plots": False},
+            "output_dir": str(out),
+        }
         config = Path(tmp) / "run.yaml"
         config.write_text(yaml.safe_dump(raw))
         cfg = load_config(str(config))
         hand = hand_loop(cfg, args.steps)
         ours = harness_run(config, out)
         hand2 = hand_loop(cfg, args.steps)  # again: the machine's drift shows in the spread
-    print(f"| {args.model} | {args.precision} | {min(hand, hand2):.3f}–{max(hand, hand2):.3f} | {ours:.3f} | "
-          f"{ours / statistics.mean([hand, hand2]):.3f} |")
+    print(
+        f"| {args.model} | {args.precision} | {min(hand, hand2):.3f}–{max(hand, hand2):.3f} | {ours:.3f} | "
+        f"{ours / statistics.mean([hand, hand2]):.3f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ directory it stops with ``HFValidationError: Repo id must be in the form 'repo_n
 its ``estimate_training_usage`` is applied to our meta model, exactly what the CLI does
 after loading). Errors are against the measured peak.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,9 @@ def deepspeed_estimate(strategy: str, total: int, largest: int, world: int) -> i
         cpu, gpu = estimate_zero2_model_states_mem_needs(total, world, 1, cpu_offload=strategy == "zero2_offload")
     elif strategy in ("zero3", "zero3_offload"):
         off = strategy == "zero3_offload"
-        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, world, 1, cpu_offload=off,
-                                                            cpu_offload_params=off, zero_init=True)
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            total, largest, world, 1, cpu_offload=off, cpu_offload_params=off, zero_init=True
+        )
     else:
         return None
     # The CPU figure is for the node; with offload it is real per-rank memory on a CPU run.
@@ -69,8 +71,11 @@ def main() -> None:
     rows = []
     for world in args.worlds:
         for strategy in args.strategies:
-            runs = [[f"strategy={strategy}", *shape, f"precision={p}", f"memory.activation_checkpointing={ac}"]
-                    for p in args.precisions for ac in args.ac]
+            runs = [
+                [f"strategy={strategy}", *shape, f"precision={p}", f"memory.activation_checkpointing={ac}"]
+                for p in args.precisions
+                for ac in args.ac
+            ]
             results = launch(runs, world, steps=3, vocab_size=vocab, trainer_view=True, timeout=args.timeout)
             for overrides, ranks in zip(runs, results):
                 measured = max(r["peak"] for r in ranks)
@@ -79,19 +84,37 @@ def main() -> None:
                 total = est.params_total
                 ds = deepspeed_estimate(strategy, total, est.largest_param, world)
                 acc = accelerate_estimate(total * 4, overrides[-2].split("=")[1])
-                rows.append((strategy, world, overrides[-2].split("=")[1], overrides[-1].split("=")[1], measured,
-                             max(t for t in trainer if t is not None) if any(t is not None for t in trainer) else None,
-                             est.total, est.race_bytes, est.peak.name, ds, acc))
+                rows.append(
+                    (
+                        strategy,
+                        world,
+                        overrides[-2].split("=")[1],
+                        overrides[-1].split("=")[1],
+                        measured,
+                        max(t for t in trainer if t is not None) if any(t is not None for t in trainer) else None,
+                        est.total,
+                        est.race_bytes,
+                        est.peak.name,
+                        ds,
+                        acc,
+                    )
+                )
             print(f"... {strategy} world {world} done", file=sys.stderr, flush=True)
-    print("| strategy | world | precision | AC | measured peak | trainer tracker | ours | ours err | "
-          "DeepSpeed est. | DS err | accelerate est. | acc. err | our peak moment |")
+    print(
+        "| strategy | world | precision | AC | measured peak | trainer tracker | ours | ours err | "
+        "DeepSpeed est. | DS err | accelerate est. | acc. err | our peak moment |"
+    )
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for s, w, p, ac, m, t, ours, race, moment, ds, acc in rows:
+
         def err(x: int | None, race: int = 0) -> str:
             # ours: the distance from [total - race_bytes, total] (harness.planner.estimate.collective_race_bytes)
             return "n/a" if x is None else f"{(min(max(m, x - race), x) - m) / m:+.1%}"
-        print(f"| {s} | {w} | {p} | {ac} | {m:,} | {t if t is None else f'{t:,}'} | {ours:,} | {err(ours, race)} | "
-              f"{'n/a' if ds is None else f'{ds:,}'} | {err(ds)} | {acc:,} | {err(acc)} | {moment} |")
+
+        print(
+            f"| {s} | {w} | {p} | {ac} | {m:,} | {t if t is None else f'{t:,}'} | {ours:,} | {err(ours, race)} | "
+            f"{'n/a' if ds is None else f'{ds:,}'} | {err(ds)} | {acc:,} | {err(acc)} | {moment} |"
+        )
 
 
 if __name__ == "__main__":

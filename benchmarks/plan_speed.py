@@ -6,6 +6,7 @@ Each configuration is planned by a fresh ``python -m harness.plan`` process (imp
 model build, trace, report: what a user waits for), timed by wall clock, with the child's
 peak resident memory from ``wait4``. Target: < 60 s and < 2 GB on a 2-core machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,23 @@ CONFIGS = [
 def plan_once(strategy: str, precision: str, ac: str, seq_len: int, gpu_mem: str) -> tuple[float, int, int, str]:
     """(wall seconds, child peak RSS bytes, exit code, the report's peak line) of one planning process."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "harness.plan", "--gpus", "8", "--gpu-mem", gpu_mem, "--vocab-size", "128256",
-               "model.name=llama3-8b", f"strategy={strategy}", f"precision={precision}",
-               f"memory.activation_checkpointing={ac}", "micro_batch_size=1", f"data.seq_len={seq_len}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "harness.plan",
+            "--gpus",
+            "8",
+            "--gpu-mem",
+            gpu_mem,
+            "--vocab-size",
+            "128256",
+            "model.name=llama3-8b",
+            f"strategy={strategy}",
+            f"precision={precision}",
+            f"memory.activation_checkpointing={ac}",
+            "micro_batch_size=1",
+            f"data.seq_len={seq_len}",
+        ]
         env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
         start = time.perf_counter()
         with open(os.path.join(tmp, "stderr"), "w+") as err:

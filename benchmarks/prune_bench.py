@@ -20,6 +20,7 @@ on a model that pruning actually hurts.
 Writes `notes/pruning/results.json` (`dense_ppl`, `ppl[method][pattern]` means over seeds,
 their sd, every run) and `<work>/table.md` (the table for notes/pruning.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,20 +57,35 @@ VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("gradprobe_veto_gblm", "gradprobe veto, gblm base", {"method": "gradprobe", "base": "gblm", "decision": "veto"}),
     ("gradprobe_veto_ria", "gradprobe veto, ria base", {"method": "gradprobe", "base": "ria", "decision": "veto"}),
     ("gradprobe_saliency_wanda", "gradprobe saliency, wanda base", {"method": "gradprobe", "base": "wanda", "decision": "saliency"}),
-    ("gradprobe_saliency_wanda_pool1", "gradprobe saliency, wanda base, pool 1.0",
-     {"method": "gradprobe", "base": "wanda", "decision": "saliency", "pool": 1.0}),
+    (
+        "gradprobe_saliency_wanda_pool1",
+        "gradprobe saliency, wanda base, pool 1.0",
+        {"method": "gradprobe", "base": "wanda", "decision": "saliency", "pool": 1.0},
+    ),
     ("gradprobe_saliency_gblm", "gradprobe saliency, gblm base", {"method": "gradprobe", "base": "gblm", "decision": "saliency"}),
     # The probe as a local measurement: shrink the pool by 10% instead of to 10%
-    ("gradprobe_saliency_wanda_r09", "gradprobe saliency, wanda base, reduction 0.9",
-     {"method": "gradprobe", "base": "wanda", "decision": "saliency", "reduction": 0.9}),
-    ("gradprobe_rank_wanda_r09", "gradprobe rank, wanda base, reduction 0.9",
-     {"method": "gradprobe", "base": "wanda", "decision": "rank", "reduction": 0.9}),
-    ("gradprobe_veto_wanda_r09", "gradprobe veto, wanda base, reduction 0.9",
-     {"method": "gradprobe", "base": "wanda", "decision": "veto", "reduction": 0.9}),
+    (
+        "gradprobe_saliency_wanda_r09",
+        "gradprobe saliency, wanda base, reduction 0.9",
+        {"method": "gradprobe", "base": "wanda", "decision": "saliency", "reduction": 0.9},
+    ),
+    (
+        "gradprobe_rank_wanda_r09",
+        "gradprobe rank, wanda base, reduction 0.9",
+        {"method": "gradprobe", "base": "wanda", "decision": "rank", "reduction": 0.9},
+    ),
+    (
+        "gradprobe_veto_wanda_r09",
+        "gradprobe veto, wanda base, reduction 0.9",
+        {"method": "gradprobe", "base": "wanda", "decision": "veto", "reduction": 0.9},
+    ),
     # OWL sets each block's unstructured sparsity: unstructured rows only
     ("wanda_owl", "wanda + OWL allocation", {"method": "wanda", "allocation": "owl"}),
-    ("gradprobe_saliency_wanda_owl", "gradprobe saliency, wanda base + OWL allocation",
-     {"method": "gradprobe", "base": "wanda", "decision": "saliency", "allocation": "owl"}),
+    (
+        "gradprobe_saliency_wanda_owl",
+        "gradprobe saliency, wanda base + OWL allocation",
+        {"method": "gradprobe", "base": "wanda", "decision": "saliency", "allocation": "owl"},
+    ),
 ]
 PATTERNS = [("unstructured_50", "unstructured"), ("2:4", "2:4")]
 FINETUNED = ["magnitude", "wanda", "sparsegpt", "gradprobe"]  # the masked fine-tune column (seed 0)
@@ -94,8 +110,13 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
     from harness.runner.prune_stage import calibration_batches, calibration_split
 
     p = cfg.prune
-    pool_cfg = dataclasses.replace(p, method="wanda", calib_seed=seed, pattern="1:4" if pattern == "2:4" else pattern,
-                                   sparsity=0.75 if pattern == "2:4" else p.sparsity * (1 + p.pool))
+    pool_cfg = dataclasses.replace(
+        p,
+        method="wanda",
+        calib_seed=seed,
+        pattern="1:4" if pattern == "2:4" else pattern,
+        sparsity=0.75 if pattern == "2:4" else p.sparsity * (1 + p.pool),
+    )
     samples, _ = calibration_split(data, dataclasses.replace(cfg, prune=pool_cfg))
     batches = calibration_batches(samples, cfg, info, Comm())
     report = run_pruning(engine.model, batches, pool_cfg, lambda _, b: engine.forward_loss(b), grad_accum=cfg.grad_accum, apply=False)
@@ -109,9 +130,17 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
             chosen = torch.zeros_like(noise, dtype=torch.bool).scatter_(-1, noise.topk(k, dim=-1, largest=False).indices, True)
             v.param.data[chosen.reshape(v.rows, v.cols)] = 0
             pruned, total = pruned + int(chosen.sum()), total + v.numel
-    return {"eval_perplexity_after": evaluate(engine, data, cfg, info)["eval/perplexity"], "achieved_sparsity": pruned / total,
-            "fwd_passes": report.fwd_passes, "fwd_bwd_passes": 0.0, "group_size": report.group_size, "groups": report.groups,
-            "peak_probe_bytes": report.peak_probe_bytes, "wall_time_s": report.wall_time_s, "target_numel": total}
+    return {
+        "eval_perplexity_after": evaluate(engine, data, cfg, info)["eval/perplexity"],
+        "achieved_sparsity": pruned / total,
+        "fwd_passes": report.fwd_passes,
+        "fwd_bwd_passes": 0.0,
+        "group_size": report.group_size,
+        "groups": report.groups,
+        "peak_probe_bytes": report.peak_probe_bytes,
+        "wall_time_s": report.wall_time_s,
+        "target_numel": total,
+    }
 
 
 def base_config(work: Path, steps: int, calib: int) -> dict[str, Any]:
@@ -123,7 +152,11 @@ def base_config(work: Path, steps: int, calib: int) -> dict[str, Any]:
     return {
         "model": {"name": "bench-llama", "seed": 0},
         "data": {"source": "stdlib", "seq_len": 128, "max_tokens": None, "cache_dir": str(work / "cache")},
-        "micro_batch_size": 16, "grad_accum": 1, "steps": steps, "eval_batches": 25, "eval_every": 1000,
+        "micro_batch_size": 16,
+        "grad_accum": 1,
+        "steps": steps,
+        "eval_batches": 25,
+        "eval_every": 1000,
         "optim": {"lr": 3e-3, "warmup_steps": 200, "schedule": "cosine", "min_lr_ratio": 0.1, "weight_decay": 0.1},
         "logging": {"wandb": False, "progress": False, "plots": False},
         "memory": {"track": False},
@@ -161,18 +194,25 @@ def train_dense(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     path = work / "train.yaml"
     path.write_text(yaml.safe_dump({**cfg, "checkpoint": {"export_hf": True, "overwrite": True}}))
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "harness.train", "--config", str(path)], cwd=REPO, env=env(), check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "harness.train", "--config", str(path)], cwd=REPO, env=env(), check=True, stdout=subprocess.DEVNULL
+    )
     rows = [json.loads(x) for x in (work / "dense" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     evals = [r for r in rows if r["kind"] == "eval"]
-    out = {"config": key, "wall_s": time.perf_counter() - t0, "eval_perplexity": evals[-1]["eval/perplexity"],
-           "final_train_loss": [r for r in rows if "train/loss" in r][-1]["train/loss"], "hf": str(hf)}
+    out = {
+        "config": key,
+        "wall_s": time.perf_counter() - t0,
+        "eval_perplexity": evals[-1]["eval/perplexity"],
+        "final_train_loss": [r for r in rows if "train/loss" in r][-1]["train/loss"],
+        "hf": str(hf),
+    }
     stamp.write_text(json.dumps(out, indent=1))
     return out
 
 
-def prune_in_process(work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[int],
-                     only: list[str] | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def prune_in_process(
+    work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[int], only: list[str] | None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every variant x pattern x seed on one engine, dense weights restored before each run."""
     import torch
 
@@ -189,8 +229,11 @@ def prune_in_process(work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[
         return evaluate(engine, val, cfg, info, split=HOLDOUT_SPLIT)["eval/perplexity"]
 
     path = work / "prune.yaml"
-    path.write_text(yaml.safe_dump({**cfg_dict, "model": {"name": hf}, "steps": 1, "output_dir": str(work / "prune_w1"),
-                                    "checkpoint": {"overwrite": True}}))
+    path.write_text(
+        yaml.safe_dump(
+            {**cfg_dict, "model": {"name": hf}, "steps": 1, "output_dir": str(work / "prune_w1"), "checkpoint": {"overwrite": True}}
+        )
+    )
     cfg = load_config(str(path), ["strategy=ddp"])
     info = dist_utils.init_distributed(cfg.device)
     loop, _ = build_run(cfg, load_strategy("ddp"), info)
@@ -199,12 +242,18 @@ def prune_in_process(work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[
     dense = evaluate(engine, data, cfg, info)
     dense["holdout_perplexity"] = {s: holdout_perplexity(dataclasses.replace(cfg.prune, calib_seed=s)) for s in seeds}
     variants = [v for v in VARIANTS if only is None or v[0] in only]
-    runs = [(key, over, pat_key, pattern, seed) for key, _, over in variants for pat_key, pattern in PATTERNS
-            if pattern == "unstructured" or over.get("allocation", "uniform") == "uniform"
-            for seed in (seeds[:1] if over["method"] == "magnitude" else seeds)]
+    runs = [
+        (key, over, pat_key, pattern, seed)
+        for key, _, over in variants
+        for pat_key, pattern in PATTERNS
+        if pattern == "unstructured" or over.get("allocation", "uniform") == "uniform"
+        for seed in (seeds[:1] if over["method"] == "magnitude" else seeds)
+    ]
     if only is None or ORIGINAL in only:
-        runs += [(ORIGINAL, {"method": "gradprobe", "decision": "original", "base": "magnitude"}, "unstructured_50", "unstructured", s)
-                 for s in seeds]
+        runs += [
+            (ORIGINAL, {"method": "gradprobe", "decision": "original", "base": "magnitude"}, "unstructured_50", "unstructured", s)
+            for s in seeds
+        ]
         runs += [(MATCHED, {"method": "wanda"}, "unstructured_50", "unstructured", s) for s in seeds]
     base_masks: dict[tuple[str, str, int], dict[str, torch.Tensor]] = {}
     results: list[dict[str, Any]] = []
@@ -223,8 +272,14 @@ def prune_in_process(work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[
             continue
         engine.module.load_state_dict(dense_state)
         stats = run_prune_stage(engine, data, dataclasses.replace(cfg, prune=prune), info, enforce=False, save_masks=False, before=dense)
-        row = {**{k: v for k, v in stats.items() if k != "layers"}, "key": key, "pattern": pat_key, "seed": seed,
-               "target_numel": sum(x["numel"] for x in stats["layers"]), "settings": dataclasses.asdict(prune)}
+        row = {
+            **{k: v for k, v in stats.items() if k != "layers"},
+            "key": key,
+            "pattern": pat_key,
+            "seed": seed,
+            "target_numel": sum(x["numel"] for x in stats["layers"]),
+            "settings": dataclasses.asdict(prune),
+        }
         row["holdout_perplexity"] = holdout_perplexity(prune)
         masks = {k: m.clone() for k, m in stats.masks.masks.items()}
         if key in ("wanda", "magnitude"):
@@ -238,8 +293,12 @@ def prune_in_process(work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[
         with done_path.open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
         results.append(row)
-        print(f"[bench] {key:28s} {pat_key:16s} seed {seed}: ppl {row['eval_perplexity_after']:.3f} sparsity "
-              f"{row['achieved_sparsity']:.4f} {row['wall_time_s']:.1f}s", file=sys.stderr, flush=True)
+        print(
+            f"[bench] {key:28s} {pat_key:16s} seed {seed}: ppl {row['eval_perplexity_after']:.3f} sparsity "
+            f"{row['achieved_sparsity']:.4f} {row['wall_time_s']:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
     if only is None or CONTROL in only:
         for (pat_key, pattern), seed in [(pt, s) for pt in PATTERNS for s in seeds]:
             engine.module.load_state_dict(dense_state)
@@ -249,8 +308,12 @@ def prune_in_process(work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[
     engine.module.load_state_dict(dense_state)
     params = sum(p.numel() for p in engine.module.parameters())
     dist_utils.teardown()
-    return results, {"eval_perplexity": dense["eval/perplexity"], "eval_loss": dense["eval/loss"], "params": params,
-                     "holdout_perplexity": dense["holdout_perplexity"]}
+    return results, {
+        "eval_perplexity": dense["eval/perplexity"],
+        "eval_loss": dense["eval/loss"],
+        "params": params,
+        "holdout_perplexity": dense["holdout_perplexity"],
+    }
 
 
 def finetune_runs(work: Path, cfg_dict: dict[str, Any], hf: str, steps: int, seed: int) -> list[dict[str, Any]]:
@@ -264,16 +327,34 @@ def finetune_runs(work: Path, cfg_dict: dict[str, Any], hf: str, steps: int, see
             out = work / f"ft_{key}_{pat_key.replace(':', '')}"
             path = work / f"{out.name}.yaml"
             prune = {**cfg_dict["prune"], **over, "pattern": pattern, "calib_seed": seed, "finetune_steps": steps}
-            path.write_text(yaml.safe_dump({**cfg_dict, "model": {"name": hf}, "output_dir": str(out), "checkpoint": {"overwrite": True},
-                                            "optim": {**cfg_dict["optim"], "lr": 3e-4, "warmup_steps": max(1, steps // 10)},
-                                            "prune": prune}))
+            path.write_text(
+                yaml.safe_dump(
+                    {
+                        **cfg_dict,
+                        "model": {"name": hf},
+                        "output_dir": str(out),
+                        "checkpoint": {"overwrite": True},
+                        "optim": {**cfg_dict["optim"], "lr": 3e-4, "warmup_steps": max(1, steps // 10)},
+                        "prune": prune,
+                    }
+                )
+            )
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "harness.prune", "--config", str(path)], cwd=REPO, env=env(), check=True,
-                           stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, "-m", "harness.prune", "--config", str(path)], cwd=REPO, env=env(), check=True, stdout=subprocess.DEVNULL
+            )
             summary = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
             final = [r for r in summary if r["kind"] == "eval"][-1]["eval/perplexity"]
-            rows.append({"key": key, "pattern": pat_key, "seed": seed, "finetune_steps": steps, "eval_perplexity_finetuned": final,
-                         "wall_s": time.perf_counter() - t0})
+            rows.append(
+                {
+                    "key": key,
+                    "pattern": pat_key,
+                    "seed": seed,
+                    "finetune_steps": steps,
+                    "eval_perplexity_finetuned": final,
+                    "wall_s": time.perf_counter() - t0,
+                }
+            )
             print(f"[bench] fine-tuned {key:12s} {pat_key:16s}: ppl {final:.3f}", file=sys.stderr, flush=True)
     return rows
 
@@ -282,9 +363,19 @@ def prune_world2(work: Path, cfg_dict: dict[str, Any], hf: str, group_size: int)
     """GradProbe through the command at world 2 (FSDP2): the per-rank cost."""
     out = work / f"w2_k{group_size}"
     path = work / f"w2_k{group_size}.yaml"
-    path.write_text(yaml.safe_dump({**cfg_dict, "model": {"name": hf}, "grad_accum": 1, "output_dir": str(out), "strategy": "fsdp",
-                                    "checkpoint": {"overwrite": True},
-                                    "prune": {**cfg_dict["prune"], "method": "gradprobe", "group_size": group_size}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                **cfg_dict,
+                "model": {"name": hf},
+                "grad_accum": 1,
+                "output_dir": str(out),
+                "strategy": "fsdp",
+                "checkpoint": {"overwrite": True},
+                "prune": {**cfg_dict["prune"], "method": "gradprobe", "group_size": group_size},
+            }
+        )
+    )
     import socket
 
     with socket.socket() as s:
@@ -292,8 +383,13 @@ def prune_world2(work: Path, cfg_dict: dict[str, Any], hf: str, group_size: int)
         port = s.getsockname()[1]
     torchrun = Path(sys.executable).parent / "torchrun"
     t0 = time.perf_counter()
-    subprocess.run([str(torchrun), "--nproc_per_node=2", f"--master_port={port}", "-m", "harness.prune", "--config", str(path)],
-                   cwd=REPO, env=env(), check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [str(torchrun), "--nproc_per_node=2", f"--master_port={port}", "-m", "harness.prune", "--config", str(path)],
+        cwd=REPO,
+        env=env(),
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     report = json.loads((out / "prune_report.json").read_text())
     report["command_wall_s"] = time.perf_counter() - t0
     return report
@@ -326,8 +422,14 @@ def summary(results: list[dict[str, Any]], dense: dict[str, Any], finetuned: lis
     return out
 
 
-def tables(results: list[dict[str, Any]], dense: dict[str, Any], trained: dict[str, Any], finetuned: list[dict[str, Any]],
-           world2: list[dict[str, Any]], seeds: list[int]) -> str:
+def tables(
+    results: list[dict[str, Any]],
+    dense: dict[str, Any],
+    trained: dict[str, Any],
+    finetuned: list[dict[str, Any]],
+    world2: list[dict[str, Any]],
+    seeds: list[int],
+) -> str:
     head = summary(results, dense, finetuned)
     ft_steps = finetuned[0]["finetune_steps"] if finetuned else 0
     lines = [
@@ -362,17 +464,24 @@ def tables(results: list[dict[str, Any]], dense: dict[str, Any], trained: dict[s
     if world2:
         target = results[0]["target_numel"]
         lines += [
-            "", "GradProbe cost per rank (its defaults, 50% unstructured, seed 0; world 2 is FSDP2 through `torchrun -m harness.prune`):",
-            "", "| world | K | groups | fwd+bwd passes | wall time (s) | probe memory per rank (MiB) | B per pruned parameter per rank |",
+            "",
+            "GradProbe cost per rank (its defaults, 50% unstructured, seed 0; world 2 is FSDP2 through `torchrun -m harness.prune`):",
+            "",
+            "| world | K | groups | fwd+bwd passes | wall time (s) | probe memory per rank (MiB) | B per pruned parameter per rank |",
             "|---|---|---|---|---|---|---|",
         ]
         for r in sorted(world2, key=lambda r: r["group_size"]):
             w = r["world_size"]
-            lines.append(f"| {w} | {r['group_size']} | {r['groups']} | {r['fwd_bwd_passes']:g} | {r['wall_time_s']:.1f} "
-                         f"| {r['peak_probe_bytes'] / 2**20:.2f} | {r['peak_probe_bytes'] / (target / w):.2f} |")
-    lines += ["", f"Training: {trained['config']['steps']} steps x {16 * 128:,} tokens, "
-              f"final train loss {trained['final_train_loss']:.3f}, "
-              f"{trained['wall_s']:.0f}s (when not reused from the cache)."]
+            lines.append(
+                f"| {w} | {r['group_size']} | {r['groups']} | {r['fwd_bwd_passes']:g} | {r['wall_time_s']:.1f} "
+                f"| {r['peak_probe_bytes'] / 2**20:.2f} | {r['peak_probe_bytes'] / (target / w):.2f} |"
+            )
+    lines += [
+        "",
+        f"Training: {trained['config']['steps']} steps x {16 * 128:,} tokens, "
+        f"final train loss {trained['final_train_loss']:.3f}, "
+        f"{trained['wall_s']:.0f}s (when not reused from the cache).",
+    ]
     return "\n".join(lines)
 
 
@@ -402,8 +511,16 @@ def main(argv: list[str] | None = None) -> int:
     world2 = [prune_world2(work, cfg, trained["hf"], k) for k in (1, 0)] if args.world2 else []
     table = tables(results, dense, trained, finetuned, world2, args.seeds)
     total = time.perf_counter() - t0
-    record = {**summary(results, dense, finetuned), "dense": dense, "trained": trained, "runs": results, "finetuned": finetuned,
-              "world2": world2, "total_wall_s": total, "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}
+    record = {
+        **summary(results, dense, finetuned),
+        "dense": dense,
+        "trained": trained,
+        "runs": results,
+        "finetuned": finetuned,
+        "world2": world2,
+        "total_wall_s": total,
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+    }
     (work / "results.json").write_text(json.dumps(record, indent=1, default=str))
     (work / "table.md").write_text(table + "\n")
     if not args.only:

@@ -15,6 +15,7 @@ second-order estimate (the saliency decision), each at probe reductions 0.1 (the
 the pool shrunk to 10%) and 0.9 (shrunk by 10%). The probe shrinks the whole pool of every
 target matrix at once (K = all), as the stage does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,12 @@ sys.path.insert(0, str(REPO))
 
 from prune_bench import base_config, train_dense  # noqa: E402  (the same model and data)
 
-MATRICES = ["model.layers.1.self_attn.q_proj", "model.layers.2.mlp.down_proj", "model.layers.4.mlp.gate_proj",
-            "model.layers.5.self_attn.o_proj"]
+MATRICES = [
+    "model.layers.1.self_attn.q_proj",
+    "model.layers.2.mlp.down_proj",
+    "model.layers.4.mlp.gate_proj",
+    "model.layers.5.self_attn.o_proj",
+]
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -55,8 +60,18 @@ def study(work: Path, samples: int, seed: int) -> dict[str, Any]:
     path = work / "signal.yaml"
     import yaml
 
-    path.write_text(yaml.safe_dump({**cfg_dict, "model": {"name": trained["hf"]}, "steps": 1, "output_dir": str(work / "signal"),
-                                    "checkpoint": {"overwrite": True}, "prune": {**cfg_dict["prune"], "method": "gradprobe"}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                **cfg_dict,
+                "model": {"name": trained["hf"]},
+                "steps": 1,
+                "output_dir": str(work / "signal"),
+                "checkpoint": {"overwrite": True},
+                "prune": {**cfg_dict["prune"], "method": "gradprobe"},
+            }
+        )
+    )
     cfg = load_config(str(path), ["strategy=ddp"])
     info = dist_utils.init_distributed(cfg.device)
     loop, _ = build_run(cfg, load_strategy("ddp"), info)
@@ -84,9 +99,12 @@ def study(work: Path, samples: int, seed: int) -> dict[str, Any]:
         return out
 
     sumsq: dict[str, torch.Tensor] = {}
-    hooks = [lins[n].register_forward_pre_hook(
-        lambda mod, a, n=n: sumsq.__setitem__(n, sumsq.get(n, 0) + a[0].detach().reshape(-1, a[0].shape[-1]).double().square().sum(0)))
-        for n in views]
+    hooks = [
+        lins[n].register_forward_pre_hook(
+            lambda mod, a, n=n: sumsq.__setitem__(n, sumsq.get(n, 0) + a[0].detach().reshape(-1, a[0].shape[-1]).double().square().sum(0))
+        )
+        for n in views
+    ]
     g0 = grads()
     for h in hooks:
         h.remove()
@@ -135,14 +153,20 @@ def study(work: Path, samples: int, seed: int) -> dict[str, Any]:
             g1sum = torch.stack([s[name].flatten()[pick] for s in gr]).sum(0).double()
             scores[f"G1/G0, reduction {r}"] = g1max / g0max.clamp(min=1e-30)
             scores[f"saliency, reduction {r}"] = -g0sum * wf + wf * (g0sum - g1sum) / (2 * (1 - r))
-        out["matrices"][name] = {"samples": int(pick.numel()), "true_increase_mean": float(true.mean()),
-                                 "true_increase_negative_share": float((true < 0).double().mean()),
-                                 "spearman": {k: spearman(v, true) for k, v in scores.items()},
-                                 "spearman_holdout": {k: spearman(v, true_held) for k, v in scores.items()},
-                                 "calib_vs_holdout_increase": spearman(true, true_held)}
+        out["matrices"][name] = {
+            "samples": int(pick.numel()),
+            "true_increase_mean": float(true.mean()),
+            "true_increase_negative_share": float((true < 0).double().mean()),
+            "spearman": {k: spearman(v, true) for k, v in scores.items()},
+            "spearman_holdout": {k: spearman(v, true_held) for k, v in scores.items()},
+            "calib_vs_holdout_increase": spearman(true, true_held),
+        }
         for which in ("spearman", "spearman_holdout"):
-            print(f"[signal] {name} {which}: " + ", ".join(f"{k} {v:+.3f}" for k, v in out["matrices"][name][which].items()),
-                  file=sys.stderr, flush=True)
+            print(
+                f"[signal] {name} {which}: " + ", ".join(f"{k} {v:+.3f}" for k, v in out["matrices"][name][which].items()),
+                file=sys.stderr,
+                flush=True,
+            )
     dist_utils.teardown()
     return out
 

@@ -14,6 +14,7 @@ actionable line on stderr (rank 0 for agreed failures; the affected rank otherwi
 | 5 | a peer rank died or hangs |
 | 6 | a checkpoint could not be written or read |
 """
+
 from __future__ import annotations
 
 import difflib
@@ -39,6 +40,6 @@ class NonFiniteError(RuntimeError):
 
 
 def did_you_mean(word: str, valid: list[str], cutoff: float = 0.0) -> str:
-    """" (did you mean 'x'?)" naming the closest valid spelling, or "" when none is within `cutoff`."""
+    """ " (did you mean 'x'?)" naming the closest valid spelling, or "" when none is within `cutoff`."""
     close = difflib.get_close_matches(word, valid, n=1, cutoff=cutoff)
     return f" (did you mean '{close[0]}'?)" if close else ""

@@ -8,6 +8,7 @@ and optionally `control` (the row reductions are measured against) and `pareto: 
 Each run is its own `harness.train` process (torchrun when nproc > 1), so process groups,
 compile caches and allocator state never leak from one row into the next.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,8 +81,14 @@ def execute(run: Run, config: Path, log: Path, port: int) -> float:
     env = dict(os.environ, WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"))
     if run.nproc > 1:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // run.nproc))
-        cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={run.nproc}", f"--master_port={port}",
-               str(Path(__file__).with_name("train.py")), "--config", str(config)]
+        cmd = [
+            str(Path(sys.executable).parent / "torchrun"),
+            f"--nproc_per_node={run.nproc}",
+            f"--master_port={port}",
+            str(Path(__file__).with_name("train.py")),
+            "--config",
+            str(config),
+        ]
     else:
         cmd = [sys.executable, "-m", "harness.train", "--config", str(config)]
     start = time.perf_counter()
@@ -108,15 +115,22 @@ def summarize(run: Run, run_dir: Path, wall: float) -> dict[str, Any]:
     device_peak = max((r.get("memory/max_allocated_bytes") or 0) for r in train)
     warmup = sum(r["perf/step_time_s"] for r in train[:WARMUP_STEPS]) - WARMUP_STEPS * statistics.median(step_times)
     return {
-        "name": run.name, "nproc": run.nproc, "overrides": run.overrides,
+        "name": run.name,
+        "nproc": run.nproc,
+        "overrides": run.overrides,
         "peak_bytes": device_peak or total or sum(at_peak.values()),
         "peak_source": "max_memory_allocated" if device_peak else "MemTracker" if total else "sum of categories (compiled)",
-        "peak_by_category": at_peak, "category_max": cat_max, "tracked_total_bytes": total,
+        "peak_by_category": at_peak,
+        "category_max": cat_max,
+        "tracked_total_bytes": total,
         "samples_per_s": statistics.median(r["perf/samples_per_s"] for r in steady),
         "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in steady),
-        "step_time_s": statistics.median(step_times), "train_time_s": sum(step_times), "warmup_s": max(0.0, warmup),
+        "step_time_s": statistics.median(step_times),
+        "train_time_s": sum(step_times),
+        "warmup_s": max(0.0, warmup),
         "eval_perplexity": evals[-1]["eval/perplexity"] if evals else None,
-        "final_loss": train[-1]["train/loss"], "wall_s": wall,
+        "final_loss": train[-1]["train/loss"],
+        "wall_s": wall,
     }
 
 
@@ -126,25 +140,47 @@ def _gib(b: float) -> str:
 
 def write_table(results: list[dict[str, Any]], control: str | None, out: Path, title: str) -> str:
     ctrl = next((r for r in results if r["name"] == control), results[0])
-    lines = [f"# {title}", "", "| configuration | ranks | peak memory | reduction vs control | samples/s | tokens/s "
-             "| step time (s) | steady wall time (s, excl. warm-up) | warm-up/compile (s) | eval perplexity |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# {title}",
+        "",
+        "| configuration | ranks | peak memory | reduction vs control | samples/s | tokens/s "
+        "| step time (s) | steady wall time (s, excl. warm-up) | warm-up/compile (s) | eval perplexity |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         red = 1 - r["peak_bytes"] / ctrl["peak_bytes"] if ctrl["peak_bytes"] else 0.0
         ppl = f"{r['eval_perplexity']:.2f}" if r["eval_perplexity"] is not None else "-"
         mark = "*" if r["peak_source"].startswith("sum") else ""
-        lines.append(f"| {r['name']} | {r['nproc']} | {_gib(r['peak_bytes'])}{mark} | {red:+.1%} | {r['samples_per_s']:.2f} "
-                     f"| {r['tokens_per_s']:,.0f} | {r['step_time_s']:.3f} | {r['train_time_s']:.1f} | {r['warmup_s']:.1f} | {ppl} |")
-    lines += ["", "Peak memory is per rank: " + ("`torch.cuda.max_memory_allocated`" if ctrl["peak_source"] == "max_memory_allocated"
-              else "torch's MemTracker on real CPU tensors (all live tensors at the peak moment)") + ". "
-              "`*`: a compiled model, whose inductor temporaries the CPU tracker cannot see: the sum of the "
-              "categories it does see (a lower bound).",
-              "", "Split at the peak moment (MiB per rank; the stacked chart):", "",
-              "| configuration | " + " | ".join(CATEGORIES) + " |", "|---|" + "---:|" * len(CATEGORIES)]
+        lines.append(
+            f"| {r['name']} | {r['nproc']} | {_gib(r['peak_bytes'])}{mark} | {red:+.1%} | {r['samples_per_s']:.2f} "
+            f"| {r['tokens_per_s']:,.0f} | {r['step_time_s']:.3f} | {r['train_time_s']:.1f} | {r['warmup_s']:.1f} | {ppl} |"
+        )
+    lines += [
+        "",
+        "Peak memory is per rank: "
+        + (
+            "`torch.cuda.max_memory_allocated`"
+            if ctrl["peak_source"] == "max_memory_allocated"
+            else "torch's MemTracker on real CPU tensors (all live tensors at the peak moment)"
+        )
+        + ". "
+        "`*`: a compiled model, whose inductor temporaries the CPU tracker cannot see: the sum of the "
+        "categories it does see (a lower bound).",
+        "",
+        "Split at the peak moment (MiB per rank; the stacked chart):",
+        "",
+        "| configuration | " + " | ".join(CATEGORIES) + " |",
+        "|---|" + "---:|" * len(CATEGORIES),
+    ]
     for r in results:
         lines.append(f"| {r['name']} | " + " | ".join(f"{r['peak_by_category'][c] / 2**20:.2f}" for c in CATEGORIES) + " |")
-    lines += ["", "Each category's own maximum over the run (MiB per rank; not simultaneous):", "",
-              "| configuration | " + " | ".join(CATEGORIES) + " |", "|---|" + "---:|" * len(CATEGORIES)]
+    lines += [
+        "",
+        "Each category's own maximum over the run (MiB per rank; not simultaneous):",
+        "",
+        "| configuration | " + " | ".join(CATEGORIES) + " |",
+        "|---|" + "---:|" * len(CATEGORIES),
+    ]
     for r in results:
         lines.append(f"| {r['name']} | " + " | ".join(f"{r['category_max'][c] / 2**20:.2f}" for c in CATEGORIES) + " |")
     text = "\n".join(lines) + "\n"

@@ -12,6 +12,7 @@ stage-0 checkpoint. The result is what `AutoModelForCausalLM.from_pretrained` lo
 checkpoint gives the PEFT adapter directory (`PeftModel.from_pretrained(base, dir)`), or with
 `--merged` the base with the adapters merged in (`from_pretrained` loads it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harness.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a step_* directory, a checkpoints/ directory or a run directory (its latest)")
     parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
-    parser.add_argument("--merged", action="store_true",
-                        help="LoRA checkpoints: write the base with the adapters merged in (default: the PEFT adapter directory)")
+    parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="LoRA checkpoints: write the base with the adapters merged in (default: the PEFT adapter directory)",
+    )
     args = parser.parse_args(argv)
     try:
         out = export_hf(args.checkpoint, args.out, merged=args.merged)

@@ -11,6 +11,7 @@ saying "saved checkpoint" is noise. `HARNESS_LOG_LEVEL` (DEBUG, INFO, WARNING) s
 level. The streams are looked up when a record is written, so a redirected `sys.stdout`
 (a test's capture, a progress bar's) receives it.
 """
+
 from __future__ import annotations
 
 import logging

@@ -12,6 +12,7 @@ Exit status: 0 the config fits (or --recommend wrote one that does); 1 it does n
 (something else would: see --recommend); 2 bad input; 3 nothing fits even with full
 offload.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--recommend", action="store_true", help="search for the fastest config that fits and write it")
     parser.add_argument("--out", help="where --recommend writes the config (default: <config>.recommended.yaml)")
     parser.add_argument("--json", help="also write the result as JSON here")
-    parser.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
-                        help="cuda: plan for GPUs (default); cpu: plan a CPU run, where host and device are one memory")
+    parser.add_argument(
+        "--target",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda: plan for GPUs (default); cpu: plan a CPU run, where host and device are one memory",
+    )
     parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary the trainer will use (default: resolved from the data)")
     return parser.parse_known_args(argv)
 
@@ -63,19 +68,37 @@ def _estimate_json(est: Any, gpu_mem: int, cpu_mem: int | None, per_node: int) -
     v = verdict(est, gpu_mem, cpu_mem, per_node)
     allow = gpu_allowance(est)
     return {
-        "engine": est.engine, "world_size": est.world_size, "rank": est.rank, "target": est.target,
-        "peak_bytes": est.total, "peak_moment": est.peak.name, "peak_by_category": est.peak.categories,
+        "engine": est.engine,
+        "world_size": est.world_size,
+        "rank": est.rank,
+        "target": est.target,
+        "peak_bytes": est.total,
+        "peak_moment": est.peak.name,
+        "peak_by_category": est.peak.categories,
         "moments": {m.name: m.total for m in est.moments},
-        "allowance_bytes": {"cuda_context": allow.context, "nccl": allow.nccl, "workspaces": allow.workspaces,
-                            "fragmentation": allow.fragmentation, "total": allow.total},
-        "device_need_bytes": v.device_need, "host_bytes_per_rank": est.host, "host_step_peak_bytes": est.host_peak,
-        "load_device_bytes": est.load_device, "load_host_bytes": est.load_host, "host_need_per_node_bytes": v.host_need_per_node,
-        "fits": v.fits, "verdict": v.reason, "trace_seconds": est.trace_seconds, "params": est.params_total,
+        "allowance_bytes": {
+            "cuda_context": allow.context,
+            "nccl": allow.nccl,
+            "workspaces": allow.workspaces,
+            "fragmentation": allow.fragmentation,
+            "total": allow.total,
+        },
+        "device_need_bytes": v.device_need,
+        "host_bytes_per_rank": est.host,
+        "host_step_peak_bytes": est.host_peak,
+        "load_device_bytes": est.load_device,
+        "load_host_bytes": est.load_host,
+        "host_need_per_node_bytes": v.host_need_per_node,
+        "fits": v.fits,
+        "verdict": v.reason,
+        "trace_seconds": est.trace_seconds,
+        "params": est.params_total,
     }
 
 
-def _frugal_fits(cfg: Any, world: int, gpu_mem: int, cpu_mem: int | None, per_node: int, nvme: bool, target: str,
-                 vocab: int | None) -> bool:
+def _frugal_fits(
+    cfg: Any, world: int, gpu_mem: int, cpu_mem: int | None, per_node: int, nvme: bool, target: str, vocab: int | None
+) -> bool:
     """Does the most frugal configuration (bf16, full AC, micro-batch 1, everything offloaded) fit?"""
 
     est = estimate(with_candidate(cfg, most_frugal(cfg, world, nvme)), world, target=target, vocab_size=vocab)
@@ -87,8 +110,9 @@ def _plan_lora(cfg: Any, args: argparse.Namespace, gpu_mem: int, cpu_mem: int | 
     full fine-tune (`harness.planner.lora`); sharded strategies (FSDP2, ZeRO-3) shard the base."""
     mode = "lora" if cfg.lora.quantize == "none" else cfg.lora.quantize
     sharded = (cfg.strategy or "ddp").startswith(("fsdp", "zero3"))
-    c = Candidate(cfg.precision, cfg.memory.activation_checkpointing, cfg.micro_batch_size, cfg.grad_accum,
-                  "fsdp" if sharded else "ddp", lora=mode)
+    c = Candidate(
+        cfg.precision, cfg.memory.activation_checkpointing, cfg.micro_batch_size, cfg.grad_accum, "fsdp" if sharded else "ddp", lora=mode
+    )
     info = param_info(build_fake_model(cfg.model.name, vocab, FakeTensorMode()))
     ev = evaluate_lora(cfg, c, args.gpus, gpu_mem, args.target, vocab, info, cpu_mem=cpu_mem, per_node=per_node)
     print(f"Plan: {cfg.model.name} x {args.gpus} rank(s), {c.label()}")
@@ -120,12 +144,17 @@ def main(argv: list[str] | None = None) -> int:
         est = estimate(cfg, args.gpus, target=args.target, vocab_size=vocab)
         fits = verdict(est, gpu_mem, cpu_mem, per_node).fits
         if not fits and not _frugal_fits(cfg, args.gpus, gpu_mem, cpu_mem, per_node, args.nvme, args.target, vocab):
-            print(f"harness.plan: error: nothing fits in {gib(gpu_mem)} per GPU x {args.gpus}, even bf16 + full activation "
-                  f"checkpointing + micro-batch 1 + {'NVMe' if args.nvme else 'CPU'} offload "
-                  f"(this config needs {gib(verdict(est, gpu_mem, cpu_mem, per_node).device_need)})", file=sys.stderr)
+            print(
+                f"harness.plan: error: nothing fits in {gib(gpu_mem)} per GPU x {args.gpus}, even bf16 + full activation "
+                f"checkpointing + micro-batch 1 + {'NVMe' if args.nvme else 'CPU'} offload "
+                f"(this config needs {gib(verdict(est, gpu_mem, cpu_mem, per_node).device_need)})",
+                file=sys.stderr,
+            )
             return EXIT_NOTHING_FITS
-        title = f"Plan: {cfg.model.name} x {args.gpus} rank(s), strategy {cfg.strategy or 'ddp'}, {cfg.precision}, " \
-                f"micro-batch {cfg.micro_batch_size} x seq {cfg.data.seq_len}, AC {cfg.memory.activation_checkpointing}"
+        title = (
+            f"Plan: {cfg.model.name} x {args.gpus} rank(s), strategy {cfg.strategy or 'ddp'}, {cfg.precision}, "
+            f"micro-batch {cfg.micro_batch_size} x seq {cfg.data.seq_len}, AC {cfg.memory.activation_checkpointing}"
+        )
         print(format_estimate(est, gpu_mem, cpu_mem, per_node, title))
         if args.json:
             with open(args.json, "w") as f:
@@ -139,19 +168,24 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
 
-def _recommend(args: argparse.Namespace, overrides: list[str], cfg: Any, gpu_mem: int, cpu_mem: int | None,
-               per_node: int, vocab: int | None) -> int:
-    rec = recommend(cfg, args.gpus, gpu_mem, cpu_mem=cpu_mem, gpus_per_node=per_node, nvme=args.nvme,
-                    target=args.target, vocab_size=vocab)
-    print(f"Searched precision x activation checkpointing x micro-batch x strategy x offload for {cfg.model.name} "
-          f"on {args.gpus} x {gib(gpu_mem)} ({len(rec.evaluated)} configurations evaluated, fastest first):")
+def _recommend(
+    args: argparse.Namespace, overrides: list[str], cfg: Any, gpu_mem: int, cpu_mem: int | None, per_node: int, vocab: int | None
+) -> int:
+    rec = recommend(cfg, args.gpus, gpu_mem, cpu_mem=cpu_mem, gpus_per_node=per_node, nvme=args.nvme, target=args.target, vocab_size=vocab)
+    print(
+        f"Searched precision x activation checkpointing x micro-batch x strategy x offload for {cfg.model.name} "
+        f"on {args.gpus} x {gib(gpu_mem)} ({len(rec.evaluated)} configurations evaluated, fastest first):"
+    )
     for ev in sorted(rec.evaluated, key=lambda e: e.cost):
         mark = "fits " if ev.fits else "     "
         print(f"  {mark} x{ev.cost:5.2f}  {ev.candidate.label():<68}  {ev.reason}")
     best = rec.best
     if best is None:
-        print(f"harness.plan: error: nothing fits in {gib(gpu_mem)} per GPU x {args.gpus}, even with full offload"
-              + ("" if args.nvme else " (try --nvme)"), file=sys.stderr)
+        print(
+            f"harness.plan: error: nothing fits in {gib(gpu_mem)} per GPU x {args.gpus}, even with full offload"
+            + ("" if args.nvme else " (try --nvme)"),
+            file=sys.stderr,
+        )
         return EXIT_NOTHING_FITS
     print("")
     print("Fitting configurations, fastest first (x = expected step time relative to bf16/DDP/no AC):")
@@ -164,8 +198,10 @@ def _recommend(args: argparse.Namespace, overrides: list[str], cfg: Any, gpu_mem
     raw = read_config_file(args.config) if args.config else {}
     data = recommended_config(raw, overrides, best.candidate)
     out = args.out or (os.path.splitext(os.path.basename(args.config))[0] + ".recommended.yaml" if args.config else "recommended.yaml")
-    header = (f"Written by harness.plan --recommend for {args.gpus} x {args.gpu_mem}: {best.candidate.label()}\n"
-              f"{best.reason}\nLaunch: python -m harness.train --config {out}")
+    header = (
+        f"Written by harness.plan --recommend for {args.gpus} x {args.gpu_mem}: {best.candidate.label()}\n"
+        f"{best.reason}\nLaunch: python -m harness.train --config {out}"
+    )
     write_recommended(out, data, header)
     print(f"\nwrote {out}  (launch: python -m harness.train --config {out})")
     if best.estimate is not None:
@@ -173,9 +209,16 @@ def _recommend(args: argparse.Namespace, overrides: list[str], cfg: Any, gpu_mem
         print(format_estimate(best.estimate, gpu_mem, cpu_mem, per_node, f"Plan of the best: {best.candidate.label()}"))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"best": best.candidate.__dict__, "config": out,
-                       "fits": [dict(e.candidate.__dict__, cost=e.cost, need=e.need) for e in rec.fits],
-                       "why": rec.why.get(best.candidate, [])}, f, indent=1)
+            json.dump(
+                {
+                    "best": best.candidate.__dict__,
+                    "config": out,
+                    "fits": [dict(e.candidate.__dict__, cost=e.cost, need=e.need) for e in rec.fits],
+                    "why": rec.why.get(best.candidate, []),
+                },
+                f,
+                indent=1,
+            )
     return EXIT_FITS
 
 

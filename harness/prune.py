@@ -9,6 +9,7 @@ loop), prunes the model it loaded, optionally fine-tunes `prune.finetune_steps` 
 the masks enforced, and exports a Hugging Face directory (`<output_dir>/hf`) through the
 checkpoint export, so the saved model is exactly as sparse as the masks.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,20 +49,30 @@ def prune_model(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> dict[str,
     steps = cfg.prune.finetune_steps
     if steps and not loop.run(0, steps):
         return {"preempted_at_step": loop.stopped_at}
-    final = evaluate(loop.engine, loop.data, cfg, info) if steps else {
-        "eval/loss": stats["eval_loss_after"], "eval/perplexity": stats["eval_perplexity_after"]}
+    final = (
+        evaluate(loop.engine, loop.data, cfg, info)
+        if steps
+        else {"eval/loss": stats["eval_loss_after"], "eval/perplexity": stats["eval_perplexity_after"]}
+    )
     loop.observer.log_eval(steps, final)
     loop.ckpt.finish(steps, {"skipped_steps": loop.skipped})  # checkpoint + HF export (checkpoint.export_hf)
     hf_dir = os.path.join(cfg.output_dir, "hf")
-    summary = {"prune_achieved_sparsity": stats["achieved_sparsity"], "prune_eval_perplexity_before": stats["eval_perplexity_before"],
-               "prune_eval_perplexity_after": stats["eval_perplexity_after"], "final_eval_perplexity": final["eval/perplexity"]}
+    summary = {
+        "prune_achieved_sparsity": stats["achieved_sparsity"],
+        "prune_eval_perplexity_before": stats["eval_perplexity_before"],
+        "prune_eval_perplexity_after": stats["eval_perplexity_after"],
+        "final_eval_perplexity": final["eval/perplexity"],
+    }
     short: list[str] = []
     if info.is_main:  # one reader; every rank learns the verdict so all of them stop together
         zeros = exported_zeros(hf_dir, [x["name"] for x in stats["layers"]])
         short = [x["name"] for x in stats["layers"] if zeros.get(x["name"], -1) < x["pruned"]]
         summary["exported_zeros"] = sum(zeros.values())
-        print(f"[harness] pruned model exported to {os.path.abspath(hf_dir)}: {summary['exported_zeros']:,} zero weights in "
-              f"{len(zeros)} pruned matrices (pruned {sum(x['pruned'] for x in stats['layers']):,})", flush=True)
+        print(
+            f"[harness] pruned model exported to {os.path.abspath(hf_dir)}: {summary['exported_zeros']:,} zero weights in "
+            f"{len(zeros)} pruned matrices (pruned {sum(x['pruned'] for x in stats['layers']):,})",
+            flush=True,
+        )
     if all_reduce_sum([float(len(short))], info)[0]:
         raise RuntimeError(f"the exported model in {hf_dir} is not sparse where it was pruned ({short[:3] or 'see rank 0'})")
     loop.observer.log_summary(summary)
@@ -76,10 +87,11 @@ def command_config(path: str | None, overrides: list[str]) -> RunConfig:
     if cfg.prune.method == "none":
         raise ConfigError("python -m harness.prune needs prune.method (magnitude, wanda, sparsegpt or gradprobe)")
     if cfg.checkpoint.resume not in ("", "none"):
-        raise ConfigError("python -m harness.prune prunes model.name; to prune a checkpoint, export it first "
-                          "(python -m harness.export <checkpoint> --out <dir>) and set model.name=<dir>")
-    return dataclasses.replace(cfg, steps=max(1, cfg.prune.finetune_steps),
-                               checkpoint=dataclasses.replace(cfg.checkpoint, export_hf=True))
+        raise ConfigError(
+            "python -m harness.prune prunes model.name; to prune a checkpoint, export it first "
+            "(python -m harness.export <checkpoint> --out <dir>) and set model.name=<dir>"
+        )
+    return dataclasses.replace(cfg, steps=max(1, cfg.prune.finetune_steps), checkpoint=dataclasses.replace(cfg.checkpoint, export_hf=True))
 
 
 def main(argv: list[str] | None = None) -> int:

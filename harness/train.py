@@ -1,10 +1,11 @@
 """Train a causal LM under any strategy: the recipe, readable end to end.
 
-    accelerate launch harness/train.py --config <file> [key=value ...]
-    deepspeed --num_gpus=8 harness/train.py --config <file> [key=value ...]
-    torchrun --nproc_per_node=2 harness/train.py --config <file>
-    python -m harness.train --config <file>
+accelerate launch harness/train.py --config <file> [key=value ...]
+deepspeed --num_gpus=8 harness/train.py --config <file> [key=value ...]
+torchrun --nproc_per_node=2 harness/train.py --config <file>
+python -m harness.train --config <file>
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,12 @@ def train(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> dict[str, float
             return {"preempted_at_step": loop.stopped_at, "skipped_steps": loop.skipped}
     final = evaluate(engine, data, cfg, info)
     observer.log_eval(last, final)
-    summary = {"final_train_loss": loop.loss_mean, "final_eval_loss": final["eval/loss"],
-               "final_eval_perplexity": final["eval/perplexity"], "skipped_steps": loop.skipped}
+    summary = {
+        "final_train_loss": loop.loss_mean,
+        "final_eval_loss": final["eval/loss"],
+        "final_eval_perplexity": final["eval/perplexity"],
+        "skipped_steps": loop.skipped,
+    }
     ckpt.finish(last, {"skipped_steps": loop.skipped})  # the final checkpoint and HF export, if configured
     observer.log_summary(summary)
     observer.close()

@@ -1,6 +1,7 @@
 """Shared test setup. Tests live in `unit/` (in-process) and `integration/` (launch real
 processes: ranks, launchers, entry points); the latter carry the `integration` marker, so
 `pytest -m "not integration"` runs the fast half alone. Shared helpers: `launching.py`."""
+
 import os
 import sys
 from pathlib import Path

@@ -7,6 +7,7 @@ under test initialises its process group exactly as under a real launcher. And, 
 an entry point must refuse before any process group starts, its `main` called in the test's
 own interpreter (`call_entry_point`): no fresh interpreter importing torch for each case.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,8 +68,9 @@ def instruction_file(path: Path, n: int, seed: int = 0) -> Path:
         for i in range(n):
             w = rng.sample(INSTRUCTION_WORDS, 3)
             if i % 3 == 0:
-                rec: dict = {"messages": [{"role": "user", "content": "Sort: " + " ".join(w)},
-                                          {"role": "assistant", "content": " ".join(sorted(w))}]}
+                rec: dict = {
+                    "messages": [{"role": "user", "content": "Sort: " + " ".join(w)}, {"role": "assistant", "content": " ".join(sorted(w))}]
+                }
             else:
                 rec = {"prompt": f"Reverse the list {' '.join(w)}\nAnswer:", "response": " " + " ".join(reversed(w))}
             f.write(json.dumps(rec) + "\n")
@@ -92,8 +94,20 @@ def launch_command(launcher: str, nproc: int, config: Path, overrides: list[str]
     if launcher == "torchrun":
         return [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={port}", TRAIN, "--config", str(config), *overrides]
     if launcher == "accelerate":
-        return [str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "launch" / "accelerate_cpu.yaml"),
-                "--num_processes", str(nproc), "--main_process_port", port, TRAIN, "--config", str(config), *overrides]
+        return [
+            str(BIN / "accelerate"),
+            "launch",
+            "--config_file",
+            str(REPO / "launch" / "accelerate_cpu.yaml"),
+            "--num_processes",
+            str(nproc),
+            "--main_process_port",
+            port,
+            TRAIN,
+            "--config",
+            str(config),
+            *overrides,
+        ]
     if launcher == "deepspeed":
         return [str(BIN / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={port}", TRAIN, "--config", str(config), *overrides]
     raise ValueError(launcher)
@@ -150,8 +164,16 @@ def start(script: str, args: list[str], world: int) -> tuple[list[subprocess.Pop
     procs = []
     for rank in range(world):
         e = env()
-        e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MKL_NUM_THREADS="1", TRANSFORMERS_OFFLINE="1")
+        e.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            MKL_NUM_THREADS="1",
+            TRANSFORMERS_OFFLINE="1",
+        )
         log = tempfile.TemporaryFile(mode="w+")
         proc = subprocess.Popen([sys.executable, script, *args], env=e, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
         proc.log = log  # type: ignore[attr-defined]
@@ -183,8 +205,13 @@ def finish(procs: list[subprocess.Popen], what: str, timeout: float = 240.0) -> 
 QUIET_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 
 
-def call_entry_point(main: Callable[[list[str]], int], argv: list[str], launch_env: dict[str, str],
-                     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> tuple[object, str, list]:
+def call_entry_point(
+    main: Callable[[list[str]], int],
+    argv: list[str],
+    launch_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> tuple[object, str, list]:
     """An entry point's `main(argv)` (`harness.train.main`, `harness.prune.main`) in this interpreter,
     in the environment a launched process would have (`launch_env`, e.g. `env()` plus a
     launcher's variables): (exit code, what it wrote on stderr, the warnings it raised that a

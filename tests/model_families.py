@@ -4,6 +4,7 @@ Llama (untied; saved in several safetensors shards with an index), Qwen2 (tied e
 OPT (blocks at `model.decoder.layers`, learned positions), GPT-NeoX (blocks at
 `gpt_neox.layers`; saved in bf16), GPT-2 (blocks at `transformer.h`, tied, Conv1D).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, OPTConfig, Qwen2Config
 
 VOCAB = 512
+
+
 def family_configs() -> dict:
     small = dict(num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64)
     return {

@@ -5,6 +5,7 @@ on-disk side (what pre-flight reads without building a model); `export` turns an
 checkpoint into `from_pretrained`-loadable safetensors. `python -m harness.checkpoint <run>`
 lists a run's checkpoints.
 """
+
 from harness.checkpoint.export import consolidated_weights, export_hf
 from harness.checkpoint.layout import (
     CheckpointMeta,
@@ -20,7 +21,17 @@ from harness.checkpoint.manager import CheckpointManager, ResumeState
 from harness.errors import CheckpointError
 
 __all__ = [
-    "CheckpointError", "CheckpointManager", "CheckpointMeta", "ResumeState", "check_compatible", "checkpoint_root",
-    "complete_checkpoints", "consolidated_weights", "export_hf", "latest_checkpoint", "read_meta", "resolve_checkpoint_path",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointMeta",
+    "ResumeState",
+    "check_compatible",
+    "checkpoint_root",
+    "complete_checkpoints",
+    "consolidated_weights",
+    "export_hf",
+    "latest_checkpoint",
+    "read_meta",
+    "resolve_checkpoint_path",
     "resume_path",
 ]

@@ -1,4 +1,5 @@
 """`python -m harness.checkpoint <run_dir>`: list a run's checkpoints and which one `latest` names."""
+
 from __future__ import annotations
 
 import argparse

@@ -8,6 +8,7 @@ Only model weights are read, by the engine that wrote the checkpoint
 (`harness.engine.read_model_weights`). The result is what
 `AutoModelForCausalLM.from_pretrained` loads.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,4 +68,3 @@ def export_hf(checkpoint: str, out: str, merged: bool = False) -> str:
     remove_tree(out)
     os.rename(tmp, out)
     return out
-

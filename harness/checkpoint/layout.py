@@ -10,6 +10,7 @@ checkpoints, which checkpoint `resume=auto` means, and whether it can continue t
       .trash-…         a checkpoint being deleted (renamed first, so a kill mid-delete leaves no partial step_…)
       latest           the name of the newest complete checkpoint, replaced atomically after each save
 """
+
 from __future__ import annotations
 
 import json
@@ -144,13 +145,17 @@ def check_compatible(meta: CheckpointMeta, path: str, cfg: RunConfig, strategy: 
             f"not match: {hint}"
         )
     if cfg.data.streaming and meta.world_size != world:
-        raise ConfigError(f"checkpoint '{path}' streamed its data at world size {meta.world_size}; a streamed run resumes at that "
-                          f"world size (each rank's position is in its own part of the stream), not {world}")
+        raise ConfigError(
+            f"checkpoint '{path}' streamed its data at world size {meta.world_size}; a streamed run resumes at that "
+            f"world size (each rank's position is in its own part of the stream), not {world}"
+        )
     for key in ("enabled", "r", "alpha", "target_modules", "quantize"):  # a LoRA checkpoint holds only these adapters
         saved = meta.config.get("lora", {}).get(key, getattr(LoraConfig(), key))
         if saved != getattr(cfg.lora, key):
-            raise ConfigError(f"checkpoint '{path}' was trained with lora.{key}={saved!r} but this run has {getattr(cfg.lora, key)!r}; "
-                              "resume with the same LoRA settings, or export it (--merged) and start a new run from that model")
+            raise ConfigError(
+                f"checkpoint '{path}' was trained with lora.{key}={saved!r} but this run has {getattr(cfg.lora, key)!r}; "
+                "resume with the same LoRA settings, or export it (--merged) and start a new run from that model"
+            )
     for key in ("seq_len", "source", "seed", "streaming"):
         saved = meta.config.get("data", {}).get(key)
         if saved != getattr(cfg.data, key):
@@ -194,4 +199,3 @@ def remove_tree(path: str) -> None:
     trash = os.path.join(parent, f".trash-{name}-{os.getpid()}-{time.monotonic_ns()}")
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
-

@@ -12,6 +12,7 @@ peft itself:
 - merged (`--merged`): `merge_and_unload()` -> a plain HF model directory that
   `AutoModelForCausalLM.from_pretrained` loads, with no peft needed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,7 @@ def export_lora(path: str, meta: CheckpointMeta, tmp: str, merged: bool) -> None
     missing = sorted(trainable - set(weights))
     unexpected = sorted(set(weights) - set(inner.state_dict()))
     if missing or unexpected:
-        raise CheckpointError(f"{path}: adapters do not match the run's LoRA config (missing {missing[:3]}, unexpected "
-                              f"{unexpected[:3]})")
+        raise CheckpointError(f"{path}: adapters do not match the run's LoRA config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
     if bad:
         raise CheckpointError(f"{path}: {len(bad)} adapter tensors are not finite (first: {bad[0]}); refusing to export")

@@ -28,6 +28,7 @@ half-written temp directory is removed by the next run. Old checkpoints are rena
 Resuming at another world size is the engine's business: DCP reshards on load; DeepSpeed
 converts once to its universal checkpoint (see `harness.engine`).
 """
+
 from __future__ import annotations
 
 import errno
@@ -113,8 +114,15 @@ class CheckpointManager:
     at the same world size).
     """
 
-    def __init__(self, cfg: RunConfig, strategy: Strategy, info: DistInfo, engine: Engine, tokenizer_dir: str | None = None,
-                 per_rank: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        strategy: Strategy,
+        info: DistInfo,
+        engine: Engine,
+        tokenizer_dir: str | None = None,
+        per_rank: dict[str, Any] | None = None,
+    ):
         self.cfg, self.strategy, self.info, self.engine = cfg, strategy, info, engine
         # Other stateful objects whose state differs per rank (a streamed data position): saved as
         # <name>/rank<r>.pt when they have a state_dict, restored into them on resume.
@@ -158,8 +166,10 @@ class CheckpointManager:
         for name, obj in self.per_rank.items():
             state_file = os.path.join(path, name, f"rank{self.info.rank:05d}.pt")
             if not os.path.isfile(state_file):
-                raise CheckpointError(f"{path} has no {name} state for rank {self.info.rank} (saved at world size {meta.world_size}); "
-                                      f"resume at that world size")
+                raise CheckpointError(
+                    f"{path} has no {name} state for rank {self.info.rank} (saved at world size {meta.world_size}); "
+                    f"resume at that world size"
+                )
             obj.load_state_dict(torch.load(state_file, map_location="cpu", weights_only=False))
         masks = self._load_masks(path, meta)
         self.last_path, self.last_step = path, meta.step
@@ -167,12 +177,17 @@ class CheckpointManager:
             self._drop_later_than(meta.step, path)
         self._barrier()
         if self.info.is_main:
-            how = ("" if meta.world_size == self.info.world_size
-                   else f" (saved at world size {meta.world_size}, resharded to {self.info.world_size})")
+            how = (
+                ""
+                if meta.world_size == self.info.world_size
+                else f" (saved at world size {meta.world_size}, resharded to {self.info.world_size})"
+            )
             log.info(f"resumed from {path} at step {meta.step}{how} in {time.perf_counter() - t0:.1f}s")
             if meta.config.get("steps") != self.cfg.steps:
-                log.info(f"note: steps changed from {meta.config.get('steps')} to {self.cfg.steps}; the LR schedule "
-                      "follows the new total from the next step")
+                log.info(
+                    f"note: steps changed from {meta.config.get('steps')} to {self.cfg.steps}; the LR schedule "
+                    "follows the new total from the next step"
+                )
         return ResumeState(step=meta.step, counters=dict(trainer.get("counters", {})), masks=masks, path=path)
 
     def after_step(self, step: int, counters: dict[str, Any] | None = None, stop: bool = False) -> bool:
@@ -258,7 +273,8 @@ class CheckpointManager:
         raise CheckpointError(
             f"could not write the checkpoint of step {step} ({where}{reason}); the partial save was removed and the last complete "
             f"checkpoint is {self.last_path or 'none'} (`latest` unchanged); free space or fix permissions, then resume with "
-            "checkpoint.resume=auto")
+            "checkpoint.resume=auto"
+        )
 
     # --------------------------------------------------------------- internals
     def _barrier(self) -> None:
@@ -307,10 +323,16 @@ class CheckpointManager:
     def _meta(self, step: int) -> CheckpointMeta:
         cfg = self.cfg
         return CheckpointMeta(
-            step=step, world_size=self.info.world_size, engine=self.engine.checkpoint_format, kind=self.engine.kind,
-            strategy=self.strategy.name, zero_stage=self.engine.zero_stage,
-            global_batch=cfg.micro_batch_size * cfg.grad_accum * self.info.world_size, model=cfg.model.name,
-            precision=cfg.precision, config=config_to_dict(cfg),
+            step=step,
+            world_size=self.info.world_size,
+            engine=self.engine.checkpoint_format,
+            kind=self.engine.kind,
+            strategy=self.strategy.name,
+            zero_stage=self.engine.zero_stage,
+            global_batch=cfg.micro_batch_size * cfg.grad_accum * self.info.world_size,
+            model=cfg.model.name,
+            precision=cfg.precision,
+            config=config_to_dict(cfg),
             masks="none" if self.masks is None else ("sharded" if self.masks_sharded else "replicated"),
         )
 

@@ -4,6 +4,7 @@ Rules that need only the config (and, where said, the world size or whether an a
 exists) live here; `harness.runner.preflight` runs them together with the checks that
 look at the outside world (model and data files, the output directory, checkpoints).
 """
+
 from __future__ import annotations
 
 from harness.config.prune_modes import check_prune_mode
@@ -64,9 +65,13 @@ def check_values(cfg: RunConfig) -> None:
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
     check_optimizer_values(cfg)
-    at_least = {"memory.ac_every": (cfg.memory.ac_every, 1), "memory.track_every": (cfg.memory.track_every, 1),
-                "logging.log_every": (cfg.logging.log_every, 1), "memory.loss_chunk_size": (cfg.memory.loss_chunk_size, 0),
-                "eval_every": (cfg.eval_every, 0)}
+    at_least = {
+        "memory.ac_every": (cfg.memory.ac_every, 1),
+        "memory.track_every": (cfg.memory.track_every, 1),
+        "logging.log_every": (cfg.logging.log_every, 1),
+        "memory.loss_chunk_size": (cfg.memory.loss_chunk_size, 0),
+        "eval_every": (cfg.eval_every, 0),
+    }
     for key, (value, low) in at_least.items():
         if value < low:
             raise ConfigError(f"{key}={value} must be >= {low}")
@@ -83,21 +88,28 @@ def check_values(cfg: RunConfig) -> None:
         if not 0 < n < m:
             raise ConfigError(f"prune.pattern={cfg.prune.pattern}: N:M needs 0 < N < M")
         if cfg.prune.method != "none" and abs(cfg.prune.sparsity - (m - n) / m) > 1e-9:
-            raise ConfigError(f"prune.pattern={cfg.prune.pattern} prunes {(m - n) / m:g} of each group "
-                              f"but prune.sparsity={cfg.prune.sparsity}; set prune.sparsity={(m - n) / m:g}")
+            raise ConfigError(
+                f"prune.pattern={cfg.prune.pattern} prunes {(m - n) / m:g} of each group "
+                f"but prune.sparsity={cfg.prune.sparsity}; set prune.sparsity={(m - n) / m:g}"
+            )
     if cfg.data.max_tokens is not None and cfg.data.max_tokens < cfg.data.seq_len:
-        raise ConfigError(f"data.max_tokens={cfg.data.max_tokens} is less than one block of data.seq_len={cfg.data.seq_len}; "
-                          "raise it or leave it unset (the whole corpus)")
+        raise ConfigError(
+            f"data.max_tokens={cfg.data.max_tokens} is less than one block of data.seq_len={cfg.data.seq_len}; "
+            "raise it or leave it unset (the whole corpus)"
+        )
     if cfg.data.streaming and cfg.data.max_tokens is not None:
-        raise ConfigError("data.max_tokens caps the prepared cache; with data.streaming=true the steps decide how much is read "
-                          "(unset data.max_tokens)")
+        raise ConfigError(
+            "data.max_tokens caps the prepared cache; with data.streaming=true the steps decide how much is read (unset data.max_tokens)"
+        )
     if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
         raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1 (or unset: the machine's cores)")
     check_lora_values(cfg)
     if cfg.data.format == "instruction" and (cfg.data.source in EMBEDDED_CORPORA or cfg.data.streaming):
-        raise ConfigError("data.format=instruction reads a local JSON lines file of prompt/response or messages records "
-                          f"(data.source={cfg.data.source!r}{', streaming' if cfg.data.streaming else ''}); "
-                          "set data.source to it and data.streaming=false")
+        raise ConfigError(
+            "data.format=instruction reads a local JSON lines file of prompt/response or messages records "
+            f"(data.source={cfg.data.source!r}{', streaming' if cfg.data.streaming else ''}); "
+            "set data.source to it and data.streaming=false"
+        )
     for key, frac in (("data.eval_fraction", cfg.data.eval_fraction), ("data.calib_fraction", cfg.data.calib_fraction)):
         if not 0.0 < frac < 0.5:
             raise ConfigError(f"{key}={frac} must be in (0, 0.5)")
@@ -122,24 +134,34 @@ def check_lora(cfg: RunConfig, strategy_kind: str, has_accelerator: bool) -> Non
     """What LoRA/QLoRA can run with, decided before any process group starts."""
     lo = cfg.lora
     if cfg.data.format == "instruction" and cfg.prune.method != "none":
-        raise ConfigError("data.format=instruction cannot calibrate pruning (its blocks carry labels); prune on text data, "
-                          "export, then fine-tune the pruned model")
+        raise ConfigError(
+            "data.format=instruction cannot calibrate pruning (its blocks carry labels); prune on text data, "
+            "export, then fine-tune the pruned model"
+        )
     if not lo.enabled:
         return
     if cfg.prune.method != "none":
-        raise ConfigError(f"lora.enabled=true with prune.method={cfg.prune.method}: prune first (harness.prune), export the "
-                          "pruned model, then fine-tune it with LoRA (see notes/lora.md)")
+        raise ConfigError(
+            f"lora.enabled=true with prune.method={cfg.prune.method}: prune first (harness.prune), export the "
+            "pruned model, then fine-tune it with LoRA (see notes/lora.md)"
+        )
     if cfg.memory.optimizer_in_backward:
-        raise ConfigError("lora.enabled=true with memory.optimizer_in_backward=true: the adapters' optimizer state is already "
-                          "small; turn optimizer_in_backward off")
+        raise ConfigError(
+            "lora.enabled=true with memory.optimizer_in_backward=true: the adapters' optimizer state is already "
+            "small; turn optimizer_in_backward off"
+        )
     if lo.quantize == "none":
         return
     if not has_accelerator:
-        raise ConfigError(f"lora.quantize={lo.quantize} needs a CUDA GPU (bitsandbytes' {lo.quantize} kernels); this machine has "
-                          "none: use lora.quantize=none (plain LoRA) on CPU")
+        raise ConfigError(
+            f"lora.quantize={lo.quantize} needs a CUDA GPU (bitsandbytes' {lo.quantize} kernels); this machine has "
+            "none: use lora.quantize=none (plain LoRA) on CPU"
+        )
     if strategy_kind not in ("ddp", "single"):
-        raise ConfigError(f"lora.quantize={lo.quantize} runs under ddp (or one process), not {strategy_kind}: sharding a "
-                          "bitsandbytes-quantized base is not implemented here")
+        raise ConfigError(
+            f"lora.quantize={lo.quantize} runs under ddp (or one process), not {strategy_kind}: sharding a "
+            "bitsandbytes-quantized base is not implemented here"
+        )
 
 
 def check_optimizer_in_backward(cfg: RunConfig, strategy_kind: str, world_size: int) -> None:
@@ -173,8 +195,10 @@ def check_prune_config(cfg: RunConfig, world: int) -> None:
         return
     per_step = cfg.micro_batch_size * cfg.grad_accum * world
     if p.method != "magnitude" and p.calib_samples < per_step:
-        raise ConfigError(f"prune.calib_samples={p.calib_samples} cannot fill one probe step of micro_batch_size*grad_accum*world "
-                          f"({cfg.micro_batch_size}*{cfg.grad_accum}*{world}={per_step}); raise it to a multiple of {per_step}")
+        raise ConfigError(
+            f"prune.calib_samples={p.calib_samples} cannot fill one probe step of micro_batch_size*grad_accum*world "
+            f"({cfg.micro_batch_size}*{cfg.grad_accum}*{world}={per_step}); raise it to a multiple of {per_step}"
+        )
     if p.schedule is not None and p.pattern != "unstructured":
         raise ConfigError(f"prune.schedule raises an unstructured target; prune.pattern={p.pattern} fixes the sparsity")
     if p.finetune_steps < 0:
@@ -204,12 +228,16 @@ def check_batch(cfg: RunConfig, world: int) -> None:
         return
     per_step = cfg.micro_batch_size * world
     if gbs % per_step:
-        raise ConfigError(f"global_batch_size={gbs} is not divisible by micro_batch_size*world "
-                          f"({cfg.micro_batch_size}*{world}={per_step}); "
-                          "choose a multiple of it")
+        raise ConfigError(
+            f"global_batch_size={gbs} is not divisible by micro_batch_size*world "
+            f"({cfg.micro_batch_size}*{world}={per_step}); "
+            "choose a multiple of it"
+        )
     if gbs != per_step * cfg.grad_accum:
-        raise ConfigError(f"global_batch_size={gbs} != micro_batch_size*grad_accum*world ({cfg.micro_batch_size}*{cfg.grad_accum}*{world}="
-                          f"{per_step * cfg.grad_accum}); set grad_accum={gbs // per_step}")
+        raise ConfigError(
+            f"global_batch_size={gbs} != micro_batch_size*grad_accum*world ({cfg.micro_batch_size}*{cfg.grad_accum}*{world}="
+            f"{per_step * cfg.grad_accum}); set grad_accum={gbs // per_step}"
+        )
 
 
 def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: bool) -> None:
@@ -230,8 +258,9 @@ def check_optimizer_values(cfg: RunConfig) -> None:
     if not o.lr > 0:
         raise ConfigError(f"optim.lr={o.lr} must be > 0")
     if o.eps < 0 or o.weight_decay < 0 or o.grad_clip < 0:
-        key, value = next((k, v) for k, v in (("optim.eps", o.eps), ("optim.weight_decay", o.weight_decay),
-                                              ("optim.grad_clip", o.grad_clip)) if v < 0)
+        key, value = next(
+            (k, v) for k, v in (("optim.eps", o.eps), ("optim.weight_decay", o.weight_decay), ("optim.grad_clip", o.grad_clip)) if v < 0
+        )
         raise ConfigError(f"{key}={value} must be >= 0")
     if not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optim.betas={list(o.betas)} must each be in [0, 1)")

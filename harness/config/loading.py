@@ -3,6 +3,7 @@
 Every section is a dataclass (`harness.config.schema`), so an unknown key is an error
 naming the closest valid key instead of a silently ignored typo.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -183,5 +184,3 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
-
-

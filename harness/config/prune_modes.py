@@ -20,6 +20,7 @@ Per mode: candidates; groups; decision; statistics.
 The original mode is dcifrian/GradProbe's low-memory streaming pruner: 2 forward+backward
 passes per matrix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,12 +43,22 @@ def mode_defaults(p: PruneConfig) -> dict[str, Any]:
         # The original's magnitude strategy prunes below one threshold over all matrices
         # (torch's global_unstructured); its Wanda strategy compares within rows, for
         # which the scope is not read.
-        return {"scope": "global" if p.base == "magnitude" else "per_matrix", "stat_dtype": "fp32", "exact_target": False,
-                "sequential": True, "group_size": 1}
+        return {
+            "scope": "global" if p.base == "magnitude" else "per_matrix",
+            "stat_dtype": "fp32",
+            "exact_target": False,
+            "sequential": True,
+            "group_size": 1,
+        }
     # SparseGPT rewrites each group's weights before the next is measured, so it alone
     # runs sequentially by default; the others measure the model as the stage found it.
-    return {"scope": "per_matrix", "stat_dtype": "bf16", "exact_target": True, "sequential": p.method == "sparsegpt",
-            "group_size": p.group_size}
+    return {
+        "scope": "per_matrix",
+        "stat_dtype": "bf16",
+        "exact_target": True,
+        "sequential": p.method == "sparsegpt",
+        "group_size": p.group_size,
+    }
 
 
 def resolve_prune(p: PruneConfig) -> tuple[PruneConfig, list[str]]:
@@ -71,62 +82,91 @@ def check_prune_mode(p: PruneConfig) -> None:
         return
     row_score = "wanda" if p.method == "wanda" else p.base if p.method == "gradprobe" and p.base != "magnitude" else None
     if row_score is not None and p.scope == "global":
-        raise ConfigError(f"prune.scope=global with {'prune.base' if p.method == 'gradprobe' else 'prune.method'}={row_score}: "
-                          f"{row_score} compares weights within an output row; unset prune.scope (or per_matrix)")
+        raise ConfigError(
+            f"prune.scope=global with {'prune.base' if p.method == 'gradprobe' else 'prune.method'}={row_score}: "
+            f"{row_score} compares weights within an output row; unset prune.scope (or per_matrix)"
+        )
     if p.allocation != "uniform":
         if p.pattern != "unstructured" or p.scope == "global":
             clash = f"prune.pattern={p.pattern}" if p.pattern != "unstructured" else "prune.scope=global"
-            raise ConfigError(f"prune.allocation={p.allocation} with {clash}: "
-                              "the allocation sets each block's unstructured sparsity; use prune.pattern=unstructured and "
-                              "prune.scope=per_matrix, or prune.allocation=uniform")
+            raise ConfigError(
+                f"prune.allocation={p.allocation} with {clash}: "
+                "the allocation sets each block's unstructured sparsity; use prune.pattern=unstructured and "
+                "prune.scope=per_matrix, or prune.allocation=uniform"
+            )
         if not 0.0 < p.owl_lambda < min(p.sparsity, 1.0 - p.sparsity) + 1e-12:
-            raise ConfigError(f"prune.owl_lambda={p.owl_lambda} must be in (0, {min(p.sparsity, 1.0 - p.sparsity):g}] so every "
-                              f"block's sparsity stays within [0, 1) around prune.sparsity={p.sparsity}")
+            raise ConfigError(
+                f"prune.owl_lambda={p.owl_lambda} must be in (0, {min(p.sparsity, 1.0 - p.sparsity):g}] so every "
+                f"block's sparsity stays within [0, 1) around prune.sparsity={p.sparsity}"
+            )
         if p.decision == "original" and p.method == "gradprobe":
-            raise ConfigError("prune.allocation=owl with prune.decision=original: the original prunes to one global threshold; "
-                              "unset prune.allocation")
+            raise ConfigError(
+                "prune.allocation=owl with prune.decision=original: the original prunes to one global threshold; unset prune.allocation"
+            )
     if p.decision == "original":
         check_original(p)
         return
     if p.method != "gradprobe":
         return
     if p.exact_target is False:
-        raise ConfigError(f"prune.exact_target=false with prune.decision={p.decision}: {p.decision} prunes exactly the target; "
-                          "the undershooting veto (prune only where the gradient did not grow) is prune.decision=original")
+        raise ConfigError(
+            f"prune.exact_target=false with prune.decision={p.decision}: {p.decision} prunes exactly the target; "
+            "the undershooting veto (prune only where the gradient did not grow) is prune.decision=original"
+        )
     if p.decision == "saliency" and p.scope == "global":
-        raise ConfigError("prune.scope=global with prune.decision=saliency: the saliency decision ranks each matrix's "
-                          "candidates on their own; unset prune.scope (or per_matrix)")
+        raise ConfigError(
+            "prune.scope=global with prune.decision=saliency: the saliency decision ranks each matrix's "
+            "candidates on their own; unset prune.scope (or per_matrix)"
+        )
     if p.scope == "global" and p.sequential:
-        raise ConfigError(f"prune.scope=global with prune.sequential=true and prune.decision={p.decision}: an exact-target "
-                          "global ranking needs every matrix probed before any is pruned; set prune.sequential=false, "
-                          "prune.scope=per_matrix, or prune.decision=original (global candidates, applied matrix by matrix)")
+        raise ConfigError(
+            f"prune.scope=global with prune.sequential=true and prune.decision={p.decision}: an exact-target "
+            "global ranking needs every matrix probed before any is pruned; set prune.sequential=false, "
+            "prune.scope=per_matrix, or prune.decision=original (global candidates, applied matrix by matrix)"
+        )
 
 
 def check_original(p: PruneConfig) -> None:
     """The original mode's own contradictions (also checked by `run_pruning`, which library
     callers reach without a run config's checks)."""
     if p.method != "gradprobe":
-        raise ConfigError(f"prune.decision=original is GradProbe's rule; prune.method={p.method} has no gradient veto: set "
-                          "prune.method=gradprobe or unset prune.decision")
+        raise ConfigError(
+            f"prune.decision=original is GradProbe's rule; prune.method={p.method} has no gradient veto: set "
+            "prune.method=gradprobe or unset prune.decision"
+        )
     why = "prune.decision=original reproduces the original GradProbe"
     if p.base not in ("magnitude", "wanda"):
-        raise ConfigError(f"prune.base={p.base} with prune.decision=original: {why}, whose candidates come from magnitude "
-                          "or Wanda; set prune.base=magnitude or wanda")
+        raise ConfigError(
+            f"prune.base={p.base} with prune.decision=original: {why}, whose candidates come from magnitude "
+            "or Wanda; set prune.base=magnitude or wanda"
+        )
     if p.pattern != "unstructured":
-        raise ConfigError(f"prune.pattern={p.pattern} with prune.decision=original: the veto leaves some groups with fewer "
-                          f"than M-N zeros, which no N:M kernel can store; use prune.decision=rank for N:M")
+        raise ConfigError(
+            f"prune.pattern={p.pattern} with prune.decision=original: the veto leaves some groups with fewer "
+            f"than M-N zeros, which no N:M kernel can store; use prune.decision=rank for N:M"
+        )
     if p.exact_target:
-        raise ConfigError("prune.exact_target=true with prune.decision=original: the original's veto undershoots the target "
-                          "by design; unset prune.exact_target, or use prune.decision=rank for an exact target")
+        raise ConfigError(
+            "prune.exact_target=true with prune.decision=original: the original's veto undershoots the target "
+            "by design; unset prune.exact_target, or use prune.decision=rank for an exact target"
+        )
     if p.sequential is False:
-        raise ConfigError(f"prune.sequential=false with prune.decision=original: {why}, which zeroes each matrix's pruned "
-                          "weights before probing the next; unset prune.sequential")
+        raise ConfigError(
+            f"prune.sequential=false with prune.decision=original: {why}, which zeroes each matrix's pruned "
+            "weights before probing the next; unset prune.sequential"
+        )
     if p.group_size not in (0, 1):
-        raise ConfigError(f"prune.group_size={p.group_size} with prune.decision=original: {why}, which probes one matrix "
-                          "at a time (2 passes per matrix); unset prune.group_size (or 1)")
+        raise ConfigError(
+            f"prune.group_size={p.group_size} with prune.decision=original: {why}, which probes one matrix "
+            "at a time (2 passes per matrix); unset prune.group_size (or 1)"
+        )
     if p.base == "magnitude" and p.scope == "per_matrix":
-        raise ConfigError(f"prune.scope=per_matrix with prune.decision=original and prune.base=magnitude: {why}, whose "
-                          "magnitude candidates are below one global threshold; unset prune.scope (or global)")
+        raise ConfigError(
+            f"prune.scope=per_matrix with prune.decision=original and prune.base=magnitude: {why}, whose "
+            "magnitude candidates are below one global threshold; unset prune.scope (or global)"
+        )
     if p.stat_dtype is not None and p.stat_dtype != "fp32":
-        raise ConfigError(f"prune.stat_dtype={p.stat_dtype} with prune.decision=original: {why}, which compares fp32 "
-                          "gradient statistics; unset prune.stat_dtype (or fp32)")
+        raise ConfigError(
+            f"prune.stat_dtype={p.stat_dtype} with prune.decision=original: {why}, which compares fp32 "
+            "gradient statistics; unset prune.stat_dtype (or fp32)"
+        )

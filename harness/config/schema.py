@@ -3,6 +3,7 @@
 Every section is a dataclass so that an unknown key is an error naming the closest valid
 key, instead of a silently ignored typo.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

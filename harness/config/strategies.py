@@ -12,6 +12,7 @@ error naming the closest one it does. FSDP2 and DDP files use a small schema of 
 `reshard_after_forward: false` keeps parameters gathered between forward and backward
 (ZeRO-2-like); `offload: true` is FSDP2's CPUOffloadPolicy (needs an accelerator).
 """
+
 from __future__ import annotations
 
 import copy
@@ -132,9 +133,15 @@ def load_strategy(name_or_path: str | None, env: dict[str, str] | None = None) -
         if reduce_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"{path}: reduce_dtype must be fp32 or bf16, got {reduce_dtype!r}")
         return Strategy(
-            "fsdp", name, path, zero_stage=3 if reshard else 2, reshard_after_forward=reshard,
-            offload_optimizer="cpu" if offload else "none", offload_params="cpu" if offload else "none",
-            reduce_dtype=reduce_dtype, raw=raw,
+            "fsdp",
+            name,
+            path,
+            zero_stage=3 if reshard else 2,
+            reshard_after_forward=reshard,
+            offload_optimizer="cpu" if offload else "none",
+            offload_params="cpu" if offload else "none",
+            reduce_dtype=reduce_dtype,
+            raw=raw,
         )
     raise ConfigError(f"{path}: kind must be 'ddp' or 'fsdp' (or omit it for a DeepSpeed config), got {kind!r}")
 
@@ -289,8 +296,7 @@ def _note(filled: list[str] | None, key: str, value: Any, source: str) -> None:
         filled.append(f"{key}={value} (from {source})")
 
 
-def _settle(ds: dict[str, Any], key: str, ours: Any, ours_name: str, path: str, filled: list[str] | None = None,
-            where: str = "") -> None:
+def _settle(ds: dict[str, Any], key: str, ours: Any, ours_name: str, path: str, filled: list[str] | None = None, where: str = "") -> None:
     """Fill an "auto" (or absent) value from the run config; a different number is an error."""
     current = ds.get(key, "auto")
     if _is_auto(current):
@@ -339,12 +345,16 @@ def _resolve_scheduler(ds: dict[str, Any], cfg: RunConfig, path: str, filled: li
         ds.pop("scheduler", None)
         o = cfg.optim
         if filled is not None:
-            filled.append(f"scheduler=harness's {o.schedule} schedule (from optim.schedule, optim.warmup_steps={o.warmup_steps}, "
-                          f"optim.min_lr_ratio={o.min_lr_ratio})")
+            filled.append(
+                f"scheduler=harness's {o.schedule} schedule (from optim.schedule, optim.warmup_steps={o.warmup_steps}, "
+                f"optim.min_lr_ratio={o.min_lr_ratio})"
+            )
         return
     if not isinstance(sched, dict) or not isinstance(sched.get("type"), str) or not isinstance(sched.get("params", {}), dict):
-        raise ConfigError(f"{path}: scheduler needs a 'type' (a DeepSpeed scheduler such as WarmupLR, or \"auto\" for harness's "
-                          "schedule) and 'params' as an object")
+        raise ConfigError(
+            f"{path}: scheduler needs a 'type' (a DeepSpeed scheduler such as WarmupLR, or \"auto\" for harness's "
+            "schedule) and 'params' as an object"
+        )
     o = cfg.optim
     autos = {  # DeepSpeed's (and HF's) "auto" scheduler params, from the run config
         "warmup_num_steps": (o.warmup_steps, "optim.warmup_steps"),
@@ -361,8 +371,9 @@ def _resolve_scheduler(ds: dict[str, Any], cfg: RunConfig, path: str, filled: li
     # any other "auto" is named by the leftover check in resolve_deepspeed_config
 
 
-def resolve_deepspeed_config(strategy: Strategy, cfg: RunConfig, world_size: int, hidden_size: int | None = None,
-                             filled: list[str] | None = None) -> dict[str, Any]:
+def resolve_deepspeed_config(
+    strategy: Strategy, cfg: RunConfig, world_size: int, hidden_size: int | None = None, filled: list[str] | None = None
+) -> dict[str, Any]:
     """DeepSpeed's config dict with every "auto" (or absent value harness owns) filled from the run config.
 
     The file is otherwise honoured as written: a value that contradicts the run config is a
@@ -373,8 +384,14 @@ def resolve_deepspeed_config(strategy: Strategy, cfg: RunConfig, world_size: int
     ds = copy.deepcopy(strategy.raw)
     _settle(ds, "train_micro_batch_size_per_gpu", cfg.micro_batch_size, "micro_batch_size", path, filled)
     _settle(ds, "gradient_accumulation_steps", cfg.grad_accum, "grad_accum", path, filled)
-    _settle(ds, "train_batch_size", cfg.micro_batch_size * cfg.grad_accum * world_size,
-            f"micro_batch_size*grad_accum*world ({cfg.micro_batch_size}*{cfg.grad_accum}*{world_size})", path, filled)
+    _settle(
+        ds,
+        "train_batch_size",
+        cfg.micro_batch_size * cfg.grad_accum * world_size,
+        f"micro_batch_size*grad_accum*world ({cfg.micro_batch_size}*{cfg.grad_accum}*{world_size})",
+        path,
+        filled,
+    )
     _settle(ds, "gradient_clipping", cfg.optim.grad_clip, "optim.grad_clip", path, filled)
     for section, want in (("bf16", cfg.precision == "bf16"), ("fp16", cfg.precision == "fp16")):
         block = ds.setdefault(section, {})
@@ -412,8 +429,9 @@ def resolve_deepspeed_config(strategy: Strategy, cfg: RunConfig, world_size: int
         if block.get("device") == "nvme":
             nvme = block.get("nvme_path")
             if not nvme or not os.path.isdir(nvme) or not os.access(nvme, os.W_OK):
-                raise ConfigError(f"{path}: zero_optimization.{off}.nvme_path={nvme!r} is missing or not writable; "
-                                  "set it to a writable NVMe directory")
+                raise ConfigError(
+                    f"{path}: zero_optimization.{off}.nvme_path={nvme!r} is missing or not writable; set it to a writable NVMe directory"
+                )
     leftover = _find_auto(ds)
     if leftover:
         raise ConfigError(f"{path}: '{leftover}' is 'auto' but harness cannot fill it; give a number")

@@ -4,12 +4,31 @@ sampled identically at any world size; or streamed and tokenized on the fly.
 
     python -m harness.data --config run.yaml     # prepare the cache ahead of a job
 """
+
 from harness.data.cache import PackedData, cache_dir_for, is_complete, load_packed, prepare_data
 from harness.data.documents import EMBEDDED_SOURCES, EOS, SPLITS, embedded_documents, open_documents, split_of
 from harness.data.instructions import read_records
 from harness.data.sampling import BatchSampler, StreamSampler, describe_consumption, split_batches
 from harness.data.tokenizer import eos_id, given_tokenizer, load_tokenizer
 
-__all__ = ["EMBEDDED_SOURCES", "EOS", "SPLITS", "BatchSampler", "PackedData", "StreamSampler", "cache_dir_for",
-           "describe_consumption", "embedded_documents", "eos_id", "given_tokenizer", "is_complete", "load_packed",
-           "load_tokenizer", "open_documents", "prepare_data", "read_records", "split_batches", "split_of"]
+__all__ = [
+    "EMBEDDED_SOURCES",
+    "EOS",
+    "SPLITS",
+    "BatchSampler",
+    "PackedData",
+    "StreamSampler",
+    "cache_dir_for",
+    "describe_consumption",
+    "embedded_documents",
+    "eos_id",
+    "given_tokenizer",
+    "is_complete",
+    "load_packed",
+    "load_tokenizer",
+    "open_documents",
+    "prepare_data",
+    "read_records",
+    "split_batches",
+    "split_of",
+]

@@ -6,6 +6,7 @@ The last line printed is a JSON object: tokens (all splits), tokens per split, d
 input bytes, seconds, MB/s, tokens/s, peak RSS (this process and its tokenizer processes,
 the largest of each) and the cache path. Exit 2 on bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,12 +37,26 @@ def main(argv: list[str] | None = None) -> int:
         meta = json.load(f)
     tokens = sum(data.tokens.values())
     prepared = meta["seconds"] if is_complete(cache) else seconds
-    rss = {"self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-           "tokenizer_processes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
-    print(json.dumps({"tokens": tokens, "tokens_per_split": data.tokens, "documents": meta["documents"], "bytes": meta["bytes"],
-                      "seconds": round(seconds, 3), "prepare_seconds": round(prepared, 3),
-                      "mb_per_s": round(meta["bytes"] / 1e6 / max(prepared, 1e-9), 3),
-                      "tokens_per_s": round(tokens / max(prepared, 1e-9), 1), "peak_rss_bytes": rss, "cache": cache}))
+    rss = {
+        "self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "tokenizer_processes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+    }
+    print(
+        json.dumps(
+            {
+                "tokens": tokens,
+                "tokens_per_split": data.tokens,
+                "documents": meta["documents"],
+                "bytes": meta["bytes"],
+                "seconds": round(seconds, 3),
+                "prepare_seconds": round(prepared, 3),
+                "mb_per_s": round(meta["bytes"] / 1e6 / max(prepared, 1e-9), 3),
+                "tokens_per_s": round(tokens / max(prepared, 1e-9), 1),
+                "peak_rss_bytes": rss,
+                "cache": cache,
+            }
+        )
+    )
     return 0
 
 

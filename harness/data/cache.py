@@ -19,6 +19,7 @@ prepares into `<cache>.tmp-<host>-<pid>` and renames it into place; everyone els
 dead owner's temporary directory removed, never trusted. On a shared file
 system that is one preparation for the whole cluster; on local disks, one per node.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,9 +74,16 @@ def cache_dir_for(model_name: str, cfg: DataConfig) -> str:
     content = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes what is written
     if cfg.format == "text":  # keys added with instruction data: text caches keep the names they had before
         del content["format"], content["packing"]
-    key = json.dumps({"format": FORMAT, "data": content,
-                      "model": model_name if not os.path.isdir(model_name) else os.path.abspath(model_name),
-                      "py": sys.version_info[:2]}, sort_keys=True, default=str)
+    key = json.dumps(
+        {
+            "format": FORMAT,
+            "data": content,
+            "model": model_name if not os.path.isdir(model_name) else os.path.abspath(model_name),
+            "py": sys.version_info[:2],
+        },
+        sort_keys=True,
+        default=str,
+    )
     return os.path.join(root, "data-" + hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
@@ -111,8 +119,10 @@ def prepare_data(model_name: str, cfg: DataConfig, progress: bool = True) -> str
             continue
         now = time.monotonic()
         if now - said >= 60.0 and os.environ.get("LOCAL_RANK", "0") == "0":
-            log.info(f"waiting for {lock.describe()} to finish preparing the data cache {cache} "
-                     f"({now - waited_since:.0f} s so far)", extra=ALL_RANKS)
+            log.info(
+                f"waiting for {lock.describe()} to finish preparing the data cache {cache} ({now - waited_since:.0f} s so far)",
+                extra=ALL_RANKS,
+            )
             said = now
         time.sleep(1.0)
     return cache
@@ -156,21 +166,34 @@ def _build(model_name: str, cfg: DataConfig, tmp: str, progress: bool) -> str:
         tok = stats.pop("tokenizer")
     vocab = len(tok) if tok is not None else cfg.vocab_size
     if stats["max_id"] >= vocab:
-        raise ConfigError(f"data.source '{cfg.source}': token ids reach {stats['max_id']} but the vocabulary has {vocab}; "
-                          "set data.vocab_size (or data.tokenizer) to match the data")
+        raise ConfigError(
+            f"data.source '{cfg.source}': token ids reach {stats['max_id']} but the vocabulary has {vocab}; "
+            "set data.vocab_size (or data.tokenizer) to match the data"
+        )
     for split in SPLITS if not cfg.streaming else ("eval", "calib"):
         if stats["tokens"][split] < cfg.seq_len:
             raise ConfigError(f"data.source '{cfg.source}': the {split} split has fewer than seq_len={cfg.seq_len} tokens")
     if tok is not None:
         tok.save_pretrained(os.path.join(tmp, "tokenizer"))
-    meta = {"format": FORMAT, "vocab_size": vocab, "seq_len": cfg.seq_len, "dtype": stats["dtype"], "tokens": stats["tokens"],
-            "documents": stats["documents"], "bytes": stats["bytes"], "seconds": time.perf_counter() - t0, "source": cfg.source}
+    meta = {
+        "format": FORMAT,
+        "vocab_size": vocab,
+        "seq_len": cfg.seq_len,
+        "dtype": stats["dtype"],
+        "tokens": stats["tokens"],
+        "documents": stats["documents"],
+        "bytes": stats["bytes"],
+        "seconds": time.perf_counter() - t0,
+        "source": cfg.source,
+    }
     if "layout" in stats:  # instruction blocks: <split>.pairs.npy, and how many tokens carry a label
         meta.update(layout=stats["layout"], labelled=stats["labelled"])
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    return (f"data: {sum(stats['tokens'].values()):,} tokens ({', '.join(f'{s} {n:,}' for s, n in stats['tokens'].items())}) "
-            f"from {stats['bytes'] / 2**20:,.1f} MiB in {meta['seconds']:.1f}s")
+    return (
+        f"data: {sum(stats['tokens'].values()):,} tokens ({', '.join(f'{s} {n:,}' for s, n in stats['tokens'].items())}) "
+        f"from {stats['bytes'] / 2**20:,.1f} MiB in {meta['seconds']:.1f}s"
+    )
 
 
 def _read_corpus(cfg: DataConfig) -> datasets.Dataset:
@@ -182,8 +205,10 @@ def _read_corpus(cfg: DataConfig) -> datasets.Dataset:
         raise
     except Exception as exc:
         cause = exc.__cause__ or exc.__context__ or exc
-        raise ConfigError(f"data.source '{cfg.source}' could not be read ({type(cause).__name__}: "
-                          f"{(str(cause).splitlines() or [''])[0][:200]}); fix or remove the file") from None
+        raise ConfigError(
+            f"data.source '{cfg.source}' could not be read ({type(cause).__name__}: "
+            f"{(str(cause).splitlines() or [''])[0][:200]}); fix or remove the file"
+        ) from None
 
 
 def _tokenize_corpus(model_name: str, cfg: DataConfig, out: str, progress: bool) -> dict[str, Any]:
@@ -193,16 +218,26 @@ def _tokenize_corpus(model_name: str, cfg: DataConfig, out: str, progress: bool)
     if tok is None and not pretok:
         tok = train_bpe_tokenizer(tokenization.train_text_batches(ds, cfg), cfg.vocab_size, os.path.join(out, "tokenizer"))
     if pretok and tok is None and cfg.eos_id is None:
-        raise ConfigError(f"data.source '{cfg.source}' is pre-tokenized (input_ids) and no tokenizer names its end-of-document "
-                          "token; set data.eos_id (or data.tokenizer)")
+        raise ConfigError(
+            f"data.source '{cfg.source}' is pre-tokenized (input_ids) and no tokenizer names its end-of-document "
+            "token; set data.eos_id (or data.tokenizer)"
+        )
     vocab = len(tok) if tok is not None else cfg.vocab_size
     dtype = np.uint16 if vocab <= 2**16 else np.uint32
     work = tokenization.Work(ds, tok, cfg, eos_id(tok, cfg), dtype, pretok)
     writer = tokenization.SplitWriter(out, dtype, cfg.max_tokens)
     tasks = [(start, min(start + DOCS_PER_TASK, len(ds))) for start in range(0, len(ds), DOCS_PER_TASK)]
     total_bytes = _input_bytes(ds, cfg)
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="tokenizing", disable=not progress,
-               mininterval=1.0 if sys.stderr.isatty() else 15.0, file=sys.stderr)
+    bar = tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="tokenizing",
+        disable=not progress,
+        mininterval=1.0 if sys.stderr.isatty() else 15.0,
+        file=sys.stderr,
+    )
     t0 = time.perf_counter()
     try:
         for result in _run(work, tasks, cfg.num_proc or default_num_proc(), writer):
@@ -219,8 +254,7 @@ def _prepare_stream(model_name: str, cfg: DataConfig, out: str) -> dict[str, Any
     the start of the stream, the same for every rank); training reads the stream itself."""
     tok = given_tokenizer(model_name, cfg)
     if tok is None:
-        tok = train_bpe_tokenizer(tokenization.train_text_batches(open_stream(cfg), cfg), cfg.vocab_size,
-                                  os.path.join(out, "tokenizer"))
+        tok = train_bpe_tokenizer(tokenization.train_text_batches(open_stream(cfg), cfg), cfg.vocab_size, os.path.join(out, "tokenizer"))
     dtype = np.uint16 if len(tok) <= 2**16 else np.uint32
     writer = tokenization.SplitWriter(out, dtype, max_tokens=0)  # no train blocks in the cache
     want = cfg.stream_eval_blocks * cfg.seq_len
@@ -238,8 +272,9 @@ def _input_bytes(ds: datasets.Dataset, cfg: DataConfig) -> int | None:
     return None
 
 
-def _run(work: tokenization.Work, tasks: list[tuple[int, int]], num_proc: int,
-         writer: tokenization.SplitWriter) -> Iterator[tokenization.Encoded]:
+def _run(
+    work: tokenization.Work, tasks: list[tuple[int, int]], num_proc: int, writer: tokenization.SplitWriter
+) -> Iterator[tokenization.Encoded]:
     """Encoded batches in document order: in this process for small corpora, else in a pool
     with at most 2 x num_proc batches in flight (so memory stays flat)."""
     if num_proc == 1 or len(tasks) < 4 or "fork" not in mp.get_all_start_methods():
@@ -274,5 +309,6 @@ def load_packed(cache: str) -> PackedData:
         path = os.path.join(cache, f"{split}.bin")
         blocks[split] = np.memmap(path, dtype=dtype, mode="r", shape=(n, seq)) if n else np.zeros((0, seq), dtype=dtype)
     tok_dir = os.path.join(cache, "tokenizer")
-    return PackedData(blocks, int(meta["vocab_size"]), tok_dir if os.path.isdir(tok_dir) else None, cache,
-                      {s: int(meta["tokens"][s]) for s in SPLITS})
+    return PackedData(
+        blocks, int(meta["vocab_size"]), tok_dir if os.path.isdir(tok_dir) else None, cache, {s: int(meta["tokens"][s]) for s in SPLITS}
+    )

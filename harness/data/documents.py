@@ -7,6 +7,7 @@ and `open_stream` as an `IterableDataset` read on the fly. Splits are by documen
 seeded hash of its content: the same on every rank, launcher and world size, and no text
 crosses from train to eval or calibration.
 """
+
 from __future__ import annotations
 
 import glob
@@ -54,8 +55,11 @@ def embedded_documents(max_chars: int | None = 3_000_000) -> list[str]:
         pass
     stdlib = os.path.dirname(os.__file__)
     if max_chars is None:
-        paths = [p for p in sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True))
-                 if "site-packages" not in os.path.relpath(p, stdlib).split(os.sep)]
+        paths = [
+            p
+            for p in sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True))
+            if "site-packages" not in os.path.relpath(p, stdlib).split(os.sep)
+        ]
     else:
         paths = sorted(glob.glob(os.path.join(stdlib, "*.py")))
     total = sum(map(len, docs))
@@ -133,8 +137,9 @@ def open_documents(cfg: DataConfig) -> datasets.Dataset:
         try:
             ds = datasets.load_dataset(cfg.source, split="train")
         except Exception as exc:
-            raise ConfigError(f"data.source '{cfg.source}' is not a local path and could not be loaded from the hub "
-                              f"({type(exc).__name__})") from None
+            raise ConfigError(
+                f"data.source '{cfg.source}' is not a local path and could not be loaded from the hub ({type(exc).__name__})"
+            ) from None
     check_columns(ds.column_names, cfg)
     return ds
 
@@ -161,8 +166,10 @@ def open_stream(cfg: DataConfig) -> datasets.IterableDataset:
 
 def check_columns(columns: list[str], cfg: DataConfig) -> None:
     if cfg.text_field not in columns and "input_ids" not in columns:
-        raise ConfigError(f"data.source '{cfg.source}' has no column '{cfg.text_field}' (columns: {', '.join(columns)}); "
-                          "set data.text_field, or give pre-tokenized data with an 'input_ids' column")
+        raise ConfigError(
+            f"data.source '{cfg.source}' has no column '{cfg.text_field}' (columns: {', '.join(columns)}); "
+            "set data.text_field, or give pre-tokenized data with an 'input_ids' column"
+        )
 
 
 def pretokenized(columns: list[str], cfg: DataConfig) -> bool:

@@ -18,6 +18,7 @@ span blocks: the standard trade); `false` gives one example per block, truncated
 with EOS (label -100). Padding is on the right, so causal attention never lets a labelled
 token see it. The split of an example is a seeded hash of its record, as for documents.
 """
+
 from __future__ import annotations
 
 import glob
@@ -39,7 +40,7 @@ PAIRS = "pairs"  # the cache layout name in meta.json
 
 
 def record_kind(record: Any) -> str | None:
-    """"prompt" or "messages" for a usable record, else None."""
+    """ "prompt" or "messages" for a usable record, else None."""
     if isinstance(record, dict):
         if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
             return "prompt"
@@ -52,8 +53,10 @@ def check_record(record: Any, where: str) -> None:
     """One line naming what an instruction record must hold (used by the pre-flight check too)."""
     if record_kind(record) is None:
         fields = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-        raise ConfigError(f"{where}: data.format=instruction needs records with 'prompt' and 'response' strings or a "
-                          f"'messages' list of {{role, content}} (got: {fields})")
+        raise ConfigError(
+            f"{where}: data.format=instruction needs records with 'prompt' and 'response' strings or a "
+            f"'messages' list of {{role, content}} (got: {fields})"
+        )
 
 
 def read_records(source: str) -> list[dict[str, Any]]:
@@ -109,9 +112,11 @@ def encode_record(record: dict[str, Any], tok: Any, eos: int) -> tuple[list[int]
             upto = tok.apply_chat_template(messages[: i + 1], tokenize=True, add_generation_prompt=False)
             upto = list(upto["input_ids"] if isinstance(upto, dict) or hasattr(upto, "keys") else upto)
             if upto[: len(ids)] != ids:
-                raise ConfigError("the tokenizer's chat template renders a conversation prefix differently once more turns "
-                                  "follow; give prompt/response records instead")
-            added = upto[len(ids):]
+                raise ConfigError(
+                    "the tokenizer's chat template renders a conversation prefix differently once more turns "
+                    "follow; give prompt/response records instead"
+                )
+            added = upto[len(ids) :]
             ids += added
             labels += added if message.get("role") == "assistant" else [IGNORE] * len(added)
         return ids, labels
@@ -154,8 +159,16 @@ def prepare_instructions(model_name: str, cfg: DataConfig, out: str) -> dict[str
     if any(record_kind(r) == "messages" for r in records) and not getattr(tok, "chat_template", None):
         log.info("data: the tokenizer has no chat template; messages are rendered as 'role: content' lines")
     eos = eos_id(tok, cfg)
-    stats: dict[str, Any] = {"tokens": {}, "documents": {}, "labelled": {}, "bytes": 0, "dtype": "int32", "max_id": eos,
-                             "tokenizer": tok, "layout": PAIRS}
+    stats: dict[str, Any] = {
+        "tokens": {},
+        "documents": {},
+        "labelled": {},
+        "bytes": 0,
+        "dtype": "int32",
+        "max_id": eos,
+        "tokenizer": tok,
+        "layout": PAIRS,
+    }
     for split in SPLITS:
         examples = [encode_record(r, tok, eos) for r, s in zip(records, splits) if s == split]
         pairs, truncated = to_blocks(examples, cfg.seq_len, cfg.packing, eos)
@@ -175,5 +188,14 @@ def load_pairs(cache: str) -> dict[str, np.ndarray]:
     return {split: np.load(os.path.join(cache, f"{split}.{PAIRS}.npy"), mmap_mode="r") for split in SPLITS}
 
 
-__all__ = ["IGNORE", "PAIRS", "check_record", "encode_record", "load_pairs", "prepare_instructions", "read_records", "record_kind",
-           "to_blocks"]
+__all__ = [
+    "IGNORE",
+    "PAIRS",
+    "check_record",
+    "encode_record",
+    "load_pairs",
+    "prepare_instructions",
+    "read_records",
+    "record_kind",
+    "to_blocks",
+]

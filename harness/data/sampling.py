@@ -6,6 +6,7 @@ resume is exact (the data position is the step). Streaming (`data.streaming`): e
 reads its own part of the stream in order and packs it into blocks; the position is the
 stream's state plus the tokens carried into the next block, saved per rank in checkpoints.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -124,13 +125,21 @@ class StreamSampler:
         return torch.from_numpy(out.reshape(self.micro, self.cfg.seq_len).copy())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"dataset": self.ds.state_dict(), "buffer": self.buffer.copy(), "epoch": self.epoch, "position": self.position,
-                "world": self.world, "rank": self.rank}
+        return {
+            "dataset": self.ds.state_dict(),
+            "buffer": self.buffer.copy(),
+            "epoch": self.epoch,
+            "position": self.position,
+            "world": self.world,
+            "rank": self.rank,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["world"] != self.world:
-            raise CheckpointError(f"a streamed run resumes at the world size it was saved at ({state['world']}), not {self.world}: "
-                              "each rank's position is in its own part of the stream")
+            raise CheckpointError(
+                f"a streamed run resumes at the world size it was saved at ({state['world']}), not {self.world}: "
+                "each rank's position is in its own part of the stream"
+            )
         self.epoch = int(state["epoch"])
         self.ds.set_epoch(self.epoch)
         self.ds.load_state_dict(state["dataset"])
@@ -143,11 +152,16 @@ def describe_consumption(data: PackedData, cfg: DataConfig, steps: int, global_b
     """What the configured steps will read, and whether that repeats training data."""
     blocks = steps * global_batch
     if streaming:
-        return (f"data: streaming; {steps} steps x {global_batch} blocks of {cfg.seq_len} tokens = {blocks * cfg.seq_len:,} "
-                "train tokens will be read on the fly", False)
+        return (
+            f"data: streaming; {steps} steps x {global_batch} blocks of {cfg.seq_len} tokens = {blocks * cfg.seq_len:,} "
+            "train tokens will be read on the fly",
+            False,
+        )
     have = data.n_blocks("train")
     epochs = blocks / max(have, 1)
     capped = f" (capped by data.max_tokens={cfg.max_tokens:,})" if cfg.max_tokens is not None else ""
-    line = (f"data: {data.tokens['train']:,} train tokens{capped} = {have:,} blocks of {cfg.seq_len}; {steps} steps x "
-            f"{global_batch} blocks = {blocks:,} blocks = {epochs:.2f} epochs")
+    line = (
+        f"data: {data.tokens['train']:,} train tokens{capped} = {have:,} blocks of {cfg.seq_len}; {steps} steps x "
+        f"{global_batch} blocks = {blocks:,} blocks = {epochs:.2f} epochs"
+    )
     return line, epochs > 1.0

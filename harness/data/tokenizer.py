@@ -1,5 +1,6 @@
 """The tokenizer of a run: the one given (`data.tokenizer`), the model's own, or a byte-level
 BPE trained locally on the train split and cached with the data."""
+
 from __future__ import annotations
 
 import glob

@@ -1,5 +1,6 @@
 """Documents to token streams: the batch encoder the tokenizer processes run, and the writer
 that appends each document's tokens (EOS-terminated) to its split's stream file."""
+
 from __future__ import annotations
 
 import os
@@ -145,8 +146,13 @@ class SplitWriter:
             f.close()
             starts = np.concatenate(self._starts[split]) if self._starts[split] else np.zeros(0, dtype=np.int64)
             np.save(os.path.join(self.out, f"{split}.docs.npy"), starts.astype(np.int64))
-        return {"tokens": dict(self.tokens), "documents": dict(self.documents), "bytes": self.nbytes,
-                "dtype": np.dtype(self.dtype).name, "max_id": self.max_id}
+        return {
+            "tokens": dict(self.tokens),
+            "documents": dict(self.documents),
+            "bytes": self.nbytes,
+            "dtype": np.dtype(self.dtype).name,
+            "max_id": self.max_id,
+        }
 
 
 def train_text_batches(ds: datasets.Dataset | datasets.IterableDataset, cfg: DataConfig, batch: int = 1000) -> Iterator[list[str]]:
@@ -175,8 +181,9 @@ def split_token_file(cfg: DataConfig, out: str, eos: int | None) -> dict[str, An
     else:
         src = np.memmap(cfg.source, dtype=np.dtype(cfg.token_dtype), mode="r")
     if src.ndim != 1 or src.dtype.kind not in "iu":
-        raise ConfigError(f"data.source '{cfg.source}': a token file must hold one flat array of integer token ids "
-                          f"(got {src.dtype}, shape {src.shape})")
+        raise ConfigError(
+            f"data.source '{cfg.source}': a token file must hold one flat array of integer token ids (got {src.dtype}, shape {src.shape})"
+        )
     top = max((int(src[i : i + TOKEN_FILE_CHUNK].max()) for i in range(0, len(src), TOKEN_FILE_CHUNK)), default=0)
     dtype = np.uint16 if top < 2**16 else np.uint32
     writer = SplitWriter(out, dtype, cfg.max_tokens)

@@ -1,6 +1,7 @@
 """The process group, independent of the launcher: who we are (rank, world, device), collectives
 on plain Python values, a clean teardown and exit; and `FileLock`, coordination through a
 (possibly shared) file system that survives a crash."""
+
 from harness.distributed.filelock import FileLock
 from harness.distributed.process_group import (
     DistInfo,
@@ -15,5 +16,16 @@ from harness.distributed.process_group import (
     teardown,
 )
 
-__all__ = ["DistInfo", "FileLock", "all_gather_object", "all_reduce_mean", "all_reduce_sum", "exit_process", "free_port",
-           "init_distributed", "launch_env", "pick_device", "teardown"]
+__all__ = [
+    "DistInfo",
+    "FileLock",
+    "all_gather_object",
+    "all_reduce_mean",
+    "all_reduce_sum",
+    "exit_process",
+    "free_port",
+    "init_distributed",
+    "launch_env",
+    "pick_device",
+    "teardown",
+]

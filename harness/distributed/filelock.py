@@ -8,6 +8,7 @@ works across hosts). A dead lock is taken over once: the waiter that creates a t
 token named after the dead owner removes it, and only while it is still that owner's, so
 a lock taken meanwhile by a live process is never removed by a waiter that saw the old one.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -5,6 +5,7 @@ variables; we read them ourselves and start one torch process group (NCCL on GPU
 CPU) that every engine then shares. That is what makes the four launch commands run the
 same training, and what lets sharding work on CPU where accelerate would drop it.
 """
+
 from __future__ import annotations
 
 import datetime

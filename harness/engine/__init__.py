@@ -8,6 +8,7 @@
 To add a strategy: a strategy file (`harness/config/ds_configs/`), and, if it needs a new
 engine, a subclass of `Engine` here, chosen in `parallelize.build_engine`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,9 @@ from harness.engine.storage import local_part
 from harness.engine.torch_engine import TorchEngine
 
 
-def read_model_weights(directory: str, checkpoint_format: str, zero_stage: int, model: nn.Module,
-                       trainable_only: bool = False) -> dict[str, torch.Tensor]:
+def read_model_weights(
+    directory: str, checkpoint_format: str, zero_stage: int, model: nn.Module, trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
     """The whole model weights of a checkpoint's engine state, read in one process by the
     engine that wrote it (`Engine.checkpoint_format`); `model` gives keys, shapes and dtypes.
     `trainable_only`: the checkpoint holds the trainable parameters only (`Engine.trainable_only`)."""
@@ -31,5 +33,16 @@ def read_model_weights(directory: str, checkpoint_format: str, zero_stage: int, 
     return torch_engine.read_model_weights(directory, model, trainable_only)
 
 
-__all__ = ["DeepSpeedEngine", "Engine", "LossFn", "StepResult", "TorchEngine", "apply_memory_techniques", "build_engine",
-           "fsdp_wrap", "load_model", "local_part", "read_model_weights"]
+__all__ = [
+    "DeepSpeedEngine",
+    "Engine",
+    "LossFn",
+    "StepResult",
+    "TorchEngine",
+    "apply_memory_techniques",
+    "build_engine",
+    "fsdp_wrap",
+    "load_model",
+    "local_part",
+    "read_model_weights",
+]

@@ -6,6 +6,7 @@ The training loop calls `forward_loss`, `backward` and `step`; the checkpointer 
 engines (DCP vs DeepSpeed's format, where ZeRO keeps its partitions, FSDP2's DTensors)
 is answered here, by the engine that knows.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -8,6 +8,7 @@ such a resume converts the checkpoint once with DeepSpeed's universal-checkpoint
 DeepSpeed is imported where it is used, not at the top: importing it probes for
 accelerators and logs, and runs under the torch engine should not pay for that.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,8 +61,9 @@ class DeepSpeedEngine(Engine):
         from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE
 
         client = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-        self.ds.save_checkpoint(os.path.join(directory, "ds"), tag=DS_TAG, client_state=client, save_latest=False,
-                                exclude_frozen_parameters=self.trainable_only)
+        self.ds.save_checkpoint(
+            os.path.join(directory, "ds"), tag=DS_TAG, client_state=client, save_latest=False, exclude_frozen_parameters=self.trainable_only
+        )
 
     def load_state(self, directory: str, saved_world_size: int, is_main: bool) -> None:
         if saved_world_size == dist.get_world_size():
@@ -69,8 +71,9 @@ class DeepSpeedEngine(Engine):
         else:
             universal = os.path.join(directory, DS_UNIVERSAL)
             if is_main and not os.path.isdir(universal):
-                log.info(f"converting {directory} to a DeepSpeed universal checkpoint (world size {saved_world_size} -> "
-                       f"{dist.get_world_size()})")
+                log.info(
+                    f"converting {directory} to a DeepSpeed universal checkpoint (world size {saved_world_size} -> {dist.get_world_size()})"
+                )
                 convert_to_universal(os.path.join(directory, "ds"), universal)
             dist.barrier()
             self.ds._config.load_universal_checkpoint = True  # read by load_checkpoint only
@@ -81,7 +84,6 @@ class DeepSpeedEngine(Engine):
         if loaded is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint in {directory}")
         self._skipped_before = int(getattr(self.ds, "skipped_steps", 0))  # DeepSpeed restored its counter: count from it
-
 
     def __init__(self, ds_engine: Any, policy: PrecisionPolicy, loss_fn: LossFn, grad_accum: int, device: torch.device):
         super().__init__(policy, loss_fn, grad_accum, device)
@@ -191,9 +193,15 @@ def convert_to_universal(ds_dir: str, out_dir: str) -> None:
     tmp = f"{out_dir}.tmp"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
-    args = Namespace(input_folder=os.path.join(ds_dir, DS_TAG), output_folder=os.path.join(tmp, DS_TAG),
-                     num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                     inject_missing_state=False)
+    args = Namespace(
+        input_folder=os.path.join(ds_dir, DS_TAG),
+        output_folder=os.path.join(tmp, DS_TAG),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
     ds_to_universal(args)
     os.replace(tmp, out_dir)
 

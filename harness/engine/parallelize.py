@@ -3,6 +3,7 @@
 Order follows torchtitan: activation checkpointing → compile → sharding (FSDP2) or
 DeepSpeed's initialize. The model code is never edited; everything wraps it from outside.
 """
+
 from __future__ import annotations
 
 import os
@@ -117,8 +118,7 @@ def _torch_kind(strategy: Strategy, info: DistInfo) -> str:
     return "single" if not info.distributed else strategy.kind
 
 
-def _torch_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo,
-                  loss_fn: LossFn) -> Engine:
+def _torch_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo, loss_fn: LossFn) -> Engine:
     kind = _torch_kind(strategy, info)
     wrapped: nn.Module = model  # FSDP2 shards in place
     if kind == "ddp":
@@ -133,9 +133,7 @@ def _torch_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: 
     else:
         optimizer = build_optimizer(wrapped.parameters(), cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
-    return TorchEngine(
-        kind, model, wrapped, optimizer, scheduler, policy, loss_fn, cfg.grad_accum, cfg.optim.grad_clip, info.device, oib
-    )
+    return TorchEngine(kind, model, wrapped, optimizer, scheduler, policy, loss_fn, cfg.grad_accum, cfg.optim.grad_clip, info.device, oib)
 
 
 def deepspeed_lr_scheduler(ds_config: dict[str, Any], cfg: RunConfig) -> Any:
@@ -174,8 +172,9 @@ def _deepspeed_model(spec: ModelSpec, cfg: RunConfig, strategy: Strategy, policy
     return model
 
 
-def _deepspeed_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo,
-                      loss_fn: LossFn) -> Engine:
+def _deepspeed_engine(
+    model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo, loss_fn: LossFn
+) -> Engine:
     import deepspeed
 
     hidden = getattr(model.config, "hidden_size", None)
@@ -188,8 +187,10 @@ def _deepspeed_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, poli
         if written is not None:  # the file's own value stands (DeepSpeed then says why it refuses our optimizer)
             ds_config["zero_force_ds_cpu_optimizer"] = written
         elif "zero_force_ds_cpu_optimizer" in ds_config:
-            filled.append(f"zero_force_ds_cpu_optimizer={ds_config['zero_force_ds_cpu_optimizer']} "
-                          f"(the client optimizer {type(optimizer).__name__} runs on the host)")
+            filled.append(
+                f"zero_force_ds_cpu_optimizer={ds_config['zero_force_ds_cpu_optimizer']} "
+                f"(the client optimizer {type(optimizer).__name__} runs on the host)"
+            )
     lr_scheduler = deepspeed_lr_scheduler(ds_config, cfg)
     used = "" if lr_scheduler else f"; the file's scheduler {ds_config['scheduler']['type']} drives the LR, not optim.schedule"
     log.info(f"DeepSpeed config {strategy.path}: filled from the run config: {', '.join(filled) or 'nothing'}{used}")
@@ -253,8 +254,12 @@ def _client_optimizer(model: nn.Module, cfg: RunConfig, strategy: Strategy, ds_c
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
                 return DeepSpeedCPUAdam(
-                    params, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
-                    weight_decay=cfg.optim.weight_decay, adamw_mode=cfg.optim.name == "adamw",
+                    params,
+                    lr=cfg.optim.lr,
+                    betas=cfg.optim.betas,
+                    eps=cfg.optim.eps,
+                    weight_decay=cfg.optim.weight_decay,
+                    adamw_mode=cfg.optim.name == "adamw",
                 )
             except Exception as exc:  # the op needs a compiler and DeepSpeed's build deps
                 log.warning(f"DeepSpeedCPUAdam unavailable ({type(exc).__name__}); using torch AdamW on CPU")

@@ -5,6 +5,7 @@ is found and counted once. For DeepSpeed the storages live inside its optimizer 
 (flat partitions, gradient buffers, fp32 master copies), so we walk that object's tensor
 attributes and classify them by what they hold.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -39,8 +40,6 @@ class StateCounter:
                 continue
             self.seen.add(key)
             self.bytes[category] += storage.nbytes()
-
-
 
 
 def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:

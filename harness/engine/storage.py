@@ -6,6 +6,7 @@ them. FSDP2 (`fully_shard`) holds whole rows of dim 0 (a DTensor's local shard),
 ZeRO-3 a flat partition cut anywhere (`ds_tensor`, padded on the last rank), everything else
 the whole tensor. Loading reads exactly that range from a checkpoint or an init.
 """
+
 from __future__ import annotations
 
 import torch

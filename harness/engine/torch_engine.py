@@ -4,6 +4,7 @@ Its checkpoint is a `torch.distributed.checkpoint` (DCP) directory keyed by para
 under FSDP2 each rank writes only its DTensor shards, and loading reshards to any world
 size (FSDP2 <-> single/DDP, 2 <-> 1 ranks).
 """
+
 from __future__ import annotations
 
 import contextlib

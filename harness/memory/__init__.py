@@ -9,6 +9,7 @@ To add a technique: a module here exposing `apply_<technique>(model, ...)`, a co
 `harness.config.schema.MemoryConfig` with its rule in `harness.config.checks`, and one line
 in `harness.engine.parallelize.apply_memory_techniques`.
 """
+
 from harness.memory.activation_checkpoint import apply_activation_checkpointing, blocks_to_wrap, checkpointed_blocks, clean_fqn
 from harness.memory.activation_offload import ActivationOffload
 from harness.memory.categories import CATEGORIES, REPORTED, STATE_CATEGORIES, category_of
@@ -16,6 +17,19 @@ from harness.memory.compile import CompileTimer, apply_compile, set_activation_m
 from harness.memory.optimizer_in_backward import OptimizerInBackward
 from harness.memory.tracking import StepMemoryTracker
 
-__all__ = ["CATEGORIES", "REPORTED", "STATE_CATEGORIES", "ActivationOffload", "CompileTimer", "OptimizerInBackward",
-           "StepMemoryTracker", "apply_activation_checkpointing", "apply_compile", "blocks_to_wrap", "category_of",
-           "checkpointed_blocks", "clean_fqn", "set_activation_memory_budget"]
+__all__ = [
+    "CATEGORIES",
+    "REPORTED",
+    "STATE_CATEGORIES",
+    "ActivationOffload",
+    "CompileTimer",
+    "OptimizerInBackward",
+    "StepMemoryTracker",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "blocks_to_wrap",
+    "category_of",
+    "checkpointed_blocks",
+    "clean_fqn",
+    "set_activation_memory_budget",
+]

@@ -20,6 +20,7 @@ arguments HF blocks take (``position_embeddings=``, ``attention_mask=`` ...) unt
 The wrapper adds ``_checkpoint_wrapped_module.`` to parameter FQNs; its state-dict hooks
 and DCP's ``get_model_state_dict`` strip it, and :func:`clean_fqn` does it for the rest.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -49,7 +50,10 @@ def _matmul_ops() -> set[Any]:
     """
     aten = torch.ops.aten
     names = [
-        "mm", "addmm", "bmm", "baddbmm",
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",

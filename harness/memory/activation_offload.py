@@ -21,6 +21,7 @@ tensors are kept by reference in the store (nothing to move), with ``copy_on_hos
 the pack/unpack copy path runs (into unpinned memory), which is how the tests exercise
 the copy logic. Neither can show a device-memory saving, which only a GPU run can.
 """
+
 from __future__ import annotations
 
 import weakref

@@ -9,25 +9,32 @@ Two views of a rank's bytes exist, and every report uses one of them by these na
 - `STATE_CATEGORIES`: the model state an engine keeps between steps, counted tensor by
   tensor (`state_bytes/rank*.json`, the proof of sharding).
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-CATEGORIES = ("parameters", "model_buffers", "gradients", "optimizer_state", "activations", "temporaries",
-              "communication", "other")
+CATEGORIES = ("parameters", "model_buffers", "gradients", "optimizer_state", "activations", "temporaries", "communication", "other")
 REPORTED = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication")
 STATE_CATEGORIES = ("params", "master_params", "grads", "optim_state")
 
 # torch's tracker reference types (`_RefType` / `_FSDPRefType` values) to our categories
 TRACKER_TO_CATEGORY = {
-    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
+    "Parameter": "parameters",
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
     "Buffer": "model_buffers",
-    "Gradient": "gradients", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
-    "Optstate": "optimizer_state", "OptState": "optimizer_state",
+    "Gradient": "gradients",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Optstate": "optimizer_state",
+    "OptState": "optimizer_state",
     "Activation": "activations",
     "Temp": "temporaries",
-    "All Gather": "communication", "Reduce Scatter": "communication",
-    "Other": "other", "Inputs": "other",
+    "All Gather": "communication",
+    "Reduce Scatter": "communication",
+    "Other": "other",
+    "Inputs": "other",
 }
 
 

@@ -18,6 +18,7 @@ It is a *process-wide* setting read when a graph is compiled (the first step), n
 ``torch.compile`` is called, so it is set here and stays set: one run per process, which
 is how the experiment runner launches configurations.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,9 @@ def set_activation_memory_budget(budget: float | None) -> None:
     functorch_config.activation_memory_budget = 1.0 if budget is None else float(budget)
 
 
-def apply_compile(model: nn.Module, mode: str, memory_budget: float | None = None, *,
-                  backend: str = "inductor", fullgraph: bool = False) -> str:
+def apply_compile(
+    model: nn.Module, mode: str, memory_budget: float | None = None, *, backend: str = "inductor", fullgraph: bool = False
+) -> str:
     """Compile ``model`` in place per ``mode``; returns the mode applied.
 
     Call after activation checkpointing and before ``fully_shard``. A ``memory_budget``

@@ -32,6 +32,7 @@ DeepSpeed (it owns the optimizer step); DDP with world > 1 (post-accumulate hook
 before DDP's bucketed all-reduce, so a step would apply the unsynchronised local
 gradient, and DDP's buckets keep every gradient allocated anyway).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,9 +74,7 @@ class OptimizerInBackward:
 
     def __init__(self, model: nn.Module, optim: OptimizerFactory | OptimConfig, total_steps: int | None = None) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
-            raise ValueError(
-                "optimizer-in-backward cannot wrap a DDP model: its hooks fire before DDP's all-reduce (use FSDP2)"
-            )
+            raise ValueError("optimizer-in-backward cannot wrap a DDP model: its hooks fire before DDP's all-reduce (use FSDP2)")
         if isinstance(optim, OptimConfig):
             config = optim
             make_optimizer: OptimizerFactory = lambda params: build_optimizer(params, config)

@@ -2,6 +2,7 @@
 category's own maximum and to survive gradient accumulation, plus direct byte counts for what
 those trackers cannot see (DeepSpeed's optimizer state, compiled graphs' saved tensors).
 """
+
 from __future__ import annotations
 
 import json
@@ -214,8 +215,7 @@ def _torch_optimizers(optimizer: Any) -> list[Any]:
 
 def is_compiled(model: nn.Module) -> bool:
     """Whether any part of ``model`` runs through torch.compile."""
-    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-               for m in model.modules())
+    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 def _peaks(rec: dict[str, Any]) -> dict[str, Any]:
@@ -240,16 +240,15 @@ def write_module_report(tracker: MemTracker, path: str) -> str:
     """The tracker's per-module report (sizes and per-state snapshots by category) as JSON."""
     modules = {}
     for stats in tracker.memory_tracking.values():
-        entry: dict[str, Any] = {k: getattr(stats, k) for k in ("parameter_mem", "buffer_mem", "input_mem", "output_mem")
-                                 if hasattr(stats, k)}
+        entry: dict[str, Any] = {
+            k: getattr(stats, k) for k in ("parameter_mem", "buffer_mem", "input_mem", "output_mem") if hasattr(stats, k)
+        }
         for state, snaps in stats.snapshots.items():
-            entry[getattr(state, "value", str(state))] = [
-                {str(dev): _to_categories(snap) for dev, snap in s.items()} for s in snaps
-            ]
+            entry[getattr(state, "value", str(state))] = [{str(dev): _to_categories(snap) for dev, snap in s.items()} for s in snaps]
         modules[stats.mod_fqn] = entry
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"peak": {str(d): _to_categories(s) for d, s in tracker.get_tracker_snapshot("peak").items()},
-                   "modules": modules}, f, indent=1)
+        json.dump(
+            {"peak": {str(d): _to_categories(s) for d, s in tracker.get_tracker_snapshot("peak").items()}, "modules": modules}, f, indent=1
+        )
     return path
-

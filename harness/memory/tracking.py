@@ -30,6 +30,7 @@ DDP: its C++ reducer allocates the gradient buckets at construction; with
 ``gradient_as_bucket_view`` the gradients are views of them, counted once a backward has
 made them ``.grad`` (step 0 under-reports gradients; later steps are right).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,9 +74,18 @@ class StepMemoryTracker:
     ``optimizer``: a torch optimizer, an OptimizerInBackward or a DeepSpeed ZeRO optimizer.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any = None, enabled: bool = True, *, category_every: int = 1,
-                 snapshot_dir: str | None = None, snapshot_step: int = 1, layer_hooks: bool = False,
-                 compiled: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any = None,
+        enabled: bool = True,
+        *,
+        category_every: int = 1,
+        snapshot_dir: str | None = None,
+        snapshot_step: int = 1,
+        layer_hooks: bool = False,
+        compiled: bool | None = None,
+    ) -> None:
         self.model, self.optimizer, self.enabled = model, optimizer, enabled
         self.category_every = category_every
         self.snapshot_dir, self.snapshot_step = snapshot_dir, snapshot_step
@@ -232,6 +242,7 @@ class StepMemoryTracker:
     def _install_layer_hooks(self) -> list[Any]:
         handles = []
         for i, block in enumerate(decoder_blocks(unwrap_model(self.model))):
+
             def pre(mod: nn.Module, args: Any, i: int = i) -> None:
                 if torch.is_grad_enabled() and not _in_backward():
                     self._layer_bytes.append({"block": i, "before": self._current_bytes()})

@@ -1,6 +1,7 @@
 """Models: presets built from a config, local or hub Hugging Face checkpoints, their weights read a
 piece at a time (`weights`), where their decoder blocks are (the one lookup every technique uses),
 and LoRA/QLoRA adapters (`lora`)."""
+
 from harness.models.blocks import BlocksNotFound, block_class_names, decoder_block_list, decoder_blocks
 from harness.models.build import (
     PRESETS,
@@ -28,8 +29,36 @@ from harness.models.lora import (
 )
 from harness.models.weights import CheckpointWeights, InitWeights, WeightSource, clean_name, fill, materialize, whole_part
 
-__all__ = ["PRESETS", "BlocksNotFound", "CheckpointWeights", "InitWeights", "ModelSpec", "Preset", "WeightSource", "apply_lora",
-           "block_class_names", "build_model", "build_run_model", "clean_name", "construct_model", "count_parameters",
-           "decoder_block_list", "decoder_blocks", "default_target_modules", "empty_model", "fill", "is_preset", "is_quantized",
-           "load_quantized_base", "materialize", "model_config", "model_directory", "model_spec", "preset_config",
-           "resolve_target_modules", "trainable_counts", "whole_part", "wrap_peft"]
+__all__ = [
+    "PRESETS",
+    "BlocksNotFound",
+    "CheckpointWeights",
+    "InitWeights",
+    "ModelSpec",
+    "Preset",
+    "WeightSource",
+    "apply_lora",
+    "block_class_names",
+    "build_model",
+    "build_run_model",
+    "clean_name",
+    "construct_model",
+    "count_parameters",
+    "decoder_block_list",
+    "decoder_blocks",
+    "default_target_modules",
+    "empty_model",
+    "fill",
+    "is_preset",
+    "is_quantized",
+    "load_quantized_base",
+    "materialize",
+    "model_config",
+    "model_directory",
+    "model_spec",
+    "preset_config",
+    "resolve_target_modules",
+    "trainable_counts",
+    "whole_part",
+    "wrap_peft",
+]

@@ -11,6 +11,7 @@ lists, on every model class, the module classes that must never be split across 
 entries are all of those classes, wherever it lives (`model.layers`, `model.decoder.layers`,
 `gpt_neox.layers`, `transformer.h`).
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -49,8 +50,10 @@ def decoder_block_list(model: nn.Module) -> nn.ModuleList:
     """The ``ModuleList`` holding the decoder blocks (wrappers replace its entries in place)."""
     names = block_class_names(model)
     if not names:
-        raise BlocksNotFound(f"{type(model).__name__} does not declare its decoder block class (transformers' "
-                             "_no_split_modules is empty), so harness cannot shard, checkpoint or prune it block by block")
+        raise BlocksNotFound(
+            f"{type(model).__name__} does not declare its decoder block class (transformers' "
+            "_no_split_modules is empty), so harness cannot shard, checkpoint or prune it block by block"
+        )
     best: nn.ModuleList | None = None
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) and all(_is_block(m, names) for m in module):

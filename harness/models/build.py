@@ -4,6 +4,7 @@ Presets exist so that tests, benchmarks and the planner can build a model withou
 downloading anything. `tiny-llama` is the test model; `llama-1.6b` is the model of the
 Peak Memory study (32 layers, hidden 2048).
 """
+
 from __future__ import annotations
 
 import os
@@ -91,8 +92,11 @@ def model_directory(name_or_path: str) -> str:
     from huggingface_hub import list_repo_files, snapshot_download
 
     files = list_repo_files(name_or_path) if os.environ.get("HF_HUB_OFFLINE") != "1" else []
-    weights = ["*.safetensors", "*.safetensors.index.json"] if not files or any(f.endswith(".safetensors") for f in files) \
+    weights = (
+        ["*.safetensors", "*.safetensors.index.json"]
+        if not files or any(f.endswith(".safetensors") for f in files)
         else ["*.bin", "*.bin.index.json"]
+    )
     return snapshot_download(name_or_path, allow_patterns=["*.json", *weights])
 
 
@@ -142,8 +146,9 @@ class ModelSpec:
         return InitWeights(template, self.seed)
 
 
-def model_spec(name_or_path: str, *, vocab_size: int | None = None, seed: int = 0,
-               config_overrides: dict[str, Any] | None = None) -> ModelSpec:
+def model_spec(
+    name_or_path: str, *, vocab_size: int | None = None, seed: int = 0, config_overrides: dict[str, Any] | None = None
+) -> ModelSpec:
     """A preset (seeded random init) or a checkpoint (local directory or hub id)."""
     if is_preset(name_or_path):
         return ModelSpec(name_or_path, preset_config(name_or_path, vocab_size=vocab_size, **(config_overrides or {})), seed)

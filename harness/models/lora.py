@@ -14,6 +14,7 @@ QLoRA (`lora.quantize: int8 | nf4`) loads the base through bitsandbytes
 (`BitsAndBytesConfig` via `from_pretrained`, then `prepare_model_for_kbit_training`). It
 needs a CUDA GPU; the run config's checks refuse it before launch on a machine without one.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,8 +35,12 @@ def default_target_modules(model: nn.Module) -> list[str]:
     """Every linear layer inside the decoder blocks, by its attribute name (QLoRA's "all linear
     layers" choice: attention and MLP projections; embeddings and the LM head stay frozen).
     Found on the model itself, so it is right for any architecture whose blocks we can find."""
-    names = {name.rsplit(".", 1)[-1] for block in decoder_blocks(model) for name, mod in block.named_modules()
-             if isinstance(mod, nn.Linear) or type(mod).__name__ in ("Linear8bitLt", "Linear4bit")}
+    names = {
+        name.rsplit(".", 1)[-1]
+        for block in decoder_blocks(model)
+        for name, mod in block.named_modules()
+        if isinstance(mod, nn.Linear) or type(mod).__name__ in ("Linear8bitLt", "Linear4bit")
+    }
     if not names:
         raise ConfigError(f"{type(model).__name__}: no linear layers in its decoder blocks to adapt; set lora.target_modules")
     return sorted(names)
@@ -51,8 +56,9 @@ def resolve_target_modules(model: nn.Module, cfg: LoraConfig) -> list[str]:
     missing = [t for t in cfg.target_modules if t not in present]
     if missing:
         available = default_target_modules(model)
-        raise ConfigError(f"lora.target_modules names {missing} which {type(model).__name__} does not have; "
-                          f"its decoder linears are {available}")
+        raise ConfigError(
+            f"lora.target_modules names {missing} which {type(model).__name__} does not have; its decoder linears are {available}"
+        )
     return list(cfg.target_modules)
 
 
@@ -60,8 +66,9 @@ def peft_config(cfg: LoraConfig, targets: list[str]) -> Any:
     """The `peft.LoraConfig` of a run (the same one training and export use)."""
     import peft
 
-    return peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none",
-                           task_type="CAUSAL_LM")
+    return peft.LoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM"
+    )
 
 
 def wrap_peft(model: nn.Module, cfg: LoraConfig, targets: list[str], seed: int) -> Any:
@@ -80,8 +87,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
     wrapped = wrap_peft(model, cfg, targets, seed)
     inner = wrapped.base_model.model
     trainable, total = trainable_counts(inner)
-    log.info(f"LoRA r={cfg.r} alpha={cfg.alpha:g} on {targets}: {trainable:,} trainable of {total:,} parameters "
-             f"({100.0 * trainable / max(total, 1):.2f}%), base frozen{'' if cfg.quantize == 'none' else ', ' + cfg.quantize}")
+    log.info(
+        f"LoRA r={cfg.r} alpha={cfg.alpha:g} on {targets}: {trainable:,} trainable of {total:,} parameters "
+        f"({100.0 * trainable / max(total, 1):.2f}%), base frozen{'' if cfg.quantize == 'none' else ', ' + cfg.quantize}"
+    )
     return inner
 
 
@@ -93,8 +102,9 @@ def trainable_counts(model: nn.Module) -> tuple[int, int]:
 
 def is_quantized(model: nn.Module) -> bool:
     """A bitsandbytes-quantized base: it stays where `from_pretrained` put it (no `.to(dtype)`)."""
-    return bool(getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False)
-                or getattr(model, "is_loaded_in_8bit", False))
+    return bool(
+        getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+    )
 
 
 def quantization_config(quantize: str, compute_dtype: torch.dtype) -> Any:
@@ -104,8 +114,9 @@ def quantization_config(quantize: str, compute_dtype: torch.dtype) -> Any:
 
     if quantize == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype
+    )
 
 
 def load_quantized_base(name_or_path: str, quantize: str, compute_dtype: torch.dtype, device_index: int) -> nn.Module:
@@ -118,14 +129,17 @@ def load_quantized_base(name_or_path: str, quantize: str, compute_dtype: torch.d
     from transformers import AutoModelForCausalLM
 
     if is_preset(name_or_path):
-        raise ConfigError(f"lora.quantize={quantize} quantizes pretrained weights on load; model.name={name_or_path} is a "
-                          "random-init preset: save it (or give a model directory) first")
+        raise ConfigError(
+            f"lora.quantize={quantize} quantizes pretrained weights on load; model.name={name_or_path} is a "
+            "random-init preset: save it (or give a model directory) first"
+        )
     try:
         import bitsandbytes  # noqa: F401  (the kernels; an actionable line when they are missing)
     except ImportError:
         raise ConfigError("lora.quantize needs the bitsandbytes package (pip install bitsandbytes) on the GPU machine") from None
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, quantization_config=quantization_config(quantize, compute_dtype),
-                                                 dtype=compute_dtype, device_map={"": device_index})
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path, quantization_config=quantization_config(quantize, compute_dtype), dtype=compute_dtype, device_map={"": device_index}
+    )
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model.train()
     return model
@@ -145,5 +159,15 @@ def build_run_model(cfg: RunConfig, vocab_size: int, device_index: int = 0) -> n
     return model
 
 
-__all__ = ["apply_lora", "build_run_model", "default_target_modules", "is_quantized", "load_quantized_base", "peft_config",
-           "quantization_config", "resolve_target_modules", "trainable_counts", "wrap_peft"]
+__all__ = [
+    "apply_lora",
+    "build_run_model",
+    "default_target_modules",
+    "is_quantized",
+    "load_quantized_base",
+    "peft_config",
+    "quantization_config",
+    "resolve_target_modules",
+    "trainable_counts",
+    "wrap_peft",
+]

@@ -11,6 +11,7 @@ and never more than one tensor beyond its own shard:
   name), by the model's own `_init_weights`, and each rank keeps its range: world 1 and
   world 2 start from the same weights bit for bit, and a rank's peak is one module's tensors.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,7 +46,7 @@ def _flat_range(rows_slice, shape: Sequence[int], start: int, end: int) -> torch
     for d in shape[1:]:
         row *= int(d)
     r0, r1 = start // row, -(-end // row)
-    return rows_slice[r0:r1].reshape(-1)[start - r0 * row: end - r0 * row]
+    return rows_slice[r0:r1].reshape(-1)[start - r0 * row : end - r0 * row]
 
 
 class CheckpointWeights:
@@ -71,7 +72,8 @@ class CheckpointWeights:
                         self._where[key] = os.path.join(directory, file)
                 return
         files = sorted(glob.glob(os.path.join(directory, "*.safetensors"))) or sorted(
-            glob.glob(os.path.join(directory, "pytorch_model*.bin")))
+            glob.glob(os.path.join(directory, "pytorch_model*.bin"))
+        )
         if not files:
             raise FileNotFoundError(f"{directory} holds no model.safetensors, safetensors shards or pytorch_model.bin")
         for file in files:
@@ -124,8 +126,10 @@ class CheckpointWeights:
                 if key in self._renamed:
                     return self._renamed[key]
         if self._merged:
-            raise ValueError(f"{self.directory}: {names[0]} is made by transformers from several checkpoint tensors "
-                             f"({self._merged[0]}, ...); harness reads tensors a slice at a time and cannot merge them")
+            raise ValueError(
+                f"{self.directory}: {names[0]} is made by transformers from several checkpoint tensors "
+                f"({self._merged[0]}, ...); harness reads tensors a slice at a time and cannot merge them"
+            )
         return None
 
     def read(self, names: Sequence[str], shape: Sequence[int], start: int, end: int) -> torch.Tensor | None:
@@ -172,8 +176,9 @@ class InitWeights:
         module = self._modules[module_name]
         scratch = copy.copy(module)
         scratch._modules = {}
-        scratch._parameters = {k: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=torch.float32))
-                               for k, p in module._parameters.items()}
+        scratch._parameters = {
+            k: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=torch.float32)) for k, p in module._parameters.items()
+        }
         scratch._buffers = dict(module._buffers)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(self.seed, module_name))
@@ -194,6 +199,7 @@ class InitWeights:
 # A writable 1-D view of the part of a parameter this rank holds, as (full shape, flat start,
 # flat end, view); engines that shard supply their own (`harness.engine.storage.local_part`).
 Part = tuple[Sequence[int], int, int, torch.Tensor]
+
 
 def clean_name(name: str) -> str:
     """A parameter's name without the wrappers' segments (the checkpoint's names have none)."""
@@ -258,6 +264,8 @@ def fill(model: nn.Module, source: WeightSource, *, part_of=whole_part, fallback
             if piece is not None:
                 b.view(-1).copy_(piece)
     if missing:
-        log.warning(f"{len(missing)} weights are not in the checkpoint and start from random init: {', '.join(missing[:6])}"
-                    + (" ..." if len(missing) > 6 else ""))
+        log.warning(
+            f"{len(missing)} weights are not in the checkpoint and start from random init: {', '.join(missing[:6])}"
+            + (" ..." if len(missing) > 6 else "")
+        )
     return missing

@@ -3,6 +3,7 @@
 The trainer uses `Observer` alone; the submodules are importable for tools that read a
 run afterwards (`plots.write_plots`, `metrics.read_records`, `mfu.flops_per_token`).
 """
+
 from .observer import Observer
 
 __all__ = ["Observer"]

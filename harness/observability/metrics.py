@@ -15,6 +15,7 @@ run that dies still leaves everything it logged up to the crash, and `jq`/pandas
 without a custom parser. Non-finite numbers are written as `null`, because NaN/Infinity
 are not JSON and strict readers reject them.
 """
+
 from __future__ import annotations
 
 import json

@@ -28,6 +28,7 @@ uses) at half their headline rate; the table has the fp32-accumulate number. `fp
 CUDA-core rate, used when TF32 matmuls are off (PyTorch's default); with TF32 on
 (`torch.set_float32_matmul_precision("high")`) the `tf32` rate applies.
 """
+
 from __future__ import annotations
 
 import re

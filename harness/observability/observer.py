@@ -19,6 +19,7 @@ Contract with the trainer (all values plain numbers, 0-dim tensors are accepted)
 - `log_summary(d)` adds entries to the final summary; `close()` writes the plots, prints
   the summary table, finishes W&B and returns the summary.
 """
+
 from __future__ import annotations
 
 import math
@@ -202,7 +203,7 @@ class Observer:
             self.wandb.log(numbers, step)
             if others:
                 self.wandb.update_summary(others)
-            per_layer = {k[len(M.PRUNE_LAYER_PREFIX):]: v for k, v in numbers.items() if k.startswith(M.PRUNE_LAYER_PREFIX)}
+            per_layer = {k[len(M.PRUNE_LAYER_PREFIX) :]: v for k, v in numbers.items() if k.startswith(M.PRUNE_LAYER_PREFIX)}
             if per_layer:
                 self.wandb.log_sparsity_chart(per_layer, step)
         layers = sum(k.startswith(M.PRUNE_LAYER_PREFIX) for k in numbers)

@@ -13,6 +13,7 @@ also one that crashed: `python -m harness.observability.plots <run_dir>`.
 Figures are made with `matplotlib.figure.Figure` directly, not pyplot, so drawing needs
 no display and changes no global backend of the training process.
 """
+
 from __future__ import annotations
 
 import argparse

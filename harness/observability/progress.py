@@ -9,6 +9,7 @@ logged step instead, e.g.
 
 Lines are flushed at once, so a job log shows where a run is even while it hangs.
 """
+
 from __future__ import annotations
 
 import sys

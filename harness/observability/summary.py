@@ -8,6 +8,7 @@ that says nothing about steady-state speed; with a single interval it is used as
 With `logging.log_every > 1` a logged value is the interval's mean (loss) or maximum
 (memory), so `train/loss_final` is the mean loss of the last logged interval.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -21,6 +21,7 @@ Dashboard layout: W&B groups panels into sections by the prefix before the first
 (`train`, `perf`, `memory`, `eval`, `prune`, `plots`); `define_metric` makes `train/step`
 the x-axis of every chart and gives the run table useful summaries (min loss, max memory).
 """
+
 from __future__ import annotations
 
 import netrc
@@ -222,9 +223,7 @@ class WandbLogger:
 
     def log_images(self, paths: dict[str, str], step: int) -> None:
         """End-of-run PNGs under `plots/`: the stacked memory chart W&B cannot draw itself."""
-        self._guard(
-            "plots", lambda: self.run.log({**{f"plots/{k}": self._wandb.Image(p) for k, p in paths.items()}, M.STEP: step})
-        )
+        self._guard("plots", lambda: self.run.log({**{f"plots/{k}": self._wandb.Image(p) for k, p in paths.items()}, M.STEP: step}))
 
     def update_summary(self, values: dict[str, Any]) -> None:
         self._guard("summary", lambda: self.run.summary.update(values))

@@ -11,10 +11,10 @@
 
 The command line is ``python -m harness.plan`` (``harness/plan.py``).
 """
+
 from harness.planner.estimate import Estimate, Moment, estimate
 from harness.planner.recommend import Recommendation, recommend
 from harness.planner.report import format_estimate, parse_size, verdict
 from harness.planner.trace import PlanError
 
-__all__ = ["Estimate", "Moment", "PlanError", "Recommendation", "estimate", "format_estimate", "parse_size",
-           "recommend", "verdict"]
+__all__ = ["Estimate", "Moment", "PlanError", "Recommendation", "estimate", "format_estimate", "parse_size", "recommend", "verdict"]

@@ -8,6 +8,7 @@ parameters, gradients, buckets and resident optimizer state; the analytic phases
 backward (gradient reduction, optimizer step) are added as further moments. The peak is
 the largest of all moments, on the worst rank.
 """
+
 from __future__ import annotations
 
 import copy
@@ -111,8 +112,9 @@ def engine_kind(strategy: Strategy, world: int) -> str:
     return "single" if world == 1 and strategy.kind == "ddp" else strategy.kind
 
 
-def specs_for(cfg: RunConfig, strategy: Strategy, world: int, info_hidden: int, target: str,
-              vocab: int | None) -> tuple[TraceSpec, EngineSpec]:
+def specs_for(
+    cfg: RunConfig, strategy: Strategy, world: int, info_hidden: int, target: str, vocab: int | None
+) -> tuple[TraceSpec, EngineSpec]:
     kind = engine_kind(strategy, world)
     if kind == "zero" and strategy.zero_stage == 0:
         raise PlanError(f"{strategy.name}: DeepSpeed ZeRO stage 0 is not modelled by the planner; use ddp.json")
@@ -120,26 +122,45 @@ def specs_for(cfg: RunConfig, strategy: Strategy, world: int, info_hidden: int, 
     param_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[policy.param_dtype]
     module_dtype = cfg.precision if kind == "zero" and cfg.precision != "fp32" else param_dtype
     trace = TraceSpec(
-        model_name=cfg.model.name, vocab_size=vocab, world_size=world if kind == "fsdp" else 1,
-        micro_batch=cfg.micro_batch_size, seq_len=cfg.data.seq_len, precision=cfg.precision,
-        wrap="fsdp" if kind == "fsdp" else "plain", module_dtype=module_dtype if kind != "fsdp" else "fp32",
-        reshard_after_forward=strategy.reshard_after_forward, fsdp_reduce_dtype=strategy.reduce_dtype,
-        ac_mode=cfg.memory.activation_checkpointing, ac_every=cfg.memory.ac_every,
-        loss_chunk_size=cfg.memory.loss_chunk_size, micro_batches=2 if cfg.grad_accum > 1 else 1,
+        model_name=cfg.model.name,
+        vocab_size=vocab,
+        world_size=world if kind == "fsdp" else 1,
+        micro_batch=cfg.micro_batch_size,
+        seq_len=cfg.data.seq_len,
+        precision=cfg.precision,
+        wrap="fsdp" if kind == "fsdp" else "plain",
+        module_dtype=module_dtype if kind != "fsdp" else "fp32",
+        reshard_after_forward=strategy.reshard_after_forward,
+        fsdp_reduce_dtype=strategy.reduce_dtype,
+        ac_mode=cfg.memory.activation_checkpointing,
+        ac_every=cfg.memory.ac_every,
+        loss_chunk_size=cfg.memory.loss_chunk_size,
+        micro_batches=2 if cfg.grad_accum > 1 else 1,
         autocast=policy.autocast and kind != "zero",
     )
-    common = dict(kind=kind, world=world, precision=cfg.precision, stage=strategy.zero_stage,
-                  offload_optimizer=strategy.offload_optimizer, offload_params=strategy.offload_params,
-                  optimizer=cfg.optim.name, weight_decay=cfg.optim.weight_decay,
-                  optimizer_in_backward=cfg.memory.optimizer_in_backward, target=target,
-                  torch_param_bytes=BYTES[param_dtype])
+    common = dict(
+        kind=kind,
+        world=world,
+        precision=cfg.precision,
+        stage=strategy.zero_stage,
+        offload_optimizer=strategy.offload_optimizer,
+        offload_params=strategy.offload_params,
+        optimizer=cfg.optim.name,
+        weight_decay=cfg.optim.weight_decay,
+        optimizer_in_backward=cfg.memory.optimizer_in_backward,
+        target=target,
+        torch_param_bytes=BYTES[param_dtype],
+    )
     if kind != "zero":
         return trace, EngineSpec(**common)
     zero = deepspeed_zero(strategy, cfg, world, info_hidden)
     off = zero.offload_param
     engine = EngineSpec(
-        **common, reduce_bucket=int(zero.reduce_bucket_size), contiguous_gradients=bool(zero.contiguous_gradients),
-        persistence_threshold=int(zero.param_persistence_threshold), max_live=int(zero.max_live_parameters),
+        **common,
+        reduce_bucket=int(zero.reduce_bucket_size),
+        contiguous_gradients=bool(zero.contiguous_gradients),
+        persistence_threshold=int(zero.param_persistence_threshold),
+        max_live=int(zero.max_live_parameters),
         sub_group_size=int(zero.sub_group_size),
         nvme_buffer_count=int(off.buffer_count) if off is not None else 5,
         nvme_buffer_size=int(off.buffer_size) if off is not None else 100_000_000,
@@ -277,8 +298,9 @@ def _hidden_size(cfg: RunConfig, vocab: int | None) -> int:
     return int(getattr(model.config, "hidden_size", 0) or 0)
 
 
-def estimate(cfg: RunConfig, world_size: int, *, target: str = "cuda", vocab_size: int | None = None,
-             strategy: Strategy | None = None) -> Estimate:
+def estimate(
+    cfg: RunConfig, world_size: int, *, target: str = "cuda", vocab_size: int | None = None, strategy: Strategy | None = None
+) -> Estimate:
     """Predict one step's per-rank peak for ``cfg`` on ``world_size`` ranks of ``target`` ("cuda" or "cpu")."""
     if world_size < 1:
         raise PlanError(f"world size must be >= 1, got {world_size}")
@@ -311,16 +333,28 @@ def estimate(cfg: RunConfig, world_size: int, *, target: str = "cuda", vocab_siz
     race = collective_race_bytes(trace, target == "cpu")
     notes = list(em.notes)
     if race:
-        notes.append(f"includes {race:,} B of one collective buffer gloo's worker thread may still hold "
-                     f"(a run peaks between {peak.total - race:,} and {peak.total:,} B)")
+        notes.append(
+            f"includes {race:,} B of one collective buffer gloo's worker thread may still hold "
+            f"(a run peaks between {peak.total - race:,} and {peak.total:,} B)"
+        )
     host_extra = max((p.host_extra for p in em.phases), default=0)
     host_total = sum(em.host.values())
     return Estimate(
-        engine=em.name, world_size=world_size, rank=rank, peak=peak, moments=moments,
-        host=dict(em.host), host_peak=host_total + host_extra if host_total else 0,
-        load_device=load_device, load_host=load_host,
-        target=target, trace_seconds=trace.trace_seconds, notes=notes, params_total=info.total,
-        largest_param=info.largest, race_bytes=race,
+        engine=em.name,
+        world_size=world_size,
+        rank=rank,
+        peak=peak,
+        moments=moments,
+        host=dict(em.host),
+        host_peak=host_total + host_extra if host_total else 0,
+        load_device=load_device,
+        load_host=load_host,
+        target=target,
+        trace_seconds=trace.trace_seconds,
+        notes=notes,
+        params_total=info.total,
+        largest_param=info.largest,
+        race_bytes=race,
     )
 
 

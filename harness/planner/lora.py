@@ -17,6 +17,7 @@ QLoRA runs under DDP only here (the trainer refuses sharding a bitsandbytes base
 may shard its frozen base with FSDP2 at world > 1, which divides parameters by the world
 size and adds the all-gather buffers of one decoder block.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -84,8 +85,9 @@ def _block_bytes(info: ParamInfo, dtype_bytes: int) -> int:
     return max(blocks.values(), default=0) * dtype_bytes
 
 
-def lora_plan(info: ParamInfo, full: Estimate, *, mode: str, strategy: str, world: int, r: int,
-              targets: list[str] | None = None, dtype_bytes: int = 2) -> LoraPlan:
+def lora_plan(
+    info: ParamInfo, full: Estimate, *, mode: str, strategy: str, world: int, r: int, targets: list[str] | None = None, dtype_bytes: int = 2
+) -> LoraPlan:
     """Per-rank peak of a LoRA (`mode="lora"`) or QLoRA (`"nf4"`, `"int8"`) run, with the
     activations of `full`, the traced full fine-tune at the same precision, AC and micro-batch."""
     shard = world if strategy == "fsdp" else 1

@@ -16,6 +16,7 @@ the step touches it.
 
 Run on each rank by ``torchrun`` (see :func:`launch`); results come back as JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,7 @@ def _cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
     return out
 
 
-def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None = None,
-                   trainer_view: bool = True) -> dict[str, Any]:
+def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None = None, trainer_view: bool = True) -> dict[str, Any]:
     """Build the run's engine on this rank and measure ``steps`` steps; the process group must be up."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -80,12 +80,17 @@ def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None 
                 del loss
             engine.step()
         per_step.append(_cpu_categories(tracker.get_tracker_snapshot("peak")))
-    trainer_peak, trainer_error = (_trainer_view_step(engine, batches) if trainer_view else (None, None))
+    trainer_peak, trainer_error = _trainer_view_step(engine, batches) if trainer_view else (None, None)
     best = max(per_step, key=lambda s: s["total"])
     result = {
-        "overrides": overrides, "rank": info.rank, "world_size": info.world_size,
-        "peak": best["total"], "peak_by_category": best, "per_step": [s["total"] for s in per_step],
-        "trainer_tracker_peak": trainer_peak, "trainer_tracker_error": trainer_error,
+        "overrides": overrides,
+        "rank": info.rank,
+        "world_size": info.world_size,
+        "peak": best["total"],
+        "peak_by_category": best,
+        "per_step": [s["total"] for s in per_step],
+        "trainer_tracker_peak": trainer_peak,
+        "trainer_tracker_error": trainer_error,
     }
     del engine, tracker
     gc.collect()
@@ -146,16 +151,31 @@ def _main(argv: list[str] | None = None) -> int:
     os._exit(0)
 
 
-def launch(runs: list[list[str]], world_size: int, steps: int = 3, vocab_size: int | None = None,
-           timeout: float = 600.0, trainer_view: bool = True) -> list[list[dict[str, Any]]]:
+def launch(
+    runs: list[list[str]], world_size: int, steps: int = 3, vocab_size: int | None = None, timeout: float = 600.0, trainer_view: bool = True
+) -> list[list[dict[str, Any]]]:
     """Measure each override list with ``world_size`` real processes; per run, one result per rank."""
     with tempfile.TemporaryDirectory() as tmp:
         runs_path, out_path = os.path.join(tmp, "runs.json"), os.path.join(tmp, "out.json")
         with open(runs_path, "w") as f:
             json.dump(runs, f)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-               "--master_port", str(_free_port()), "-m", "harness.planner.measure",
-               "--runs", runs_path, "--out", out_path, "--steps", str(steps)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(world_size),
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "harness.planner.measure",
+            "--runs",
+            runs_path,
+            "--out",
+            out_path,
+            "--steps",
+            str(steps),
+        ]
         if vocab_size:
             cmd += ["--vocab-size", str(vocab_size)]
         if not trainer_view:

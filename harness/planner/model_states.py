@@ -22,6 +22,7 @@ written down here, each term named after the buffer of the engine that allocates
 Each engine is described by an :class:`EngineModel`; ``harness.planner.estimate`` lays it
 over the traced timeline.
 """
+
 from __future__ import annotations
 
 import math
@@ -181,15 +182,26 @@ def torch_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     name = "ddp" if ddp else "single"
     if spec.optimizer_in_backward:
         # Each gradient is stepped by its own hook as it appears, then freed (single process only).
-        return EngineModel(name, None, None, False, 0, opt, None, 0, [], {}, oib_step_cap=transient,
-                           notes=["optimizer in backward: each parameter steps (and frees its gradient) as the "
-                                  "gradient appears"])
+        return EngineModel(
+            name,
+            None,
+            None,
+            False,
+            0,
+            opt,
+            None,
+            0,
+            [],
+            {},
+            oib_step_cap=transient,
+            notes=["optimizer in backward: each parameter steps (and frees its gradient) as the gradient appears"],
+        )
     if ddp:
         # gradient_as_bucket_view=True: the DDP buckets are the .grad tensors, allocated at wrap time.
-        return EngineModel(name, None, total, True, 0, opt, None, total,
-                           [Phase("optimizer step", extra={"optimizer_state": transient})], {})
-    return EngineModel(name, None, None, False, 0, opt, None, None,
-                       [Phase("optimizer step", extra={"optimizer_state": transient})], {})
+        return EngineModel(
+            name, None, total, True, 0, opt, None, total, [Phase("optimizer step", extra={"optimizer_state": transient})], {}
+        )
+    return EngineModel(name, None, None, False, 0, opt, None, None, [Phase("optimizer step", extra={"optimizer_state": transient})], {})
 
 
 def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
@@ -200,17 +212,47 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     if spec.offload_params != "none":
         # CPUOffloadPolicy: sharded parameters, gradients and the optimizer live on the host.
         return EngineModel(
-            "fsdp+offload", None, None, False, 0, {}, None, None, [Phase("optimizer step (host)", host_extra=transient)],
+            "fsdp+offload",
+            None,
+            None,
+            False,
+            0,
+            {},
+            None,
+            None,
+            [Phase("optimizer step (host)", host_extra=transient)],
             {"optimizer_state": states, "parameters": sum(local) * 4, "gradients": sum(local) * 4},
-            notes=["FSDP2 CPU offload: the trace keeps the sharded parameters/gradients on the device, "
-                   "an over-estimate of one fp32 shard each"])
+            notes=[
+                "FSDP2 CPU offload: the trace keeps the sharded parameters/gradients on the device, an over-estimate of one fp32 shard each"
+            ],
+        )
     if spec.optimizer_in_backward:
-        return EngineModel("fsdp", None, None, False, 0, {"optimizer_state": states}, None, 0, [], {},
-                           oib_step_cap=transient,
-                           notes=["optimizer in backward: each sharded gradient steps (and is freed) after its "
-                                  "group's reduce-scatter"])
-    return EngineModel("fsdp", None, None, False, 0, {"optimizer_state": states}, None, None,
-                       [Phase("optimizer step", extra={"optimizer_state": transient})], {})
+        return EngineModel(
+            "fsdp",
+            None,
+            None,
+            False,
+            0,
+            {"optimizer_state": states},
+            None,
+            0,
+            [],
+            {},
+            oib_step_cap=transient,
+            notes=["optimizer in backward: each sharded gradient steps (and is freed) after its group's reduce-scatter"],
+        )
+    return EngineModel(
+        "fsdp",
+        None,
+        None,
+        False,
+        0,
+        {"optimizer_state": states},
+        None,
+        None,
+        [Phase("optimizer step", extra={"optimizer_state": transient})],
+        {},
+    )
 
 
 def zero12_model(spec: EngineSpec, info: ParamInfo, rank: int) -> EngineModel:
@@ -234,11 +276,22 @@ def zero12_model(spec: EngineSpec, info: ParamInfo, rank: int) -> EngineModel:
         }
         step = Phase("optimizer step (host)", grads=0, host_extra=0 if cpu_adam(spec) else transient)
         # Each gradient is normed (fp64) and copied to the host inside the backward epilogue, bucket still held.
-        norm = Phase("gradient norm in fp64 (backward epilogue)", grads=info.largest * b,
-                     extra={"communication": bucket, "temporaries": norm64})
-        return EngineModel(f"{name}+offload", params, 0, False, bucket, {"communication": info.largest * b},
-                           params, 0, [norm, step], host,
-                           notes=notes + ["optimizer offloaded: gradients stream to an fp32 host partition"])
+        norm = Phase(
+            "gradient norm in fp64 (backward epilogue)", grads=info.largest * b, extra={"communication": bucket, "temporaries": norm64}
+        )
+        return EngineModel(
+            f"{name}+offload",
+            params,
+            0,
+            False,
+            bucket,
+            {"communication": info.largest * b},
+            params,
+            0,
+            [norm, step],
+            host,
+            notes=notes + ["optimizer offloaded: gradients stream to an fp32 host partition"],
+        )
     resident = {"optimizer_state": master + states}
     # The last gradient reduced may still be alive while the norm runs (seen in 1 of 4 CPU runs:
     # the asynchronous reduce had not yet dropped it); a planner counts the race.
@@ -247,8 +300,7 @@ def zero12_model(spec: EngineSpec, info: ParamInfo, rank: int) -> EngineModel:
     if spec.stage == 1:
         # Gradients stay whole in .grad until the boundary; the epilogue reduces them into the partition.
         epilogue = Phase("gradient reduction (end of backward)", extra={"gradients": gip, "communication": bucket})
-        return EngineModel(name, params, None, False, bucket, resident, params, None, [epilogue, norm, step], {},
-                           notes=notes)
+        return EngineModel(name, params, None, False, bucket, resident, params, None, [epilogue, norm, step], {}, notes=notes)
     return EngineModel(name, params, gip, False, bucket, resident, params, gip, [norm, step], {}, notes=notes)
 
 
@@ -288,9 +340,19 @@ def zero3_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
         step = Phase("optimizer step (host)", params=held, grads=0, host_extra=0 if cpu_adam(spec) else transient)
     name = "zero3" + ("+offload" if spec.offload_optimizer != "none" or not params_on_device else "")
     norm = Phase("gradient norm in fp64", params=held, grads=0, extra={"temporaries": norm64})
-    return EngineModel(name, held + gathered, 0, False, 0, resident, held, 0, [norm, step], host,
-                       notes=[f"gathered parameters (up to stage3_max_live_parameters={spec.max_live:,}) held "
-                              "through forward and backward"])
+    return EngineModel(
+        name,
+        held + gathered,
+        0,
+        False,
+        0,
+        resident,
+        held,
+        0,
+        [norm, step],
+        host,
+        notes=[f"gathered parameters (up to stage3_max_live_parameters={spec.max_live:,}) held through forward and backward"],
+    )
 
 
 def engine_model(spec: EngineSpec, info: ParamInfo, rank: int = 0) -> EngineModel:
@@ -329,5 +391,16 @@ def dtype_breakdown(total_params: int, world: int = 1) -> list[dict[str, float |
     return rows
 
 
-__all__ = ["BYTES", "EngineModel", "EngineSpec", "Phase", "dtype_breakdown", "engine_model", "fsdp_local_numel",
-           "ranks_to_check", "zero12_partition", "zero3_partitions", "zero3_subgroups"]
+__all__ = [
+    "BYTES",
+    "EngineModel",
+    "EngineSpec",
+    "Phase",
+    "dtype_breakdown",
+    "engine_model",
+    "fsdp_local_numel",
+    "ranks_to_check",
+    "zero12_partition",
+    "zero3_partitions",
+    "zero3_subgroups",
+]

@@ -22,6 +22,7 @@ base, adapters trained; `harness.planner.lora`) and QLoRA (NF4 base, which needs
 with bitsandbytes). They change what is trained, not only how, so they are never chosen for
 speed over a full fine-tune that fits; the first that fits is named.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,16 @@ SPEED: dict[str, dict[str, float]] = {
     "precision": {"bf16": 1.0, "fp16": 1.05, "fp32": 2.7},
     "ac": {"none": 1.0, "op": 1.08, "selective": 1.15, "full": 1.33},
     "strategy": {
-        "ddp": 1.0, "zero1": 1.0, "zero2": 1.01, "fsdp_grad_op": 1.03, "fsdp": 1.06, "zero3": 1.10,
-        "zero2_offload": 1.4, "fsdp_offload": 1.6, "zero3_offload": 2.0, "zero3_nvme": 4.0,
+        "ddp": 1.0,
+        "zero1": 1.0,
+        "zero2": 1.01,
+        "fsdp_grad_op": 1.03,
+        "fsdp": 1.06,
+        "zero3": 1.10,
+        "zero2_offload": 1.4,
+        "fsdp_offload": 1.6,
+        "zero3_offload": 2.0,
+        "zero3_nvme": 4.0,
     },
 }
 # The tree's last steps (LoRA, then QLoRA): taken only when no full fine-tune fits. NF4 costs a
@@ -61,8 +70,13 @@ class Candidate:
     lora: str = "none"  # none (full fine-tune) | lora | nf4 (QLoRA)
 
     def overrides(self) -> list[str]:
-        out = [f"precision={self.precision}", f"memory.activation_checkpointing={self.ac}",
-               f"micro_batch_size={self.micro_batch}", f"grad_accum={self.grad_accum}", f"strategy={self.strategy}"]
+        out = [
+            f"precision={self.precision}",
+            f"memory.activation_checkpointing={self.ac}",
+            f"micro_batch_size={self.micro_batch}",
+            f"grad_accum={self.grad_accum}",
+            f"strategy={self.strategy}",
+        ]
         if self.ac == "selective":
             out.append("memory.ac_every=2")
         if self.lora != "none":
@@ -71,8 +85,13 @@ class Candidate:
 
     def cost(self, base_micro: int) -> float:
         halvings = math.log2(base_micro / self.micro_batch) if self.micro_batch < base_micro else 0.0
-        return (SPEED["precision"][self.precision] * SPEED["ac"][self.ac] * SPEED["strategy"][self.strategy]
-                * SPEED["lora"][self.lora] * (1 + MICRO_BATCH_HALVING * halvings))
+        return (
+            SPEED["precision"][self.precision]
+            * SPEED["ac"][self.ac]
+            * SPEED["strategy"][self.strategy]
+            * SPEED["lora"][self.lora]
+            * (1 + MICRO_BATCH_HALVING * halvings)
+        )
 
     def label(self) -> str:
         ac = f"AC {self.ac}" if self.ac != "none" else "no AC"
@@ -145,9 +164,20 @@ def _model_state_floor(cfg: RunConfig, world: int, target: str, info: ParamInfo,
     return max(m.total for m in walk(synthetic, em, cpu_run=target == "cpu"))
 
 
-def recommend(cfg: RunConfig, world: int, gpu_mem: int, *, cpu_mem: int | None = None, gpus_per_node: int | None = None,
-              nvme: bool = False, target: str = "cuda", vocab_size: int | None = None, max_fits: int = 5,
-              max_traced: int = 40, info: ParamInfo | None = None) -> Recommendation:
+def recommend(
+    cfg: RunConfig,
+    world: int,
+    gpu_mem: int,
+    *,
+    cpu_mem: int | None = None,
+    gpus_per_node: int | None = None,
+    nvme: bool = False,
+    target: str = "cuda",
+    vocab_size: int | None = None,
+    max_fits: int = 5,
+    max_traced: int = 40,
+    info: ParamInfo | None = None,
+) -> Recommendation:
     """Walk the candidates fastest-first; estimate those whose model state could fit; keep the fitting ones."""
 
     per_node = gpus_per_node or world
@@ -200,8 +230,11 @@ def recommend(cfg: RunConfig, world: int, gpu_mem: int, *, cpu_mem: int | None =
     for ev in fits[:1]:
         rec.why[ev.candidate] = explain(cfg, ev.candidate, evaluate)
         if not full_fits:
-            rec.why[ev.candidate].insert(0, "no full fine-tune fits, not even the most frugal (bf16, full recomputation, "
-                                            "micro-batch 1, everything offloaded): the adapters train, the base is frozen")
+            rec.why[ev.candidate].insert(
+                0,
+                "no full fine-tune fits, not even the most frugal (bf16, full recomputation, "
+                "micro-batch 1, everything offloaded): the adapters train, the base is frozen",
+            )
     return rec
 
 
@@ -216,13 +249,30 @@ def lora_candidates(cfg: RunConfig, world: int) -> list[Candidate]:
     return out
 
 
-def evaluate_lora(cfg: RunConfig, c: Candidate, world: int, gpu_mem: int, target: str, vocab: int | None,
-                  info: ParamInfo, cpu_mem: int | None = None, per_node: int = 1) -> Evaluated:
+def evaluate_lora(
+    cfg: RunConfig,
+    c: Candidate,
+    world: int,
+    gpu_mem: int,
+    target: str,
+    vocab: int | None,
+    info: ParamInfo,
+    cpu_mem: int | None = None,
+    per_node: int = 1,
+) -> Evaluated:
     """A LoRA/QLoRA candidate: model state by formula, activations from the traced full fine-tune
     at the same precision, recomputation and micro-batch (`harness.planner.lora`)."""
     full = estimate(with_candidate(cfg, replace(c, lora="none", strategy="ddp")), world, target=target, vocab_size=vocab)
-    plan = lora_plan(info, full, mode=c.lora, strategy=c.strategy, world=world, r=cfg.lora.r, targets=cfg.lora.target_modules,
-                     dtype_bytes=BYTES[c.precision])
+    plan = lora_plan(
+        info,
+        full,
+        mode=c.lora,
+        strategy=c.strategy,
+        world=world,
+        r=cfg.lora.r,
+        targets=cfg.lora.target_modules,
+        dtype_bytes=BYTES[c.precision],
+    )
     need = plan.total + (gpu_allowance_for(plan.total, world) if target == "cuda" else 0)
     cost = c.cost(cfg.micro_batch_size)
     adapters = f"{plan.adapters / 1e6:.2f}M adapter parameters (r={cfg.lora.r})"
@@ -233,8 +283,14 @@ def evaluate_lora(cfg: RunConfig, c: Candidate, world: int, gpu_mem: int, target
     host = info.total * 4 * per_node  # LoRA builds the frozen base whole in fp32 on the host, then injects adapters
     if cpu_mem is not None and host > cpu_mem:
         return Evaluated(c, cost, False, need, f"needs {gib(host)} host memory per node to build the model > {gib(cpu_mem)}")
-    return Evaluated(c, cost, True, need, f"fits: {gib(need)} of {gib(gpu_mem)} per {'GPU' if target == 'cuda' else 'rank'} "
-                                          f"({adapters}; parameters incl. the frozen base {gib(plan.categories['parameters'])})")
+    return Evaluated(
+        c,
+        cost,
+        True,
+        need,
+        f"fits: {gib(need)} of {gib(gpu_mem)} per {'GPU' if target == 'cuda' else 'rank'} "
+        f"({adapters}; parameters incl. the frozen base {gib(plan.categories['parameters'])})",
+    )
 
 
 def most_frugal(cfg: RunConfig, world: int, nvme: bool) -> Candidate:
@@ -250,8 +306,12 @@ def gpu_allowance_for(peak: int, world: int) -> int:
 
 def explain(cfg: RunConfig, chosen: Candidate, evaluate: Any) -> list[str]:
     """For each way ``chosen`` departs from the user's config: what undoing only that change costs."""
-    user = {"precision": cfg.precision, "ac": cfg.memory.activation_checkpointing,
-            "micro_batch": cfg.micro_batch_size, "strategy": cfg.strategy or "ddp"}
+    user = {
+        "precision": cfg.precision,
+        "ac": cfg.memory.activation_checkpointing,
+        "micro_batch": cfg.micro_batch_size,
+        "strategy": cfg.strategy or "ddp",
+    }
     names = {"precision": "precision", "ac": "activation checkpointing", "micro_batch": "micro-batch", "strategy": "strategy"}
     reasons = []
     for dim, theirs in user.items():
@@ -268,8 +328,10 @@ def explain(cfg: RunConfig, chosen: Candidate, evaluate: Any) -> list[str]:
             continue
         ev = evaluate(back)
         if ev.fits:
-            reasons.append(f"{names[dim]} {theirs} -> {ours}: expected faster ({ev.cost / chosen.cost(cfg.micro_batch_size):.2f}x "
-                           "the step time with the change undone), both fit")
+            reasons.append(
+                f"{names[dim]} {theirs} -> {ours}: expected faster ({ev.cost / chosen.cost(cfg.micro_batch_size):.2f}x "
+                "the step time with the change undone), both fit"
+            )
         else:
             reasons.append(f"{names[dim]} {theirs} -> {ours}: without this change {ev.reason}")
     return reasons
@@ -281,8 +343,16 @@ def with_candidate(cfg: RunConfig, c: Candidate) -> RunConfig:
 
     memory = dataclasses.replace(cfg.memory, activation_checkpointing=c.ac, ac_every=2 if c.ac == "selective" else cfg.memory.ac_every)
     lora = cfg.lora if c.lora == "none" else dataclasses.replace(cfg.lora, enabled=True, quantize="nf4" if c.lora == "nf4" else "none")
-    run = dataclasses.replace(cfg, precision=c.precision, micro_batch_size=c.micro_batch, grad_accum=c.grad_accum,
-                              strategy=c.strategy, memory=memory, global_batch_size=None, lora=lora)
+    run = dataclasses.replace(
+        cfg,
+        precision=c.precision,
+        micro_batch_size=c.micro_batch,
+        grad_accum=c.grad_accum,
+        strategy=c.strategy,
+        memory=memory,
+        global_batch_size=None,
+        lora=lora,
+    )
     check_values(run)
     return run
 
@@ -312,6 +382,19 @@ def write_recommended(path: str, data: dict[str, Any], header: str) -> None:
     load_config(path)
 
 
-__all__ = ["Candidate", "Evaluated", "LORA_STEPS", "Recommendation", "SPEED", "candidates", "evaluate_lora",
-           "lora_candidates", "most_frugal", "recommend", "recommended_config",
-           "strategies_for", "with_candidate", "write_recommended"]
+__all__ = [
+    "Candidate",
+    "Evaluated",
+    "LORA_STEPS",
+    "Recommendation",
+    "SPEED",
+    "candidates",
+    "evaluate_lora",
+    "lora_candidates",
+    "most_frugal",
+    "recommend",
+    "recommended_config",
+    "strategies_for",
+    "with_candidate",
+    "write_recommended",
+]

@@ -12,6 +12,7 @@ Three parts, each stated as what it is:
    with bf16 Adam) for the whole model on one GPU, with the shortfall against the GPU
    memory given - the quick "is this even close" view.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,11 +25,20 @@ from harness.planner.trace import PlanError
 GIB = 1024**3
 MIB = 1024**2
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kib": 1024, "kb": 1000,
-    "m": MIB, "mib": MIB, "mb": 1000**2,
-    "g": GIB, "gib": GIB, "gb": 1000**3,
-    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kib": 1024,
+    "kb": 1000,
+    "m": MIB,
+    "mib": MIB,
+    "mb": 1000**2,
+    "g": GIB,
+    "gib": GIB,
+    "gb": 1000**3,
+    "t": 1024**4,
+    "tib": 1024**4,
+    "tb": 1000**4,
 }
 
 # What a CPU trace cannot see on a GPU (assumptions, stated in every report).
@@ -71,8 +81,7 @@ def gpu_allowance(est: Estimate) -> Allowance:
     """The stated allowance for a GPU target; nothing for a CPU run (the trace is the truth there)."""
     if est.target != "cuda":
         return Allowance(0, 0, 0, 0)
-    return Allowance(CUDA_CONTEXT, NCCL_BUFFERS if est.world_size > 1 else 0, LIBRARY_WORKSPACES,
-                     int(FRAGMENTATION * est.total))
+    return Allowance(CUDA_CONTEXT, NCCL_BUFFERS if est.world_size > 1 else 0, LIBRARY_WORKSPACES, int(FRAGMENTATION * est.total))
 
 
 @dataclass
@@ -99,8 +108,9 @@ def verdict(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_node: int
         load_need = est.load_device + est.load_host
         host_node = max(est.total, load_need) * gpus_per_node
     if load_need > gpu_mem:
-        return Verdict(False, load_need, host_node, f"loading the model needs {gib(load_need)} {unit} > {gib(gpu_mem)} "
-                                                    "(before the first step)")
+        return Verdict(
+            False, load_need, host_node, f"loading the model needs {gib(load_need)} {unit} > {gib(gpu_mem)} (before the first step)"
+        )
     if need > gpu_mem:
         return Verdict(False, need, host_node, f"needs {gib(need)} {unit} > {gib(gpu_mem)}")
     if cpu_mem is not None and host_node > cpu_mem:
@@ -116,8 +126,10 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
     lines.append(f"Per-rank peak (worst rank {est.rank} of {est.world_size}, engine {est.engine}): {gib(est.total)}")
     lines.append(f"  when: {est.peak.name}")
     where = ("on the GPU", "on the host") if est.target == "cuda" else ("as device memory", "as host memory")
-    lines.append(f"  loading the model (before the first step): {gib(est.load_device)} {where[0]}, {gib(est.load_host)} {where[1]} "
-                 "(this rank's part of the weights and one tensor in flight)")
+    lines.append(
+        f"  loading the model (before the first step): {gib(est.load_device)} {where[0]}, {gib(est.load_host)} {where[1]} "
+        "(this rank's part of the weights and one tensor in flight)"
+    )
     width = max(len(c) for c in REPORT_CATS)
     for cat in REPORT_CATS:
         value = est.peak.categories.get(cat, 0)
@@ -145,8 +157,7 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
     else:
         lines.append("    no offload: model state stays on the GPU")
     lines.append(f"    loading the model (one tensor in flight; offloaded parameters) {gib(est.load_host)} per rank")
-    lines.append(f"    per node ({gpus_per_node} ranks): {gib(v.host_need_per_node or 0)}"
-                 + (f" of {gib(cpu_mem)}" if cpu_mem else ""))
+    lines.append(f"    per node ({gpus_per_node} ranks): {gib(v.host_need_per_node or 0)}" + (f" of {gib(cpu_mem)}" if cpu_mem else ""))
     lines.append("")
     lines.append(format_dtype_table(est.params_total, gpu_mem))
     lines.append("")
@@ -158,14 +169,18 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
 
 def format_dtype_table(total_params: int, gpu_mem: int) -> str:
     """Reference 003's table: whole-model parameters/gradients/Adam state per dtype on one GPU."""
-    lines = [f"Model states of all {total_params:,} parameters on one GPU (no sharding, no activations):",
-             f"    {'mode':<26} {'parameters':>12} {'gradients':>12} {'Adam state':>12} {'total':>12}  vs {gib(gpu_mem)}"]
+    lines = [
+        f"Model states of all {total_params:,} parameters on one GPU (no sharding, no activations):",
+        f"    {'mode':<26} {'parameters':>12} {'gradients':>12} {'Adam state':>12} {'total':>12}  vs {gib(gpu_mem)}",
+    ]
     for row in dtype_breakdown(total_params):
         total = float(row["total"])
         gap = total - gpu_mem
         status = f"short {gib(gap)} ({100 * gap / gpu_mem:.0f}% over)" if gap > 0 else f"fits, {gib(-gap)} spare"
-        lines.append(f"    {row['mode']:<26} {gib(float(row['parameters'])):>12} {gib(float(row['gradients'])):>12} "
-                     f"{gib(float(row['optimizer_state'])):>12} {gib(total):>12}  {status}")
+        lines.append(
+            f"    {row['mode']:<26} {gib(float(row['parameters'])):>12} {gib(float(row['gradients'])):>12} "
+            f"{gib(float(row['optimizer_state'])):>12} {gib(total):>12}  {status}"
+        )
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ state comes out an order of magnitude too large, so the step is added analytical
 do not wrap in the trace (DDP, DeepSpeed) the trace runs the plain module, and the engine's
 gradient and parameter handling is laid over the recorded per-op timeline afterwards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -175,13 +176,16 @@ def build_fake_model(model_name: str, vocab_size: int | None, fake_mode: Any, dt
     from transformers import AutoModelForCausalLM
 
     if not is_preset(model_name) and not os.path.isdir(model_name) and os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise PlanError(f"cannot build model '{model_name}': not a preset ({', '.join(PRESETS)}) nor a local model "
-                        "directory (hub ids need the config cached, and HF_HUB_OFFLINE=1)")
+        raise PlanError(
+            f"cannot build model '{model_name}': not a preset ({', '.join(PRESETS)}) nor a local model "
+            "directory (hub ids need the config cached, and HF_HUB_OFFLINE=1)"
+        )
     try:
         config = model_config(model_name, vocab_size=vocab_size)
     except Exception as exc:
-        raise PlanError((f"cannot build model '{model_name}': {type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}").rstrip(": ")) from None
+        raise PlanError(
+            (f"cannot build model '{model_name}': {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}").rstrip(": ")
+        ) from None
     if vocab_size and getattr(config, "vocab_size", vocab_size) != vocab_size:
         config.vocab_size = vocab_size  # an explicit --vocab-size wins over a local model's config
     with fake_mode, warnings.catch_warnings():
@@ -310,8 +314,14 @@ def _tracker_class() -> type:
 def _wrap_fsdp(model: nn.Module, spec: TraceSpec) -> nn.Module:
     """The trainer's own FSDP2 wrapping (same groups, same mixed precision) over the fake group."""
 
-    strategy = Strategy("fsdp", "plan", "plan", zero_stage=3 if spec.reshard_after_forward else 2,
-                        reshard_after_forward=spec.reshard_after_forward, reduce_dtype=spec.fsdp_reduce_dtype)
+    strategy = Strategy(
+        "fsdp",
+        "plan",
+        "plan",
+        zero_stage=3 if spec.reshard_after_forward else 2,
+        reshard_after_forward=spec.reshard_after_forward,
+        reduce_dtype=spec.fsdp_reduce_dtype,
+    )
     policy = precision_policy(spec.precision, torch.device("cpu"), "fsdp")
     info = DistInfo(0, spec.world_size, 0, torch.device("cpu"), "fake")
     return fsdp_wrap(model, strategy, policy, info)
@@ -343,7 +353,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
             with fake_mode:
                 ids = [torch.randint(0, vocab, (spec.micro_batch, spec.seq_len)) for _ in range(spec.micro_batches)]
                 tracker.track_external(*ids)
-                autocast = (torch.autocast("cpu", dtype=_dtype(spec.precision)) if spec.autocast else contextlib.nullcontext())
+                autocast = torch.autocast("cpu", dtype=_dtype(spec.precision)) if spec.autocast else contextlib.nullcontext()
                 with warnings.catch_warnings(), real_run_masking(), tracker:
                     warnings.simplefilter("ignore")
                     for micro, batch in enumerate(ids):
@@ -359,13 +369,32 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     except PlanError:
         raise
     except Exception as exc:  # the model's own code, or a wrapper it does not support: bad input, not a planner crash
-        raise PlanError(f"cannot trace a training step of model '{spec.model_name}' ({spec.wrap}, AC {spec.ac_mode}): "
-                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]) from None
-    result = TraceResult(spec, tracker.rows, tracker.phases, tracker.modules, tracker.module_names, info,
-                         tracker.gloo_extra, tracker.largest_collective_buffer)
+        raise PlanError(
+            f"cannot trace a training step of model '{spec.model_name}' ({spec.wrap}, AC {spec.ac_mode}): "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+        ) from None
+    result = TraceResult(
+        spec,
+        tracker.rows,
+        tracker.phases,
+        tracker.modules,
+        tracker.module_names,
+        info,
+        tracker.gloo_extra,
+        tracker.largest_collective_buffer,
+    )
     result.trace_seconds = time.perf_counter() - start
     return result
 
 
-__all__ = ["CATS", "ParamInfo", "PlanError", "TraceResult", "TraceSpec", "build_fake_model", "fake_process_group",
-           "param_info", "trace_step"]
+__all__ = [
+    "CATS",
+    "ParamInfo",
+    "PlanError",
+    "TraceResult",
+    "TraceSpec",
+    "build_fake_model",
+    "fake_process_group",
+    "param_info",
+    "trace_step",
+]

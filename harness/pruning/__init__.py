@@ -5,6 +5,7 @@ Entry points for the trainer:
     MaskEnforcer(model_or_engine, report.masks, cfg.prune.targets)  # call after each optimizer step
     report.masks.save(dir, views, comm) / MaskSet.load(dir, views, comm)
 """
+
 from harness.pruning.calibration import calibration_samples, shard_calibration
 from harness.pruning.comm import Comm
 from harness.pruning.masks import MaskEnforcer, MaskSet
@@ -13,6 +14,16 @@ from harness.pruning.shards import ShardView, build_views
 from harness.pruning.stage import LayerReport, PruneReport, run_pruning
 
 __all__ = [
-    "Comm", "LayerReport", "MaskEnforcer", "MaskSet", "PruneReport", "ScheduleReport", "ShardView",
-    "build_views", "calibration_samples", "run_pruning", "run_schedule", "shard_calibration",
+    "Comm",
+    "LayerReport",
+    "MaskEnforcer",
+    "MaskSet",
+    "PruneReport",
+    "ScheduleReport",
+    "ShardView",
+    "build_views",
+    "calibration_samples",
+    "run_pruning",
+    "run_schedule",
+    "shard_calibration",
 ]

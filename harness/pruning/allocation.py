@@ -7,6 +7,7 @@ the block; ratios are scaled to [0, 2 lambda] and centred, and block l gets spar
 target - (scaled_l - mean). Blocks of equal size keep the model-wide target exactly (up to
 each matrix's integer count). The statistics are the dense model's, from one forward pass.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,7 @@ def owl_sparsities(views: list[ShardView], stats: InputStats, target: float, lam
     scaled = (ratio - ratio.min()) / spread * (2 * lam)
     sparsity = target - (scaled - scaled.mean())
     if float(sparsity.max()) >= 1.0 or float(sparsity.min()) < 0.0:
-        raise ValueError(f"OWL with lambda={lam} moves some block's sparsity outside [0, 1) around target {target}; lower "
-                         "prune.owl_lambda")
+        raise ValueError(f"OWL with lambda={lam} moves some block's sparsity outside [0, 1) around target {target}; lower prune.owl_lambda")
     return {v.name: float(sparsity[index[v.target.unit]]) for v in views}
 
 

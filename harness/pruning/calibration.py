@@ -10,6 +10,7 @@ Why nothing is frozen: freezing a layer does not save the backward through it, i
 drops its gradient; one backward yields every layer's gradient, so a group of K layers
 costs the same passes as one layer. K only bounds the memory of the statistics.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -205,9 +206,15 @@ class InputStats:
 
 
 def gradient_max(
-    runner: Runner, steps: list[list[Any]], views: list[ShardView], dtype: torch.dtype,
-    stats: InputStats | None = None, ledger: Ledger | None = None, tag: str = "G",
-    sumsq: dict[str, torch.Tensor] | None = None, signed: dict[str, torch.Tensor] | None = None,
+    runner: Runner,
+    steps: list[list[Any]],
+    views: list[ShardView],
+    dtype: torch.dtype,
+    stats: InputStats | None = None,
+    ledger: Ledger | None = None,
+    tag: str = "G",
+    sumsq: dict[str, torch.Tensor] | None = None,
+    signed: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One pass of fwd+bwd over the calibration steps; per view, max_t |grad_t| of its shard.
 

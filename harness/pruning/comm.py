@@ -5,6 +5,7 @@ NCCL the tensors of a collective must live on the GPU while our bookkeeping live
 CPU. Keeping that in one small class means the selection code never asks "am I
 distributed?" and every collective it issues is one of four audited calls.
 """
+
 from __future__ import annotations
 
 import torch

@@ -19,6 +19,7 @@ over every matrix), and `dense_candidates` (the original GradProbe, whose strate
 candidates once on the dense model before streaming through the matrices; a Wanda base then
 takes its input norms for every matrix from the first G0 pass, which still sees that model).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -108,8 +109,14 @@ def _restore(views: list[ShardView], pools: dict[str, torch.Tensor], saved: dict
 
 
 def run_gradprobe(
-    groups: list[list[ShardView]], rule: Rule, settings: ProbeSettings, runner: Runner, steps: list[list[Any]],
-    comm: Comm, ledger: Ledger, forced: dict[str, torch.Tensor] | None,
+    groups: list[list[ShardView]],
+    rule: Rule,
+    settings: ProbeSettings,
+    runner: Runner,
+    steps: list[list[Any]],
+    comm: Comm,
+    ledger: Ledger,
+    forced: dict[str, torch.Tensor] | None,
 ) -> MaskSet:
     """The masks GradProbe chooses for every view (applied per group if `sequential`)."""
     if rule.kind == "global" and settings.base == "wanda":
@@ -134,8 +141,19 @@ def run_gradprobe(
 
     def choose_upfront(base: str, stats: InputStats | None) -> None:
         keys = [score_keys(_base_scores(v, base, stats, {}, comm), forced.get(v.name)) for v in all_views]
-        fixed_pool.update(zip([v.name for v in all_views], select(cand_rule, [v.layout for v in all_views], keys, comm, FLOAT_KEY_BITS,
-                                                                  view_sparsities(all_views, settings.allocation, widening))))
+        fixed_pool.update(
+            zip(
+                [v.name for v in all_views],
+                select(
+                    cand_rule,
+                    [v.layout for v in all_views],
+                    keys,
+                    comm,
+                    FLOAT_KEY_BITS,
+                    view_sparsities(all_views, settings.allocation, widening),
+                ),
+            )
+        )
         for name, m in fixed_pool.items():
             ledger.add(f"pool/{name}", m)
 
@@ -151,8 +169,17 @@ def run_gradprobe(
         saliency = settings.decision == "saliency"
         sum0: dict[str, torch.Tensor] = {}
         sum1: dict[str, torch.Tensor] = {}
-        g0 = gradient_max(runner, steps, views, settings.stat_dtype, stats, ledger, tag=f"G0/{gi}/",
-                          sumsq=grad_sumsq if settings.base in GRADIENT_BASES and not upfront else None, signed=sum0 if saliency else None)
+        g0 = gradient_max(
+            runner,
+            steps,
+            views,
+            settings.stat_dtype,
+            stats,
+            ledger,
+            tag=f"G0/{gi}/",
+            sumsq=grad_sumsq if settings.base in GRADIENT_BASES and not upfront else None,
+            signed=sum0 if saliency else None,
+        )
         if stats is not None:
             stats.finalize(comm)
         if dense_norms:
@@ -165,8 +192,19 @@ def run_gradprobe(
             pools = {v.name: fixed_pool[v.name] for v in views}
         else:
             keys = [score_keys(base[v.name], forced.get(v.name)) for v in views]
-            pools = dict(zip([v.name for v in views], select(cand_rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS,
-                                                             view_sparsities(views, settings.allocation, widening))))
+            pools = dict(
+                zip(
+                    [v.name for v in views],
+                    select(
+                        cand_rule,
+                        [v.layout for v in views],
+                        keys,
+                        comm,
+                        FLOAT_KEY_BITS,
+                        view_sparsities(views, settings.allocation, widening),
+                    ),
+                )
+            )
             del keys
             for name, m in pools.items():
                 ledger.add(f"pool/{name}", m)
@@ -185,11 +223,14 @@ def run_gradprobe(
                 ledger.add(f"ratio/{v.name}", deferred[v.name])
         else:
             if settings.decision == "veto":
-                keys = [veto_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], settings.threshold, forced.get(v.name))
-                        for v in views]
+                keys = [
+                    veto_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], settings.threshold, forced.get(v.name)) for v in views
+                ]
             elif saliency:
-                keys = [saliency_keys(pools[v.name], v.weight(), sum0[v.name], sum1[v.name], settings.reduction, forced.get(v.name))
-                        for v in views]
+                keys = [
+                    saliency_keys(pools[v.name], v.weight(), sum0[v.name], sum1[v.name], settings.reduction, forced.get(v.name))
+                    for v in views
+                ]
             else:
                 keys = [exact_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], forced.get(v.name)) for v in views]
             chosen = select(rule, [v.layout for v in views], keys, comm, COMPOSITE_BITS + 1, view_sparsities(views, settings.allocation))
@@ -211,11 +252,17 @@ def run_gradprobe(
     if deferred:
         ones = {v.name: torch.ones_like(deferred[v.name]) for v in all_views}
         if settings.decision == "veto":
-            keys = [veto_keys(fixed_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), settings.threshold,
-                              forced.get(v.name)) for v in all_views]
+            keys = [
+                veto_keys(
+                    fixed_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), settings.threshold, forced.get(v.name)
+                )
+                for v in all_views
+            ]
         else:
-            keys = [exact_keys(fixed_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), forced.get(v.name))
-                    for v in all_views]
+            keys = [
+                exact_keys(fixed_pool[v.name], ones[v.name], deferred[v.name], magnitude_scores(v.weight()), forced.get(v.name))
+                for v in all_views
+            ]
         chosen = select(rule, [v.layout for v in all_views], keys, comm, COMPOSITE_BITS + 1)
         for v, k, m in zip(all_views, keys, chosen):
             if (k[m] == (1 << COMPOSITE_BITS)).any():

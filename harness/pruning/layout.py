@@ -7,6 +7,7 @@ and a rank's piece may be shorter than one row). Selection rules that need whole
 whole groups use this module to find the pieces that are split, so that only those pay
 for communication and the rest is decided locally.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -10,6 +10,7 @@ Saved masks are one file per rank holding its flat range, bit-packed; loading in
 every file's range with the loading rank's range, so a mask saved at one world size loads
 at any other and under any strategy.
 """
+
 from __future__ import annotations
 
 import glob
@@ -77,18 +78,22 @@ class MaskSet:
         """Write this rank's file (and, on rank 0, a small JSON index). Collective."""
         os.makedirs(directory, exist_ok=True)
         payload = {
-            "format": FORMAT, "rank": comm.rank, "world": comm.world,
+            "format": FORMAT,
+            "rank": comm.rank,
+            "world": comm.world,
             "masks": {
                 v.name: {"rows": v.rows, "cols": v.cols, "start": v.start, "end": v.end, "bits": pack_bits(self.masks[v.name])}
-                for v in views if v.name in self.masks
+                for v in views
+                if v.name in self.masks
             },
         }
         path = os.path.join(directory, f"prune_masks.rank{comm.rank:05d}.pt")
         torch.save(payload, path)
         if comm.rank == 0:
             with open(os.path.join(directory, "prune_masks.json"), "w") as f:
-                json.dump({"format": FORMAT, "world": comm.world, "targets": [v.name for v in views], **self.meta},
-                          f, indent=1, default=str)
+                json.dump(
+                    {"format": FORMAT, "world": comm.world, "targets": [v.name for v in views], **self.meta}, f, indent=1, default=str
+                )
         comm.barrier()
         return path
 

@@ -5,6 +5,7 @@ returns this rank's piece of the mask (True = pruned). Anything that needs more 
 local piece goes through `select` (counts only) or `layout.exchange_split_units` (the at
 most two rows per rank that a ZeRO partition boundary cuts, for SparseGPT's row update).
 """
+
 from __future__ import annotations
 
 import math
@@ -61,8 +62,10 @@ def make_rule(method: str, base: str, pattern: tuple[int, int] | None, sparsity:
     per_row = method == "wanda" or (method == "gradprobe" and base in PER_ROW_BASES)
     if per_row:
         if scope == "global":
-            raise ValueError(f"{base if method == 'gradprobe' else method} compares weights within an output row; "
-                             "scope=global does not apply (use per_matrix)")
+            raise ValueError(
+                f"{base if method == 'gradprobe' else method} compares weights within an output row; "
+                "scope=global does not apply (use per_matrix)"
+            )
         return Rule("per_row", sparsity)
     return Rule(scope, sparsity)
 
@@ -76,8 +79,9 @@ def widen(rule: Rule, pool: float) -> Rule:
     return Rule(rule.kind, min(1.0, rule.sparsity * (1.0 + pool)), rule.n, rule.m)
 
 
-def select(rule: Rule, layouts: list[Layout], keys: list[torch.Tensor], comm: Comm, key_bits: int,
-           sparsities: list[float] | None = None) -> list[torch.Tensor]:
+def select(
+    rule: Rule, layouts: list[Layout], keys: list[torch.Tensor], comm: Comm, key_bits: int, sparsities: list[float] | None = None
+) -> list[torch.Tensor]:
     """Apply a rule to int64 keys (lowest pruned first); returns local boolean masks.
     `sparsities`: one per layout instead of the rule's (a per-layer allocation such as OWL;
     unstructured per-row / per-matrix rules only)."""
@@ -87,8 +91,9 @@ def select(rule: Rule, layouts: list[Layout], keys: list[torch.Tensor], comm: Co
     if rule.kind == "nm":
         return select_per_unit(layouts, keys, [rule.m] * len(layouts), [rule.prune_per_group] * len(layouts), comm, key_bits)
     if rule.kind == "per_row":
-        return select_per_unit(layouts, keys, [lay.cols for lay in layouts], [count_for(s, lay.cols) for s, lay in zip(each, layouts)],
-                               comm, key_bits)
+        return select_per_unit(
+            layouts, keys, [lay.cols for lay in layouts], [count_for(s, lay.cols) for s, lay in zip(each, layouts)], comm, key_bits
+        )
     if rule.kind == "per_matrix":
         return select_per_matrix(layouts, keys, [count_for(s, lay.numel) for s, lay in zip(each, layouts)], comm, key_bits)
     if rule.kind == "global":
@@ -179,8 +184,9 @@ def gradient_ratio(g0: torch.Tensor, g1: torch.Tensor) -> torch.Tensor:
     return torch.where(b > 0, ratio, torch.where(a > 0, torch.full_like(a, math.inf), torch.ones_like(a)))
 
 
-def original_decision(candidates: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, threshold: float,
-                      forced: torch.Tensor | None) -> torch.Tensor:
+def original_decision(
+    candidates: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, threshold: float, forced: torch.Tensor | None
+) -> torch.Tensor:
     """The reference rule: prune a candidate only if its gradient did not grow beyond
     (1 + threshold) x its original value. Achieved sparsity may fall short of the target."""
     keep_ok = g1.float() <= g0.float() * (1.0 + threshold)
@@ -196,8 +202,9 @@ def _within_pool(keys: torch.Tensor, pool: torch.Tensor, forced: torch.Tensor | 
     return keys
 
 
-def exact_keys(pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_scores: torch.Tensor,
-               forced: torch.Tensor | None) -> torch.Tensor:
+def exact_keys(
+    pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_scores: torch.Tensor, forced: torch.Tensor | None
+) -> torch.Tensor:
     """Composite keys ranking the pool by relative gradient increase (lowest pruned first),
     ties by base score then index; non-pool weights are EXCLUDED."""
     # Rounded to bf16 (monotone), so ratios stored in bf16 for a global selection rank the same.
@@ -206,8 +213,9 @@ def exact_keys(pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_scor
     return _within_pool(keys, pool, forced)
 
 
-def veto_keys(pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_scores: torch.Tensor, threshold: float,
-              forced: torch.Tensor | None) -> torch.Tensor:
+def veto_keys(
+    pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_scores: torch.Tensor, threshold: float, forced: torch.Tensor | None
+) -> torch.Tensor:
     """Keys that keep the base order and let the gradient only veto: within the pool, every
     weight whose gradient grew beyond (1 + threshold) x (G1/G0, as the original's rule) goes
     behind every weight that passed, each side ordered by base score then index. The target
@@ -218,8 +226,9 @@ def veto_keys(pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_score
     return _within_pool(keys, pool, forced)
 
 
-def saliency_keys(pool: torch.Tensor, weight: torch.Tensor, sum0: torch.Tensor, sum1: torch.Tensor, reduction: float,
-                  forced: torch.Tensor | None) -> torch.Tensor:
+def saliency_keys(
+    pool: torch.Tensor, weight: torch.Tensor, sum0: torch.Tensor, sum1: torch.Tensor, reduction: float, forced: torch.Tensor | None
+) -> torch.Tensor:
     """Keys ranking the pool by the loss increase the probe predicts for removing each weight.
 
     Shrinking the pool by `reduction` moves the weights by d = -(1 - r) w_pool, so the change
@@ -245,8 +254,14 @@ def _touches(layout: Layout, a: int, b: int) -> bool:
 
 
 def sparsegpt_prune(
-    layout: Layout, weight: torch.Tensor, H: torch.Tensor, rule: Rule, comm: Comm,
-    forced: torch.Tensor | None = None, blocksize: int = 128, damp: float = 0.01,
+    layout: Layout,
+    weight: torch.Tensor,
+    H: torch.Tensor,
+    rule: Rule,
+    comm: Comm,
+    forced: torch.Tensor | None = None,
+    blocksize: int = 128,
+    damp: float = 0.01,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SparseGPT (OBS with a shared inverse Hessian) on this rank's rows.
 

@@ -9,6 +9,7 @@ bytes x parameters / world for the duration of the schedule.
 `metric_fn` must score a split the calibration set and the final evaluation never touch
 (a validation split), lower is better (loss or perplexity), and be collective.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -15,6 +15,7 @@ Selection rules:
 - N:M: groups of M consecutive inputs in a row; whole local groups are sorted locally,
   groups cut by a boundary become (tiny) distributed problems.
 """
+
 from __future__ import annotations
 
 import math

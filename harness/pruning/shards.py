@@ -15,6 +15,7 @@ across ranks". Four storage schemes hide behind it:
 
 No view ever materialises another rank's weights or gradients.
 """
+
 from __future__ import annotations
 
 import sys

@@ -11,6 +11,7 @@ Passes over the calibration data, per method (K = layers per group, L = layers):
   gradprobe  2 forward+backward per group: 2 when K = all, 2L when K = 1; decision=original:
              one group per matrix, so 2 per matrix (the original's low-memory streaming).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -187,9 +188,17 @@ def run_pruning(
         elif cfg.method == "gradprobe":
             pool_frac = float(pool if pool is not None else getattr(cfg, "pool", DEFAULT_POOL))
             settings = ProbeSettings(
-                base=cfg.base, reduction=cfg.reduction, threshold=cfg.threshold, exact=cfg.exact_target,
-                pool=pool_frac, stat_dtype=stat_dtype, sequential=sequential, decision=cfg.decision, keep_g0=keep_g0,
-                dense_candidates=is_original(cfg), allocation=alloc,
+                base=cfg.base,
+                reduction=cfg.reduction,
+                threshold=cfg.threshold,
+                exact=cfg.exact_target,
+                pool=pool_frac,
+                stat_dtype=stat_dtype,
+                sequential=sequential,
+                decision=cfg.decision,
+                keep_g0=keep_g0,
+                dense_candidates=is_original(cfg),
+                allocation=alloc,
             )
             masks = run_gradprobe(groups, rule, settings, runner, runner.steps(batches), comm, ledger, forced)
             g0 = settings.g0
@@ -209,19 +218,31 @@ def run_pruning(
     comm.barrier()
     n = max(1, len(batches))
     report = PruneReport(
-        method=cfg.method, pattern=cfg.pattern, target_sparsity=cfg.sparsity,
-        achieved_sparsity=sum(x.pruned for x in layers) / total, layers=layers, group_size=k, groups=len(groups),
-        fwd_passes=runner.fwd_batches / n, fwd_bwd_passes=runner.fwd_bwd_batches / n,
-        wall_time_s=time.perf_counter() - start, peak_probe_bytes=-comm.all_reduce_min_int(-ledger.peak), peak_device_bytes=peak_dev,
-        world_size=comm.world, exact_target=cfg.exact_target, masks=masks, g0=g0,
+        method=cfg.method,
+        pattern=cfg.pattern,
+        target_sparsity=cfg.sparsity,
+        achieved_sparsity=sum(x.pruned for x in layers) / total,
+        layers=layers,
+        group_size=k,
+        groups=len(groups),
+        fwd_passes=runner.fwd_batches / n,
+        fwd_bwd_passes=runner.fwd_bwd_batches / n,
+        wall_time_s=time.perf_counter() - start,
+        peak_probe_bytes=-comm.all_reduce_min_int(-ledger.peak),
+        peak_device_bytes=peak_dev,
+        world_size=comm.world,
+        exact_target=cfg.exact_target,
+        masks=masks,
+        g0=g0,
     )
     if comm.rank == 0:
         log.info(report.summary())
     return report
 
 
-def _allocation(cfg: PruneConfig, views: list[ShardView], rule: Rule, runner: Runner, batches: list[Any], comm: Comm,
-                ledger: Ledger) -> dict[str, float] | None:
+def _allocation(
+    cfg: PruneConfig, views: list[ShardView], rule: Rule, runner: Runner, batches: list[Any], comm: Comm, ledger: Ledger
+) -> dict[str, float] | None:
     """Per-matrix sparsities of a non-uniform allocation (None: uniform). OWL reads the dense
     model's input norms: one forward pass of its own, counted in the report's passes."""
     if cfg.allocation == "uniform":
@@ -236,8 +257,14 @@ def _allocation(cfg: PruneConfig, views: list[ShardView], rule: Rule, runner: Ru
     return alloc
 
 
-def _magnitude(groups: list[list[ShardView]], rule: Rule, forced: dict[str, torch.Tensor] | None, comm: Comm, sequential: bool,
-               alloc: dict[str, float] | None = None) -> MaskSet:
+def _magnitude(
+    groups: list[list[ShardView]],
+    rule: Rule,
+    forced: dict[str, torch.Tensor] | None,
+    comm: Comm,
+    sequential: bool,
+    alloc: dict[str, float] | None = None,
+) -> MaskSet:
     forced = forced or {}
     chunks = [[v for g in groups for v in g]] if rule.kind == "global" else groups
     masks: dict[str, torch.Tensor] = {}
@@ -251,8 +278,15 @@ def _magnitude(groups: list[list[ShardView]], rule: Rule, forced: dict[str, torc
 
 
 def _wanda(
-    groups: list[list[ShardView]], rule: Rule, forced: dict[str, torch.Tensor] | None, runner: Runner,
-    batches: list[Any], comm: Comm, sequential: bool, ledger: Ledger, alloc: dict[str, float] | None = None,
+    groups: list[list[ShardView]],
+    rule: Rule,
+    forced: dict[str, torch.Tensor] | None,
+    runner: Runner,
+    batches: list[Any],
+    comm: Comm,
+    sequential: bool,
+    ledger: Ledger,
+    alloc: dict[str, float] | None = None,
 ) -> MaskSet:
     """Scores |W| * ||X_j||; the norms need one forward pass (per group when sequential)."""
     forced = forced or {}
@@ -277,8 +311,14 @@ def _wanda(
 
 
 def _sparsegpt(
-    groups: list[list[ShardView]], rule: Rule, forced: dict[str, torch.Tensor] | None, runner: Runner,
-    batches: list[Any], comm: Comm, ledger: Ledger, alloc: dict[str, float] | None = None,
+    groups: list[list[ShardView]],
+    rule: Rule,
+    forced: dict[str, torch.Tensor] | None,
+    runner: Runner,
+    batches: list[Any],
+    comm: Comm,
+    ledger: Ledger,
+    alloc: dict[str, float] | None = None,
 ) -> MaskSet:
     """Hessians of a group from one forward pass, then the OBS update, written in place."""
     if rule.kind == "global":

@@ -1,6 +1,7 @@
 """Reliability: the step guard (non-finite losses, stop requests, agreed by every rank), the
 supervisor (exceptions to one line and an exit code, dead ranks named), the OOM report,
 and fault injection for tests and drills."""
+
 from harness.reliability.guard import StepGuard, weights_finite
 from harness.reliability.supervisor import PeerMonitor, Supervisor, collective_timeout_s
 

@@ -7,6 +7,7 @@
 until the file named by `HARNESS_FAULT_RELEASE` exists: a test ends the window when done with it),
 `save_error@STEP[:RANK]` (writing that step's checkpoint fails as a full disk would: ENOSPC).
 """
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ Every decision is collective: a NaN on one rank, or a SIGTERM that reached one r
 is all-reduced so that every rank takes the same branch (skip, save, stop). Diverging
 ranks are what turn a recoverable fault into a hang.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,15 @@ def weights_finite(engine: Engine, info: DistInfo) -> bool:
 class StepGuard:
     """Per-step agreement on non-finite losses and stop requests, and the skip/stop policy."""
 
-    def __init__(self, cfg: Any, info: DistInfo, engine: Any, tracker: Any = None,
-                 last_checkpoint: Callable[[], str | None] = lambda: None, start_step: int = 0):
+    def __init__(
+        self,
+        cfg: Any,
+        info: DistInfo,
+        engine: Any,
+        tracker: Any = None,
+        last_checkpoint: Callable[[], str | None] = lambda: None,
+        start_step: int = 0,
+    ):
         self.policy = cfg.checkpoint.on_nonfinite
         self.fp16 = cfg.precision == "fp16"
         self.info, self.engine, self.tracker = info, engine, tracker
@@ -78,13 +86,15 @@ class StepGuard:
         last = self.last_checkpoint() or "none saved yet"
         applied = not result.skipped or getattr(self.engine, "oib", None) is not None  # optimizer-in-backward stepped already
         if applied and not weights_finite(self.engine, self.info):
-            raise NonFiniteError(f"non-finite {what} at step {step} was applied to the weights (this engine cannot skip it); "
-                                 f"last good checkpoint: {last}")
+            raise NonFiniteError(
+                f"non-finite {what} at step {step} was applied to the weights (this engine cannot skip it); last good checkpoint: {last}"
+            )
         if self.policy == "stop":
-            raise NonFiniteError(f"non-finite {what} at step {step}; stopping (checkpoint.on_nonfinite=stop). "
-                                 f"Last good checkpoint: {last} (resume with checkpoint.resume=<it>, e.g. with a lower optim.lr)")
-        log.info(f"step {step}: non-finite {what}; update skipped ({self.nonfinite_steps} so far, "
-              "checkpoint.on_nonfinite=skip)")
+            raise NonFiniteError(
+                f"non-finite {what} at step {step}; stopping (checkpoint.on_nonfinite=stop). "
+                f"Last good checkpoint: {last} (resume with checkpoint.resume=<it>, e.g. with a lower optim.lr)"
+            )
+        log.info(f"step {step}: non-finite {what}; update skipped ({self.nonfinite_steps} so far, checkpoint.on_nonfinite=skip)")
 
 
 def active_guard() -> StepGuard | None:

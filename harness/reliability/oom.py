@@ -7,6 +7,7 @@ of the largest step the memory tracker measured, the device's totals, and the fi
 change (activation checkpointing, half the micro-batch with twice the accumulation, more
 sharding, a chunked loss) whose `harness.planner` estimate fits the device.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,8 +44,14 @@ def _variant(cfg: Any, change: list[tuple[str, Any]]) -> Any:
 def planner_suggestion(cfg: Any, world: int, capacity: int | None, target: str, budget_s: float = 60.0) -> str:
     """The first single change whose estimated per-rank peak fits `capacity` (harness.planner), as overrides."""
     strategy = cfg.strategy or "ddp"
-    more_sharding = {"ddp": "fsdp", "fsdp_grad_op": "fsdp", "zero1": "zero2", "zero2": "zero3", "zero3": "zero3_offload",
-                     "zero2_offload": "zero3_offload"}
+    more_sharding = {
+        "ddp": "fsdp",
+        "fsdp_grad_op": "fsdp",
+        "zero1": "zero2",
+        "zero2": "zero3",
+        "zero3": "zero3_offload",
+        "zero2_offload": "zero3_offload",
+    }
     candidates: list[list[tuple[str, Any]]] = []
     if cfg.memory.activation_checkpointing == "none":
         candidates.append([("memory.activation_checkpointing", "full")])
@@ -87,14 +94,18 @@ def oom_report(exc: BaseException, cfg: Any, info: DistInfo, guard: Any = None) 
         if peaks:
             index = peaks.get("step")  # the tracker counts the steps of this process from 0
             step_no = guard.start_step + index + 1 if isinstance(index, int) else "?"
-            lines.append(f"  peak of the largest measured step (step {step_no}): "
-                         + ", ".join(f"{k} {_fmt(v)}" for k, v in peaks.items() if k != "step" and v is not None))
+            lines.append(
+                f"  peak of the largest measured step (step {step_no}): "
+                + ", ".join(f"{k} {_fmt(v)}" for k, v in peaks.items() if k != "step" and v is not None)
+            )
     capacity, target = None, "cpu"
     if info.device.type == "cuda":
         target = "cuda"
         capacity = torch.cuda.get_device_properties(info.device).total_memory
-        lines.append(f"  device: peak allocated {_fmt(torch.cuda.max_memory_allocated(info.device))}, peak reserved "
-                     f"{_fmt(torch.cuda.max_memory_reserved(info.device))}, capacity {_fmt(capacity)}")
+        lines.append(
+            f"  device: peak allocated {_fmt(torch.cuda.max_memory_allocated(info.device))}, peak reserved "
+            f"{_fmt(torch.cuda.max_memory_reserved(info.device))}, capacity {_fmt(capacity)}"
+        )
     else:
         try:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

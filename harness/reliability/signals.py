@@ -3,6 +3,7 @@
 The handler only records the signal; the step guard all-reduces it so every rank saves
 and stops at the same step.
 """
+
 from __future__ import annotations
 
 import signal

@@ -9,6 +9,7 @@
   makes the others exit within `HARNESS_PEER_TIMEOUT_S` (default 30 s), long before the
   collective timeout (`HARNESS_COLLECTIVE_TIMEOUT_S`, the backstop for hung-but-alive ranks).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -85,8 +86,10 @@ class PeerMonitor:
 
     def _store_lost(self) -> str:
         host = "the torchrun agent of the first node" if self.agent_store else "rank 0"
-        return (f"lost the rendezvous store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}, hosted by "
-                f"{host}: {'it' if self.agent_store else 'rank 0'} died or its node is unreachable")
+        return (
+            f"lost the rendezvous store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}, hosted by "
+            f"{host}: {'it' if self.agent_store else 'rank 0'} died or its node is unreachable"
+        )
 
     def _exit(self, message: str) -> None:
         print(f"harness: error: rank {self.info.rank}: {message}; exiting", file=sys.stderr, flush=True)
@@ -131,13 +134,11 @@ class PeerMonitor:
         return f"{names} died (no heartbeat; a collective with {'it' if len(dead) == 1 else 'them'} failed)"
 
 
-
-
 class Supervisor:
     """Wraps a run: signal handlers and peer monitor in; exceptions out as one message and an exit code.
 
-        with Supervisor(cfg, info):
-            train(...)
+    with Supervisor(cfg, info):
+        train(...)
     """
 
     def __init__(self, cfg: RunConfig, info: DistInfo):
@@ -169,8 +170,11 @@ class Supervisor:
             verdict = self.monitor.probe()
             if verdict:
                 detail = (str(exc).splitlines() or [""])[0][:160]
-                print(f"harness: error: rank {self.info.rank}: {verdict}; exiting ({type(exc).__name__}: {detail})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"harness: error: rank {self.info.rank}: {verdict}; exiting ({type(exc).__name__}: {detail})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self._hard_exit(EXIT_PEER_LOST)
             self.monitor.stop()
         return False  # an ordinary bug: the traceback

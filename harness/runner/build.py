@@ -2,6 +2,7 @@
 checkpoint restore, observer, memory tracker, step guard. Shared by `harness.train` and
 `harness.prune`, so a pruned model is loaded, trained and saved exactly as a trained one.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,13 +48,16 @@ def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampl
     if cfg.data.streaming:
         tok = load_tokenizer(data.tokenizer_dir)
         sampler: BatchSampler | StreamSampler = StreamSampler(
-            cfg.data, tok, eos_id(tok, cfg.data), cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank)
+            cfg.data, tok, eos_id(tok, cfg.data), cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank
+        )
     else:
         sampler = BatchSampler(data, cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank, cfg.data.seed)
     if not cfg.data.streaming and sampler.global_batch > data.n_blocks("train"):
-        raise ConfigError(f"one step's global batch ({sampler.global_batch} blocks = micro_batch_size*grad_accum*world "
-                          f"{cfg.micro_batch_size}*{cfg.grad_accum}*{info.world_size}) exceeds the {data.n_blocks('train')} "
-                          f"training blocks of {cfg.data.seq_len} tokens; lower micro_batch_size/grad_accum or give more data")
+        raise ConfigError(
+            f"one step's global batch ({sampler.global_batch} blocks = micro_batch_size*grad_accum*world "
+            f"{cfg.micro_batch_size}*{cfg.grad_accum}*{info.world_size}) exceeds the {data.n_blocks('train')} "
+            f"training blocks of {cfg.data.seq_len} tokens; lower micro_batch_size/grad_accum or give more data"
+        )
     line, repeats = describe_consumption(data, cfg.data, cfg.steps, sampler.global_batch, cfg.data.streaming)
     log.info(line)
     if repeats:
@@ -75,17 +79,41 @@ def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Loop,
     sampler = make_sampler(cfg, data, info)
     ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir, per_rank={"data": sampler})
     resumed = ckpt.restore()  # step 0, or the checkpoint's step (= data position) with optimizer, RNG, schedule, stream position
-    observer = Observer(cfg.output_dir, config_to_dict(cfg), cfg.logging, info.rank, info.world_size, cfg.steps,
-                        model_config=engine.module.config, start_step=resumed.step)
+    observer = Observer(
+        cfg.output_dir,
+        config_to_dict(cfg),
+        cfg.logging,
+        info.rank,
+        info.world_size,
+        cfg.steps,
+        model_config=engine.module.config,
+        start_step=resumed.step,
+    )
     tracker = StepMemoryTracker(
-        engine.model, engine.optimizer, enabled=cfg.memory.track, category_every=cfg.memory.track_every,
+        engine.model,
+        engine.optimizer,
+        enabled=cfg.memory.track,
+        category_every=cfg.memory.track_every,
         snapshot_dir=os.path.join(cfg.output_dir, "memory_snapshot") if cfg.memory.snapshot else None,
         layer_hooks=cfg.memory.layer_hooks,
     )
     guard = StepGuard(cfg, info, engine, tracker, lambda: ckpt.last_path, resumed.step)  # NaN policy, stop signals
-    log.info(f"{strategy.name} ({strategy.kind}) x{info.world_size} on {info.device}, {cfg.precision}, "
-          f"{engine.num_parameters():,} params, "
-          f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens")
-    loop = Loop(cfg, info, engine, data, sampler, observer, tracker, guard, ckpt, skipped=int(resumed.counters.get("skipped_steps", 0)),
-                started_at=started)
+    log.info(
+        f"{strategy.name} ({strategy.kind}) x{info.world_size} on {info.device}, {cfg.precision}, "
+        f"{engine.num_parameters():,} params, "
+        f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens"
+    )
+    loop = Loop(
+        cfg,
+        info,
+        engine,
+        data,
+        sampler,
+        observer,
+        tracker,
+        guard,
+        ckpt,
+        skipped=int(resumed.counters.get("skipped_steps", 0)),
+        started_at=started,
+    )
     return loop, resumed

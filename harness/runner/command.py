@@ -1,5 +1,6 @@
 """The shape of every run command: parse, validate before any process group starts, then run
 the body under the supervisor and tear the group down."""
+
 from __future__ import annotations
 
 import argparse

@@ -3,6 +3,7 @@
 One `Loop` serves training, fine-tuning after pruning (`after_step` keeps pruned weights
 at zero) and `python -m harness.prune`. It never asks which engine it has.
 """
+
 from __future__ import annotations
 
 import json
@@ -90,8 +91,15 @@ class Loop:
 
     def run(self, first: int, stop: int) -> bool:
         """Train steps [first, stop); False when a stop request ended the run (saved, observer closed)."""
-        cfg, info, engine, sampler, tracker, guard, observer = (self.cfg, self.info, self.engine, self.sampler, self.tracker, self.guard,
-                                                                self.observer)
+        cfg, info, engine, sampler, tracker, guard, observer = (
+            self.cfg,
+            self.info,
+            self.engine,
+            self.sampler,
+            self.tracker,
+            self.guard,
+            self.observer,
+        )
         tokens_per_step = sampler.global_batch * cfg.data.seq_len
         engine.train(True)
         state_points: list[dict[str, int]] = []
@@ -118,8 +126,12 @@ class Loop:
             guard.post_step(result)  # checkpoint.on_nonfinite: skip (counted) or stop naming the last good checkpoint
             self.loss_mean = all_reduce_mean(step_loss, info)
             metrics = {
-                "train/loss": self.loss_mean, "train/lr": lr, "train/grad_norm": result.grad_norm, "train/skipped_steps": self.skipped,
-                "perf/step_time_s": elapsed, "perf/tokens_per_s": tokens_per_step / elapsed,
+                "train/loss": self.loss_mean,
+                "train/lr": lr,
+                "train/grad_norm": result.grad_norm,
+                "train/skipped_steps": self.skipped,
+                "perf/step_time_s": elapsed,
+                "perf/tokens_per_s": tokens_per_step / elapsed,
                 "perf/samples_per_s": sampler.global_batch / elapsed,
             }
             metrics.update(worst_rank_memory(tracker, info))

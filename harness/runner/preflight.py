@@ -11,6 +11,7 @@ The rules on the config itself live in `harness.config.checks` (run here through
 environment, the model's files and shape, the data files, the output directory and an
 existing checkpoint.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -59,8 +60,11 @@ def model_shape(cfg: RunConfig) -> dict[str, Any] | None:
     name = cfg.model.name
     if is_preset(name):
         p = PRESETS[name]
-        return {"max_position_embeddings": p.max_position_embeddings, "hidden_size": p.hidden_size,
-                "intermediate_size": p.intermediate_size}
+        return {
+            "max_position_embeddings": p.max_position_embeddings,
+            "hidden_size": p.hidden_size,
+            "intermediate_size": p.intermediate_size,
+        }
     if os.path.isdir(name):
         path = os.path.join(name, "config.json")
         if not os.path.isfile(path):
@@ -78,8 +82,10 @@ def model_shape(cfg: RunConfig) -> dict[str, Any] | None:
         with open(cached) as f:
             return json.load(f)
     if _offline():
-        raise ConfigError(f"model.name '{name}' is not a preset, a local directory or in the Hugging Face cache, and HF_HUB_OFFLINE=1 "
-                          "(no network); download it first or give a local path")
+        raise ConfigError(
+            f"model.name '{name}' is not a preset, a local directory or in the Hugging Face cache, and HF_HUB_OFFLINE=1 "
+            "(no network); download it first or give a local path"
+        )
     try:
         return AutoConfig.from_pretrained(name).to_dict()
     except (OSError, ValueError) as exc:
@@ -93,26 +99,32 @@ def check_weights(model_dir: str) -> None:
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     legacy = glob.glob(os.path.join(model_dir, "pytorch_model*.bin"))
     if not files and not legacy:
-        raise ConfigError(f"model.name '{model_dir}' has config.json but no weights (model.safetensors, shards with an index, "
-                          "or pytorch_model.bin); copy them in, or give a preset name to start from random weights")
+        raise ConfigError(
+            f"model.name '{model_dir}' has config.json but no weights (model.safetensors, shards with an index, "
+            "or pytorch_model.bin); copy them in, or give a preset name to start from random weights"
+        )
     for path in files:
         try:
             with safe_open(path, framework="pt") as f:
                 keys = list(f.keys())
         except Exception as exc:
-            raise ConfigError(f"model weights '{path}' are not a readable safetensors file ({type(exc).__name__}: "
-                              f"{(str(exc).splitlines() or [''])[0][:120]}); download them again") from None
+            raise ConfigError(
+                f"model weights '{path}' are not a readable safetensors file ({type(exc).__name__}: "
+                f"{(str(exc).splitlines() or [''])[0][:120]}); download them again"
+            ) from None
         if not keys:
             raise ConfigError(f"model weights '{path}' hold no tensors; download them again")
 
 
 def block_users(cfg: RunConfig, strategy: Strategy) -> list[str]:
     """The settings that work block by block (and so need the model's decoder blocks)."""
-    users = {"strategy=fsdp (one FSDP2 unit per block)": strategy.kind == "fsdp",
-             f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}": cfg.memory.activation_checkpointing != "none",
-             "memory.compile=block": cfg.memory.compile == "block",
-             f"prune.method={cfg.prune.method}": cfg.prune.method != "none",
-             "memory.layer_hooks": cfg.memory.layer_hooks}
+    users = {
+        "strategy=fsdp (one FSDP2 unit per block)": strategy.kind == "fsdp",
+        f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}": cfg.memory.activation_checkpointing != "none",
+        "memory.compile=block": cfg.memory.compile == "block",
+        f"prune.method={cfg.prune.method}": cfg.prune.method != "none",
+        "memory.layer_hooks": cfg.memory.layer_hooks,
+    }
     return [what for what, used in users.items() if used]
 
 
@@ -125,26 +137,33 @@ def check_architecture(cfg: RunConfig, strategy: Strategy) -> None:
     try:
         config = model_config(name)
     except (ValueError, KeyError) as exc:  # an unknown model_type: this transformers cannot read the config
-        raise ConfigError(f"model.name '{name}': transformers {transformers.__version__} cannot read its config.json "
-                          f"({str(exc).splitlines()[0][:160]})") from None
+        raise ConfigError(
+            f"model.name '{name}': transformers {transformers.__version__} cannot read its config.json ({str(exc).splitlines()[0][:160]})"
+        ) from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ConfigError(f"model.name '{name}': model type '{config.model_type}' has no causal-LM class in transformers "
-                          f"{transformers.__version__} (AutoModelForCausalLM); harness trains causal LMs")
+        raise ConfigError(
+            f"model.name '{name}': model type '{config.model_type}' has no causal-LM class in transformers "
+            f"{transformers.__version__} (AutoModelForCausalLM); harness trains causal LMs"
+        )
     template = empty_model(config)
     weights = CheckpointWeights(name, getattr(template, "base_model_prefix", ""))
     weights.follow_conversions(template)
     if weights.merged:
-        raise ConfigError(f"model.name '{name}': transformers builds some of its tensors by merging several checkpoint tensors "
-                          f"({weights.merged[0]}, ...), which harness's sharded loader cannot read a shard at a time; "
-                          "this checkpoint layout (e.g. per-expert MoE tensors) is not supported yet")
+        raise ConfigError(
+            f"model.name '{name}': transformers builds some of its tensors by merging several checkpoint tensors "
+            f"({weights.merged[0]}, ...), which harness's sharded loader cannot read a shard at a time; "
+            "this checkpoint layout (e.g. per-expert MoE tensors) is not supported yet"
+        )
     users = block_users(cfg, strategy)
     if not users:
         return
     try:
         decoder_block_list(template)
     except BlocksNotFound as exc:
-        raise ConfigError(f"model.name '{name}': {exc}; needed by {', '.join(users)}: turn those off (e.g. strategy=ddp or zero3, "
-                          "memory.activation_checkpointing=none)") from None
+        raise ConfigError(
+            f"model.name '{name}': {exc}; needed by {', '.join(users)}: turn those off (e.g. strategy=ddp or zero3, "
+            "memory.activation_checkpointing=none)"
+        ) from None
 
 
 def check_model(cfg: RunConfig) -> None:
@@ -156,17 +175,23 @@ def check_model(cfg: RunConfig) -> None:
     if cfg.model.max_seq_len is not None and seq > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={seq} exceeds model.max_seq_len={cfg.model.max_seq_len}; lower data.seq_len")
     if positions and seq > positions:
-        raise ConfigError(f"data.seq_len={seq} exceeds the model's {positions} positions (max_position_embeddings); "
-                          f"set data.seq_len <= {positions}")
+        raise ConfigError(
+            f"data.seq_len={seq} exceeds the model's {positions} positions (max_position_embeddings); set data.seq_len <= {positions}"
+        )
     if cfg.prune.method != "none" and cfg.prune.pattern != "unstructured":
         m = int(cfg.prune.pattern.split(":")[1])
         heads, hidden = shape.get("num_attention_heads"), shape.get("hidden_size")
-        widths = {"hidden_size": hidden, "intermediate_size": shape.get("intermediate_size"),
-                  "num_attention_heads*head_dim": heads * shape["head_dim"] if heads and shape.get("head_dim") else None}
+        widths = {
+            "hidden_size": hidden,
+            "intermediate_size": shape.get("intermediate_size"),
+            "num_attention_heads*head_dim": heads * shape["head_dim"] if heads and shape.get("head_dim") else None,
+        }
         for what, width in widths.items():
             if width and width % m:
-                raise ConfigError(f"prune.pattern={cfg.prune.pattern}: M={m} must divide every pruned layer's input width, "
-                                  f"but {what}={width}; use an M that divides it (e.g. 2:4)")
+                raise ConfigError(
+                    f"prune.pattern={cfg.prune.pattern}: M={m} must divide every pruned layer's input width, "
+                    f"but {what}={width}; use an M that divides it (e.g. 2:4)"
+                )
 
 
 # ------------------------------------------------------------------ data
@@ -182,7 +207,7 @@ def check_data(cfg: RunConfig) -> None:
     if source in EMBEDDED_SOURCES:
         return
     if os.path.exists(source):
-        files = ([os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs] if os.path.isdir(source) else [source])
+        files = [os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs] if os.path.isdir(source) else [source]
         if not files:
             raise ConfigError(f"data.source '{source}' is an empty directory; put text/jsonl/json/parquet files in it")
         if all(os.path.getsize(f) == 0 for f in files):
@@ -201,11 +226,14 @@ def check_data(cfg: RunConfig) -> None:
                 raise ConfigError(f"data.source file '{first}' is not valid JSON lines (line 1, column {e.colno}: {e.msg})") from None
             if isinstance(record, dict) and cfg.data.text_field not in record and "input_ids" in record:
                 if cfg.data.eos_id is None and not cfg.data.tokenizer and not os.path.isdir(cfg.model.name):
-                    raise ConfigError(f"data.source '{first}' is pre-tokenized (input_ids) and no tokenizer names its "
-                                      "end-of-document token; set data.eos_id (or data.tokenizer)")
+                    raise ConfigError(
+                        f"data.source '{first}' is pre-tokenized (input_ids) and no tokenizer names its "
+                        "end-of-document token; set data.eos_id (or data.tokenizer)"
+                    )
             elif isinstance(record, dict) and cfg.data.text_field not in record:
-                raise ConfigError(f"data.source '{first}' has no field '{cfg.data.text_field}' (fields: {', '.join(record)}); "
-                                  "set data.text_field")
+                raise ConfigError(
+                    f"data.source '{first}' has no field '{cfg.data.text_field}' (fields: {', '.join(record)}); set data.text_field"
+                )
         return
     if _looks_like_path(source):
         raise ConfigError(f"data.source '{source}' does not exist")
@@ -229,8 +257,9 @@ def check_decodable(files: list[str]) -> None:
         try:
             codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
         except UnicodeDecodeError as exc:
-            raise ConfigError(f"data.source file '{path}' is not UTF-8 text (byte {exc.start}: {head[exc.start:exc.start + 4]!r}); "
-                              "convert it to UTF-8") from None
+            raise ConfigError(
+                f"data.source file '{path}' is not UTF-8 text (byte {exc.start}: {head[exc.start : exc.start + 4]!r}); convert it to UTF-8"
+            ) from None
 
 
 def check_token_file(path: str, cfg: RunConfig) -> None:
@@ -241,11 +270,11 @@ def check_token_file(path: str, cfg: RunConfig) -> None:
         except (ValueError, OSError) as exc:
             raise ConfigError(f"data.source '{path}' is not a readable .npy file ({str(exc).splitlines()[0]})") from None
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise ConfigError(f"data.source '{path}': a token file must hold one flat array of integer token ids "
-                              f"(got {arr.dtype}, shape {arr.shape})")
+            raise ConfigError(
+                f"data.source '{path}': a token file must hold one flat array of integer token ids (got {arr.dtype}, shape {arr.shape})"
+            )
     elif os.path.getsize(path) % np.dtype(cfg.data.token_dtype).itemsize:
-        raise ConfigError(f"data.source '{path}' is not a whole number of {cfg.data.token_dtype} tokens; "
-                          "check data.token_dtype")
+        raise ConfigError(f"data.source '{path}' is not a whole number of {cfg.data.token_dtype} tokens; check data.token_dtype")
     if cfg.data.eos_id is None and not cfg.data.tokenizer and not os.path.isdir(cfg.model.name):
         log.warning(f"data.source '{path}' gives no end-of-document token (data.eos_id): it is cut into 4,096-token documents")
 
@@ -300,8 +329,9 @@ def preflight(cfg: RunConfig, strategy: Strategy) -> None:
     check_run(cfg, strategy, world, has_accelerator(cfg))
     amp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if amp in ("bf16", "fp16") and amp != cfg.precision:
-        raise ConfigError(f"accelerate launch --mixed_precision {amp} contradicts the run config's precision={cfg.precision}; "
-                          f"set precision={amp}")
+        raise ConfigError(
+            f"accelerate launch --mixed_precision {amp} contradicts the run config's precision={cfg.precision}; set precision={amp}"
+        )
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no GPU is visible; use device=auto or device=cpu")
     if cfg.precision == "bf16" and has_accelerator(cfg) and not torch.cuda.is_bf16_supported():

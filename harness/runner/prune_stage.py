@@ -7,6 +7,7 @@ strategy, any world size), measures eval perplexity before and after on the `eva
 logs per-layer sparsity, saves the masks and hands back a callable that keeps pruned
 weights at exactly zero through further steps.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -85,8 +86,10 @@ def calibration_split(data: PackedData, cfg: RunConfig) -> tuple[torch.Tensor, n
     order = calibration_samples(pool, pool.shape[0], cfg.prune.calib_seed)  # the whole pool, permuted
     n = cfg.prune.calib_samples if cfg.prune.method != "magnitude" else 0  # magnitude reads no data
     if n > pool.shape[0]:
-        raise ConfigError(f"prune.calib_samples={n} but the calib split has {pool.shape[0]} blocks of {cfg.data.seq_len} tokens; "
-                          "lower it or raise data.calib_fraction")
+        raise ConfigError(
+            f"prune.calib_samples={n} but the calib split has {pool.shape[0]} blocks of {cfg.data.seq_len} tokens; "
+            "lower it or raise data.calib_fraction"
+        )
     return order[:n], order[n:].numpy().astype(np.int32)
 
 
@@ -132,7 +135,8 @@ def run_prune_stage(
     before = before or evaluate(engine, data, cfg, info)
     target = engine.model
     kwargs: dict[str, Any] = dict(
-        grad_accum=None if engine.owns_grad_accumulation else cfg.grad_accum, comm=comm,
+        grad_accum=None if engine.owns_grad_accumulation else cfg.grad_accum,
+        comm=comm,
     )  # sequential and stat_dtype: from `p`, unset keys filled by the decision mode inside run_pruning
     loss_fn = lambda _, batch: engine.forward_loss(batch)
     oib = engine.oib
@@ -140,13 +144,20 @@ def run_prune_stage(
         if p.schedule:
             val = dataclasses.replace(data, blocks={**data.blocks, HOLDOUT_SPLIT: holdout})
             if holdout.shape[0] == 0:
-                raise ConfigError("prune.schedule needs calib blocks beyond prune.calib_samples for its metric; lower "
-                                  "prune.calib_samples or raise data.calib_fraction")
+                raise ConfigError(
+                    "prune.schedule needs calib blocks beyond prune.calib_samples for its metric; lower "
+                    "prune.calib_samples or raise data.calib_fraction"
+                )
             metric = lambda _: evaluate(engine, val, cfg, info, split=HOLDOUT_SPLIT)["eval/loss"]
             sched = run_schedule(target, batches, p, loss_fn, metric, list(p.schedule), p.max_metric_increase, **kwargs)
             report = sched.accepted
-            extra: dict[str, Any] = {"schedule": {"baseline_holdout_loss": sched.baseline, "stopped_at": sched.stopped_at,
-                                                  "rounds": [list(r) for r in sched.rounds]}}
+            extra: dict[str, Any] = {
+                "schedule": {
+                    "baseline_holdout_loss": sched.baseline,
+                    "stopped_at": sched.stopped_at,
+                    "rounds": [list(r) for r in sched.rounds],
+                }
+            }
         else:
             report = run_pruning(target, batches, p, loss_fn, **kwargs)
             extra = {}
@@ -154,9 +165,12 @@ def run_prune_stage(
     stats: dict[str, Any] = report.to_dict() if report is not None else {"method": p.method, "achieved_sparsity": 0.0, "layers": []}
     stats.update(extra)
     stats.update(
-        eval_loss_before=before["eval/loss"], eval_perplexity_before=before["eval/perplexity"],
-        eval_loss_after=after["eval/loss"], eval_perplexity_after=after["eval/perplexity"],
-        calib_samples_used=used, calib_seed=p.calib_seed,
+        eval_loss_before=before["eval/loss"],
+        eval_perplexity_before=before["eval/perplexity"],
+        eval_loss_after=after["eval/loss"],
+        eval_perplexity_after=after["eval/perplexity"],
+        calib_samples_used=used,
+        calib_seed=p.calib_seed,
     )
     enforcer = hook = None
     if report is not None:
@@ -189,8 +203,9 @@ def _hand_to_checkpoints(ckpt: CheckpointManager | None, masks: MaskSet, comm: C
     ckpt.last_step = None
 
 
-def _restore(engine: Engine, cfg: RunConfig, info: DistInfo, saved: dict[str, torch.Tensor], ckpt: CheckpointManager | None,
-             comm: Comm) -> PruneStats:
+def _restore(
+    engine: Engine, cfg: RunConfig, info: DistInfo, saved: dict[str, torch.Tensor], ckpt: CheckpointManager | None, comm: Comm
+) -> PruneStats:
     """Masks from a resumed checkpoint: enforce them again rather than pruning twice. A mask
     saved at world 1 is whole; at another world size each rank takes its range of it."""
     views = build_views(engine.model, cfg.prune.targets, comm)
@@ -204,8 +219,12 @@ def _restore(engine: Engine, cfg: RunConfig, info: DistInfo, saved: dict[str, to
     masks = MaskSet(local)
     counts = masks.counts(views, comm)
     total = sum(n for _, _, n in counts)
-    stats = {"method": cfg.prune.method, "resumed": True, "achieved_sparsity": sum(k for _, k, _ in counts) / max(1, total),
-             "layers": [{"name": name, "numel": n, "pruned": k, "sparsity": k / n} for name, k, n in counts]}
+    stats = {
+        "method": cfg.prune.method,
+        "resumed": True,
+        "achieved_sparsity": sum(k for _, k, _ in counts) / max(1, total),
+        "layers": [{"name": name, "numel": n, "pruned": k, "sparsity": k / n} for name, k, n in counts],
+    }
     enforcer, hook = _install(engine, masks, cfg.prune.targets, comm)
     enforcer()  # the checkpoint's weights are already zero there; this makes it hold by construction
     _hand_to_checkpoints(ckpt, masks, comm)
@@ -224,16 +243,19 @@ def _publish(stats: dict[str, Any], cfg: RunConfig, info: DistInfo, observer: Ob
         os.makedirs(cfg.output_dir, exist_ok=True)
         with open(os.path.join(cfg.output_dir, REPORT_FILE), "w") as f:
             json.dump(stats, f, indent=1, default=str)
-    line = (f"prune {stats['method']} {cfg.prune.pattern}: sparsity {stats['achieved_sparsity']:.4f} over the pruned layers "
-            f"(target {stats.get('target_sparsity', cfg.prune.sparsity):g}); eval perplexity {stats['eval_perplexity_before']:.3f} -> "
-            f"{stats['eval_perplexity_after']:.3f}")
+    line = (
+        f"prune {stats['method']} {cfg.prune.pattern}: sparsity {stats['achieved_sparsity']:.4f} over the pruned layers "
+        f"(target {stats.get('target_sparsity', cfg.prune.sparsity):g}); eval perplexity {stats['eval_perplexity_before']:.3f} -> "
+        f"{stats['eval_perplexity_after']:.3f}"
+    )
     if "wall_time_s" in stats:
-        line += (f"; {stats['wall_time_s']:.1f}s, passes fwd {stats['fwd_passes']:g} fwd+bwd {stats['fwd_bwd_passes']:g}, "
-                 f"K={stats['group_size']}, probe memory {stats['peak_probe_bytes'] / 2**20:.2f} MiB/rank")
+        line += (
+            f"; {stats['wall_time_s']:.1f}s, passes fwd {stats['fwd_passes']:g} fwd+bwd {stats['fwd_bwd_passes']:g}, "
+            f"K={stats['group_size']}, probe memory {stats['peak_probe_bytes'] / 2**20:.2f} MiB/rank"
+        )
     if "schedule" in stats:
         line += f"; schedule rounds {stats['schedule']['rounds']} stopped at {stats['schedule']['stopped_at']}"
     log.info(line)
 
 
 # ----------------------------------------------------------------------------- the command
-

@@ -6,6 +6,7 @@ over) and every rank learns the outcome, so two runs racing for one directory ca
 start. The lock is released when the run ends; a crashed run's lock is recognised as dead
 (its process is gone, or its heartbeat stopped `HARNESS_LOCK_STALE_S` ago).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,9 +25,11 @@ def run_lock(cfg: RunConfig) -> FileLock:
 
 
 def _in_use(cfg: RunConfig, lock: FileLock) -> str:
-    return (f"output_dir '{cfg.output_dir}' is in use by another run ({lock.describe()}); wait for it to end or choose another "
-            f"output_dir (a run that died frees it once its process is gone or its heartbeat is "
-            f"{os.environ.get('HARNESS_LOCK_STALE_S', '120')} s old)")
+    return (
+        f"output_dir '{cfg.output_dir}' is in use by another run ({lock.describe()}); wait for it to end or choose another "
+        f"output_dir (a run that died frees it once its process is gone or its heartbeat is "
+        f"{os.environ.get('HARNESS_LOCK_STALE_S', '120')} s old)"
+    )
 
 
 def check_not_in_use(cfg: RunConfig) -> None:

@@ -26,6 +26,7 @@ forward override is installed on the HF module's *instance* (class code untouche
 the ``harness_targets`` keyword it returns the loss sum, without it it is the original
 forward. The override is one stable bound method, so torch.compile guards stay valid.
 """
+
 from __future__ import annotations
 
 import types
@@ -45,8 +46,7 @@ def shift_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> tor
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
 
 
-def _blockwise_ce(logits: torch.Tensor, targets: torch.Tensor, rows: int,
-                  grad: torch.Tensor | None) -> torch.Tensor:
+def _blockwise_ce(logits: torch.Tensor, targets: torch.Tensor, rows: int, grad: torch.Tensor | None) -> torch.Tensor:
     """Summed fp32 CE over ``rows``-row blocks; with ``grad``, also write softmax - onehot into it.
 
     Only one block is ever upcast to fp32. The gradient is written *unscaled* (entries in
@@ -55,8 +55,8 @@ def _blockwise_ce(logits: torch.Tensor, targets: torch.Tensor, rows: int,
     """
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], rows):
-        x = logits[start:start + rows].float()
-        t = targets[start:start + rows]
+        x = logits[start : start + rows].float()
+        t = targets[start : start + rows]
         valid = t != IGNORE_INDEX
         safe = torch.where(valid, t, 0).unsqueeze(1)
         lse = torch.logsumexp(x, dim=-1)
@@ -64,7 +64,7 @@ def _blockwise_ce(logits: torch.Tensor, targets: torch.Tensor, rows: int,
         if grad is not None:
             g = x.sub_(lse.unsqueeze(1)).exp_()  # softmax, in x's memory
             g.scatter_add_(1, safe, -valid.unsqueeze(1).to(g.dtype))
-            grad[start:start + rows] = g.mul_(valid.unsqueeze(1))
+            grad[start : start + rows] = g.mul_(valid.unsqueeze(1))
     return total
 
 
@@ -79,8 +79,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, scale: float | torch.Tensor,
-                rows: int) -> torch.Tensor:
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, scale: float | torch.Tensor, rows: int) -> torch.Tensor:
         grad = torch.empty_like(logits)
         total = _blockwise_ce(logits, targets, rows, grad)
         ctx.save_for_backward(grad)
@@ -129,14 +128,13 @@ def chunked_ce_sum(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor,
     total = flat_hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, flat_hidden.shape[0], chunk_size):
         end = start + chunk_size
-        total = total + checkpoint(
-            _head_ce_sum, head, flat_hidden[start:end], flat_targets[start:end], use_reentrant=False
-        )
+        total = total + checkpoint(_head_ce_sum, head, flat_hidden[start:end], flat_targets[start:end], use_reentrant=False)
     return total
 
 
-def _forward_with_loss(self: nn.Module, *args: Any, harness_targets: torch.Tensor | None = None,
-                       harness_chunk_size: int = 0, **kwargs: Any) -> Any:
+def _forward_with_loss(
+    self: nn.Module, *args: Any, harness_targets: torch.Tensor | None = None, harness_chunk_size: int = 0, **kwargs: Any
+) -> Any:
     """The installed forward: the original one, or (with ``harness_targets``) body + chunked loss sum."""
     if harness_targets is None:
         return getattr(self, _ORIG_FORWARD)(*args, **kwargs)

@@ -1,4 +1,5 @@
 """Optimizer and learning-rate schedule, shared by every engine so they train identically."""
+
 from __future__ import annotations
 
 import math

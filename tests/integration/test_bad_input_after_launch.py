@@ -2,6 +2,7 @@
 ends in one line and exit 2, not a traceback: a global batch larger than the training set
 (which once made the sampler loop for minutes), a corrupt line deep in a data file (past
 what pre-flight samples), under one process and under torchrun."""
+
 from __future__ import annotations
 
 import json

@@ -14,6 +14,7 @@ The FSDP launches that depend only on the same earlier run go side by side (`sid
 the ZeRO ones do not (several DeepSpeed processes at once race to JIT-build its CPU ops when
 the torch extensions cache is cold or built for another path).
 """
+
 from __future__ import annotations
 
 import os
@@ -64,8 +65,14 @@ def ws(tmp_path_factory):
 
 def launch(ws, name: str, world: int, *overrides: str, extra_env: dict[str, str] | None = None) -> tuple[Path, subprocess.CompletedProcess]:
     out = ws["root"] / name
-    config = tiny_config(ws["root"] / f"{name}.yaml", ws["cache"], out, steps=6, grad_accum=4 if world == 1 else 2,
-                         **{"checkpoint.every": 2, "checkpoint.keep": 3})
+    config = tiny_config(
+        ws["root"] / f"{name}.yaml",
+        ws["cache"],
+        out,
+        steps=6,
+        grad_accum=4 if world == 1 else 2,
+        **{"checkpoint.every": 2, "checkpoint.keep": 3},
+    )
     cmd = launch_command("python" if world == 1 else "torchrun", world, config, list(overrides))
     return out, _run(cmd, extra_env)
 
@@ -91,12 +98,14 @@ def single_ref(ws):
 
 def test_single_sigkill_mid_save_keeps_previous_and_resume_is_bit_exact(ws, single_ref):
     out = ws["root"] / "killed"
-    config = tiny_config(ws["root"] / "killed.yaml", ws["cache"], out, steps=6, grad_accum=4,
-                         **{"checkpoint.every": 2, "checkpoint.keep": 3})
+    config = tiny_config(
+        ws["root"] / "killed.yaml", ws["cache"], out, steps=6, grad_accum=4, **{"checkpoint.every": 2, "checkpoint.keep": 3}
+    )
     e = env()
     e["HARNESS_FAULT"] = "save_pause=120@4"  # step 4's checkpoint: fully written, then a window before the rename
-    proc = subprocess.Popen(launch_command("python", 1, config, []), cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        launch_command("python", 1, config, []), cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     pending = step_dir(out, 4).parent / ".tmp-step_00000004"
     deadline = time.monotonic() + 120
     while not (pending / "meta.json").exists():
@@ -136,7 +145,8 @@ def test_fsdp_resume_same_world_bit_exact_and_across_world_sizes(ws, single_ref)
     # Both resume FSDP2's step-4 checkpoint, side by side (see `side_by_side`).
     (f1, _), (again, _) = side_by_side(
         lambda: launch(ws, "fsdp1", 1, "strategy=fsdp", f"checkpoint.resume={step_dir(f2, 4)}"),
-        lambda: launch(ws, "fsdp2b", 2, "strategy=fsdp", f"checkpoint.resume={step_dir(f2, 4)}", "checkpoint.export_hf=true"))
+        lambda: launch(ws, "fsdp2b", 2, "strategy=fsdp", f"checkpoint.resume={step_dir(f2, 4)}", "checkpoint.export_hf=true"),
+    )
     # 2 -> 1: into a single process.
     assert [losses(f1)[s] for s in (5, 6)] == pytest.approx([got[s] for s in (5, 6)], rel=WORLD_CHANGE_RTOL)
 
@@ -203,8 +213,14 @@ def _in_process(tmp_path: Path, *overrides: str):
     cfg = load_config(None, ["model.name=tiny-llama", f"output_dir={tmp_path}", *overrides])
     strategy = load_strategy("ddp")
     info = DistInfo(0, 1, 0, torch.device("cpu"), None)
-    engine = build_engine(model_spec("tiny-llama", vocab_size=64), cfg, strategy, precision_policy("fp32", info.device, "ddp"),
-                          info, functools.partial(causal_lm_loss, chunk_size=0))
+    engine = build_engine(
+        model_spec("tiny-llama", vocab_size=64),
+        cfg,
+        strategy,
+        precision_policy("fp32", info.device, "ddp"),
+        info,
+        functools.partial(causal_lm_loss, chunk_size=0),
+    )
     return engine, CheckpointManager(cfg, strategy, info, engine)
 
 

@@ -2,6 +2,7 @@
 preparer killed midway (redone, never trusted), two preparers of one cache (one tokenizes,
 the other waits and says for whom), and a streamed run under torchrun that resumes from a
 checkpoint at exactly the sample it stopped at (losses bit-identical to an unbroken run)."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,17 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _data_cmd(corpus: dict[str, Path], cache: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "harness.data", f"data.source={corpus['docs']}", f"data.tokenizer={corpus['tok']}",
-            "data.seq_len=32", f"data.cache_dir={cache}", "data.num_proc=2", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "harness.data",
+        f"data.source={corpus['docs']}",
+        f"data.tokenizer={corpus['tok']}",
+        "data.seq_len=32",
+        f"data.cache_dir={cache}",
+        "data.num_proc=2",
+        *extra,
+    ]
 
 
 def _last_json(stdout: str) -> dict:
@@ -71,8 +81,10 @@ def test_a_preparation_killed_midway_is_redone_not_trusted(corpus, tmp_path):
 
 
 def test_two_preparers_of_one_cache_tokenize_once(corpus, tmp_path):
-    procs = [subprocess.Popen(_data_cmd(corpus, tmp_path), cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(_data_cmd(corpus, tmp_path), cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     prepared = [o for o, _ in outs if "[harness] data: " in o and " tokens (train " in o]
@@ -88,8 +100,14 @@ def _losses(out: Path) -> dict[int, float]:
 def test_streamed_run_resumes_at_the_sample_it_stopped_at(corpus, tmp_path):
     """Resumed from step 2 of an unbroken 4-step run, steps 3 and 4 see the same batches: had the
     stream position not been restored, each rank would read its part from the start again."""
-    common = {"data.source": str(corpus["docs"]), "data.tokenizer": str(corpus["tok"]), "data.streaming": True,
-              "data.max_tokens": None, "data.stream_eval_blocks": 8, "checkpoint.every": 2}
+    common = {
+        "data.source": str(corpus["docs"]),
+        "data.tokenizer": str(corpus["tok"]),
+        "data.streaming": True,
+        "data.max_tokens": None,
+        "data.stream_eval_blocks": 8,
+        "checkpoint.every": 2,
+    }
     straight = tiny_config(tmp_path / "straight.yaml", tmp_path / "cache", tmp_path / "straight", steps=4, **common)
     run(launch_command("torchrun", 2, straight, []), timeout=600)
     saved = tmp_path / "straight" / "checkpoints" / "step_00000002"
@@ -100,6 +118,5 @@ def test_streamed_run_resumes_at_the_sample_it_stopped_at(corpus, tmp_path):
     a, b = _losses(tmp_path / "straight"), _losses(tmp_path / "again")
     assert set(b) == {3, 4} and all(a[s] == b[s] for s in (3, 4)), (a, b)
     same_batch = [f"checkpoint.resume={saved}", "output_dir=" + str(tmp_path / "w1"), "grad_accum=4"]  # only the world differs
-    at_other_world = run(launch_command("python", 1, again, same_batch),
-                         timeout=300, check=False)
+    at_other_world = run(launch_command("python", 1, again, same_batch), timeout=300, check=False)
     assert at_other_world.returncode == 2 and "resumes at that world size" in at_other_world.stderr

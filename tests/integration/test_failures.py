@@ -6,6 +6,7 @@ rank at a chosen step), `HARNESS_FAULT` injects the real thing at a real point o
 (`harness/failures.py`): a NaN in the LM head's output, a `torch.OutOfMemoryError` raised
 in forward, a SIGUSR1 the process sends itself.
 """
+
 from __future__ import annotations
 
 import os
@@ -209,17 +210,39 @@ def _env_launch(cfg: Path, port: int, extra: dict[str, str] | None = None) -> li
     """Two ranks started the way srun starts tasks: environment variables, no agent watching them."""
     procs = []
     for rank in (0, 1):
-        e = _env({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                  **(extra or {})})
-        procs.append(subprocess.Popen([sys.executable, "-m", "harness.train", "--config", str(cfg)], cwd=REPO, env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        e = _env(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                **(extra or {}),
+            }
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "harness.train", "--config", str(cfg)],
+                cwd=REPO,
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
 def test_killed_rank_under_torchrun_others_exit_naming_it(ws):
     cfg, out = config(ws, "killed_rank", steps=100000)
-    launcher = subprocess.Popen(launch_command("torchrun", 2, cfg, ["strategy=ddp"]), cwd=REPO, env=_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        launch_command("torchrun", 2, cfg, ["strategy=ddp"]),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for_steps(out, 3, [launcher])
     os.kill(rank_pid(launcher.pid, 1), signal.SIGKILL)
     t0 = time.monotonic()

@@ -5,6 +5,7 @@ state (ZeRO-1: optimizer state halved; ZeRO-2: + gradients; ZeRO-3/FSDP: + param
 the loss must match a world-1 run on the same global batch. Nothing here trusts a flag:
 bytes come from the tensors each rank actually holds (harness/state_bytes.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,14 @@ def workspace(tmp_path_factory):
     config = tiny_config(root / "ref.yaml", cache, ref_out, grad_accum=4)
     run(launch_command("python", 1, config, []))
     n_params = count_parameters(build_model("tiny-llama", vocab_size=512))
-    return {"root": root, "cache": cache, "ref_losses": step_losses(ref_out), "ref_eval": final_eval(ref_out), "P": 4 * n_params,
-            "n_params": n_params}
+    return {
+        "root": root,
+        "cache": cache,
+        "ref_losses": step_losses(ref_out),
+        "ref_eval": final_eval(ref_out),
+        "P": 4 * n_params,
+        "n_params": n_params,
+    }
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
@@ -69,8 +76,15 @@ def test_accelerate_flags_choose_the_strategy(workspace):
     out = workspace["root"] / "accelerate-use-fsdp"
     config = tiny_config(workspace["root"] / "accelerate-use-fsdp.yaml", workspace["cache"], out)
     cmd = launch_command("accelerate", 2, config, [])
-    cmd[cmd.index("--config_file"):cmd.index("--config_file") + 2] = ["--use_fsdp", "--num_machines", "1", "--mixed_precision", "no",
-                                                                      "--dynamo_backend", "no"]
+    cmd[cmd.index("--config_file") : cmd.index("--config_file") + 2] = [
+        "--use_fsdp",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
     run(cmd)
     held = state_bytes(out, 0)
     assert held["params"] == pytest.approx(0.5 * workspace["P"], rel=0.05)
@@ -80,8 +94,14 @@ def test_accelerate_flags_choose_the_strategy(workspace):
 def test_bf16_world_two_matches_world_one_within_bf16_tolerance(workspace):
     root = workspace["root"]
     ref_out, out = root / "bf16-ref", root / "bf16-fsdp"
-    run(launch_command("python", 1, tiny_config(root / "bf16-ref.yaml", workspace["cache"], ref_out, grad_accum=4, precision="bf16",
-                                                strategy="fsdp"), []))
+    run(
+        launch_command(
+            "python",
+            1,
+            tiny_config(root / "bf16-ref.yaml", workspace["cache"], ref_out, grad_accum=4, precision="bf16", strategy="fsdp"),
+            [],
+        )
+    )
     # with per-step memory tracking on: FSDPMemTracker must follow the trainer's FSDP layout
     config = tiny_config(root / "bf16-fsdp.yaml", workspace["cache"], out, precision="bf16", strategy="fsdp", **{"memory.track": True})
     run(launch_command("torchrun", 2, config, []))

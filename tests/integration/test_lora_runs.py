@@ -7,6 +7,7 @@ resume from step 2 (bit-exact), the adapter and merged exports (the merged model
 `from_pretrained` and gives the run's own eval loss), pruning of the merged model, and the
 quantized base refused on a CPU machine before anything starts.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,10 +37,26 @@ def ws(tmp_path_factory):
 
 def lora_run(ws, name: str, world: int, *overrides: str, **extra) -> Path:
     out = ws["root"] / name
-    config = tiny_config(ws["root"] / f"{name}.yaml", ws["cache"], out, steps=4, grad_accum=2 if world == 1 else 1,
-                         **{"data.source": str(ws["data"]), "data.format": "instruction", "data.seq_len": 64,
-                            "data.eval_fraction": 0.1, "data.max_tokens": None, "lora.enabled": True, "lora.r": 4,
-                            "checkpoint.every": 2, "checkpoint.keep": 3, "memory.track": True, **extra})
+    config = tiny_config(
+        ws["root"] / f"{name}.yaml",
+        ws["cache"],
+        out,
+        steps=4,
+        grad_accum=2 if world == 1 else 1,
+        **{
+            "data.source": str(ws["data"]),
+            "data.format": "instruction",
+            "data.seq_len": 64,
+            "data.eval_fraction": 0.1,
+            "data.max_tokens": None,
+            "lora.enabled": True,
+            "lora.r": 4,
+            "checkpoint.every": 2,
+            "checkpoint.keep": 3,
+            "memory.track": True,
+            **extra,
+        },
+    )
     run(launch_command("python" if world == 1 else "torchrun", world, config, list(overrides)))
     return out
 
@@ -130,8 +147,9 @@ def test_a_merged_model_prunes_like_any_saved_model(ws, ref):
     if not merged.is_dir():
         assert export.main([str(step_dir(ref, 4)), "--out", str(merged), "--merged"]) == 0
     out = ws["root"] / "pruned"
-    config = tiny_config(ws["root"] / "prune.yaml", ws["cache"], out, **{"model.name": str(merged), "prune.method": "magnitude",
-                                                                          "prune.sparsity": 0.5})
+    config = tiny_config(
+        ws["root"] / "prune.yaml", ws["cache"], out, **{"model.name": str(merged), "prune.method": "magnitude", "prune.sparsity": 0.5}
+    )
     proc = run([*launch_command("python", 1, config, [])[:2], "harness.prune", *launch_command("python", 1, config, [])[3:]])
     assert "zero weights" in proc.stdout, proc.stdout[-2000:]
 

@@ -9,6 +9,7 @@ MemTracker alone would miss them; the tracker counts them directly as optimizer 
 reduce buckets are flat buffers it allocates itself: MemTracker labels them by the phase
 in which they appear (temporaries in backward), not as gradients - a documented limit.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,7 @@ def _worker(out_path: str) -> None:
         hf_loss = model(input_ids=ids, labels=ids, use_cache=False).loss.item()
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         n_tensors = len(list(model.parameters()))
-        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                                 config=ds)
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=ds)
         tracker = StepMemoryTracker(engine, opt)
         losses, plain = [], None
         for step in range(3):
@@ -54,11 +54,18 @@ def _worker(out_path: str) -> None:
         with torch.no_grad():
             plain = causal_lm_loss(engine, ids).item()
             chunked = causal_lm_loss(engine, ids, chunk_size=16).item()
-        out[stage] = {"hf_loss": hf_loss, "losses": losses, "plain_after": plain, "chunked_after": chunked,
-                      "param_bytes": param_bytes, "n_tensors": n_tensors,
-                      "counted_opt": optimizer_state_bytes(opt, engine),
-                      "maxima": tracker.last_category_maxima(), "peak": tracker.last_peaks(),
-                      "opt_type": type(opt).__name__}
+        out[stage] = {
+            "hf_loss": hf_loss,
+            "losses": losses,
+            "plain_after": plain,
+            "chunked_after": chunked,
+            "param_bytes": param_bytes,
+            "n_tensors": n_tensors,
+            "counted_opt": optimizer_state_bytes(opt, engine),
+            "maxima": tracker.last_category_maxima(),
+            "peak": tracker.last_peaks(),
+            "opt_type": type(opt).__name__,
+        }
     with open(out_path, "w") as f:
         json.dump(out, f)
     teardown()

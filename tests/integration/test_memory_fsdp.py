@@ -5,6 +5,7 @@ scenarios); rank 0 writes the measurements to JSON and the tests below check the
 Each rank sees different data, so a parameter stepped with an unsynchronised gradient
 would not match the normal optimizer.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ def _worker(out_path: str) -> None:
         gen = torch.Generator().manual_seed(10 * micro + info.rank)
         return torch.randint(0, 2048, (2, 32), generator=gen)
 
-    def run(kind: str, accum: int = 1, sync_each: bool = True, ac: str = "none", chunk: int = 0,
-            track: bool = False, compile_mode: str = "none") -> dict[str, Any]:
+    def run(
+        kind: str, accum: int = 1, sync_each: bool = True, ac: str = "none", chunk: int = 0, track: bool = False, compile_mode: str = "none"
+    ) -> dict[str, Any]:
         model = build_model("tiny-llama", seed=0)
         # torchtitan's order: activation checkpointing, compile, then fully_shard.
         apply_activation_checkpointing(model, ac)
@@ -63,6 +65,7 @@ def _worker(out_path: str) -> None:
         make = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
         probe: dict[str, Any] = {"hook_calls": 0, "dtensor_grads": 0, "sharded_shape": 0}
         if kind == "oib":
+
             def probed(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
                 # What each per-parameter step sees, observed through the optimizer's public pre-step hook.
                 optimizer = make(params)
@@ -112,9 +115,19 @@ def _worker(out_path: str) -> None:
             losses.append(t.item() / info.world_size)
         full = [p.full_tensor().detach().clone() for p in model.parameters()]
         shard_bytes = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
-        return {"losses": losses, "lrs": lrs, "norms": norms, "params": full, "probe": probe, "steps_in_backward": steps_in_backward,
-                "n_params": len(full), "memory": tracker.last_category_maxima(), "peak": tracker.last_peaks(),
-                "detail_max": tracker.history[-1].get("detail_max") if track else None, "shard_bytes": shard_bytes}
+        return {
+            "losses": losses,
+            "lrs": lrs,
+            "norms": norms,
+            "params": full,
+            "probe": probe,
+            "steps_in_backward": steps_in_backward,
+            "n_params": len(full),
+            "memory": tracker.last_category_maxima(),
+            "peak": tracker.last_peaks(),
+            "detail_max": tracker.history[-1].get("detail_max") if track else None,
+            "shard_bytes": shard_bytes,
+        }
 
     def max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
         return max((x - y).abs().max().item() for x, y in zip(a["params"], b["params"]))
@@ -131,15 +144,35 @@ def _worker(out_path: str) -> None:
         "adamw_chunked": run("adamw", chunk=16),
         "oib_op_ac_compiled_chunked": run("oib", ac="op", chunk=16, compile_mode="block"),
     }
-    base = {"adamw": "adamw", "oib": "adamw", "adamw_acc2": "adamw_acc2", "oib_acc2": "adamw_acc2",
-            "adamw_acc2_nosync": "adamw_acc2", "oib_acc2_nosync": "adamw_acc2_nosync", "adamw_full_ac": "adamw", "adamw_op_ac": "adamw",
-            "adamw_chunked": "adamw",
-            "oib_op_ac_compiled_chunked": "adamw"}
-    out = {name: {"losses": r["losses"], "lrs": r["lrs"], "norms": r["norms"], "probe": r["probe"], "n_params": r["n_params"],
-                  "steps_in_backward": r["steps_in_backward"], "memory": r["memory"], "peak": r["peak"], "detail_max": r["detail_max"],
-                  "shard_bytes": r["shard_bytes"],
-                  "param_diff_vs_base": max_diff(r, runs[base[name]]), "base": base[name]}
-           for name, r in runs.items()}
+    base = {
+        "adamw": "adamw",
+        "oib": "adamw",
+        "adamw_acc2": "adamw_acc2",
+        "oib_acc2": "adamw_acc2",
+        "adamw_acc2_nosync": "adamw_acc2",
+        "oib_acc2_nosync": "adamw_acc2_nosync",
+        "adamw_full_ac": "adamw",
+        "adamw_op_ac": "adamw",
+        "adamw_chunked": "adamw",
+        "oib_op_ac_compiled_chunked": "adamw",
+    }
+    out = {
+        name: {
+            "losses": r["losses"],
+            "lrs": r["lrs"],
+            "norms": r["norms"],
+            "probe": r["probe"],
+            "n_params": r["n_params"],
+            "steps_in_backward": r["steps_in_backward"],
+            "memory": r["memory"],
+            "peak": r["peak"],
+            "detail_max": r["detail_max"],
+            "shard_bytes": r["shard_bytes"],
+            "param_diff_vs_base": max_diff(r, runs[base[name]]),
+            "base": base[name],
+        }
+        for name, r in runs.items()
+    }
     if info.rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)

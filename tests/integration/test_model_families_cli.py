@@ -8,6 +8,7 @@ and the Hugging Face export, then `from_pretrained` on the export.
 
 Both print and log the time to the first step.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,13 @@ def families(tmp_path_factory) -> tuple[dict[str, str], Path]:
 
 def _train(tmp_path: Path, cache: Path, model_dir: str, **extra) -> tuple[Path, str]:
     out = tmp_path / "out"
-    cfg = tiny_config(tmp_path / "run.yaml", cache, out, steps=2, **{"model.name": model_dir, "memory.activation_checkpointing": "full",
-                                                                    "checkpoint.export_hf": True, **extra})
+    cfg = tiny_config(
+        tmp_path / "run.yaml",
+        cache,
+        out,
+        steps=2,
+        **{"model.name": model_dir, "memory.activation_checkpointing": "full", "checkpoint.export_hf": True, **extra},
+    )
     proc = run(launch_command("torchrun", 2, cfg, ["grad_accum=1"]), timeout=400)
     return out, proc.stdout
 

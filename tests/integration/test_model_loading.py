@@ -14,6 +14,7 @@ Families: Llama (sharded safetensors with an index), Qwen2 (tied embeddings), OP
 `model.decoder.layers`, learned positions), GPT-NeoX (blocks at `gpt_neox.layers`, a bf16
 file), GPT-2 (blocks at `transformer.h`, tied, Conv1D projections).
 """
+
 from __future__ import annotations
 
 import json
@@ -47,12 +48,28 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
     dirs = json.loads(dirs_json)
     results: dict[str, dict] = {}
     info = None
-    cases = [(family, strategy) for family in ["tiny-llama", *FAMILIES] for strategy in STRATEGIES
-             if not only or f"{family}/{strategy}" in only.split(",")]
+    cases = [
+        (family, strategy)
+        for family in ["tiny-llama", *FAMILIES]
+        for strategy in STRATEGIES
+        if not only or f"{family}/{strategy}" in only.split(",")
+    ]
     for family, strategy in cases:
         path = dirs.get(family, family)
-        cfg = load_config(None, [f"model.name={path}", f"strategy={strategy}", "precision=fp32", f"memory.activation_checkpointing={ac}",
-                                 "micro_batch_size=2", "grad_accum=1", "steps=2", "optim.lr=0.01", "optim.warmup_steps=0"])
+        cfg = load_config(
+            None,
+            [
+                f"model.name={path}",
+                f"strategy={strategy}",
+                "precision=fp32",
+                f"memory.activation_checkpointing={ac}",
+                "micro_batch_size=2",
+                "grad_accum=1",
+                "steps=2",
+                "optim.lr=0.01",
+                "optim.warmup_steps=0",
+            ],
+        )
         strategy_obj = load_strategy(cfg.strategy)
         info = info or init_distributed("cpu", force_group=True)
         policy = precision_policy(cfg.precision, info.device, strategy_obj.kind)
@@ -81,8 +98,10 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
         if family in dirs:  # and the reference itself is the file's content, every parameter found in it
             ckpt = CheckpointWeights(path, reference.base_model_prefix)
             ckpt.follow_conversions(reference)
-            file_equal = all(torch.equal(p.detach().reshape(-1), ckpt.read([n], p.shape, 0, p.numel()).to(p.dtype))
-                             for n, p in reference.named_parameters())
+            file_equal = all(
+                torch.equal(p.detach().reshape(-1), ckpt.read([n], p.shape, 0, p.numel()).to(p.dtype))
+                for n, p in reference.named_parameters()
+            )
         buffers = sum(b.numel() * b.element_size() for b in reference.buffers())
         whole = sum(p.numel() * 4 for p in reference.parameters())
         del model, reference, ref
@@ -97,8 +116,15 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
             engine.step()
             losses.append(float(loss.detach()))
         results[f"{family}/{strategy}"] = {
-            "peak": peak, "local_bytes": local_bytes, "largest_tensor": largest, "buffers": buffers, "whole": whole,
-            "mismatched": mismatched, "file_equal": file_equal, "losses": losses, "startup_s": engine.startup_s,
+            "peak": peak,
+            "local_bytes": local_bytes,
+            "largest_tensor": largest,
+            "buffers": buffers,
+            "whole": whole,
+            "mismatched": mismatched,
+            "file_equal": file_equal,
+            "losses": losses,
+            "startup_s": engine.startup_s,
         }
         if hasattr(engine, "ds"):  # DeepSpeed's hooks and buffers go with the engine, before the next one is built
             engine.ds.destroy()
@@ -114,7 +140,7 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     i = sys.argv.index("--worker")
-    _worker(*sys.argv[i + 1:])
+    _worker(*sys.argv[i + 1 :])
 
 
 # ----------------------------------------------------------------------------- tests

@@ -1,5 +1,6 @@
 """Observability across processes: rank 0 alone writes (two real ranks), and a W&B server that
 never answers makes the run fall back to offline instead of hanging it."""
+
 from __future__ import annotations
 
 import glob

@@ -15,6 +15,7 @@ and measured with MemTracker from before the model is built, so every storage co
 instead, replace :func:`measured_peaks` by one that runs ``harness.train`` and reads
 ``<output_dir>/metrics.jsonl``; nothing else changes.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -54,27 +55,27 @@ def _check(runs: list[list[str]], world: int) -> None:
         est = estimate(load_config(None, overrides), world, target="cpu", vocab_size=VOCAB)
         report[" ".join(overrides)] = (est.total, est.race_bytes, truth, relative_error(est.total, est.race_bytes, truth))
     bad = {k: v for k, v in report.items() if abs(v[3]) > TOLERANCE}
-    assert not bad, "\n".join(f"{k}: predicted {p:,} (race {r:,}) measured {m:,} ({e:+.2%})"
-                               for k, (p, r, m, e) in bad.items())
+    assert not bad, "\n".join(f"{k}: predicted {p:,} (race {r:,}) measured {m:,} ({e:+.2%})" for k, (p, r, m, e) in bad.items())
 
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("strategy", CPU_STRATEGIES)
 def test_prediction_within_3_percent_of_a_real_run(strategy: str, world: int) -> None:
-    runs = [[f"strategy={strategy}", *SHAPE, f"precision={p}", f"memory.activation_checkpointing={ac}"]
-            for p in ("fp32", "bf16") for ac in ("none", "full")]
+    runs = [
+        [f"strategy={strategy}", *SHAPE, f"precision={p}", f"memory.activation_checkpointing={ac}"]
+        for p in ("fp32", "bf16")
+        for ac in ("none", "full")
+    ]
     _check(runs, world)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
 def test_accumulation_and_chunked_loss_within_3_percent(strategy: str) -> None:
     """Gradient accumulation (FSDP2 keeps unsharded gradients across no-sync micro-batches) and the chunked loss."""
-    runs = [[f"strategy={strategy}", *SHAPE, f"precision={p}", "grad_accum=2", "memory.loss_chunk_size=32"]
-            for p in ("fp32", "bf16")]
+    runs = [[f"strategy={strategy}", *SHAPE, f"precision={p}", "grad_accum=2", "memory.loss_chunk_size=32"] for p in ("fp32", "bf16")]
     _check(runs, 2)
 
 
 def test_optimizer_in_backward_with_fsdp_within_3_percent() -> None:
-    runs = [["strategy=fsdp", *SHAPE, f"precision={p}", "memory.optimizer_in_backward=true", "optim.grad_clip=0"]
-            for p in ("fp32", "bf16")]
+    runs = [["strategy=fsdp", *SHAPE, f"precision={p}", "memory.optimizer_in_backward=true", "optim.grad_clip=0"] for p in ("fp32", "bf16")]
     _check(runs, 2)

@@ -1,4 +1,5 @@
 """`python -m harness.plan`: reports, recommendations that launch, and one-line errors with exit codes."""
+
 from __future__ import annotations
 
 import json
@@ -31,13 +32,16 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--gpu-mem", "48XB"], "unknown memory size '48XB'"),
-    (["--gpus", "0", "--gpu-mem", "48GiB"], "--gpus must be >= 1"),
-    (["--gpu-mem", "48GiB", "model.name=/nonexistent/model"], "cannot build model '/nonexistent/model'"),
-    (["--gpu-mem", "48GiB", "strategy=zero9"], "strategy 'zero9'"),
-    (["--gpu-mem", "48GiB", "--target", "cpu", "--gpus", "2", "strategy=fsdp_offload"], "needs a GPU"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--gpu-mem", "48XB"], "unknown memory size '48XB'"),
+        (["--gpus", "0", "--gpu-mem", "48GiB"], "--gpus must be >= 1"),
+        (["--gpu-mem", "48GiB", "model.name=/nonexistent/model"], "cannot build model '/nonexistent/model'"),
+        (["--gpu-mem", "48GiB", "strategy=zero9"], "strategy 'zero9'"),
+        (["--gpu-mem", "48GiB", "--target", "cpu", "--gpus", "2", "strategy=fsdp_offload"], "needs a GPU"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == EXIT_BAD_INPUT
     assert needle in _one_line_error(capsys)
@@ -54,8 +58,7 @@ def test_plan_reports_a_fit_and_writes_json(tmp_path: str, capsys: pytest.Captur
     argv = ["--gpus", "2", "--gpu-mem", "48GiB", "--json", out, "--vocab-size", "2048", "strategy=zero2", *TINY]
     assert main(argv) == EXIT_FITS
     text = capsys.readouterr().out
-    for heading in ("Per-rank peak", "Allowance for what a CPU trace cannot see", "Host (CPU) memory",
-                    "Model states of all", "FITS"):
+    for heading in ("Per-rank peak", "Allowance for what a CPU trace cannot see", "Host (CPU) memory", "Model states of all", "FITS"):
         assert heading in text
     with open(out) as f:
         report = json.load(f)
@@ -82,8 +85,7 @@ def test_recommend_writes_a_config_that_loads_and_fits(tmp_path: str, capsys: py
     base = load_config(config)
     ddp_need = verdict(estimate(base, 2, vocab_size=2048), 10**15, None, 2).device_need
     out = os.path.join(tmp_path, "best.yaml")
-    argv = ["--config", config, "--gpus", "2", "--gpu-mem", str(ddp_need - 1), "--vocab-size", "2048",
-            "--recommend", "--out", out]
+    argv = ["--config", config, "--gpus", "2", "--gpu-mem", str(ddp_need - 1), "--vocab-size", "2048", "--recommend", "--out", out]
     assert main(argv) == EXIT_FITS
     text = capsys.readouterr().out
     assert "Best:" in text and "why:" in text
@@ -96,7 +98,12 @@ def test_recommend_writes_a_config_that_loads_and_fits(tmp_path: str, capsys: py
 
 def test_module_entry_point_runs() -> None:
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "harness.plan", "--gpu-mem", "8GiB", "--vocab-size", "2048", *TINY],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.plan", "--gpu-mem", "8GiB", "--vocab-size", "2048", *TINY],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == EXIT_FITS, proc.stderr
     assert "Per-rank peak" in proc.stdout and parse_size("8GiB") > 0

@@ -1,4 +1,5 @@
 """The trace itself: no real storage for weights, and byte-faithful to a real step in one process."""
+
 from __future__ import annotations
 
 import json

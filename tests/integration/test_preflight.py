@@ -16,6 +16,7 @@ A few cases (PROCESS_CASES) also run as real processes, as before, for what only
 interpreter shows: the process's exit status, and that importing everything writes nothing
 else on stderr.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,9 @@ def ws(tmp_path_factory):
     (root / "zero5.json").write_text(json.dumps({**ds, "zero_optimization": {**ds["zero_optimization"], "stage": 5}}))
     (root / "batch64.json").write_text(json.dumps({**ds, "train_batch_size": 64}))
     (root / "auto_hole.json").write_text(json.dumps({**ds, "zero_optimization": {**ds["zero_optimization"], "sub_group_size": "auto"}}))
-    (root / "misspelt.json").write_text(json.dumps({**{k: v for k, v in ds.items() if k != "zero_optimization"},
-                                                    "zero_optimisation": ds["zero_optimization"]}))
+    (root / "misspelt.json").write_text(
+        json.dumps({**{k: v for k, v in ds.items() if k != "zero_optimization"}, "zero_optimisation": ds["zero_optimization"]})
+    )
     (root / "misspelt_zero.json").write_text(json.dumps({**ds, "zero_optimization": {**ds["zero_optimization"], "stgae": 2}}))
     (root / "ds_lr.json").write_text(json.dumps({**ds, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}))
     config = build_model("tiny-llama", vocab_size=512, seed=0).config
@@ -140,15 +142,31 @@ CASES = [
     ("streaming_with_max_tokens", {}, ["data.streaming=true"], "with data.streaming=true"),
     ("keep_zero_checkpoints", {}, ["checkpoint.keep=0"], "checkpoint.keep=0 must be >= 1"),
     ("prune_calibration_too_small", {}, ["prune.method=wanda", "prune.calib_samples=1"], "cannot fill one probe step"),
-    ("prune_original_exact_target", {}, ["prune.method=gradprobe", "prune.decision=original", "prune.exact_target=true"],
-     "prune.exact_target=true with prune.decision=original"),
-    ("prune_original_bf16_statistics", {}, ["prune.method=gradprobe", "prune.decision=original", "prune.stat_dtype=bf16"],
-     "prune.stat_dtype=bf16 with prune.decision=original"),
-    ("prune_original_n_m", {}, ["prune.method=gradprobe", "prune.decision=original", "prune.pattern=2:4"],
-     "use prune.decision=rank for N:M"),
+    (
+        "prune_original_exact_target",
+        {},
+        ["prune.method=gradprobe", "prune.decision=original", "prune.exact_target=true"],
+        "prune.exact_target=true with prune.decision=original",
+    ),
+    (
+        "prune_original_bf16_statistics",
+        {},
+        ["prune.method=gradprobe", "prune.decision=original", "prune.stat_dtype=bf16"],
+        "prune.stat_dtype=bf16 with prune.decision=original",
+    ),
+    (
+        "prune_original_n_m",
+        {},
+        ["prune.method=gradprobe", "prune.decision=original", "prune.pattern=2:4"],
+        "use prune.decision=rank for N:M",
+    ),
     ("prune_rank_without_exact_target", {}, ["prune.method=gradprobe", "prune.exact_target=false"], "the undershooting veto"),
-    ("prune_global_sequential_rank", {}, ["prune.method=gradprobe", "prune.base=magnitude", "prune.scope=global",
-                                          "prune.sequential=true"], "needs every matrix probed before any is pruned"),
+    (
+        "prune_global_sequential_rank",
+        {},
+        ["prune.method=gradprobe", "prune.base=magnitude", "prune.scope=global", "prune.sequential=true"],
+        "needs every matrix probed before any is pruned",
+    ),
 ]
 
 
@@ -211,8 +229,14 @@ PROCESS_CASES = ["accelerate_precision_disagrees", "ds_misspelt_top_level_key"]
 
 def _run_case(ws, tmp, extra_env, args) -> tuple[subprocess.CompletedProcess, bool]:
     argv, out = _case_argv(ws, tmp, args)
-    proc = subprocess.run([sys.executable, "-m", "harness.train", *argv], cwd=REPO, env=_launch_env(extra_env),
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.train", *argv],
+        cwd=REPO,
+        env=_launch_env(extra_env),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     return proc, out.exists()
 
 

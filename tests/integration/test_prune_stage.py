@@ -11,6 +11,7 @@
 - `python -m harness.prune` on a saved model directory, under torchrun, exports a sparse
   model that reloads with `from_pretrained`.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,7 @@ def prune_record(output: Path) -> dict:
 
 def layer_sparsity(record: dict) -> dict[str, float]:
     prefix = "prune/sparsity/"
-    return {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in record.items() if k.startswith(prefix)}
 
 
 def exported_model(hf_dir: Path):
@@ -94,9 +95,15 @@ def assert_perplexities(record: dict) -> None:
 
 
 def train_with_pruning(cache: Path, out: Path, world: int, strategy: str, prune: dict) -> None:
-    cfg = tiny_config(out.parent / f"{out.name}.yaml", cache, out, steps=STEPS, strategy=strategy,
-                      **{"optim.grad_clip": 0.0, "checkpoint.export_hf": True, "prune.finetune_steps": FINETUNE, "prune.calib_samples": 8},
-                      **{f"prune.{k}": v for k, v in prune.items()})
+    cfg = tiny_config(
+        out.parent / f"{out.name}.yaml",
+        cache,
+        out,
+        steps=STEPS,
+        strategy=strategy,
+        **{"optim.grad_clip": 0.0, "checkpoint.export_hf": True, "prune.finetune_steps": FINETUNE, "prune.calib_samples": 8},
+        **{f"prune.{k}": v for k, v in prune.items()},
+    )
     if world == 1:
         run(launch_command("python", 1, cfg, []))
     else:
@@ -158,9 +165,19 @@ def test_prune_command_on_saved_model(cache: Path, tmp_path: Path) -> None:
     dense_ppl = [r for r in records(dense, "eval")][-1]["eval/perplexity"]
 
     out = tmp_path / "pruned"
-    cfg = tiny_config(tmp_path / "prune.yaml", cache, out, **{"model.name": str(dense / "hf"), "strategy": "zero2", "grad_accum": 1,
-                                                               "prune.method": "sparsegpt", "prune.calib_samples": 8,
-                                                               "prune.finetune_steps": 1})
+    cfg = tiny_config(
+        tmp_path / "prune.yaml",
+        cache,
+        out,
+        **{
+            "model.name": str(dense / "hf"),
+            "strategy": "zero2",
+            "grad_accum": 1,
+            "prune.method": "sparsegpt",
+            "prune.calib_samples": 8,
+            "prune.finetune_steps": 1,
+        },
+    )
     cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "harness.prune", "--config", str(cfg)]
     proc = run(cmd)
     assert "pruned model exported to" in proc.stdout

@@ -11,6 +11,7 @@ Models for ZeRO and DDP have intermediate_size 175, so the 175x64 gate/up matric
 by the rank boundary in the middle of row 87: Wanda's per-row selection and SparseGPT's row
 update cross a shard boundary there. N:M groups across boundaries: test_pruning_select.
 """
+
 from __future__ import annotations
 
 import json
@@ -111,7 +112,9 @@ def _run_strategy(strategy: str, target, step, accum: int, out: str, comm, resul
         if report.g0:
             torch.save({v.name: (v.start, report.g0[v.name]) for v in views}, os.path.join(where, f"g0_{comm.rank}.pt"))
         results[f"{strategy}/{name}"] = {
-            "achieved": report.achieved_sparsity, "fwd_bwd": report.fwd_bwd_passes, "probe_bytes": report.peak_probe_bytes,
+            "achieved": report.achieved_sparsity,
+            "fwd_bwd": report.fwd_bwd_passes,
+            "probe_bytes": report.peak_probe_bytes,
         }
         if name == "sparsegpt":  # keep the updated weights (local ranges) to compare across worlds
             torch.save({v.name: v.lp().detach().clone() for v in views}, os.path.join(where, f"w{comm.rank}.pt"))
@@ -166,9 +169,14 @@ def _deepspeed_strategy(strategy: str, out: str, comm, results: dict) -> None:
     if strategy == "zero3":
         zero["stage3_param_persistence_threshold"] = 3000  # k/v_proj (2048 elements) stay gathered
     ds_config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accum, "train_batch_size": 2,
-        "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
-        "steps_per_print": 10**9, "bf16": {"enabled": False}, "fp16": {"enabled": False},
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": 2,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
     }
     model = build_model("tiny-llama", config_overrides=OVERRIDES[strategy])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)

@@ -1,6 +1,7 @@
 """Selection rules: exact k, tie-breaking, and identical results when rows, N:M groups and
 SparseGPT rows are cut across two ranks at awkward places (mid-row, mid-group, a rank
 holding less than one row, a rank holding nothing)."""
+
 from __future__ import annotations
 
 import os

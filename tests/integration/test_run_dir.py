@@ -1,6 +1,7 @@
 """One run directory, one owner, through the user's entry points: a second run on a live
 directory is refused in one line naming the owner, on every rank, and nothing of the first
 run is touched; a directory whose run died is taken over."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ def test_a_live_run_directory_is_refused_and_left_alone(tmp_path):
     release = tmp_path / "release-the-save"
     cfg = tiny_config(tmp_path / "a.yaml", tmp_path / "cache", out, steps=4, **{"checkpoint.every": 1})
     held = env() | {"HARNESS_FAULT": "save_pause=300@1", "HARNESS_FAULT_RELEASE": str(release)}
-    first = subprocess.Popen(launch_command("python", 1, cfg, []), cwd=REPO, env=held, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        launch_command("python", 1, cfg, []), cwd=REPO, env=held, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 240
         while not list(out.glob("checkpoints/.tmp-step_00000001/meta.json")) and time.monotonic() < deadline:  # the pause begins

@@ -9,6 +9,7 @@ signals the batch script, and the save goes on only once the script's trap has s
 the workers (the `srun --overlap` stand-in creates the HARNESS_FAULT_RELEASE file after its
 command). So the stop request is seen at step 3, whose checkpoint only the stop writes.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,15 @@ def _slurm_env(tmp_path: Path) -> dict[str, str]:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     e = env()
-    e.update(PATH=f"{bin_dir}{os.pathsep}{BIN}{os.pathsep}{e['PATH']}", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="4242",
-             SLURM_NNODES="1", SLURM_GPUS_ON_NODE="2", MASTER_PORT=str(free_port()), REQUEUE_LOG=str(tmp_path / "requeue.log"))
+    e.update(
+        PATH=f"{bin_dir}{os.pathsep}{BIN}{os.pathsep}{e['PATH']}",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_JOB_ID="4242",
+        SLURM_NNODES="1",
+        SLURM_GPUS_ON_NODE="2",
+        MASTER_PORT=str(free_port()),
+        REQUEUE_LOG=str(tmp_path / "requeue.log"),
+    )
     return e
 
 
@@ -72,8 +80,7 @@ def test_preemption_saves_exits_zero_everywhere_and_requeues(tmp_path):
     cfg = tiny_config(tmp_path / "run.yaml", tmp_path / "cache", out, steps=8, **{"checkpoint.every": 2})
     script = str(REPO / "launch" / "slurm_multinode.sbatch")
     held = _slurm_env(tmp_path) | {"HARNESS_FAULT": "save_pause=120@2", "HARNESS_FAULT_RELEASE": str(tmp_path / "signalled")}
-    job = subprocess.Popen(["bash", script, str(cfg)], cwd=REPO, env=held, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+    job = subprocess.Popen(["bash", script, str(cfg)], cwd=REPO, env=held, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
         while not (out / "checkpoints" / ".tmp-step_00000002" / "meta.json").exists() and time.monotonic() < deadline:  # held
@@ -91,8 +98,7 @@ def test_preemption_saves_exits_zero_everywhere_and_requeues(tmp_path):
     saved = latest_checkpoint(str(out / "checkpoints"))
     assert saved is not None and int(saved[-8:]) == 3  # the step after the held save: written by the stop, not by `every`
     assert _steps(out) == [1, 2, 3]
-    again = subprocess.run(["bash", script, str(cfg)], cwd=REPO, env=_slurm_env(tmp_path), capture_output=True, text=True,
-                           timeout=600)
+    again = subprocess.run(["bash", script, str(cfg)], cwd=REPO, env=_slurm_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumed from {saved}" in again.stdout and _steps(out)[-1] == 8
     assert (tmp_path / "requeue.log").read_text().split() == ["requeue", "4242"]  # a finished job is not requeued

@@ -1,4 +1,5 @@
 """Run config: YAML/JSON loading, dotted overrides, typed values, unknown-key suggestions."""
+
 import json
 
 import pytest
@@ -95,8 +96,10 @@ ORIGINAL = ["prune.method=gradprobe", "prune.decision=original"]
         (["prune.method=wanda", "prune.decision=original"], "prune.decision=original is GradProbe's rule"),
         (["prune.method=gradprobe", "prune.exact_target=false"], "the undershooting veto"),
         (["prune.method=gradprobe", "prune.decision=veto", "prune.exact_target=false"], "veto prunes exactly the target"),
-        (["prune.method=gradprobe", "prune.base=magnitude", "prune.scope=global", "prune.sequential=true"],
-         "needs every matrix probed before any is pruned"),
+        (
+            ["prune.method=gradprobe", "prune.base=magnitude", "prune.scope=global", "prune.sequential=true"],
+            "needs every matrix probed before any is pruned",
+        ),
         (["prune.method=wanda", "prune.scope=global"], "wanda compares weights within an output row"),
     ],
 )
@@ -113,8 +116,15 @@ def test_prune_mode_contradictions_are_refused_before_launch(overrides, message)
     "overrides",
     [
         ORIGINAL,
-        [*ORIGINAL, "prune.base=magnitude", "prune.scope=global", "prune.stat_dtype=fp32", "prune.exact_target=false",
-         "prune.sequential=true", "prune.group_size=1"],
+        [
+            *ORIGINAL,
+            "prune.base=magnitude",
+            "prune.scope=global",
+            "prune.stat_dtype=fp32",
+            "prune.exact_target=false",
+            "prune.sequential=true",
+            "prune.group_size=1",
+        ],
         [*ORIGINAL, "prune.base=wanda", "prune.scope=per_matrix"],
         ["prune.method=gradprobe", "prune.stat_dtype=fp32"],
         ["prune.method=gradprobe", "prune.base=magnitude", "prune.scope=global"],

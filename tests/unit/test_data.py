@@ -1,4 +1,5 @@
 """Data: embedded corpus, disjoint document splits, packing, world-size-invariant batches."""
+
 import json
 
 import numpy as np

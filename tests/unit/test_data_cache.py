@@ -1,6 +1,7 @@
 """The tokenized cache at size: no silent cap, every token kept, the same streams whatever the
 process count, pre-tokenized input, streaming with an exact position, and a statement of
 what a run will consume."""
+
 from __future__ import annotations
 
 import json
@@ -110,6 +111,7 @@ def test_stream_resumes_at_the_exact_sample(corpus, tmp_path):
     cfg = DataConfig(source=str(corpus[0]), tokenizer=str(corpus[1]), seq_len=32, streaming=True, cache_dir=str(tmp_path))
     tok = AutoTokenizer.from_pretrained(corpus[1])
     for rank in (0, 1):
+
         def sampler() -> StreamSampler:
             return StreamSampler(cfg, tok, tok.eos_token_id, micro=2, accum=2, world=2, rank=rank)
 
@@ -133,8 +135,9 @@ def test_stream_resumes_at_the_exact_sample(corpus, tmp_path):
 
 
 def test_streaming_cache_holds_eval_and_calib_only(corpus, tmp_path):
-    cfg = DataConfig(source=str(corpus[0]), tokenizer=str(corpus[1]), seq_len=32, streaming=True, stream_eval_blocks=8,
-                     cache_dir=str(tmp_path))
+    cfg = DataConfig(
+        source=str(corpus[0]), tokenizer=str(corpus[1]), seq_len=32, streaming=True, stream_eval_blocks=8, cache_dir=str(tmp_path)
+    )
     data = load_packed(prepare_data("tiny-llama", cfg, progress=False))
     assert data.tokens["train"] == 0 and data.n_blocks("eval") >= 8 and data.n_blocks("calib") >= 8
 

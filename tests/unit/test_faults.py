@@ -1,4 +1,5 @@
 """Fault injection's pause (`save_pause`): a fixed length, or until the test releases it."""
+
 from __future__ import annotations
 
 import threading

@@ -1,6 +1,7 @@
 """The package's shape (notes/architecture.md): imports between subpackages form a DAG, the
 package root holds at most 10 modules, no module exceeds 450 lines, entry points import no
 other entry point, and no library module prints `[harness]` lines past the logger."""
+
 from __future__ import annotations
 
 import ast
@@ -60,7 +61,7 @@ def test_subpackages_import_only_downwards() -> None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                raise AssertionError("import cycle between packages: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+                raise AssertionError("import cycle between packages: " + " -> ".join(path[path.index(nxt) :] + [nxt]))
             if nxt not in state:
                 visit(nxt)
         path.pop()
@@ -97,7 +98,11 @@ def test_library_messages_go_through_the_logger() -> None:
                 if "[harness]" in text:
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
             func = getattr(node, "func", None)
-            if (isinstance(node, ast.Call) and isinstance(func, ast.Attribute) and getattr(func.value, "id", None) == "log"
-                    and any(k.arg in ("file", "flush") for k in node.keywords)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(func, ast.Attribute)
+                and getattr(func.value, "id", None) == "log"
+                and any(k.arg in ("file", "flush") for k in node.keywords)
+            ):
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} (a logger takes no file=/flush=)")
     assert not offenders, offenders

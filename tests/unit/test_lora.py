@@ -1,4 +1,5 @@
 """LoRA and instruction data, in process: what is labelled, what trains, what is refused."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,15 +32,20 @@ def test_prompt_tokens_are_unlabelled_and_response_ends_with_eos():
     ids, labels = encode_record({"prompt": "what is two plus two", "response": "four"}, tok, eos=0)
     prompt = tok("what is two plus two")["input_ids"]
     assert ids == prompt + [tok.convert_tokens_to_ids("four"), 0]
-    assert labels == [IGNORE] * len(prompt) + ids[len(prompt):]
+    assert labels == [IGNORE] * len(prompt) + ids[len(prompt) :]
 
 
 def test_chat_messages_label_assistant_turns_through_the_template():
-    template = ("{% for m in messages %}{% if m.role == 'user' %}[U] {{ m.content }} [/] "
-                "{% else %}[A] {{ m.content }} [/] {% endif %}{% endfor %}")
+    template = (
+        "{% for m in messages %}{% if m.role == 'user' %}[U] {{ m.content }} [/] {% else %}[A] {{ m.content }} [/] {% endif %}{% endfor %}"
+    )
     tok = word_tokenizer(template)
-    messages = [{"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"},
-                {"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "five"}]
+    messages = [
+        {"role": "user", "content": "what is two plus two"},
+        {"role": "assistant", "content": "four"},
+        {"role": "user", "content": "what is two plus two"},
+        {"role": "assistant", "content": "five"},
+    ]
     ids, labels = encode_record({"messages": messages}, tok, eos=0)
     words = tok.convert_ids_to_tokens(ids)
     labelled = [w for w, lab in zip(words, labels) if lab != IGNORE]
@@ -112,11 +118,14 @@ def test_lora_freezes_the_base_and_defaults_to_the_block_linears():
         apply_lora(build_model("tiny-llama", vocab_size=64), wrong, 0)
 
 
-@pytest.mark.parametrize("overrides, accelerator, strategy, message", [
-    (["lora.enabled=true", "lora.quantize=nf4"], False, "ddp", "lora.quantize=nf4 needs a CUDA GPU"),
-    (["lora.enabled=true", "lora.quantize=int8"], True, "fsdp", "runs under ddp"),
-    (["lora.enabled=true", "prune.method=magnitude"], False, "ddp", "prune first"),
-])
+@pytest.mark.parametrize(
+    "overrides, accelerator, strategy, message",
+    [
+        (["lora.enabled=true", "lora.quantize=nf4"], False, "ddp", "lora.quantize=nf4 needs a CUDA GPU"),
+        (["lora.enabled=true", "lora.quantize=int8"], True, "fsdp", "runs under ddp"),
+        (["lora.enabled=true", "prune.method=magnitude"], False, "ddp", "prune first"),
+    ],
+)
 def test_refused_before_launch_in_one_line(overrides, accelerator, strategy, message):
     cfg = load_config(None, overrides)
     with pytest.raises(ConfigError, match=message) as err:

@@ -1,4 +1,5 @@
 """Activation checkpointing: numerically neutral, and it cuts the activation bytes held for backward."""
+
 from __future__ import annotations
 
 import pytest

@@ -5,6 +5,7 @@ graph and min-cut partitioner (where the budget acts) as inductor, without gener
 C++ kernels, so each compile takes about a second. One test runs inductor itself (gcc is
 present on the CPU machine) on one decoder block's MLP (~10 s with a cold inductor cache).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -29,8 +30,9 @@ def _batch() -> torch.Tensor:
     return torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
 
 
-def _run(mode: str, budget: float | None, backend: str = FAST, ac: str = "none", steps: int = 3,
-         layers: int = 2) -> tuple[list[float], dict, dict]:
+def _run(
+    mode: str, budget: float | None, backend: str = FAST, ac: str = "none", steps: int = 3, layers: int = 2
+) -> tuple[list[float], dict, dict]:
     torch._dynamo.reset()
     model = build_model("tiny-llama", seed=0, config_overrides={"num_hidden_layers": layers})
     apply_activation_checkpointing(model, ac)

@@ -1,4 +1,5 @@
 """fp32 causal-LM loss: equal to HF's, chunked without full logits, smaller logits peak."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,7 +55,7 @@ def test_num_items_normalises_across_micro_batches() -> None:
     ids, labels = _batch()
     whole = causal_lm_loss(model, ids, labels)
     count = (shift_targets(labels) != IGNORE_INDEX).sum()
-    parts = sum(causal_lm_loss(model, ids[i:i + 1], labels[i:i + 1], chunk_size=16, num_items=count) for i in range(B))
+    parts = sum(causal_lm_loss(model, ids[i : i + 1], labels[i : i + 1], chunk_size=16, num_items=count) for i in range(B))
     assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
 
 

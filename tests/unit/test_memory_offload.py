@@ -7,6 +7,7 @@ shared saves are copied once; retain_graph works; it composes with activation
 checkpointing. NOT provable without an accelerator: that device memory drops (on CPU the
 device *is* the host), pinned-memory allocation and the asynchronous device<->host copies.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 
 FSDP2 with two ranks is in test_memory_fsdp.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -31,8 +32,9 @@ def _decay(step: int) -> float:
     return 1.0 / (step + 1)
 
 
-def _train(oib: bool, accum: int, model: torch.nn.Module | None = None, steps: int = STEPS,
-           start: dict | None = None) -> tuple[list[float], list[float], torch.nn.Module, object, list[float]]:
+def _train(
+    oib: bool, accum: int, model: torch.nn.Module | None = None, steps: int = STEPS, start: dict | None = None
+) -> tuple[list[float], list[float], torch.nn.Module, object, list[float]]:
     model = model or build_model("tiny-llama", seed=0)
     if oib:
         opt = OptimizerInBackward(model, _make)
@@ -109,8 +111,7 @@ def test_checkpoint_round_trip_and_format() -> None:
     """Resuming from state_dict() continues exactly; the format is the plain optimizer's (FQN-keyed)."""
     full = _train(True, 1, steps=4)[0]
     first, _, model, (opt, sched), _ = _train(True, 1, steps=2)
-    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict(),
-             "sched": sched.state_dict()}
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict(), "sched": sched.state_dict()}
     resumed_model = build_model("tiny-llama", seed=1)
     resumed_model.load_state_dict(saved["model"])
     rest = _train(True, 1, model=resumed_model, steps=2, start=saved)[0]

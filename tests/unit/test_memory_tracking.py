@@ -1,4 +1,5 @@
 """StepMemoryTracker: byte-exact categories on a hand-counted MLP, switches, reports, hooks."""
+
 from __future__ import annotations
 
 import json
@@ -96,7 +97,8 @@ def test_gradient_accumulation_in_one_step() -> None:
         for micro in range(3):
             (causal_lm_loss(model, torch.randint(0, 2048, (2, 16))) / 3).backward()
     assert tracker.last_category_maxima()["gradients"] == sum(p.numel() * 4 for p in model.parameters()) + max(
-        p.numel() * 4 for p in model.parameters())  # accumulated grads + the incoming one
+        p.numel() * 4 for p in model.parameters()
+    )  # accumulated grads + the incoming one
 
 
 def test_snapshot_writes_the_per_module_report(tmp_path) -> None:

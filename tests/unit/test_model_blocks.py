@@ -1,5 +1,6 @@
 """Model construction without memory: the meta template, the block lookup from transformers'
 own metadata, checkpoint reads of a flat range, ties kept, and the pre-flight refusals."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,13 @@ from harness.models import (
 )
 from harness.runner.preflight import check_architecture
 
-BLOCK_PATHS = {"llama": "model.layers", "qwen2": "model.layers", "opt": "model.decoder.layers", "gpt_neox": "gpt_neox.layers",
-               "gpt2": "transformer.h"}
+BLOCK_PATHS = {
+    "llama": "model.layers",
+    "qwen2": "model.layers",
+    "opt": "model.decoder.layers",
+    "gpt_neox": "gpt_neox.layers",
+    "gpt2": "transformer.h",
+}
 
 
 @pytest.mark.parametrize("family", list(BLOCK_PATHS))
@@ -107,16 +113,35 @@ def test_planner_exits_2_with_one_line_when_it_cannot_trace_a_step(tmp_path, mon
     monkeypatch.setattr(LlamaForCausalLM, "_no_split_modules", [])
     monkeypatch.setattr("transformers.models.llama.modeling_llama.LlamaPreTrainedModel._no_split_modules", [])
     capsys.readouterr()  # the checkpoint writer's progress bars
-    code = plan.main(["--gpus", "2", "--gpu-mem", "80GiB", f"model.name={directory}", "memory.activation_checkpointing=full",
-                      "data.seq_len=32", f"data.cache_dir={tmp_path / 'cache'}"])
+    code = plan.main(
+        [
+            "--gpus",
+            "2",
+            "--gpu-mem",
+            "80GiB",
+            f"model.name={directory}",
+            "memory.activation_checkpointing=full",
+            "data.seq_len=32",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "cannot trace a training step" in err[0] and "_no_split_modules" in err[0], err
 
 
 def test_preflight_refuses_a_checkpoint_transformers_merges_on_load(tmp_path):
     # transformers 5 saves Mixtral's experts one tensor each and stacks them on load
-    config = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                           num_local_experts=2, num_experts_per_tok=1, vocab_size=64, max_position_embeddings=64)
+    config = MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="by merging several checkpoint tensors"):
         check_architecture(*_cfg(str(tmp_path), "strategy=ddp"))

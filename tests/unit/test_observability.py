@@ -4,6 +4,7 @@ the non-terminal progress fallback and the MFU arithmetic.
 W&B results are read back from the run's `.wandb` transaction log with wandb's own reader
 (`wandb leet inspect --json`), never assumed from what we passed in.
 """
+
 from __future__ import annotations
 
 import glob
@@ -72,8 +73,7 @@ def test_offline_wandb_files_hold_the_logged_metrics(tmp_path):
     flops = rng.uniform(1e6, 1e9)
     run_dir = tmp_path / "run"
     out = io.StringIO()
-    obs = Observer(str(run_dir), config_to_dict(cfg), _logging(peak_flops=peak), 0, world, steps,
-                   flops_per_token=flops, stream=out)
+    obs = Observer(str(run_dir), config_to_dict(cfg), _logging(peak_flops=peak), 0, world, steps, flops_per_token=flops, stream=out)
     assert obs.wandb_mode == "offline"  # no API key anywhere
     logged, reserved = {}, {}
     buffers = M.memory_key("model_buffers")  # a category beyond the six: still a max summary
@@ -81,15 +81,20 @@ def test_offline_wandb_files_hold_the_logged_metrics(tmp_path):
         logged[step] = {**_step_metrics(rng, world), buffers: rng.randrange(1 << 10, 1 << 20)}
         reserved[step] = rng.randrange(1 << 30, 1 << 31)
         # memory_tracking's names for the allocator peaks, and a category not measured this step.
-        obs.log_step(step, {**logged[step], "memory/device_reserved_peak_bytes": reserved[step],
-                            M.memory_key("other"): None})
+        obs.log_step(step, {**logged[step], "memory/device_reserved_peak_bytes": reserved[step], M.memory_key("other"): None})
     eval_loss = rng.uniform(2.0, 6.0)
     obs.log_eval(steps, {"loss": eval_loss})
     layers = {f"model.layers.{i}.mlp.up_proj": rng.uniform(0.3, 0.7) for i in range(3)}
     achieved = sum(layers.values()) / len(layers)
     # The shape of harness.pruning's PruneReport.to_dict().
-    obs.log_prune({"method": "wanda", "achieved_sparsity": achieved, "peak_device_bytes": None,
-                   "layers": [{"name": k, "numel": 64, "pruned": 32, "sparsity": v} for k, v in layers.items()]})
+    obs.log_prune(
+        {
+            "method": "wanda",
+            "achieved_sparsity": achieved,
+            "peak_device_bytes": None,
+            "layers": [{"name": k, "numel": 64, "pruned": 32, "sparsity": v} for k, v in layers.items()],
+        }
+    )
     summary = obs.close()
 
     records = _wandb_records(run_dir)
@@ -120,9 +125,7 @@ def test_offline_wandb_files_hold_the_logged_metrics(tmp_path):
     config = run["config"]["update"]
     assert config["optim"]["lr"] == cfg.optim.lr and config["steps"] == cfg.steps
     metric_defs = [r["metric"] for r in records if r["type"] == "metric"]
-    assert {"glob_name": "*", "step_metric": M.STEP} in [
-        {k: d[k] for k in ("glob_name", "step_metric") if k in d} for d in metric_defs
-    ]
+    assert {"glob_name": "*", "step_metric": M.STEP} in [{k: d[k] for k in ("glob_name", "step_metric") if k in d} for d in metric_defs]
     state = _wandb_records(run_dir, summary=True)
     assert state["state"] == "finished"
     assert state["config"]["run_info"]["world_size"] == world
@@ -256,7 +259,7 @@ def test_plots_are_valid_pngs_and_summary_matches(tmp_path):
     summary = obs.close()
     prune = next(e for e in _jsonl(tmp_path) if e["kind"] == "prune")
     assert prune["step"] == 6 and prune[M.PRUNE_ACHIEVED] == 0.5
-    assert {k[len(M.PRUNE_LAYER_PREFIX):]: v for k, v in prune.items() if k.startswith(M.PRUNE_LAYER_PREFIX)} == layers
+    assert {k[len(M.PRUNE_LAYER_PREFIX) :]: v for k, v in prune.items() if k.startswith(M.PRUNE_LAYER_PREFIX)} == layers
     assert set(summary["plots"]) == {"loss", "memory", "throughput"}
     for name in ("loss", "memory", "throughput"):
         path = tmp_path / f"{name}.png"

@@ -1,5 +1,6 @@
 """The planner's LoRA/QLoRA steps: adapter counts against the real peft model, state bytes by
 category, and `recommend` naming LoRA when no full fine-tune fits."""
+
 from __future__ import annotations
 
 import pytest
@@ -50,8 +51,9 @@ def test_state_bytes_by_category(setup):
 def test_recommend_names_lora_when_no_full_fine_tune_fits(setup):
     cfg, info = setup
     lora = evaluate_lora(cfg, Candidate("bf16", "none", 1, 1, "ddp", lora="lora"), 1, 10**12, "cuda", VOCAB, info)
-    frugal = estimate(load_config(None, [*SMALL, "precision=bf16", "strategy=zero3_offload", "memory.activation_checkpointing=full"]),
-                      1, vocab_size=VOCAB)
+    frugal = estimate(
+        load_config(None, [*SMALL, "precision=bf16", "strategy=zero3_offload", "memory.activation_checkpointing=full"]), 1, vocab_size=VOCAB
+    )
     cpu_mem = (frugal.load_host + frugal.host_peak) // 2  # loads the model, cannot hold the offloaded state
     assert verdict(frugal, lora.need, cpu_mem, 1).fits is False
     rec = recommend(cfg, 1, lora.need, cpu_mem=cpu_mem, target="cuda", vocab_size=VOCAB, info=info, max_traced=4)

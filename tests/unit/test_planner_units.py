@@ -1,4 +1,5 @@
 """Planner pieces that need no trace: size parsing, the ZeRO/FSDP partition arithmetic, the dtype table."""
+
 from __future__ import annotations
 
 import math
@@ -19,10 +20,18 @@ from harness.planner.report import GIB, MIB, parse_size
 from harness.planner.trace import ParamInfo, PlanError
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("48GiB", 48 * GIB), ("80GB", 80 * 1000**3), ("512G", 512 * GIB), ("1.5TiB", int(1.5 * 1024**4)),
-    ("640MiB", 640 * MIB), ("12345", 12345), (" 24 gib ", 24 * GIB),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("48GiB", 48 * GIB),
+        ("80GB", 80 * 1000**3),
+        ("512G", 512 * GIB),
+        ("1.5TiB", int(1.5 * 1024**4)),
+        ("640MiB", 640 * MIB),
+        ("12345", 12345),
+        (" 24 gib ", 24 * GIB),
+    ],
+)
 def test_parse_size_accepts_common_units(text: str, expected: int) -> None:
     assert parse_size(text) == expected
 
@@ -62,8 +71,14 @@ def test_fsdp_local_shards_put_padding_on_the_last_ranks() -> None:
 
 
 def _info(numels: list[int]) -> ParamInfo:
-    return ParamInfo(numels=numels, shapes=[(n,) for n in numels], names=[f"p{i}" for i in range(len(numels))],
-                     buffer_bytes=0, hidden_size=8, num_layers=1)
+    return ParamInfo(
+        numels=numels,
+        shapes=[(n,) for n in numels],
+        names=[f"p{i}" for i in range(len(numels))],
+        buffer_bytes=0,
+        hidden_size=8,
+        num_layers=1,
+    )
 
 
 def test_ddp_adamw_state_and_step_temporaries() -> None:
@@ -89,8 +104,17 @@ def test_zero2_model_holds_flat_params_master_and_partitioned_grads() -> None:
 
 def test_zero3_offload_moves_master_and_state_to_the_host() -> None:
     info = _info([100, 400])
-    spec = EngineSpec(kind="zero", stage=3, world=2, precision="bf16", offload_optimizer="cpu", offload_params="cpu",
-                      reduce_bucket=64, persistence_threshold=0, target="cuda")
+    spec = EngineSpec(
+        kind="zero",
+        stage=3,
+        world=2,
+        precision="bf16",
+        offload_optimizer="cpu",
+        offload_params="cpu",
+        reduce_bucket=64,
+        persistence_threshold=0,
+        target="cuda",
+    )
     em = engine_model(spec, info)
     part = 50 + 200
     assert em.host["parameters"] == part * 2 + part * 4  # bf16 partition + fp32 master
@@ -115,15 +139,18 @@ def test_dtype_breakdown_reproduces_reference_003() -> None:
     assert float(rows["bf16 + bf16 Adam state"]["total"]) / GIB - 47.4 == pytest.approx(15.9, abs=0.05)
 
 
-@pytest.mark.parametrize(("kind", "stage", "precision", "device", "host"), [
-    # sharded engines: this rank's part plus one tensor in flight (FSDP2: its slice of it)
-    ("zero", 3, "bf16", 500 * 2 // 4 + 400 * 4, 400 * 4),
-    ("fsdp", 0, "bf16", 500 * 4 // 4 + 400 * 4 // 4, 400 * 4),
-    # replicated working weights: the whole model in the working dtype, nothing more
-    ("zero", 2, "bf16", 500 * 2, 400 * 4),
-    ("ddp", 0, "bf16", 500 * 2, 400 * 4),
-    ("ddp", 0, "fp32", 500 * 4, 400 * 4),
-])
+@pytest.mark.parametrize(
+    ("kind", "stage", "precision", "device", "host"),
+    [
+        # sharded engines: this rank's part plus one tensor in flight (FSDP2: its slice of it)
+        ("zero", 3, "bf16", 500 * 2 // 4 + 400 * 4, 400 * 4),
+        ("fsdp", 0, "bf16", 500 * 4 // 4 + 400 * 4 // 4, 400 * 4),
+        # replicated working weights: the whole model in the working dtype, nothing more
+        ("zero", 2, "bf16", 500 * 2, 400 * 4),
+        ("ddp", 0, "bf16", 500 * 2, 400 * 4),
+        ("ddp", 0, "fp32", 500 * 4, 400 * 4),
+    ],
+)
 def test_load_phase_holds_the_ranks_part_and_one_tensor(kind, stage, precision, device, host) -> None:
     spec = EngineSpec(kind=kind, stage=stage, world=4, precision=precision, target="cuda")
     assert load_phase_bytes(spec, _info([100, 400])) == (device, host)

@@ -3,6 +3,7 @@
 Runs in one process: single-process engine directly, and FSDP2 / DeepSpeed over a gloo
 group of one (the engines' own bf16 modes keep fp32 master weights).
 """
+
 import functools
 import os
 
@@ -34,7 +35,8 @@ def _activation_dtype(engine, model) -> torch.dtype:
     seen = []
     # a matmul output: the activation dtype autocast and casting decide
     handle = decoder_blocks(model)[0].mlp.up_proj.register_forward_hook(
-        lambda m, a, out: seen.append((out[0] if isinstance(out, tuple) else out).dtype))
+        lambda m, a, out: seen.append((out[0] if isinstance(out, tuple) else out).dtype)
+    )
     x = torch.randint(0, VOCAB, (2, 16))
     loss = engine.forward_loss(x)
     engine.backward(loss, last_micro=True)

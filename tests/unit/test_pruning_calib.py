@@ -1,5 +1,6 @@
 """Layer groups of K: G0 does not depend on K, K sets the number of passes, and the
 calibration layout makes world x accumulation interchangeable."""
+
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """Masks persist: through optimizer steps (with a control showing they would regrow), through
 save/load, through an iterative schedule's exact rollback."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """Each pruning method on a case small enough to work out by hand, through `run_pruning`,
 plus exact-target sparsity and 2:4 validity on the tiny Llama."""
+
 from __future__ import annotations
 
 import math
@@ -155,9 +156,14 @@ def calib() -> list[torch.Tensor]:
 
 
 METHODS = [
-    ("magnitude", {}), ("wanda", {}), ("sparsegpt", {}),
-    ("gradprobe", {"base": "wanda"}), ("gradprobe", {"base": "magnitude"}),
-    ("gradprobe", {"base": "ria"}), ("gradprobe", {"base": "gblm", "decision": "veto"}), ("gradprobe", {"base": "taylor"}),
+    ("magnitude", {}),
+    ("wanda", {}),
+    ("sparsegpt", {}),
+    ("gradprobe", {"base": "wanda"}),
+    ("gradprobe", {"base": "magnitude"}),
+    ("gradprobe", {"base": "ria"}),
+    ("gradprobe", {"base": "gblm", "decision": "veto"}),
+    ("gradprobe", {"base": "taylor"}),
 ]
 
 
@@ -173,7 +179,7 @@ def test_exact_target_sparsity(method: str, extra: dict) -> None:
     per_row = method == "wanda" or extra.get("base") in PER_ROW_BASES
     for lin in target_linears(model):
         rows, cols = lin.weight.shape
-        zeros = (lin.weight == 0)
+        zeros = lin.weight == 0
         if per_row:
             assert torch.all(zeros.sum(1) == count_for(sparsity, cols))
         else:
@@ -352,8 +358,11 @@ def test_owl_prunes_the_block_with_more_outliers_less() -> None:
         h.remove()
     ratio = []
     for block in decoder_blocks(model):
-        scores = [(lin.weight.abs() * torch.cat(inputs[names[lin]]).double().norm(dim=0).float()).flatten()
-                  for lin in block.modules() if isinstance(lin, nn.Linear)]
+        scores = [
+            (lin.weight.abs() * torch.cat(inputs[names[lin]]).double().norm(dim=0).float()).flatten()
+            for lin in block.modules()
+            if isinstance(lin, nn.Linear)
+        ]
         flat = torch.cat(scores)
         ratio.append(float((flat > 5 * flat.mean()).float().mean()))
     assert ratio[0] != ratio[1]

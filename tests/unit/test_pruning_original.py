@@ -2,6 +2,7 @@
 masks equal a plain single-process re-implementation of that algorithm written here, with
 2 forward+backward passes per matrix and fp32 statistics; and the mode's settings are
 filled only where the config left them unset."""
+
 from __future__ import annotations
 
 import pytest
@@ -51,8 +52,9 @@ def global_magnitude_candidates(mats: list[tuple[str, nn.Linear]], sparsity: flo
     return {n: m.weight.detach().abs() <= ordered[k - 1] for n, m in mats}
 
 
-def reference_streaming(model: nn.Module, batches: list[torch.Tensor], sparsity: float, reduction: float,
-                        threshold: float) -> dict[str, torch.Tensor]:
+def reference_streaming(
+    model: nn.Module, batches: list[torch.Tensor], sparsity: float, reduction: float, threshold: float
+) -> dict[str, torch.Tensor]:
     """The original algorithm, straightforwardly: candidates once from the dense model, then per
     matrix G0, shrink, G1, restore, veto, and zero before the next matrix is probed."""
     model.eval()
@@ -80,8 +82,9 @@ def test_original_mode_equals_a_plain_reimplementation(threshold: float) -> None
     model = build_model("tiny-llama")
     reference = build_model("tiny-llama")
     expected = reference_streaming(reference, calib(), sparsity, reduction, threshold)
-    cfg = PruneConfig(method="gradprobe", base="magnitude", decision="original", sparsity=sparsity, reduction=reduction,
-                      threshold=threshold)
+    cfg = PruneConfig(
+        method="gradprobe", base="magnitude", decision="original", sparsity=sparsity, reduction=reduction, threshold=threshold
+    )
     report = run_pruning(model, calib(), cfg, lm_loss, keep_g0=True)
     mats = matrices(model)
     assert len(mats) == 14  # tiny-llama: 7 Linears x 2 blocks
@@ -118,12 +121,26 @@ def test_original_mode_on_a_wanda_base_chooses_candidates_on_the_dense_model() -
 def test_mode_defaults_fill_only_unset_keys() -> None:
     original, filled = resolve_prune(PruneConfig(method="gradprobe", base="magnitude", decision="original"))
     assert (original.scope, original.stat_dtype, original.exact_target, original.sequential, original.group_size) == (
-        "global", "fp32", False, True, 1)
+        "global",
+        "fp32",
+        False,
+        True,
+        1,
+    )
     assert filled == ["scope=global", "stat_dtype=fp32", "exact_target=false", "sequential=true", "group_size=1"]
-    explicit, filled = resolve_prune(PruneConfig(method="gradprobe", base="magnitude", decision="original", scope="global",
-                                                 stat_dtype="fp32", exact_target=False, sequential=True, group_size=1))
+    explicit, filled = resolve_prune(
+        PruneConfig(
+            method="gradprobe",
+            base="magnitude",
+            decision="original",
+            scope="global",
+            stat_dtype="fp32",
+            exact_target=False,
+            sequential=True,
+            group_size=1,
+        )
+    )
     assert filled == [] and explicit.stat_dtype == "fp32"
     rank, _ = resolve_prune(PruneConfig(method="gradprobe"))  # today's defaults, unchanged
-    assert (rank.scope, rank.stat_dtype, rank.exact_target, rank.sequential, rank.group_size) == (
-        "per_matrix", "bf16", True, False, 0)
+    assert (rank.scope, rank.stat_dtype, rank.exact_target, rank.sequential, rank.group_size) == ("per_matrix", "bf16", True, False, 0)
     assert resolve_prune(PruneConfig(method="sparsegpt"))[0].sequential is True

@@ -1,4 +1,5 @@
 """Strategy files: shipped set, DeepSpeed 'auto' filling, contradictions, launcher hints."""
+
 import json
 import os
 
@@ -148,14 +149,30 @@ def test_launcher_hints():
 
 
 def test_file_scheduler_kept_and_its_autos_filled(tmp_path):
-    sched = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_min_lr": "auto", "warmup_type": "linear"}}
+    sched = {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_min_lr": "auto",
+            "warmup_type": "linear",
+        },
+    }
     path = _user_file(tmp_path, {"zero_optimization": {"stage": 2}, "scheduler": sched})
     cfg = load_config(None, ["steps=40", "optim.lr=0.002", "optim.warmup_steps=3", "optim.min_lr_ratio=0.25"])
     filled = []
     ds = resolve_deepspeed_config(load_strategy(path, env={}), cfg, 1, 64, filled=filled)
-    assert ds["scheduler"] == {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3, "total_num_steps": 40, "warmup_max_lr": 0.002,
-                                                                   "warmup_min_lr": 0.002 * 0.25, "warmup_type": "linear"}}
+    assert ds["scheduler"] == {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_num_steps": 3,
+            "total_num_steps": 40,
+            "warmup_max_lr": 0.002,
+            "warmup_min_lr": 0.002 * 0.25,
+            "warmup_type": "linear",
+        },
+    }
     assert "scheduler.params.total_num_steps=40 (from steps)" in filled
 
 
@@ -201,13 +218,23 @@ def test_deepspeed_builds_the_file_scheduler(tmp_path):
     from harness.engine.parallelize import deepspeed_lr_scheduler
 
     cfg = load_config(None, ["optim.lr=0.01", "optim.warmup_steps=6"])
-    path = _user_file(tmp_path, {"zero_optimization": {"stage": 1}, "scheduler": {"type": "WarmupLR", "params": {
-        "warmup_num_steps": "auto", "warmup_max_lr": "auto", "warmup_min_lr": 0}}})
+    path = _user_file(
+        tmp_path,
+        {
+            "zero_optimization": {"stage": 1},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto", "warmup_max_lr": "auto", "warmup_min_lr": 0}},
+        },
+    )
     ds = resolve_deepspeed_config(load_strategy(path, env={}), cfg, 1, 64)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
     conf = DeepSpeedConfig(ds)
-    engine = types.SimpleNamespace(client_lr_scheduler=deepspeed_lr_scheduler(ds, cfg), basic_optimizer=opt, optimizer=opt,
-                                   scheduler_name=lambda: conf.scheduler_name, scheduler_params=lambda: conf.scheduler_params)
+    engine = types.SimpleNamespace(
+        client_lr_scheduler=deepspeed_lr_scheduler(ds, cfg),
+        basic_optimizer=opt,
+        optimizer=opt,
+        scheduler_name=lambda: conf.scheduler_name,
+        scheduler_params=lambda: conf.scheduler_params,
+    )
     engine._scheduler_from_config = types.MethodType(DeepSpeedEngine._scheduler_from_config, engine)
     DeepSpeedEngine._configure_lr_scheduler(engine)
     assert isinstance(engine.lr_scheduler, WarmupLR)
@@ -227,11 +254,17 @@ def test_optimizer_number_contradicting_run_config_names_both(tmp_path):
 
 
 def test_optimizer_values_equal_to_run_config_pass(tmp_path):
-    path = _user_file(tmp_path, {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {
-        "lr": 0.003, "betas": [0.9, 0.95], "weight_decay": "auto"}}})
+    path = _user_file(
+        tmp_path,
+        {
+            "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "betas": [0.9, 0.95], "weight_decay": "auto"}},
+        },
+    )
     filled = []
-    ds = resolve_deepspeed_config(load_strategy(path, env={}), load_config(None, ["optim.lr=0.003", "optim.weight_decay=0.1"]), 1, 64,
-                                  filled=filled)
+    ds = resolve_deepspeed_config(
+        load_strategy(path, env={}), load_config(None, ["optim.lr=0.003", "optim.weight_decay=0.1"]), 1, 64, filled=filled
+    )
     assert ds["optimizer"]["params"] == {"lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.1, "eps": 1e-8}
     assert "optimizer.params.weight_decay=0.1 (from optim.weight_decay)" in filled
     assert not any(f.startswith("optimizer.params.lr=") for f in filled)
@@ -246,14 +279,23 @@ def test_filled_names_gradient_clipping_the_file_left_out(tmp_path):
     assert not any(f.startswith("train_micro_batch_size_per_gpu=") for f in filled)  # written in the file, not filled
 
 
-@pytest.mark.parametrize("data, key, hint", [
-    ({"zero_optimisation": {"stage": 2}}, "zero_optimisation", "zero_optimization"),
-    ({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 10}}, "zero_optimization.reduce_bucket_sise", "reduce_bucket_size"),
-    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket": 10}}, "zero_optimization.stage3_prefetch_bucket",
-     "stage3_prefetch_bucket_size"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}}},
-     "zero_optimization.offload_param.pin_memroy", "pin_memory"),
-])
+@pytest.mark.parametrize(
+    "data, key, hint",
+    [
+        ({"zero_optimisation": {"stage": 2}}, "zero_optimisation", "zero_optimization"),
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 10}}, "zero_optimization.reduce_bucket_sise", "reduce_bucket_size"),
+        (
+            {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket": 10}},
+            "zero_optimization.stage3_prefetch_bucket",
+            "stage3_prefetch_bucket_size",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}}},
+            "zero_optimization.offload_param.pin_memroy",
+            "pin_memory",
+        ),
+    ],
+)
 def test_misspelt_deepspeed_key_names_the_right_one(tmp_path, data, key, hint):
     with pytest.raises(ConfigError, match=rf"unknown DeepSpeed key '{key}' \(did you mean '{hint}'\?\)"):
         load_strategy(_user_file(tmp_path, data), env={})
@@ -263,11 +305,36 @@ def test_documented_deepspeed_keys_accepted(tmp_path):
     from harness.config.strategies import deepspeed_top_level_keys
 
     documented = {
-        "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "gradient_clipping", "steps_per_print", "wall_clock_breakdown",
-        "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "comms_logger", "data_types",
-        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "train_batch_size", "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps", "prescale_gradients", "gradient_predivide_factor", "communication_data_type", "sparse_gradients",
-        "amp", "checkpoint", "aio", "elasticity", "autotuning", "pipeline", "compression_training",
+        "optimizer",
+        "scheduler",
+        "fp16",
+        "bf16",
+        "zero_optimization",
+        "gradient_clipping",
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "activation_checkpointing",
+        "flops_profiler",
+        "tensorboard",
+        "wandb",
+        "comms_logger",
+        "data_types",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "communication_data_type",
+        "sparse_gradients",
+        "amp",
+        "checkpoint",
+        "aio",
+        "elasticity",
+        "autotuning",
+        "pipeline",
+        "compression_training",
     }
     assert documented <= deepspeed_top_level_keys()
     load_strategy(_user_file(tmp_path, {"comment": "harness's own note", "zero_optimization": {"stage": 2}}), env={})
