@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.optim import Optimizer
 
 from harness.config import OptimConfig
@@ -170,13 +171,9 @@ class OptimizerInBackward:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """FQN-keyed optimizer state of all parameters (DCP format; DTensor shards under FSDP2)."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         return get_optimizer_state_dict(self.model, list(self.optimizers.values()))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
         set_optimizer_state_dict(self.model, list(self.optimizers.values()), state_dict)
 
     def remove_hooks(self) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -29,6 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from harness.config import Strategy
 from harness.distributed import DistInfo
@@ -126,8 +130,6 @@ class TraceResult:
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """A process group of ``world_size`` ranks that moves no data (we are rank 0)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise PlanError("a real process group is already running in this process; plan before launching, not inside training")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -298,8 +300,6 @@ class _Timeline:
 
 
 def _tracker_class() -> type:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     class Timeline(_Timeline, MemTracker):
         def __init__(self) -> None:
             super().__init__()
@@ -329,10 +329,6 @@ def _wrap_fsdp(model: nn.Module, spec: TraceSpec) -> nn.Module:
 
 def trace_step(spec: TraceSpec) -> TraceResult:
     """Trace forward + backward of ``spec.micro_batches`` micro-batches on rank 0 of a fake world."""
-    import time
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     if spec.world_size < 1:
         raise PlanError(f"world size must be >= 1, got {spec.world_size}")
     start = time.perf_counter()
