@@ -56,7 +56,7 @@ class OptimizerInBackward:
     """Per-parameter optimizers stepped from post-accumulate-grad hooks.
 
     ``optim``: a factory ``make_optimizer([p])`` building the optimizer of one parameter,
-    or an ``OptimConfig`` (then ``harness.optim.build_optimizer`` is the factory, and with
+    or an ``OptimConfig`` (then ``harness.training.build_optimizer`` is the factory, and with
     ``total_steps`` :attr:`scheduler` is the run's schedule on every optimizer).
     ``self.names[p]`` is the parameter's FQN, for factories that decide weight decay by name.
 

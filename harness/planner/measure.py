@@ -1,7 +1,7 @@
 """The ground truth the planner is judged against: real training steps, real bytes.
 
 A real run of a config (real CPU tensors, a real gloo process group, the trainer's own
-engine from ``harness.parallelize.build_engine`` and its own loss) is measured with
+engine from ``harness.engine.build_engine`` and its own loss) is measured with
 torch's ``MemTracker`` entered *before* the model is built. That way every storage the
 process allocates is followed - module parameters, DDP buckets, DeepSpeed's flat
 buffers, master copies and gradient partitions - which is what ``max_memory_allocated``
@@ -10,7 +10,7 @@ step), on the training device only (DeepSpeed keeps shape-only "meta" tensors th
 no memory).
 
 After the measured steps one more step is measured by the trainer's own
-``StepMemoryTracker`` (``harness.memory_tracking``), so the two measurements can be set
+``StepMemoryTracker`` (``harness.memory.tracking``), so the two measurements can be set
 side by side; the trainer's tracker counts a buffer allocated before the step only once
 the step touches it.
 

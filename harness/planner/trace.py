@@ -2,12 +2,12 @@
 
 The model is built from its config under ``FakeTensorMode`` on device "cpu" (fake tensors
 have shapes, dtypes and storages sizes but no data), wrapped exactly as the trainer wraps
-it (activation checkpointing from ``harness.activation_checkpoint``, FSDP2's real
-``fully_shard`` through ``harness.parallelize`` over a *fake* process group of the
-requested world size) and run through the trainer's own loss (``harness.loss``).
+it (activation checkpointing from ``harness.memory.activation_checkpoint``, FSDP2's real
+``fully_shard`` through ``harness.engine.parallelize`` over a *fake* process group of the
+requested world size) and run through the trainer's own loss (``harness.training.loss``).
 torch's ``MemTracker`` / ``FSDPMemTracker`` follow every storage the step creates and
-frees, so what comes out is the same byte count a real CPU run produces (see
-shared/PLATFORM.md), at a fraction of the cost: a Llama-3-8B-shaped step takes seconds.
+frees, so what comes out is the same byte count a real CPU run produces (measured:
+notes/planner_accuracy.md), at a fraction of the cost: a Llama-3-8B-shaped step takes seconds.
 
 Why only forward + backward: under fake DTensor parameters the optimizer step's transient
 state comes out an order of magnitude too large, so the step is added analytically by
