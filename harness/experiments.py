@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from harness.config import apply_overrides, load_config, parse_yaml
 from harness.errors import ConfigError
 from harness.memory import REPORTED
@@ -66,8 +68,6 @@ def load_matrix(path: str) -> tuple[dict[str, Any], list[Run], dict[str, Any]]:
 
 def run_config(base: dict[str, Any], run: Run, out_dir: Path) -> Path:
     """Write the run's resolved config file (validated by loading it)."""
-    import yaml
-
     cfg = json.loads(json.dumps(base))
     apply_overrides(cfg, _flatten(run.overrides) + [f"output_dir={out_dir / 'run'}"])
     path = out_dir / "config.yaml"

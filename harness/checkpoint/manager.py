@@ -63,11 +63,10 @@ from harness.checkpoint.layout import (
 )
 from harness.config import RunConfig, Strategy, config_to_dict
 from harness.distributed import DistInfo, all_gather_object, all_reduce_sum
-from harness.engine import Engine
+from harness.engine import Engine, weights_finite
 from harness.errors import CheckpointError
+from harness.faults import fault_seconds, fault_step, hold
 from harness.log import get_logger
-from harness.reliability import weights_finite
-from harness.reliability.faults import fault_seconds, fault_step, hold
 
 log = get_logger(__name__)
 

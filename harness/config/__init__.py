@@ -1,14 +1,17 @@
 """The run config: typed schema, loading with `key=value` overrides, strategy files, and every
 rule a config must satisfy (`checks`)."""
 
-from harness.config.checks import check_run, check_values
+from harness.config.checks import check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
 from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
+from harness.config.prune_modes import check_original, is_original, resolve_prune
 from harness.config.schema import (
     AC_MODES,
     COMPILE_MODES,
     DATA_FORMATS,
+    EMBEDDED_CORPORA,
     LORA_QUANTIZE,
     PRECISIONS,
+    PRUNE_BASES,
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
@@ -27,8 +30,10 @@ __all__ = [
     "COMPILE_MODES",
     "DATA_FORMATS",
     "DS_CONFIG_DIR",
+    "EMBEDDED_CORPORA",
     "LORA_QUANTIZE",
     "PRECISIONS",
+    "PRUNE_BASES",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -42,12 +47,17 @@ __all__ = [
     "Strategy",
     "all_keys",
     "apply_overrides",
+    "check_optimizer_in_backward",
+    "check_original",
     "check_run",
+    "check_strategy_against_run",
     "check_values",
     "config_to_dict",
+    "is_original",
     "load_config",
     "load_strategy",
     "parse_yaml",
     "read_config_file",
+    "resolve_prune",
     "resolve_deepspeed_config",
 ]

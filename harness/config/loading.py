@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any, get_args, get_origin, get_type_hints
+
+import yaml
 
 from harness.config.checks import check_values
 from harness.config.schema import RunConfig
@@ -95,9 +98,6 @@ def all_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
 
 def _yaml_loader():
     """SafeLoader without YAML 1.1's base-60 integers, so `pattern: 2:4` stays the string '2:4'."""
-    import re
-
-    import yaml
 
     class Loader(yaml.SafeLoader):
         pass
@@ -115,8 +115,6 @@ def _yaml_loader():
 
 
 def parse_yaml(text: str) -> Any:
-    import yaml
-
     return yaml.load(text, Loader=_yaml_loader())
 
 
@@ -132,8 +130,6 @@ def read_config_file(path: str) -> dict[str, Any]:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     else:
-        import yaml
-
         try:
             data = parse_yaml(text)
         except yaml.YAMLError as e:
@@ -150,8 +146,6 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b=c` overrides to a nested dict (values parsed as YAML scalars)."""
-    import yaml
-
     valid = all_keys()
     for item in overrides:
         if "=" not in item:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+from pydoc_data.topics import topics
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from harness.config import DataConfig
-from harness.config.schema import EMBEDDED_CORPORA
+from harness.config import EMBEDDED_CORPORA, DataConfig
 from harness.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -48,8 +48,6 @@ def embedded_documents(max_chars: int | None = 3_000_000) -> list[str]:
     """
     docs: list[str] = []
     try:
-        from pydoc_data.topics import topics
-
         docs += [topics[k] for k in sorted(topics)]
     except ImportError:  # some distributions strip pydoc_data
         pass

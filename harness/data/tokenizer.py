@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from harness.config import DataConfig
 from harness.data.documents import EOS
 
@@ -20,7 +22,6 @@ BPE_TRAINING_CHARS = 50_000_000  # a BPE vocabulary settles long before this; mo
 def train_bpe_tokenizer(batches: Iterable[list[str]], vocab_size: int, path: str) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained locally (HF `tokenizers`) for models that ship none; at most
     `BPE_TRAINING_CHARS` characters of the given batches are read."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # lazily, see harness.data.documents
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())

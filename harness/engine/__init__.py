@@ -17,6 +17,7 @@ from torch import nn
 from harness.engine import deepspeed_engine, torch_engine
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.deepspeed_engine import DeepSpeedEngine
+from harness.engine.finite import weights_finite
 from harness.engine.parallelize import apply_memory_techniques, build_engine, fsdp_wrap, load_model
 from harness.engine.storage import local_part
 from harness.engine.torch_engine import TorchEngine
@@ -45,4 +46,5 @@ __all__ = [
     "load_model",
     "local_part",
     "read_model_weights",
+    "weights_finite",
 ]

@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from harness.config import RunConfig, Strategy, resolve_deepspeed_config
 from harness.distributed import DistInfo
@@ -57,9 +60,6 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
     `fully_shard` call: torch's FSDPMemTracker instruments each
     module's parameter group once, and a group shared by two modules breaks its tracking.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
     if policy.mode == "bf16":
@@ -122,8 +122,6 @@ def _torch_engine(model: nn.Module, cfg: RunConfig, strategy: Strategy, policy: 
     kind = _torch_kind(strategy, info)
     wrapped: nn.Module = model  # FSDP2 shards in place
     if kind == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         ids = [info.device.index] if info.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
     oib = None

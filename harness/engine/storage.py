@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from harness.models.weights import Part, whole_part
+from harness.models import Part, whole_part
 
 
 def _dtensor_part(p: DTensor) -> Part:

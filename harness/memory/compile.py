@@ -28,7 +28,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
+from torch._dynamo.utils import counters
 
 from harness.config import COMPILE_MODES
 from harness.models import decoder_block_list
@@ -36,8 +38,6 @@ from harness.models import decoder_block_list
 
 def set_activation_memory_budget(budget: float | None) -> None:
     """Set (or with ``None`` reset to 1.0, i.e. off) the process-wide activation memory budget."""
-    import torch._functorch.config as functorch_config
-
     if budget is not None and not 0.0 <= budget <= 1.0:
         raise ValueError(f"activation_memory_budget={budget} must be in [0, 1]")
     functorch_config.activation_memory_budget = 1.0 if budget is None else float(budget)
@@ -70,8 +70,6 @@ def apply_compile(
 
 
 def _graphs_compiled() -> int:
-    from torch._dynamo.utils import counters
-
     return int(counters["stats"].get("unique_graphs", 0))
 
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.optim import Optimizer
 
 from harness.config import OptimConfig
@@ -55,7 +56,7 @@ class OptimizerInBackward:
     """Per-parameter optimizers stepped from post-accumulate-grad hooks.
 
     ``optim``: a factory ``make_optimizer([p])`` building the optimizer of one parameter,
-    or an ``OptimConfig`` (then ``harness.optim.build_optimizer`` is the factory, and with
+    or an ``OptimConfig`` (then ``harness.training.build_optimizer`` is the factory, and with
     ``total_steps`` :attr:`scheduler` is the run's schedule on every optimizer).
     ``self.names[p]`` is the parameter's FQN, for factories that decide weight decay by name.
 
@@ -170,13 +171,9 @@ class OptimizerInBackward:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """FQN-keyed optimizer state of all parameters (DCP format; DTensor shards under FSDP2)."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         return get_optimizer_state_dict(self.model, list(self.optimizers.values()))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
         set_optimizer_state_dict(self.model, list(self.optimizers.values()), state_dict)
 
     def remove_hooks(self) -> None:

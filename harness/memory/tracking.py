@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from harness.memory.categories import CATEGORIES
 from harness.memory.trackers import (
@@ -147,8 +148,6 @@ class StepMemoryTracker:
         self._step_index += 1
 
     def _make_tracker(self) -> Any:
-        from torch.distributed.fsdp import FSDPModule
-
         if isinstance(self.model, FSDPModule):
             return _FSDPTracker(self.model, _torch_optimizers(self.optimizer))
         tracker = _Tracker()

@@ -27,7 +27,7 @@ from harness.models.lora import (
     trainable_counts,
     wrap_peft,
 )
-from harness.models.weights import CheckpointWeights, InitWeights, WeightSource, clean_name, fill, materialize, whole_part
+from harness.models.weights import CheckpointWeights, InitWeights, Part, WeightSource, clean_name, fill, materialize, whole_part
 
 __all__ = [
     "PRESETS",
@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointWeights",
     "InitWeights",
     "ModelSpec",
+    "Part",
     "Preset",
     "WeightSource",
     "apply_lora",

@@ -56,7 +56,7 @@ PRUNE_LAYER_PREFIX = "prune/sparsity/"
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"  # records of a timeline a resume abandoned
 
-# Names harness.memory_tracking's per-step peaks take when the trainer prefixes them as
+# Names harness.memory.StepMemoryTracker's per-step peaks take when the trainer prefixes them as
 # `memory/<key>_peak_bytes`: the allocator peaks are the GPU truth, not categories.
 ALIASES = {
     "memory/device_allocated_peak_bytes": MAX_ALLOCATED,

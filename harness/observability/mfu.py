@@ -35,6 +35,7 @@ import re
 from typing import Any
 
 import torch
+from torch import nn
 
 TFLOPS = 1e12
 
@@ -145,7 +146,6 @@ def _text_config(config: Any) -> Any:
 
 def matmul_params(config: Any) -> int:
     """N of the formula: parameters used in matmuls (see the module docstring)."""
-    from torch import nn
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

@@ -4,7 +4,7 @@
 - `memory.png`: peak memory by category over steps, stacked, so each band shows what a
   technique removed; the tracker's total and the GPU's max_allocated / max_reserved are
   drawn as lines over it. When the categories are the split at the moment of the total
-  peak (what `harness.memory_tracking` reports) the stack's height is that peak; when
+  peak (what `harness.memory.StepMemoryTracker` reports) the stack's height is that peak; when
   each is its own maximum the stack is an upper bound, and the lines are the truth.
 - `throughput.png`: tokens/s (global and per device) and, when known, MFU.
 

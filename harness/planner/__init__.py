@@ -6,7 +6,7 @@
   DeepSpeed ZeRO-1/2/3 buffers and offload - in formulas named after each engine buffer.
 - ``estimate``: the two combined into the worst rank's peak, by category, with its moment.
 - ``report``: the text the CLI prints, the GPU allowance and the per-dtype table.
-- ``recommend``: the fastest configuration that fits (reference 002's decision tree).
+- ``recommend``: the fastest configuration that fits (the memory decision tree, walked by expected speed).
 - ``measure``: the ground truth - real CPU steps measured with MemTracker - for tests.
 
 The command line is ``python -m harness.plan`` (``harness/plan.py``).

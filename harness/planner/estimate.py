@@ -19,9 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness.config import RunConfig, Strategy, load_strategy, resolve_deepspeed_config
-from harness.config.checks import check_optimizer_in_backward, check_strategy_against_run
+from harness.config import (
+    RunConfig,
+    Strategy,
+    check_optimizer_in_backward,
+    check_strategy_against_run,
+    load_strategy,
+    resolve_deepspeed_config,
+)
 from harness.data import cache_dir_for
 from harness.errors import ConfigError
 from harness.memory import REPORTED
@@ -292,8 +299,6 @@ def cached_trace(spec: TraceSpec) -> TraceResult:
 
 def _hidden_size(cfg: RunConfig, vocab: int | None) -> int:
     """The hidden size (DeepSpeed's "auto" bucket sizes follow it), from the config alone."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     model = build_fake_model(cfg.model.name, vocab, FakeTensorMode())
     return int(getattr(model.config, "hidden_size", 0) or 0)
 

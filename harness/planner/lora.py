@@ -1,7 +1,8 @@
 """LoRA and QLoRA in the planner: the decision tree's last two steps, in formulas.
 
 When no full fine-tune fits - not with bf16, recomputation, a micro-batch of 1, ZeRO-3 or
-offload - the reference's tree ends with "LoRA; then quantize the base (8/4-bit) + QLoRA".
+offload - the decision tree (`harness.planner.recommend`) ends with LoRA, then QLoRA (the base
+quantized to 8 or 4 bits).
 What changes is model state only:
 
 - the base is frozen: its parameters are held (bf16, or NF4 for QLoRA: 4 bits plus one 8-bit

@@ -1,7 +1,7 @@
 """The ground truth the planner is judged against: real training steps, real bytes.
 
 A real run of a config (real CPU tensors, a real gloo process group, the trainer's own
-engine from ``harness.parallelize.build_engine`` and its own loss) is measured with
+engine from ``harness.engine.build_engine`` and its own loss) is measured with
 torch's ``MemTracker`` entered *before* the model is built. That way every storage the
 process allocates is followed - module parameters, DDP buckets, DeepSpeed's flat
 buffers, master copies and gradient partitions - which is what ``max_memory_allocated``
@@ -10,7 +10,7 @@ step), on the training device only (DeepSpeed keeps shape-only "meta" tensors th
 no memory).
 
 After the measured steps one more step is measured by the trainer's own
-``StepMemoryTracker`` (``harness.memory_tracking``), so the two measurements can be set
+``StepMemoryTracker`` (``harness.memory.tracking``), so the two measurements can be set
 side by side; the trainer's tracker counts a buffer allocated before the step only once
 the step touches it.
 
@@ -23,18 +23,21 @@ import argparse
 import gc
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from harness.config import load_config, load_strategy
 from harness.distributed import init_distributed, teardown
 from harness.engine import build_engine
+from harness.memory import CATEGORIES as CATS
 from harness.memory import StepMemoryTracker, category_of
-from harness.memory.categories import CATEGORIES as CATS
 from harness.models import model_spec
 from harness.training import causal_lm_loss, precision_policy
 
@@ -54,8 +57,6 @@ def _cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
 
 def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None = None, trainer_view: bool = True) -> dict[str, Any]:
     """Build the run's engine on this rank and measure ``steps`` steps; the process group must be up."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     cfg = load_config(None, overrides)
     strategy = load_strategy(cfg.strategy)
     info = init_distributed("cpu", force_group=strategy.needs_process_group)
@@ -115,8 +116,6 @@ def _trainer_view_step(engine: Any, batches: list[torch.Tensor]) -> tuple[int | 
 
 def _main(argv: list[str] | None = None) -> int:
     """Per-rank entry for torchrun: measure each config in turn, rank 0 writes all ranks' results."""
-    import torch.distributed as dist
-
     parser = argparse.ArgumentParser(prog="harness.planner.measure")
     parser.add_argument("--runs", required=True, help="JSON file: a list of override lists")
     parser.add_argument("--out", required=True)
@@ -194,8 +193,6 @@ def _repo_root() -> str:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -375,13 +375,13 @@ def ranks_to_check(spec: EngineSpec) -> list[int]:
     return [0]
 
 
-# ------------------------------------------------------------------------------- the reference-003 view
+# ------------------------------------------------------------------------------- the per-dtype view
 
 
 def dtype_breakdown(total_params: int, world: int = 1) -> list[dict[str, float | str]]:
     """Parameters / gradients / Adam state for fp32, bf16 with fp32 Adam, and bf16 with bf16 Adam.
 
-    The per-dtype table of the 8.5B-model analysis (reference 003), per rank when the
+    The per-dtype table (the quick "is this even close" view of the report), per rank when the
     model states are split evenly over ``world`` ranks; no activations, no overhead.
     """
     rows = []

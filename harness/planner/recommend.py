@@ -1,4 +1,4 @@
-"""Search for the fastest configuration that fits: the decision tree of reference 002, automated.
+"""Search for the fastest configuration that fits: the memory decision tree, automated.
 
 The tree (fp32 fits? -> mixed precision -> activation checkpointing -> smaller micro-batch
 with accumulation -> ZeRO/FSDP stages -> offload) is searched whole, but walked in order of
@@ -25,9 +25,14 @@ speed over a full fine-tune that fits; the first that fits is named.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import yaml
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import RunConfig, apply_overrides, check_values, load_config, load_strategy
 from harness.planner.estimate import Estimate, estimate, resolve_vocab, specs_for, walk
@@ -339,8 +344,6 @@ def explain(cfg: RunConfig, chosen: Candidate, evaluate: Any) -> list[str]:
 
 def with_candidate(cfg: RunConfig, c: Candidate) -> RunConfig:
     """``cfg`` with the candidate's five settings; every other setting kept."""
-    import dataclasses
-
     memory = dataclasses.replace(cfg.memory, activation_checkpointing=c.ac, ac_every=2 if c.ac == "selective" else cfg.memory.ac_every)
     lora = cfg.lora if c.lora == "none" else dataclasses.replace(cfg.lora, enabled=True, quantize="nf4" if c.lora == "nf4" else "none")
     run = dataclasses.replace(
@@ -358,15 +361,11 @@ def with_candidate(cfg: RunConfig, c: Candidate) -> RunConfig:
 
 
 def _param_info(cfg: RunConfig, vocab: int | None) -> ParamInfo:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     return param_info(build_fake_model(cfg.model.name, vocab, FakeTensorMode()))
 
 
 def recommended_config(raw: dict[str, Any], overrides: list[str], c: Candidate) -> dict[str, Any]:
     """The user's config file contents + their overrides + the candidate's settings, as a config mapping."""
-    import copy
-
     data = apply_overrides(copy.deepcopy(raw), list(overrides) + c.overrides())
     data.pop("global_batch_size", None)  # implied by micro * accum * world; a stale value would contradict
     return data
@@ -374,8 +373,6 @@ def recommended_config(raw: dict[str, Any], overrides: list[str], c: Candidate) 
 
 def write_recommended(path: str, data: dict[str, Any], header: str) -> None:
     """Write the config as YAML and load it back with the trainer's loader: it must launch as is."""
-    import yaml
-
     with open(path, "w") as f:
         f.write("".join(f"# {line}\n" for line in header.splitlines()))
         yaml.safe_dump(data, f, sort_keys=False, default_flow_style=False)

@@ -8,7 +8,7 @@ Three parts, each stated as what it is:
 2. an explicit GPU allowance for what no CPU trace sees: CUDA context, NCCL buffers,
    cuBLAS workspaces, caching-allocator fragmentation. These are stated assumptions,
    added to the prediction only for the fits / does-not-fit verdict;
-3. the per-dtype model-state table of reference 003 (fp32 / bf16 with fp32 Adam / bf16
+3. the per-dtype model-state table (fp32 / bf16 with fp32 Adam / bf16
    with bf16 Adam) for the whole model on one GPU, with the shortfall against the GPU
    memory given - the quick "is this even close" view.
 """
@@ -168,7 +168,7 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
 
 
 def format_dtype_table(total_params: int, gpu_mem: int) -> str:
-    """Reference 003's table: whole-model parameters/gradients/Adam state per dtype on one GPU."""
+    """The per-dtype table: whole-model parameters/gradients/Adam state per dtype on one GPU."""
     lines = [
         f"Model states of all {total_params:,} parameters on one GPU (no sharding, no activations):",
         f"    {'mode':<26} {'parameters':>12} {'gradients':>12} {'Adam state':>12} {'total':>12}  vs {gib(gpu_mem)}",

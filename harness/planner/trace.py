@@ -2,12 +2,12 @@
 
 The model is built from its config under ``FakeTensorMode`` on device "cpu" (fake tensors
 have shapes, dtypes and storages sizes but no data), wrapped exactly as the trainer wraps
-it (activation checkpointing from ``harness.activation_checkpoint``, FSDP2's real
-``fully_shard`` through ``harness.parallelize`` over a *fake* process group of the
-requested world size) and run through the trainer's own loss (``harness.loss``).
+it (activation checkpointing from ``harness.memory.activation_checkpoint``, FSDP2's real
+``fully_shard`` through ``harness.engine.parallelize`` over a *fake* process group of the
+requested world size) and run through the trainer's own loss (``harness.training.loss``).
 torch's ``MemTracker`` / ``FSDPMemTracker`` follow every storage the step creates and
-frees, so what comes out is the same byte count a real CPU run produces (see
-shared/PLATFORM.md), at a fraction of the cost: a Llama-3-8B-shaped step takes seconds.
+frees, so what comes out is the same byte count a real CPU run produces (measured:
+notes/planner_accuracy.md), at a fraction of the cost: a Llama-3-8B-shaped step takes seconds.
 
 Why only forward + backward: under fake DTensor parameters the optimizer step's transient
 state comes out an order of magnitude too large, so the step is added analytically by
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -29,6 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from harness.config import Strategy
 from harness.distributed import DistInfo
@@ -126,8 +130,6 @@ class TraceResult:
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """A process group of ``world_size`` ranks that moves no data (we are rank 0)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise PlanError("a real process group is already running in this process; plan before launching, not inside training")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -298,8 +300,6 @@ class _Timeline:
 
 
 def _tracker_class() -> type:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     class Timeline(_Timeline, MemTracker):
         def __init__(self) -> None:
             super().__init__()
@@ -329,10 +329,6 @@ def _wrap_fsdp(model: nn.Module, spec: TraceSpec) -> nn.Module:
 
 def trace_step(spec: TraceSpec) -> TraceResult:
     """Trace forward + backward of ``spec.micro_batches`` micro-batches on rank 0 of a fake world."""
-    import time
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     if spec.world_size < 1:
         raise PlanError(f"world size must be >= 1, got {spec.world_size}")
     start = time.perf_counter()

@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
@@ -261,8 +262,6 @@ def available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    import psutil
-
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return int(psutil.virtual_memory().available // max(1, local))
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.config.schema import PRUNE_BASES
+from harness.config import PRUNE_BASES
 from harness.pruning.comm import Comm
 from harness.pruning.layout import Layout, exchange_split_units
 from harness.pruning.select import (

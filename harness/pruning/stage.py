@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from harness.config import PruneConfig
-from harness.config.prune_modes import check_original, is_original, resolve_prune
+from harness.config import PruneConfig, check_original, is_original, resolve_prune
 from harness.pruning.allocation import owl_sparsities, view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
 from harness.pruning.comm import Comm

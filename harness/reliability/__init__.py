@@ -2,7 +2,7 @@
 supervisor (exceptions to one line and an exit code, dead ranks named), the OOM report,
 and fault injection for tests and drills."""
 
-from harness.reliability.guard import StepGuard, weights_finite
+from harness.reliability.guard import StepGuard
 from harness.reliability.supervisor import PeerMonitor, Supervisor, collective_timeout_s
 
-__all__ = ["PeerMonitor", "StepGuard", "Supervisor", "collective_timeout_s", "weights_finite"]
+__all__ = ["PeerMonitor", "StepGuard", "Supervisor", "collective_timeout_s"]

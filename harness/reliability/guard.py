@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from harness.distributed import DistInfo
-from harness.engine import Engine
+from harness.engine import weights_finite
 from harness.errors import NonFiniteError
 from harness.log import get_logger
 from harness.reliability.faults import install_fault_hooks
@@ -24,20 +24,6 @@ from harness.reliability.signals import signal_received
 log = get_logger(__name__)
 
 _ACTIVE: dict[str, Any] = {"guard": None}  # the running guard, for the OOM report
-
-
-def _all_true(flag: bool, info: DistInfo) -> bool:
-    if not info.distributed or info.world_size == 1:
-        return flag
-    t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=info.device if info.backend == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item()) == 0
-
-
-def weights_finite(engine: Engine, info: DistInfo) -> bool:
-    """Whether every rank's weights are finite (collective)."""
-    local = all(bool(torch.isfinite(t).all()) for t in engine.local_parameters())
-    return _all_true(local, info)
 
 
 class StepGuard:

@@ -20,8 +20,7 @@ from harness.distributed import DistInfo, all_gather_object, all_reduce_mean, al
 from harness.engine import Engine
 from harness.log import get_logger
 from harness.memory import StepMemoryTracker
-from harness.observability import Observer
-from harness.observability.metrics import PEAK_RANK
+from harness.observability import PEAK_RANK, Observer
 from harness.reliability import StepGuard
 
 log = get_logger(__name__)

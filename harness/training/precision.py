@@ -2,7 +2,7 @@
 
 bf16 casts the model (or lets the engine keep fp32 master weights: DeepSpeed's bf16
 optimizer, FSDP2's MixedPrecisionPolicy); fp16 keeps fp32 weights with autocast and a
-loss scaler; the loss is always computed in fp32 (see harness/loss.py).
+loss scaler; the loss is always computed in fp32 (see harness/training/loss.py).
 """
 
 from __future__ import annotations

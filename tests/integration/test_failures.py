@@ -3,7 +3,7 @@
 Faults are real where they can be on CPU: SIGTERM to torchrun, SIGKILL/SIGSTOP of a rank.
 Where they cannot (a NaN on a chosen step and rank, a GPU OOM, a signal reaching only one
 rank at a chosen step), `HARNESS_FAULT` injects the real thing at a real point of the run
-(`harness/failures.py`): a NaN in the LM head's output, a `torch.OutOfMemoryError` raised
+(`harness/faults.py`, `harness/reliability/faults.py`): a NaN in the LM head's output, a `torch.OutOfMemoryError` raised
 in forward, a SIGUSR1 the process sends itself.
 """
 

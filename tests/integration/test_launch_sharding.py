@@ -3,7 +3,7 @@
 For world 2 each rank must hold the expected share of parameters, gradients and optimizer
 state (ZeRO-1: optimizer state halved; ZeRO-2: + gradients; ZeRO-3/FSDP: + parameters), and
 the loss must match a world-1 run on the same global batch. Nothing here trusts a flag:
-bytes come from the tensors each rank actually holds (harness/state_bytes.py).
+bytes come from the tensors each rank actually holds (harness/engine/state_bytes.py).
 """
 
 from __future__ import annotations

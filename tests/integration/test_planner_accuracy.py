@@ -9,7 +9,7 @@ at world 2 the plan includes one collective buffer whose lifetime is gloo's work
 against the interval ``[total - race_bytes, total]`` (see notes/planner_accuracy.md).
 
 Ground truth today is ``harness.planner.measure``: the trainer's own engine
-(``harness.parallelize.build_engine``, its loss, its optimizer) run by torchrun with gloo
+(``harness.engine.build_engine``, its loss, its optimizer) run by torchrun with gloo
 and measured with MemTracker from before the model is built, so every storage counts (as
 ``max_memory_allocated`` would on a GPU). To judge against the trainer's recorded metrics
 instead, replace :func:`measured_peaks` by one that runs ``harness.train`` and reads

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from harness.reliability.faults import fault_seconds, hold
+from harness.faults import fault_seconds, hold
 
 
 def test_save_pause_is_parsed_per_step(monkeypatch):

@@ -90,7 +90,7 @@ def test_set_lr_reaches_every_parameter() -> None:
 
 
 def test_built_from_the_run_config_follows_the_run_schedule() -> None:
-    """OptimizerInBackward(model, cfg.optim, steps): harness.optim's optimizer and schedule per parameter."""
+    """OptimizerInBackward(model, cfg.optim, steps): harness.training's optimizer and schedule per parameter."""
     from harness.training import build_optimizer, build_scheduler
 
     cfg = RunConfig().optim

@@ -123,8 +123,8 @@ def test_zero3_offload_moves_master_and_state_to_the_host() -> None:
     assert em.phases[-1].host_extra == 0  # DeepSpeedCPUAdam steps in place on a GPU machine
 
 
-def test_dtype_breakdown_reproduces_reference_003() -> None:
-    """Reference 003's 8,499,653,234-parameter model: 31.66 / 15.83 / 63.33 GB (GiB) per category."""
+def test_dtype_breakdown_reproduces_the_published_8_5b_table() -> None:
+    """A published per-dtype table of an 8,499,653,234-parameter model: 31.66 / 15.83 / 63.33 GB (GiB) per category."""
     rows = {r["mode"]: r for r in dtype_breakdown(8_499_653_234)}
     published = {  # (parameters, gradients, optimizer, total) in the reference, 2 decimals, GiB
         "fp32": (31.66, 31.66, 63.33, 126.65),
