@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a file by a launcher: make `harness` imp
 from safetensors import safe_open
 
 from harness.config import RunConfig, Strategy, load_config, load_strategy
-from harness.distributed import DistInfo, all_reduce_sum, exit_process
+from harness.distributed import Collectives, DistInfo, exit_process
 from harness.errors import ConfigError
 from harness.runner import build_run, evaluate, parse_command_line, preflight, run_command, run_prune_stage
 
@@ -73,7 +73,7 @@ def prune_model(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> dict[str,
             f"{len(zeros)} pruned matrices (pruned {sum(x['pruned'] for x in stats['layers']):,})",
             flush=True,
         )
-    if all_reduce_sum([float(len(short))], info)[0]:
+    if Collectives().any([bool(short)])[0]:
         raise RuntimeError(f"the exported model in {hf_dir} is not sparse where it was pruned ({short[:3] or 'see rank 0'})")
     loop.observer.log_summary(summary)
     loop.observer.close()

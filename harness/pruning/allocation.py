@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from harness.distributed import Collectives
 from harness.pruning.calibration import InputStats
-from harness.pruning.comm import Comm
 from harness.pruning.methods import wanda_scores
 from harness.pruning.shards import ShardView
 
 
-def owl_sparsities(views: list[ShardView], stats: InputStats, target: float, lam: float, m: float, comm: Comm) -> dict[str, float]:
+def owl_sparsities(views: list[ShardView], stats: InputStats, target: float, lam: float, m: float, comm: Collectives) -> dict[str, float]:
     """Sparsity per view (the same for every matrix of a block). Collective: two all-reduces."""
     units = sorted({v.target.unit for v in views})
     index = {u: i for i, u in enumerate(units)}

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from harness.distributed import Collectives
 from harness.pruning.allocation import view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, Runner, gradient_max
-from harness.pruning.comm import Comm
 from harness.pruning.masks import MaskSet
 from harness.pruning.methods import (
     COMPOSITE_BITS,
@@ -70,7 +70,7 @@ class ProbeSettings:
     g0: dict[str, torch.Tensor] = field(default_factory=dict)  # filled when keep_g0
 
 
-def _base_scores(v: ShardView, base: str, stats: InputStats | None, grad_sumsq: dict[str, torch.Tensor], comm: Comm) -> torch.Tensor:
+def _base_scores(v: ShardView, base: str, stats: InputStats | None, grad_sumsq: dict[str, torch.Tensor], comm: Collectives) -> torch.Tensor:
     """The base score of this rank's piece of `v` (lowest pruned first). Collective for the
     bases that normalise over the whole matrix (gblm, ria): every rank calls it per view."""
     w = v.weight()
@@ -90,7 +90,7 @@ def _base_scores(v: ShardView, base: str, stats: InputStats | None, grad_sumsq: 
 
 
 @torch.no_grad()
-def _scale(views: list[ShardView], pools: dict[str, torch.Tensor], factor: float, comm: Comm) -> dict[str, torch.Tensor]:
+def _scale(views: list[ShardView], pools: dict[str, torch.Tensor], factor: float, comm: Collectives) -> dict[str, torch.Tensor]:
     """Multiply each pool's working weights by `factor`; returns the exact old values."""
     saved = {}
     for v in views:
@@ -102,7 +102,7 @@ def _scale(views: list[ShardView], pools: dict[str, torch.Tensor], factor: float
 
 
 @torch.no_grad()
-def _restore(views: list[ShardView], pools: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], comm: Comm) -> None:
+def _restore(views: list[ShardView], pools: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], comm: Collectives) -> None:
     for v in views:
         v.write(pools[v.name].to(v.lp().device), saved[v.name], master=False)
     sync_views(views, comm)
@@ -114,7 +114,7 @@ def run_gradprobe(
     settings: ProbeSettings,
     runner: Runner,
     steps: list[list[Any]],
-    comm: Comm,
+    comm: Collectives,
     ledger: Ledger,
     forced: dict[str, torch.Tensor] | None,
 ) -> MaskSet:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.config.schema import PRUNE_BASES
-from harness.pruning.comm import Comm
+from harness.distributed import Collectives
 from harness.pruning.layout import Layout, exchange_split_units
 from harness.pruning.select import (
     FLOAT_KEY_BITS,
@@ -80,7 +80,7 @@ def widen(rule: Rule, pool: float) -> Rule:
 
 
 def select(
-    rule: Rule, layouts: list[Layout], keys: list[torch.Tensor], comm: Comm, key_bits: int, sparsities: list[float] | None = None
+    rule: Rule, layouts: list[Layout], keys: list[torch.Tensor], comm: Collectives, key_bits: int, sparsities: list[float] | None = None
 ) -> list[torch.Tensor]:
     """Apply a rule to int64 keys (lowest pruned first); returns local boolean masks.
     `sparsities`: one per layout instead of the rule's (a per-layer allocation such as OWL;
@@ -135,7 +135,7 @@ def taylor_scores(weight: torch.Tensor, grad_sumsq: torch.Tensor) -> torch.Tenso
     return (weight.double().abs() * grad_sumsq.to(weight.device).double().sqrt()).float()
 
 
-def gblm_scores(weight: torch.Tensor, layout: Layout, norms: torch.Tensor, grad_sumsq: torch.Tensor, comm: Comm) -> torch.Tensor:
+def gblm_scores(weight: torch.Tensor, layout: Layout, norms: torch.Tensor, grad_sumsq: torch.Tensor, comm: Collectives) -> torch.Tensor:
     """GBLM-Pruner's |W|*||X_j|| + alpha*|W|*||G_ij||_2. The paper fixes alpha for its gradient
     scale (per-sample gradients of a mean loss); ours are per probe step, so the gradient term
     is rescaled per matrix to the mean of the Wanda term (alpha = 1 after that): neither term
@@ -149,7 +149,7 @@ def gblm_scores(weight: torch.Tensor, layout: Layout, norms: torch.Tensor, grad_
     return (wanda + scale * grad).float()
 
 
-def ria_scores(weight: torch.Tensor, layout: Layout, norms: torch.Tensor, comm: Comm, power: float = 0.5) -> torch.Tensor:
+def ria_scores(weight: torch.Tensor, layout: Layout, norms: torch.Tensor, comm: Collectives, power: float = 0.5) -> torch.Tensor:
     """RIA (relative importance and activations): (|W_ij| / sum_k |W_ik| + |W_ij| / sum_k |W_kj|) * ||X_j||^0.5.
     Row and column sums cover the whole matrix: each rank adds its elements' |W| into
     rows+cols sized vectors, then one all-reduce (rows cut by a shard boundary included)."""
@@ -258,7 +258,7 @@ def sparsegpt_prune(
     weight: torch.Tensor,
     H: torch.Tensor,
     rule: Rule,
-    comm: Comm,
+    comm: Collectives,
     forced: torch.Tensor | None = None,
     blocksize: int = 128,
     damp: float = 0.01,

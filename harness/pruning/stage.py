@@ -25,9 +25,9 @@ import torch
 
 from harness.config import PruneConfig
 from harness.config.prune_modes import check_original, is_original, resolve_prune
+from harness.distributed import Collectives
 from harness.pruning.allocation import owl_sparsities, view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
-from harness.pruning.comm import Comm
 from harness.pruning.gradprobe import ProbeSettings, run_gradprobe
 from harness.pruning.masks import MaskSet
 from harness.pruning.methods import (
@@ -105,7 +105,7 @@ def run_pruning(
     loss_fn: LossFn,
     *,
     grad_accum: int | None = None,
-    comm: Comm | None = None,
+    comm: Collectives | None = None,
     sequential: bool | None = None,
     prior: MaskSet | None = None,
     stat_dtype: torch.dtype | None = None,
@@ -140,7 +140,7 @@ def run_pruning(
     sequential = bool(cfg.sequential)
     assert cfg.stat_dtype is not None and cfg.scope is not None and cfg.exact_target is not None
     stat_dtype = DTYPES[cfg.stat_dtype]  # prune.stat_dtype names the storage of G0 and G1
-    comm = comm or Comm()
+    comm = comm or Collectives()
     comm.barrier()
     start = time.perf_counter()
     cuda = torch.cuda.is_available() and comm.device.type == "cuda"
@@ -241,7 +241,7 @@ def run_pruning(
 
 
 def _allocation(
-    cfg: PruneConfig, views: list[ShardView], rule: Rule, runner: Runner, batches: list[Any], comm: Comm, ledger: Ledger
+    cfg: PruneConfig, views: list[ShardView], rule: Rule, runner: Runner, batches: list[Any], comm: Collectives, ledger: Ledger
 ) -> dict[str, float] | None:
     """Per-matrix sparsities of a non-uniform allocation (None: uniform). OWL reads the dense
     model's input norms: one forward pass of its own, counted in the report's passes."""
@@ -261,7 +261,7 @@ def _magnitude(
     groups: list[list[ShardView]],
     rule: Rule,
     forced: dict[str, torch.Tensor] | None,
-    comm: Comm,
+    comm: Collectives,
     sequential: bool,
     alloc: dict[str, float] | None = None,
 ) -> MaskSet:
@@ -283,7 +283,7 @@ def _wanda(
     forced: dict[str, torch.Tensor] | None,
     runner: Runner,
     batches: list[Any],
-    comm: Comm,
+    comm: Collectives,
     sequential: bool,
     ledger: Ledger,
     alloc: dict[str, float] | None = None,
@@ -316,7 +316,7 @@ def _sparsegpt(
     forced: dict[str, torch.Tensor] | None,
     runner: Runner,
     batches: list[Any],
-    comm: Comm,
+    comm: Collectives,
     ledger: Ledger,
     alloc: dict[str, float] | None = None,
 ) -> MaskSet:

@@ -12,9 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from harness.distributed import DistInfo
+from harness.distributed import Collectives, DistInfo
 from harness.engine import Engine
 from harness.errors import NonFiniteError
 from harness.log import get_logger
@@ -26,18 +25,9 @@ log = get_logger(__name__)
 _ACTIVE: dict[str, Any] = {"guard": None}  # the running guard, for the OOM report
 
 
-def _all_true(flag: bool, info: DistInfo) -> bool:
-    if not info.distributed or info.world_size == 1:
-        return flag
-    t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=info.device if info.backend == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item()) == 0
-
-
-def weights_finite(engine: Engine, info: DistInfo) -> bool:
+def weights_finite(engine: Engine, comm: Collectives) -> bool:
     """Whether every rank's weights are finite (collective)."""
-    local = all(bool(torch.isfinite(t).all()) for t in engine.local_parameters())
-    return _all_true(local, info)
+    return comm.all(all(bool(torch.isfinite(t).all()) for t in engine.local_parameters()))
 
 
 class StepGuard:
@@ -55,6 +45,7 @@ class StepGuard:
         self.policy = cfg.checkpoint.on_nonfinite
         self.fp16 = cfg.precision == "fp16"
         self.info, self.engine, self.tracker = info, engine, tracker
+        self.comm = Collectives()
         self.last_checkpoint = last_checkpoint
         self.start_step = self.steps_done = start_step
         self.stop_requested = False
@@ -65,12 +56,7 @@ class StepGuard:
 
     def pre_step(self, local_loss: float) -> bool:
         """Before the optimizer step (collective): True when any rank's loss is non-finite: skip the update."""
-        flags = torch.tensor([0.0 if math.isfinite(local_loss) else 1.0, 1.0 if signal_received() else 0.0])
-        if self.info.distributed and self.info.world_size > 1:
-            flags = flags.to(self.info.device if self.info.backend == "nccl" else "cpu")
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self._bad_loss = bool(flags[0] > 0)
-        self.stop_requested = bool(flags[1] > 0)
+        self._bad_loss, self.stop_requested = self.comm.any([not math.isfinite(local_loss), signal_received()])
         return self._bad_loss
 
     def post_step(self, result: Any) -> None:
@@ -85,7 +71,7 @@ class StepGuard:
         what = "loss" if self._bad_loss else "gradient norm"
         last = self.last_checkpoint() or "none saved yet"
         applied = not result.skipped or getattr(self.engine, "oib", None) is not None  # optimizer-in-backward stepped already
-        if applied and not weights_finite(self.engine, self.info):
+        if applied and not weights_finite(self.engine, self.comm):
             raise NonFiniteError(
                 f"non-finite {what} at step {step} was applied to the weights (this engine cannot skip it); last good checkpoint: {last}"
             )
