@@ -36,7 +36,7 @@ MEMORY_FRACTION = 0.5
 
 
 class Ledger:
-    """Bytes held by the stage's own buffers (statistics, masks, saved weights), with peak.
+    """Bytes held by the pipeline's own buffers (statistics, masks, saved weights), with peak.
 
     A ledger instead of the allocator's peak because on CPU there is no resettable peak,
     and because the probe-memory target bounds exactly these buffers.

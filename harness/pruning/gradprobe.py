@@ -9,12 +9,12 @@ these weights?"); G1 the same way; restore the weights bit-exactly. Then
   G1/G0 (at the stored bf16 precision; ties by base score, then index); the lowest
   ranked are pruned up to exactly the target and the worst offenders are kept.
 
-G0 is always taken on the model as it was when the stage started unless `sequential` is
+G0 is always taken on the model as it was when `run_pruning` started unless `sequential` is
 set, so K=1 and K=all see the same G0 and K is a memory knob. G1 differs with K by
 design: it measures shrinking the candidates of the probed group only.
 
 Candidates are chosen per group from the model as each group finds it, except when they are
-fixed once up front from the model as the stage found it: a global selection (one threshold
+fixed once up front from the model as `run_pruning` found it: a global selection (one threshold
 over every matrix), and `dense_candidates` (the original GradProbe, whose strategy picks its
 candidates once on the dense model before streaming through the matrices; a Wanda base then
 takes its input norms for every matrix from the first G0 pass, which still sees that model).

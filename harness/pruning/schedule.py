@@ -22,8 +22,8 @@ import torch
 from harness.config import PruneConfig
 from harness.distributed import Collectives
 from harness.pruning.calibration import LossFn
+from harness.pruning.pipeline import PruneReport, run_pruning
 from harness.pruning.shards import ShardView, build_views, sync_views
-from harness.pruning.stage import PruneReport, run_pruning
 
 
 @dataclass

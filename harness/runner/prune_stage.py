@@ -36,7 +36,7 @@ from harness.pruning import (
     run_schedule,
     shard_calibration,
 )
-from harness.runner.loop import evaluate
+from harness.runner.trainer import evaluate
 
 log = get_logger(__name__)
 
@@ -47,7 +47,7 @@ HOLDOUT_SPLIT = "calib_holdout"  # calib-split blocks not drawn for calibration:
 
 class PruneStats(dict):
     """The stage's numbers (a plain dict: logged, returned, written as JSON) carrying what the
-    loop needs afterwards: `after_step()`, called after every `engine.step()`, keeps the
+    trainer needs afterwards: `after_step()`, called after every `engine.step()`, keeps the
     pruned weights at exactly zero.
 
     For a torch optimizer the enforcer is installed as a post-step hook (so any step of it

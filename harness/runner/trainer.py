@@ -1,7 +1,8 @@
-"""The training loop, readable in one sitting, and evaluation.
+"""The `Trainer`: the whole training run once it is built, readable in one sitting; and evaluation.
 
-One `Loop` serves training, fine-tuning after pruning (`after_step` keeps pruned weights
-at zero) and `python -m harness.prune`. It never asks which engine it has.
+One `Trainer` serves training, fine-tuning after pruning (`after_step` keeps pruned weights
+at zero) and `python -m harness.prune`: `train(first, stop)` runs steps, `close()` ends the
+run's outputs. It never asks which engine it has.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def evaluate(engine: Engine, data: PackedData, cfg: RunConfig, info: DistInfo, s
 
 
 @dataclass
-class Loop:
-    """Everything the steps touch, so one loop serves training, fine-tuning after pruning
+class Trainer:
+    """Everything the steps touch, so one trainer serves training, fine-tuning after pruning
     (`after_step` keeps pruned weights at zero) and `python -m harness.prune`."""
 
     cfg: RunConfig
@@ -90,7 +91,7 @@ class Loop:
     started_at: float | None = None  # time.perf_counter() when the run began building: time to first step is part of its cost
     comm: Collectives = field(default_factory=Collectives)  # the logged loss and memory peaks over ranks
 
-    def run(self, first: int, stop: int) -> bool:
+    def train(self, first: int, stop: int) -> bool:
         """Train steps [first, stop); False when a stop request ended the run (saved, observer closed)."""
         cfg, info, engine, sampler, tracker, guard, observer = (
             self.cfg,
@@ -144,7 +145,11 @@ class Loop:
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
                 observer.log_eval(step + 1, evaluate(engine, self.data, cfg, info))
             if self.ckpt.after_step(step + 1, {"skipped_steps": self.skipped}, stop=guard.stop_requested):
-                observer.close()  # SIGTERM/SIGUSR1: saved; exit cleanly so the job can requeue
+                self.close()  # SIGTERM/SIGUSR1: saved; exit cleanly so the job can requeue
                 self.stopped_at = step + 1
                 return False
         return True
+
+    def close(self) -> None:
+        """End the run's outputs (metrics, W&B, plots): after the summary is logged."""
+        self.observer.close()

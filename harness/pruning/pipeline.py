@@ -1,6 +1,8 @@
-"""`run_pruning`: the pruning stage, on the trainer's own model or engine, at any world size.
+"""`run_pruning`: the pruning pipeline (calibrate, score, select, mask), on the trainer's own model
+or engine, at any world size. The run's pruning *stage* (prune after training, fine-tune with
+the masks) is `harness.runner.prune_stage`, which calls it.
 
-One entry point for every method so that they share the calibration pipeline, the
+One entry point for every method so that they share the calibration passes, the
 selection rules and the report: a comparison between methods then measures the methods,
 not four different harnesses.
 
@@ -65,7 +67,7 @@ class LayerReport:
 
 @dataclass
 class PruneReport:
-    """What the stage did; `to_dict()` is what gets logged and written to notes."""
+    """What the pipeline did; `to_dict()` is what gets logged and written to notes."""
 
     method: str
     pattern: str
@@ -77,7 +79,7 @@ class PruneReport:
     fwd_passes: float  # passes over the calibration set, forward only
     fwd_bwd_passes: float  # passes over the calibration set, forward + backward
     wall_time_s: float
-    peak_probe_bytes: int  # the stage's own buffers on this rank (ledger), max over ranks
+    peak_probe_bytes: int  # the pipeline's own buffers on this rank (ledger), max over ranks
     peak_device_bytes: int | None  # CUDA allocator peak above the start, max over ranks (None on CPU)
     world_size: int
     exact_target: bool
