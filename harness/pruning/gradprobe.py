@@ -30,22 +30,16 @@ import torch
 from harness.distributed import Collectives
 from harness.pruning.allocation import view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, Runner, gradient_max
+from harness.pruning.experimental import GRADIENT_BASES, NORM_BASES, base_scores, exact_keys, saliency_keys
 from harness.pruning.masks import MaskSet
 from harness.pruning.methods import (
     COMPOSITE_BITS,
-    GRADIENT_BASES,
-    INPUT_NORM_BASES,
     Rule,
-    exact_keys,
-    gblm_scores,
     gradient_ratio,
     magnitude_scores,
     original_decision,
-    ria_scores,
-    saliency_keys,
     score_keys,
     select,
-    taylor_scores,
     veto_keys,
     wanda_scores,
     widen,
@@ -70,23 +64,21 @@ class ProbeSettings:
     g0: dict[str, torch.Tensor] = field(default_factory=dict)  # filled when keep_g0
 
 
+INPUT_NORM_BASES = ("wanda", *NORM_BASES)  # bases whose first pass collects input norms
+
+
 def _base_scores(v: ShardView, base: str, stats: InputStats | None, grad_sumsq: dict[str, torch.Tensor], comm: Collectives) -> torch.Tensor:
-    """The base score of this rank's piece of `v` (lowest pruned first). Collective for the
-    bases that normalise over the whole matrix (gblm, ria): every rank calls it per view."""
+    """The base score of this rank's piece of `v` (lowest pruned first): magnitude and wanda
+    here, the experimental bases from `harness.pruning.experimental` (collective for the ones
+    that normalise over the whole matrix, gblm and ria: every rank calls it per view)."""
     w = v.weight()
     if base == "magnitude":
         return magnitude_scores(w)
-    if base == "taylor":
-        return taylor_scores(w, grad_sumsq[v.name])
-    assert stats is not None and v.layout is not None
-    norms = stats.norms(v.name)
+    norms = stats.norms(v.name) if stats is not None else None
     if base == "wanda":
+        assert norms is not None and v.layout is not None
         return wanda_scores(w, v.layout, norms)
-    if base == "gblm":
-        return gblm_scores(w, v.layout, norms, grad_sumsq[v.name], comm)
-    if base == "ria":
-        return ria_scores(w, v.layout, norms, comm)
-    raise ValueError(f"unknown GradProbe base {base!r}")
+    return base_scores(base, w, v.layout, norms, grad_sumsq.get(v.name), comm)
 
 
 @torch.no_grad()

@@ -28,8 +28,9 @@ import torch
 from harness.config import PruneConfig
 from harness.config.prune_modes import check_original, is_original, resolve_prune
 from harness.distributed import Collectives
-from harness.pruning.allocation import owl_sparsities, view_sparsities
+from harness.pruning.allocation import view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
+from harness.pruning.experimental import owl_sparsities
 from harness.pruning.gradprobe import ProbeSettings, run_gradprobe
 from harness.pruning.masks import MaskSet
 from harness.pruning.methods import (

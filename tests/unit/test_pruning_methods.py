@@ -13,8 +13,9 @@ from harness.config import PruneConfig
 from harness.distributed import Collectives
 from harness.models import build_model, decoder_blocks
 from harness.pruning import run_pruning
+from harness.pruning.experimental import exact_keys
 from harness.pruning.layout import Layout
-from harness.pruning.methods import PER_ROW_BASES, Rule, exact_keys, select, veto_keys
+from harness.pruning.methods import PER_ROW_BASES, Rule, select, veto_keys
 from harness.pruning.select import count_for
 
 
