@@ -23,9 +23,11 @@ OptimName = Literal["adamw", "adam", "sgd"]
 Schedule = Literal["cosine", "linear", "constant"]
 OnNonfinite = Literal["skip", "stop"]
 PruneMethod = Literal["none", "magnitude", "wanda", "sparsegpt", "gradprobe"]
-PruneBase = Literal["magnitude", "wanda", "gblm", "taylor", "ria"]  # GradProbe's base scores (harness.pruning.methods)
-PruneDecision = Literal["rank", "veto", "saliency", "original"]  # GradProbe's decision rule (harness/config/prune_modes.py)
-PruneAllocation = Literal["uniform", "owl"]
+# GradProbe's base scores: magnitude, wanda in harness.pruning.methods; gblm, taylor, ria (measured worse) in harness.pruning.experimental
+PruneBase = Literal["magnitude", "wanda", "gblm", "taylor", "ria"]
+# GradProbe's decision rule (harness/config/prune_modes.py); rank and saliency (measured worse): harness.pruning.experimental
+PruneDecision = Literal["rank", "veto", "saliency", "original"]
+PruneAllocation = Literal["uniform", "owl"]  # owl (measured worse): harness.pruning.experimental.owl
 PruneScope = Literal["per_matrix", "global"]
 PruneTargets = Literal["decoder_linears", "all_linears"]
 StatDtype = Literal["bf16", "fp16", "fp32"]  # storage of GradProbe's gradient statistics
@@ -44,11 +46,6 @@ PRUNE_ALLOCATIONS = get_args(PruneAllocation)
 PRUNE_SCOPES = get_args(PruneScope)
 PRUNE_TARGETS = get_args(PruneTargets)
 STAT_DTYPES = get_args(StatDtype)
-# GradProbe variants measured worse than the defaults on the pruning benchmark (notes/pruning.md):
-# still valid values, implemented under harness.pruning.experimental.
-EXPERIMENTAL_BASES = ("gblm", "taylor", "ria")
-EXPERIMENTAL_DECISIONS = ("rank", "saliency")
-EXPERIMENTAL_ALLOCATIONS = ("owl",)
 
 
 def literal_choices(typ: Any) -> tuple[tuple[Any, ...], bool] | None:

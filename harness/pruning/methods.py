@@ -1,4 +1,5 @@
-"""The pruning rules: magnitude, Wanda, SparseGPT and GradProbe's decision, on local shards.
+"""The pruning rules: magnitude, Wanda, SparseGPT and GradProbe's decisions (veto, original), on
+local shards. The GradProbe variants measured worse are in `harness.pruning.experimental`.
 
 Each function takes this rank's piece of each matrix (a ShardView and its statistics) and
 returns this rank's piece of the mask (True = pruned). Anything that needs more than the
