@@ -105,7 +105,8 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
     pruned count per row / group, chosen uniformly at random (seeded). World 1 only."""
     import torch
 
-    from harness.pruning import Comm, build_views, run_pruning
+    from harness.distributed import Collectives
+    from harness.pruning import build_views, run_pruning
     from harness.runner import evaluate
     from harness.runner.prune_stage import calibration_batches, calibration_split
 
@@ -118,12 +119,12 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
         sparsity=0.75 if pattern == "2:4" else p.sparsity * (1 + p.pool),
     )
     samples, _ = calibration_split(data, dataclasses.replace(cfg, prune=pool_cfg))
-    batches = calibration_batches(samples, cfg, info, Comm())
+    batches = calibration_batches(samples, cfg, info, Collectives())
     report = run_pruning(engine.model, batches, pool_cfg, lambda _, b: engine.forward_loss(b), grad_accum=cfg.grad_accum, apply=False)
     g = torch.Generator().manual_seed(1000 + seed)
     pruned = total = 0
     with torch.no_grad():
-        for v in build_views(engine.model, p.targets, Comm()):
+        for v in build_views(engine.model, p.targets, Collectives()):
             pool = report.masks[v.name].reshape(v.rows, v.cols)
             width, k = (4, 2) if pattern == "2:4" else (v.cols, int(v.cols * p.sparsity))  # Wanda's per-row count
             noise = torch.rand(v.rows, v.cols, generator=g).masked_fill(~pool, float("inf")).reshape(v.rows, -1, width)

@@ -49,7 +49,7 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 def study(work: Path, samples: int, seed: int) -> dict[str, Any]:
     from harness import distributed as dist_utils
     from harness.config import load_config, load_strategy
-    from harness.pruning import Comm
+    from harness.distributed import Collectives
     from harness.pruning.methods import Rule, float_keys, select, wanda_scores, widen
     from harness.pruning.shards import build_views
     from harness.runner import build_run
@@ -78,7 +78,7 @@ def study(work: Path, samples: int, seed: int) -> dict[str, Any]:
     engine, data = loop.engine, loop.data
     model = engine.module
     model.eval()
-    comm = Comm()
+    comm = Collectives()
     samples_t, holdout = calibration_split(data, cfg)
     batches = calibration_batches(samples_t, cfg, info, comm)
     held = calibration_batches(torch.from_numpy(holdout[: samples_t.shape[0]].astype("int64")), cfg, info, comm)

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from harness.config import apply_overrides, load_config, parse_yaml
-from harness.errors import ConfigError
+from harness.errors import ConfigError, command_errors
 from harness.memory import REPORTED
 
 CATEGORIES = REPORTED  # the table's columns
@@ -236,6 +236,7 @@ def plot(results: list[dict[str, Any]], out: Path, pareto: bool) -> list[Path]:
     return paths
 
 
+@command_errors("harness.experiments")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harness.experiments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("matrix")
@@ -244,17 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", nargs="*", default=[], help="base overrides key=value applied to every run")
     parser.add_argument("--resume", action="store_true", help="reuse rows that already finished in --out")
     args = parser.parse_args(argv)
-    try:
-        base, runs, meta = load_matrix(args.matrix)
-        apply_overrides(base, args.set)
-        if args.only:
-            wanted = set(args.only.split(","))
-            runs = [r for r in runs if r.name in wanted]
-        out = Path(args.out or Path("runs") / "experiments" / Path(args.matrix).stem)
-        configs = [(r, run_config(base, r, out / r.name.replace(" ", "_").replace("/", "-"))) for r in runs]
-    except ConfigError as exc:
-        print(f"harness.experiments: error: {exc}", file=sys.stderr)
-        return 2
+    base, runs, meta = load_matrix(args.matrix)
+    apply_overrides(base, args.set)
+    if args.only:
+        wanted = set(args.only.split(","))
+        runs = [r for r in runs if r.name in wanted]
+    out = Path(args.out or Path("runs") / "experiments" / Path(args.matrix).stem)
+    configs = [(r, run_config(base, r, out / r.name.replace(" ", "_").replace("/", "-"))) for r in runs]
     results = []
     for i, (run, config) in enumerate(configs):
         done = config.parent / "done.json"

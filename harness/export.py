@@ -19,9 +19,10 @@ import argparse
 import sys
 
 from harness.checkpoint import export_hf, resolve_checkpoint_path
-from harness.errors import CheckpointError
+from harness.errors import CheckpointError, command_errors
 
 
+@command_errors("harness.export", (CheckpointError,))
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harness.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a step_* directory, a checkpoints/ directory or a run directory (its latest)")
@@ -32,11 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         help="LoRA checkpoints: write the base with the adapters merged in (default: the PEFT adapter directory)",
     )
     args = parser.parse_args(argv)
-    try:
-        out = export_hf(args.checkpoint, args.out, merged=args.merged)
-    except CheckpointError as exc:
-        print(f"harness.export: error: {exc}", file=sys.stderr)
-        return 2
+    out = export_hf(args.checkpoint, args.out, merged=args.merged)
     print(f"exported {resolve_checkpoint_path(args.checkpoint)} to {out}")
     return 0
 

@@ -8,9 +8,9 @@ No GPU is needed and no weights are loaded: the model is built from its config w
 storage and one training step is traced on rank 0 of a fake process group (see
 ``harness.planner``). Overrides are the trainer's ``key=value`` ones.
 
-Exit status: 0 the config fits (or --recommend wrote one that does); 1 it does not fit
-(something else would: see --recommend); 2 bad input; 3 nothing fits even with full
-offload.
+Exit status (the table in harness/errors.py): 0 the config fits (or --recommend wrote one
+that does); 10 it does not fit (something else would: see --recommend); 11 nothing fits
+even with full offload; 2 bad input; 1 a bug.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import load_config, read_config_file
-from harness.errors import EXIT_BAD_INPUT, ConfigError
+from harness.errors import EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, EXIT_PLAN_NOTHING_FITS, ConfigError, command_errors
 from harness.planner import PlanError
 from harness.planner.estimate import estimate, resolve_vocab
 from harness.planner.recommend import (
@@ -38,9 +38,6 @@ from harness.planner.recommend import (
 )
 from harness.planner.report import format_estimate, gib, gpu_allowance, parse_size, verdict
 from harness.planner.trace import build_fake_model, param_info
-
-# The planner's own verdicts; bad input is the same 2 as every command's (harness.errors).
-EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_NOTHING_FITS = 0, 1, 3
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -117,55 +114,51 @@ def _plan_lora(cfg: Any, args: argparse.Namespace, gpu_mem: int, cpu_mem: int | 
     ev = evaluate_lora(cfg, c, args.gpus, gpu_mem, args.target, vocab, info, cpu_mem=cpu_mem, per_node=per_node)
     print(f"Plan: {cfg.model.name} x {args.gpus} rank(s), {c.label()}")
     print(f"  {ev.reason}")
-    return EXIT_FITS if ev.fits else EXIT_DOES_NOT_FIT
+    return EXIT_OK if ev.fits else EXIT_PLAN_DOES_NOT_FIT
 
 
+@command_errors("harness.plan", (ConfigError, PlanError))
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only; never reach for a hub at planning time
     args, overrides = parse_args(argv)
-
-    try:
-        if args.gpus < 1:
-            raise PlanError(f"--gpus must be >= 1 (the world size), got {args.gpus}")
-        gpu_mem = parse_size(args.gpu_mem)
-        cpu_mem = parse_size(args.cpu_mem) if args.cpu_mem else None
-        per_node = args.gpus_per_node or args.gpus
-        if per_node < 1:
-            raise PlanError(f"--gpus-per-node must be >= 1, got {per_node}")
-        unknown = [o for o in overrides if "=" not in o]
-        if unknown:
-            raise PlanError(f"unrecognised argument '{unknown[0]}' (options start with --, overrides are key=value)")
-        cfg = load_config(args.config, overrides)
-        vocab = args.vocab_size or resolve_vocab(cfg)
-        if args.recommend:
-            return _recommend(args, overrides, cfg, gpu_mem, cpu_mem, per_node, vocab)
-        if cfg.lora.enabled:
-            return _plan_lora(cfg, args, gpu_mem, cpu_mem, per_node, vocab)
-        est = estimate(cfg, args.gpus, target=args.target, vocab_size=vocab)
-        fits = verdict(est, gpu_mem, cpu_mem, per_node).fits
-        if not fits and not _frugal_fits(cfg, args.gpus, gpu_mem, cpu_mem, per_node, args.nvme, args.target, vocab):
-            print(
-                f"harness.plan: error: nothing fits in {gib(gpu_mem)} per GPU x {args.gpus}, even bf16 + full activation "
-                f"checkpointing + micro-batch 1 + {'NVMe' if args.nvme else 'CPU'} offload "
-                f"(this config needs {gib(verdict(est, gpu_mem, cpu_mem, per_node).device_need)})",
-                file=sys.stderr,
-            )
-            return EXIT_NOTHING_FITS
-        title = (
-            f"Plan: {cfg.model.name} x {args.gpus} rank(s), strategy {cfg.strategy or 'ddp'}, {cfg.precision}, "
-            f"micro-batch {cfg.micro_batch_size} x seq {cfg.data.seq_len}, AC {cfg.memory.activation_checkpointing}"
+    if args.gpus < 1:
+        raise PlanError(f"--gpus must be >= 1 (the world size), got {args.gpus}")
+    gpu_mem = parse_size(args.gpu_mem)
+    cpu_mem = parse_size(args.cpu_mem) if args.cpu_mem else None
+    per_node = args.gpus_per_node or args.gpus
+    if per_node < 1:
+        raise PlanError(f"--gpus-per-node must be >= 1, got {per_node}")
+    unknown = [o for o in overrides if "=" not in o]
+    if unknown:
+        raise PlanError(f"unrecognised argument '{unknown[0]}' (options start with --, overrides are key=value)")
+    cfg = load_config(args.config, overrides)
+    vocab = args.vocab_size or resolve_vocab(cfg)
+    if args.recommend:
+        return _recommend(args, overrides, cfg, gpu_mem, cpu_mem, per_node, vocab)
+    if cfg.lora.enabled:
+        return _plan_lora(cfg, args, gpu_mem, cpu_mem, per_node, vocab)
+    est = estimate(cfg, args.gpus, target=args.target, vocab_size=vocab)
+    fits = verdict(est, gpu_mem, cpu_mem, per_node).fits
+    if not fits and not _frugal_fits(cfg, args.gpus, gpu_mem, cpu_mem, per_node, args.nvme, args.target, vocab):
+        print(
+            f"harness.plan: error: nothing fits in {gib(gpu_mem)} per GPU x {args.gpus}, even bf16 + full activation "
+            f"checkpointing + micro-batch 1 + {'NVMe' if args.nvme else 'CPU'} offload "
+            f"(this config needs {gib(verdict(est, gpu_mem, cpu_mem, per_node).device_need)})",
+            file=sys.stderr,
         )
-        print(format_estimate(est, gpu_mem, cpu_mem, per_node, title))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(_estimate_json(est, gpu_mem, cpu_mem, per_node), f, indent=1)
-        if fits:
-            return EXIT_FITS
-        print("hint: run with --recommend for the fastest configuration that fits")
-        return EXIT_DOES_NOT_FIT
-    except (ConfigError, PlanError) as exc:
-        print(f"harness.plan: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_PLAN_NOTHING_FITS
+    title = (
+        f"Plan: {cfg.model.name} x {args.gpus} rank(s), strategy {cfg.strategy or 'ddp'}, {cfg.precision}, "
+        f"micro-batch {cfg.micro_batch_size} x seq {cfg.data.seq_len}, AC {cfg.memory.activation_checkpointing}"
+    )
+    print(format_estimate(est, gpu_mem, cpu_mem, per_node, title))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_estimate_json(est, gpu_mem, cpu_mem, per_node), f, indent=1)
+    if fits:
+        return EXIT_OK
+    print("hint: run with --recommend for the fastest configuration that fits")
+    return EXIT_PLAN_DOES_NOT_FIT
 
 
 def _recommend(
@@ -186,7 +179,7 @@ def _recommend(
             + ("" if args.nvme else " (try --nvme)"),
             file=sys.stderr,
         )
-        return EXIT_NOTHING_FITS
+        return EXIT_PLAN_NOTHING_FITS
     print("")
     print("Fitting configurations, fastest first (x = expected step time relative to bf16/DDP/no AC):")
     for i, ev in enumerate(rec.fits, 1):
@@ -219,7 +212,7 @@ def _recommend(
                 f,
                 indent=1,
             )
-    return EXIT_FITS
+    return EXIT_OK
 
 
 if __name__ == "__main__":

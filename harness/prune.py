@@ -5,7 +5,7 @@
     torchrun --nproc_per_node=2 -m harness.prune --config run.yaml strategy=zero3 ...
 
 The command builds the same run as `harness.train` (the same data, engine, checkpoints and
-loop), prunes the model it loaded, optionally fine-tunes `prune.finetune_steps` steps with
+trainer), prunes the model it loaded, optionally fine-tunes `prune.finetune_steps` steps with
 the masks enforced, and exports a Hugging Face directory (`<output_dir>/hf`) through the
 checkpoint export, so the saved model is exactly as sparse as the masks.
 """
@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a file by a launcher: make `harness` imp
 from safetensors import safe_open
 
 from harness.config import RunConfig, Strategy, load_config, load_strategy
-from harness.distributed import DistInfo, all_reduce_sum, exit_process
+from harness.distributed import Collectives, DistInfo, exit_process
 from harness.errors import ConfigError
 from harness.runner import build_run, evaluate, parse_command_line, preflight, run_command, run_prune_stage
 
@@ -43,19 +43,19 @@ def exported_zeros(hf_dir: str, names: list[str]) -> dict[str, int]:
 
 def prune_model(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> dict[str, Any]:
     """The command: build the run as `harness.train` does, prune, fine-tune, export."""
-    loop, _ = build_run(cfg, strategy, info)
-    stats = run_prune_stage(loop.engine, loop.data, cfg, info, loop.observer, 0, ckpt=loop.ckpt)
-    loop.after_step = stats.after_step
+    trainer, _ = build_run(cfg, strategy, info)
+    stats = run_prune_stage(trainer.engine, trainer.data, cfg, info, trainer.observer, 0, ckpt=trainer.ckpt)
+    trainer.after_step = stats.after_step
     steps = cfg.prune.finetune_steps
-    if steps and not loop.run(0, steps):
-        return {"preempted_at_step": loop.stopped_at}
+    if steps and not trainer.train(0, steps):
+        return {"preempted_at_step": trainer.stopped_at}
     final = (
-        evaluate(loop.engine, loop.data, cfg, info)
+        evaluate(trainer.engine, trainer.data, cfg, info)
         if steps
         else {"eval/loss": stats["eval_loss_after"], "eval/perplexity": stats["eval_perplexity_after"]}
     )
-    loop.observer.log_eval(steps, final)
-    loop.ckpt.finish(steps, {"skipped_steps": loop.skipped})  # checkpoint + HF export (checkpoint.export_hf)
+    trainer.observer.log_eval(steps, final)
+    trainer.ckpt.finish(steps, {"skipped_steps": trainer.skipped})  # checkpoint + HF export (checkpoint.export_hf)
     hf_dir = os.path.join(cfg.output_dir, "hf")
     summary = {
         "prune_achieved_sparsity": stats["achieved_sparsity"],
@@ -73,10 +73,10 @@ def prune_model(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> dict[str,
             f"{len(zeros)} pruned matrices (pruned {sum(x['pruned'] for x in stats['layers']):,})",
             flush=True,
         )
-    if all_reduce_sum([float(len(short))], info)[0]:
+    if Collectives().any([bool(short)])[0]:
         raise RuntimeError(f"the exported model in {hf_dir} is not sparse where it was pruned ({short[:3] or 'see rank 0'})")
-    loop.observer.log_summary(summary)
-    loop.observer.close()
+    trainer.observer.log_summary(summary)
+    trainer.close()
     return summary
 
 

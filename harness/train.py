@@ -20,27 +20,27 @@ from harness.runner import build_run, evaluate, parse_command_line, preflight, r
 
 
 def train(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> dict[str, float]:
-    loop, resumed = build_run(cfg, strategy, info)
-    engine, data, observer, ckpt = loop.engine, loop.data, loop.observer, loop.ckpt
+    trainer, resumed = build_run(cfg, strategy, info)
+    engine, data, observer, ckpt = trainer.engine, trainer.data, trainer.observer, trainer.ckpt
     last = cfg.steps
-    if not loop.run(resumed.step, cfg.steps):
-        return {"preempted_at_step": loop.stopped_at, "skipped_steps": loop.skipped}
+    if not trainer.train(resumed.step, cfg.steps):
+        return {"preempted_at_step": trainer.stopped_at, "skipped_steps": trainer.skipped}
     if cfg.prune.method != "none":  # prune, then fine-tune with the masks enforced
-        loop.after_step = run_prune_stage(engine, data, cfg, info, observer, cfg.steps, ckpt=ckpt, resumed=resumed).after_step
+        trainer.after_step = run_prune_stage(engine, data, cfg, info, observer, cfg.steps, ckpt=ckpt, resumed=resumed).after_step
         last = cfg.steps + cfg.prune.finetune_steps
-        if not loop.run(max(resumed.step, cfg.steps), last):
-            return {"preempted_at_step": loop.stopped_at, "skipped_steps": loop.skipped}
+        if not trainer.train(max(resumed.step, cfg.steps), last):
+            return {"preempted_at_step": trainer.stopped_at, "skipped_steps": trainer.skipped}
     final = evaluate(engine, data, cfg, info)
     observer.log_eval(last, final)
     summary = {
-        "final_train_loss": loop.loss_mean,
+        "final_train_loss": trainer.loss_mean,
         "final_eval_loss": final["eval/loss"],
         "final_eval_perplexity": final["eval/perplexity"],
-        "skipped_steps": loop.skipped,
+        "skipped_steps": trainer.skipped,
     }
-    ckpt.finish(last, {"skipped_steps": loop.skipped})  # the final checkpoint and HF export, if configured
+    ckpt.finish(last, {"skipped_steps": trainer.skipped})  # the final checkpoint and HF export, if configured
     observer.log_summary(summary)
-    observer.close()
+    trainer.close()
     if info.is_main:
         print(f"[harness] final eval perplexity {final['eval/perplexity']:.2f}; outputs in {os.path.abspath(cfg.output_dir)}", flush=True)
     return summary

@@ -7,6 +7,7 @@ import os
 import sys
 
 from harness.checkpoint.layout import checkpoint_root, complete_checkpoints, latest_checkpoint, read_meta
+from harness.errors import EXIT_CHECKPOINT, EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = read_meta(path)
         mark = "  <- latest" if latest and os.path.abspath(path) == os.path.abspath(latest) else ""
         print(f"{path}  step {step}  {meta.strategy} x{meta.world_size}  global batch {meta.global_batch}{mark}")
-    return 0 if latest else 1
+    return EXIT_OK if latest else EXIT_CHECKPOINT  # none found: the checkpoint code, not 1 (a bug)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from harness.checkpoint.export import export_hf
@@ -62,7 +61,7 @@ from harness.checkpoint.layout import (
     write_text_atomic,
 )
 from harness.config import RunConfig, Strategy, config_to_dict
-from harness.distributed import DistInfo, all_gather_object, all_reduce_sum
+from harness.distributed import Collectives, DistInfo
 from harness.engine import Engine, weights_finite
 from harness.errors import CheckpointError
 from harness.faults import fault_seconds, fault_step, hold
@@ -123,6 +122,7 @@ class CheckpointManager:
         per_rank: dict[str, Any] | None = None,
     ):
         self.cfg, self.strategy, self.info, self.engine = cfg, strategy, info, engine
+        self.comm = Collectives()  # agreeing on a failed save
         # Other stateful objects whose state differs per rank (a streamed data position): saved as
         # <name>/rank<r>.pt when they have a state_dict, restored into them on resume.
         self.per_rank = {name: obj for name, obj in (per_rank or {}).items() if hasattr(obj, "state_dict")}
@@ -215,7 +215,7 @@ class CheckpointManager:
 
     def save(self, step: int, counters: dict[str, Any] | None = None) -> str:
         """Write a complete checkpoint of `step` atomically; refuse (CheckpointError) if any weight is non-finite."""
-        if not weights_finite(self.engine, self.info):
+        if not weights_finite(self.engine, self.comm):
             raise CheckpointError(
                 f"refusing to write a checkpoint at step {step}: the weights are not finite; "
                 f"the last good checkpoint is {self.last_path or 'none'}"
@@ -261,10 +261,9 @@ class CheckpointManager:
             work()
         except (OSError, RuntimeError, CheckpointException) as exc:  # torch.save and DCP report write failures so
             why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-        failed = all_reduce_sum([1.0 if why else 0.0], self.info)[0]
-        if not failed:
+        if not self.comm.any([bool(why)])[0]:
             return
-        reasons = all_gather_object(why, self.info)
+        reasons = self.comm.gather_object(why)
         rank, reason = next((r, w) for r, w in enumerate(reasons) if w)
         if self.info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -277,8 +276,7 @@ class CheckpointManager:
 
     # --------------------------------------------------------------- internals
     def _barrier(self) -> None:
-        if self.info.distributed and dist.is_initialized():
-            dist.barrier()
+        self.comm.barrier()
 
     def _clean_root(self) -> None:
         """Remove leftovers of killed saves; with checkpoint.overwrite, an earlier run's checkpoints."""

@@ -7,50 +7,19 @@ look at the outside world (model and data files, the output directory, checkpoin
 
 from __future__ import annotations
 
+import functools
+
 from harness.config.prune_modes import check_prune_mode
-from harness.config.schema import (
-    AC_MODES,
-    COMPILE_MODES,
-    DATA_FORMATS,
-    EMBEDDED_CORPORA,
-    LORA_QUANTIZE,
-    PRECISIONS,
-    PRUNE_ALLOCATIONS,
-    PRUNE_BASES,
-    PRUNE_DECISIONS,
-    PRUNE_METHODS,
-    PRUNE_SCOPES,
-    STAT_DTYPES,
-    RunConfig,
-)
+from harness.config.schema import EMBEDDED_CORPORA, RunConfig, choice_fields
 from harness.config.strategies import Strategy, resolve_deepspeed_config
 from harness.errors import ConfigError, did_you_mean
 
 
 def check_values(cfg: RunConfig) -> None:
     """Checks on single values; cross-checks that need the strategy or model live elsewhere."""
-    choices = {
-        "precision": (cfg.precision, PRECISIONS),
-        "memory.activation_checkpointing": (cfg.memory.activation_checkpointing, AC_MODES),
-        "memory.compile": (cfg.memory.compile, COMPILE_MODES),
-        "optim.schedule": (cfg.optim.schedule, ("cosine", "linear", "constant")),
-        "optim.name": (cfg.optim.name, ("adamw", "adam", "sgd")),
-        "checkpoint.on_nonfinite": (cfg.checkpoint.on_nonfinite, ("skip", "stop")),
-        "prune.method": (cfg.prune.method, PRUNE_METHODS),
-        "prune.base": (cfg.prune.base, PRUNE_BASES),
-        "prune.scope": (cfg.prune.scope, PRUNE_SCOPES),
-        "prune.decision": (cfg.prune.decision, PRUNE_DECISIONS),
-        "prune.allocation": (cfg.prune.allocation, PRUNE_ALLOCATIONS),
-        "prune.targets": (cfg.prune.targets, ("decoder_linears", "all_linears")),
-        "prune.stat_dtype": (cfg.prune.stat_dtype, STAT_DTYPES),
-        "device": (cfg.device, ("auto", "cpu", "cuda")),
-        "data.token_dtype": (cfg.data.token_dtype, ("uint16", "uint32")),
-        "data.format": (cfg.data.format, DATA_FORMATS),
-        "lora.quantize": (cfg.lora.quantize, LORA_QUANTIZE),
-    }
-    unset_is_mode_default = ("prune.scope", "prune.stat_dtype")  # None: the decision mode's default (prune_modes)
-    for key, (value, allowed) in choices.items():
-        if value is None and key in unset_is_mode_default:
+    for key, (allowed, none_ok) in choice_fields(RunConfig).items():  # every Literal-typed key (schema.py)
+        value = functools.reduce(getattr, key.split("."), cfg)
+        if value is None and none_ok:  # None: the default of the decision mode (prune_modes) or of the engine
             continue
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{did_you_mean(str(value), list(allowed))}")

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -23,6 +23,8 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
     """Convert a YAML/JSON/CLI value to the field's declared type, or raise ConfigError."""
     origin = get_origin(typ)
     args = get_args(typ)
+    if origin is Literal:  # an enumerated choice: read as its values' type, checked by check_values
+        typ, origin, args = type(args[0]), None, ()
     if origin is type(int | None) or (origin is not None and str(origin) == "typing.Union"):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             if type(None) in args:

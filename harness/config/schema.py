@@ -6,21 +6,70 @@ key, instead of a silently ignored typo.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-# The choices of the enumerated keys: one definition, read by the checks and the techniques.
-PRECISIONS = ("fp32", "bf16", "fp16")
-AC_MODES = ("none", "full", "selective", "op")
-COMPILE_MODES = ("none", "block", "model")
-LORA_QUANTIZE = ("none", "int8", "nf4")
-EMBEDDED_CORPORA = ("embedded", "stdlib")  # data.source names of corpora shipped with Python (harness.data.documents)
-DATA_FORMATS = ("text", "instruction")
-PRUNE_METHODS = ("none", "magnitude", "wanda", "sparsegpt", "gradprobe")
-PRUNE_BASES = ("magnitude", "wanda", "gblm", "taylor", "ria")  # GradProbe's base scores (harness.pruning.methods)
-PRUNE_DECISIONS = ("rank", "veto", "saliency", "original")  # GradProbe's decision rule (harness/config/prune_modes.py)
-PRUNE_ALLOCATIONS = ("uniform", "owl")
-PRUNE_SCOPES = ("per_matrix", "global")
-STAT_DTYPES = ("bf16", "fp16", "fp32")  # storage of GradProbe's gradient statistics
+# The choices of the enumerated keys, one definition each: a `Literal` type is the field's type,
+# and the tuple of its values (`get_args`) is what the checks and the techniques read, so a new
+# choice is added in one place and is checked everywhere.
+Precision = Literal["fp32", "bf16", "fp16"]
+AcMode = Literal["none", "full", "selective", "op"]
+CompileMode = Literal["none", "block", "model"]
+LoraQuantize = Literal["none", "int8", "nf4"]
+DataFormat = Literal["text", "instruction"]
+TokenDtype = Literal["uint16", "uint32"]  # element type of a raw .bin token file
+Device = Literal["auto", "cpu", "cuda"]
+OptimName = Literal["adamw", "adam", "sgd"]
+Schedule = Literal["cosine", "linear", "constant"]
+OnNonfinite = Literal["skip", "stop"]
+PruneMethod = Literal["none", "magnitude", "wanda", "sparsegpt", "gradprobe"]
+# GradProbe's base scores: magnitude, wanda in harness.pruning.methods; gblm, taylor, ria (measured worse) in harness.pruning.experimental
+PruneBase = Literal["magnitude", "wanda", "gblm", "taylor", "ria"]
+# GradProbe's decision rule (harness/config/prune_modes.py); rank and saliency (measured worse): harness.pruning.experimental
+PruneDecision = Literal["rank", "veto", "saliency", "original"]
+PruneAllocation = Literal["uniform", "owl"]  # owl (measured worse): harness.pruning.experimental.owl
+PruneScope = Literal["per_matrix", "global"]
+PruneTargets = Literal["decoder_linears", "all_linears"]
+StatDtype = Literal["bf16", "fp16", "fp32"]  # storage of GradProbe's gradient statistics
+EmbeddedCorpus = Literal["embedded", "stdlib"]  # data.source names of corpora shipped with Python (harness.data.documents)
+
+PRECISIONS = get_args(Precision)
+AC_MODES = get_args(AcMode)
+COMPILE_MODES = get_args(CompileMode)
+LORA_QUANTIZE = get_args(LoraQuantize)
+EMBEDDED_CORPORA = get_args(EmbeddedCorpus)
+DATA_FORMATS = get_args(DataFormat)
+PRUNE_METHODS = get_args(PruneMethod)
+PRUNE_BASES = get_args(PruneBase)
+PRUNE_DECISIONS = get_args(PruneDecision)
+PRUNE_ALLOCATIONS = get_args(PruneAllocation)
+PRUNE_SCOPES = get_args(PruneScope)
+PRUNE_TARGETS = get_args(PruneTargets)
+STAT_DTYPES = get_args(StatDtype)
+
+
+def literal_choices(typ: Any) -> tuple[tuple[Any, ...], bool] | None:
+    """(allowed values, whether None is allowed) of a `Literal` or `Literal | None` type; None otherwise."""
+    if get_origin(typ) is Literal:
+        return get_args(typ), False
+    if get_origin(typ) in (Union, type(int | None)):
+        inner = [a for a in get_args(typ) if a is not type(None)]
+        if len(inner) == 1 and get_origin(inner[0]) is Literal:
+            return get_args(inner[0]), True
+    return None
+
+
+def choice_fields(cls: type, prefix: str = "") -> dict[str, tuple[tuple[Any, ...], bool]]:
+    """Every enumerated key of a config dataclass (dotted) -> (allowed values, None allowed)."""
+    out: dict[str, tuple[tuple[Any, ...], bool]] = {}
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        typ = hints[f.name]
+        if is_dataclass(typ):
+            out.update(choice_fields(typ, f"{prefix}{f.name}."))
+        elif (choices := literal_choices(typ)) is not None:
+            out[prefix + f.name] = choices
+    return out
 
 
 @dataclass
@@ -46,20 +95,20 @@ class DataConfig:
     num_proc: int | None = None  # tokenizer processes; None: the machine's cores (at most 16)
     streaming: bool = False  # read and tokenize on the fly, each rank its own part (corpora larger than the disk)
     eos_id: int | None = None  # document separator for pre-tokenized input without a tokenizer
-    token_dtype: str = "uint16"  # element type of a raw .bin token file (uint16 | uint32)
+    token_dtype: TokenDtype = "uint16"  # element type of a raw .bin token file
     stream_eval_blocks: int = 256  # streaming: eval and calib blocks read from the start of the stream
-    format: str = "text"  # text (pretraining: loss on every token) | instruction (JSON lines prompt/response or messages)
+    format: DataFormat = "text"  # text (pretraining: loss on every token) | instruction (JSON lines prompt/response or messages)
     packing: bool = True  # instruction: pack examples into full blocks (else one example per block, padded)
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: OptimName = "adamw"
     lr: float = 3e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    schedule: str = "cosine"  # cosine | linear | constant
+    schedule: Schedule = "cosine"
     warmup_steps: int = 5
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
@@ -69,10 +118,10 @@ class OptimConfig:
 class MemoryConfig:
     """Memory techniques (`harness.memory`). All off by default."""
 
-    activation_checkpointing: str = "none"  # none | full | selective | op
+    activation_checkpointing: AcMode = "none"
     ac_every: int = 2  # selective: checkpoint every k-th block
     activation_offload: bool = False
-    compile: str = "none"  # none | block | model
+    compile: CompileMode = "none"
     activation_memory_budget: float | None = None  # in [0, 1]; implies compile
     optimizer_in_backward: bool = False
     loss_chunk_size: int = 0  # 0: plain fp32 cross-entropy; >0: chunked over the sequence
@@ -100,14 +149,14 @@ class CheckpointConfig:
     keep: int = 2
     resume: str = "none"  # none | auto | <path>
     overwrite: bool = False
-    on_nonfinite: str = "skip"  # skip | stop
+    on_nonfinite: OnNonfinite = "skip"
     export_hf: bool = False
 
 
 @dataclass
 class PruneConfig:
-    method: str = "none"  # none | magnitude | wanda | sparsegpt | gradprobe
-    base: str = "wanda"  # gradprobe's base score (candidates and order): one of PRUNE_BASES
+    method: PruneMethod = "none"
+    base: PruneBase = "wanda"  # gradprobe's base score (candidates and order)
     sparsity: float = 0.5
     pattern: str = "unstructured"  # unstructured | N:M, e.g. 2:4
     calib_samples: int = 16
@@ -121,16 +170,16 @@ class PruneConfig:
     # gradprobe: one of PRUNE_DECISIONS (harness/pruning/gradprobe.py). veto is the default because
     # it is the decision that costs least against its Wanda base on the pruning benchmark
     # (notes/pruning.md); rank and saliency are measured there to do worse.
-    decision: str = "veto"
-    scope: str | None = None  # per_matrix | global
-    targets: str = "decoder_linears"  # decoder_linears | all_linears
+    decision: PruneDecision = "veto"
+    scope: PruneScope | None = None
+    targets: PruneTargets = "decoder_linears"
     pool: float = 0.25  # exact-target GradProbe: probe (1 + pool) x target candidates
     sequential: bool | None = None  # apply each group's mask before probing the next
     schedule: list[float] | None = None  # iterative targets, e.g. [0.3, 0.4, 0.5]
     max_metric_increase: float = 0.1  # iterative schedule stops when eval loss rises more than this
-    stat_dtype: str | None = None  # storage of gradient statistics: bf16 | fp16 | fp32
+    stat_dtype: StatDtype | None = None  # storage of gradient statistics
     finetune_steps: int = 0  # training steps after pruning (masks enforced)
-    allocation: str = "uniform"  # per-block sparsity: uniform | owl (outlier-weighted, harness/pruning/allocation.py)
+    allocation: PruneAllocation = "uniform"  # per-block sparsity; owl: outlier-weighted (harness/pruning/experimental/owl.py)
     owl_lambda: float = 0.08  # OWL: block sparsities span target +- lambda
     owl_m: float = 5.0  # OWL: an outlier is a Wanda score above m x its block's mean
 
@@ -145,7 +194,7 @@ class LoraConfig:
     alpha: float = 16.0  # scaling alpha / r
     dropout: float = 0.0  # on the adapter input
     target_modules: list[str] | None = None  # module names; None: every linear layer inside the decoder blocks
-    quantize: str = "none"  # none | int8 | nf4 (QLoRA; the base is quantized by bitsandbytes: needs a CUDA GPU)
+    quantize: LoraQuantize = "none"  # int8 | nf4: QLoRA (the base is quantized by bitsandbytes: needs a CUDA GPU)
 
 
 @dataclass
@@ -159,7 +208,7 @@ class RunConfig:
     prune: PruneConfig = field(default_factory=PruneConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     strategy: str | None = None  # a name in ds_configs/ or a JSON path; None: from the launcher, else ddp
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: Precision = "fp32"
     micro_batch_size: int = 4
     grad_accum: int = 1
     global_batch_size: int | None = None  # if set: must equal micro * accum * world
@@ -168,4 +217,4 @@ class RunConfig:
     eval_batches: int = 8
     seed: int = 0
     output_dir: str = "runs/default"
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = "auto"

@@ -17,20 +17,17 @@ import time
 
 from harness.config import load_config
 from harness.data.cache import is_complete, load_packed, prepare_data
-from harness.errors import EXIT_BAD_INPUT, ConfigError
+from harness.errors import command_errors
 
 
+@command_errors("harness.data")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harness.data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="run config (YAML or JSON); key=value overrides follow")
     args, overrides = parser.parse_known_args(argv)
     t0 = time.perf_counter()
-    try:
-        cfg = load_config(args.config, overrides)
-        cache = prepare_data(cfg.model.name, cfg.data, progress=True)
-    except ConfigError as exc:
-        print(f"harness.data: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    cfg = load_config(args.config, overrides)
+    cache = prepare_data(cfg.model.name, cfg.data, progress=True)
     seconds = time.perf_counter() - t0
     data = load_packed(cache)
     with open(f"{cache}/meta.json") as f:

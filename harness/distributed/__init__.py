@@ -1,13 +1,11 @@
-"""The process group, independent of the launcher: who we are (rank, world, device), collectives
-on plain Python values, a clean teardown and exit; and `FileLock`, coordination through a
-(possibly shared) file system that survives a crash."""
+"""The process group, independent of the launcher: who we are (rank, world, device), the one
+object every collective goes through (`Collectives`), a clean teardown and exit; and
+`FileLock`, coordination through a (possibly shared) file system that survives a crash."""
 
+from harness.distributed.collectives import Collectives
 from harness.distributed.filelock import FileLock
 from harness.distributed.process_group import (
     DistInfo,
-    all_gather_object,
-    all_reduce_mean,
-    all_reduce_sum,
     exit_process,
     free_port,
     init_distributed,
@@ -17,11 +15,9 @@ from harness.distributed.process_group import (
 )
 
 __all__ = [
+    "Collectives",
     "DistInfo",
     "FileLock",
-    "all_gather_object",
-    "all_reduce_mean",
-    "all_reduce_sum",
     "exit_process",
     "free_port",
     "init_distributed",

@@ -110,30 +110,6 @@ def teardown() -> None:
             dist.destroy_process_group()
 
 
-def all_reduce_mean(value: float, info: DistInfo) -> float:
-    if not info.distributed or info.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=info.device if info.backend == "nccl" else "cpu")
-    dist.all_reduce(t)
-    return float(t.item()) / info.world_size
-
-
-def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
-    if not info.distributed or info.world_size == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=info.device if info.backend == "nccl" else "cpu")
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_gather_object(obj: object, info: DistInfo) -> list[object]:
-    if not info.distributed or info.world_size == 1:
-        return [obj]
-    out: list[object] = [None] * info.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def exit_process(code: int) -> None:
     """Leave without running C++ static destructors, after the process group is torn down.
 

@@ -7,14 +7,12 @@ Entry points for the trainer:
 """
 
 from harness.pruning.calibration import calibration_samples, shard_calibration
-from harness.pruning.comm import Comm
 from harness.pruning.masks import MaskEnforcer, MaskSet
+from harness.pruning.pipeline import LayerReport, PruneReport, run_pruning
 from harness.pruning.schedule import ScheduleReport, run_schedule
 from harness.pruning.shards import ShardView, build_views
-from harness.pruning.stage import LayerReport, PruneReport, run_pruning
 
 __all__ = [
-    "Comm",
     "LayerReport",
     "MaskEnforcer",
     "MaskSet",

@@ -22,7 +22,7 @@ import psutil
 import torch
 from torch import nn
 
-from harness.pruning.comm import Comm
+from harness.distributed import Collectives
 from harness.pruning.shards import ShardView, is_deepspeed_engine, unwrap
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -37,7 +37,7 @@ MEMORY_FRACTION = 0.5
 
 
 class Ledger:
-    """Bytes held by the stage's own buffers (statistics, masks, saved weights), with peak.
+    """Bytes held by the pipeline's own buffers (statistics, masks, saved weights), with peak.
 
     A ledger instead of the allocator's peak because on CPU there is no resettable peak,
     and because the probe-memory target bounds exactly these buffers.
@@ -184,7 +184,7 @@ class InputStats:
         self._handles.clear()
         self._last = None
 
-    def finalize(self, comm: Comm) -> None:
+    def finalize(self, comm: Collectives) -> None:
         """Sum the statistics of all ranks (each saw its own micro-batches); one collective per kind."""
         names = sorted(self.sumsq)
         missing = [v.name for v in self.views if v.name not in self.sumsq and v.name not in self.alias]
@@ -266,7 +266,7 @@ def available_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available // max(1, local))
 
 
-def default_group_size(views: list[ShardView], units: list[int], comm: Comm, hessian: bool, device: torch.device) -> int:
+def default_group_size(views: list[ShardView], units: list[int], comm: Collectives, hessian: bool, device: torch.device) -> int:
     """The largest K whose heaviest group of K consecutive units fits MEMORY_FRACTION of the
     free memory (min over ranks, so every rank runs the same groups)."""
     cost = {u: 0 for u in units}
@@ -293,7 +293,7 @@ def calibration_samples(pool: torch.Tensor, n: int, seed: int) -> torch.Tensor:
     return pool[torch.randperm(pool.shape[0], generator=g)[:n]]
 
 
-def shard_calibration(samples: torch.Tensor, micro_batch: int, grad_accum: int, comm: Comm) -> list[torch.Tensor]:
+def shard_calibration(samples: torch.Tensor, micro_batch: int, grad_accum: int, comm: Collectives) -> list[torch.Tensor]:
     """This rank's calibration micro-batches, laid out so that every (world, accum) pair with
     the same world x accum puts the same global micro-batches in the same probe step.
 

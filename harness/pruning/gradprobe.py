@@ -9,12 +9,12 @@ these weights?"); G1 the same way; restore the weights bit-exactly. Then
   G1/G0 (at the stored bf16 precision; ties by base score, then index); the lowest
   ranked are pruned up to exactly the target and the worst offenders are kept.
 
-G0 is always taken on the model as it was when the stage started unless `sequential` is
+G0 is always taken on the model as it was when `run_pruning` started unless `sequential` is
 set, so K=1 and K=all see the same G0 and K is a memory knob. G1 differs with K by
 design: it measures shrinking the candidates of the probed group only.
 
 Candidates are chosen per group from the model as each group finds it, except when they are
-fixed once up front from the model as the stage found it: a global selection (one threshold
+fixed once up front from the model as `run_pruning` found it: a global selection (one threshold
 over every matrix), and `dense_candidates` (the original GradProbe, whose strategy picks its
 candidates once on the dense model before streaming through the matrices; a Wanda base then
 takes its input norms for every matrix from the first G0 pass, which still sees that model).
@@ -27,25 +27,19 @@ from typing import Any
 
 import torch
 
+from harness.distributed import Collectives
 from harness.pruning.allocation import view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, Runner, gradient_max
-from harness.pruning.comm import Comm
+from harness.pruning.experimental import GRADIENT_BASES, NORM_BASES, base_scores, exact_keys, saliency_keys
 from harness.pruning.masks import MaskSet
 from harness.pruning.methods import (
     COMPOSITE_BITS,
-    GRADIENT_BASES,
-    INPUT_NORM_BASES,
     Rule,
-    exact_keys,
-    gblm_scores,
     gradient_ratio,
     magnitude_scores,
     original_decision,
-    ria_scores,
-    saliency_keys,
     score_keys,
     select,
-    taylor_scores,
     veto_keys,
     wanda_scores,
     widen,
@@ -70,27 +64,25 @@ class ProbeSettings:
     g0: dict[str, torch.Tensor] = field(default_factory=dict)  # filled when keep_g0
 
 
-def _base_scores(v: ShardView, base: str, stats: InputStats | None, grad_sumsq: dict[str, torch.Tensor], comm: Comm) -> torch.Tensor:
-    """The base score of this rank's piece of `v` (lowest pruned first). Collective for the
-    bases that normalise over the whole matrix (gblm, ria): every rank calls it per view."""
+INPUT_NORM_BASES = ("wanda", *NORM_BASES)  # bases whose first pass collects input norms
+
+
+def _base_scores(v: ShardView, base: str, stats: InputStats | None, grad_sumsq: dict[str, torch.Tensor], comm: Collectives) -> torch.Tensor:
+    """The base score of this rank's piece of `v` (lowest pruned first): magnitude and wanda
+    here, the experimental bases from `harness.pruning.experimental` (collective for the ones
+    that normalise over the whole matrix, gblm and ria: every rank calls it per view)."""
     w = v.weight()
     if base == "magnitude":
         return magnitude_scores(w)
-    if base == "taylor":
-        return taylor_scores(w, grad_sumsq[v.name])
-    assert stats is not None and v.layout is not None
-    norms = stats.norms(v.name)
+    norms = stats.norms(v.name) if stats is not None else None
     if base == "wanda":
+        assert norms is not None and v.layout is not None
         return wanda_scores(w, v.layout, norms)
-    if base == "gblm":
-        return gblm_scores(w, v.layout, norms, grad_sumsq[v.name], comm)
-    if base == "ria":
-        return ria_scores(w, v.layout, norms, comm)
-    raise ValueError(f"unknown GradProbe base {base!r}")
+    return base_scores(base, w, v.layout, norms, grad_sumsq.get(v.name), comm)
 
 
 @torch.no_grad()
-def _scale(views: list[ShardView], pools: dict[str, torch.Tensor], factor: float, comm: Comm) -> dict[str, torch.Tensor]:
+def _scale(views: list[ShardView], pools: dict[str, torch.Tensor], factor: float, comm: Collectives) -> dict[str, torch.Tensor]:
     """Multiply each pool's working weights by `factor`; returns the exact old values."""
     saved = {}
     for v in views:
@@ -102,7 +94,7 @@ def _scale(views: list[ShardView], pools: dict[str, torch.Tensor], factor: float
 
 
 @torch.no_grad()
-def _restore(views: list[ShardView], pools: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], comm: Comm) -> None:
+def _restore(views: list[ShardView], pools: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], comm: Collectives) -> None:
     for v in views:
         v.write(pools[v.name].to(v.lp().device), saved[v.name], master=False)
     sync_views(views, comm)
@@ -114,7 +106,7 @@ def run_gradprobe(
     settings: ProbeSettings,
     runner: Runner,
     steps: list[list[Any]],
-    comm: Comm,
+    comm: Collectives,
     ledger: Ledger,
     forced: dict[str, torch.Tensor] | None,
 ) -> MaskSet:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.pruning.comm import Comm
+from harness.distributed import Collectives
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def row_ranges(rows: int, cols: int, world: int) -> tuple[tuple[int, int], ...]:
     return tuple((min(r * per, rows) * cols, min((r + 1) * per, rows) * cols) for r in range(world))
 
 
-def gather_ranges(local: list[tuple[int, int]], comm: Comm) -> list[tuple[tuple[int, int], ...]]:
+def gather_ranges(local: list[tuple[int, int]], comm: Collectives) -> list[tuple[tuple[int, int], ...]]:
     """Every rank's (start, end) for each of `local`'s matrices, with one all_gather."""
     t = torch.tensor([x for pair in local for x in pair], dtype=torch.int64).reshape(-1)
     everyone = comm.all_gather(t)
@@ -103,7 +103,7 @@ def gather_ranges(local: list[tuple[int, int]], comm: Comm) -> list[tuple[tuple[
     return out
 
 
-def exchange_split_units(layout: Layout, local: torch.Tensor, unit: int, comm: Comm) -> dict[int, torch.Tensor]:
+def exchange_split_units(layout: Layout, local: torch.Tensor, unit: int, comm: Collectives) -> dict[int, torch.Tensor]:
     """Reassemble every split row/group (see `split_units`) on every rank.
 
     Each rank contributes only its fragments of split units (at most two per rank), so

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from harness.pruning.comm import Comm
+from harness.distributed import Collectives
 from harness.pruning.shards import ShardView, build_views, gather_full, sync_views
 
 FILE_GLOB = "prune_masks.rank*.pt"
@@ -60,7 +60,7 @@ class MaskSet:
     def __contains__(self, name: str) -> bool:
         return name in self.masks
 
-    def apply(self, views: list[ShardView], comm: Comm) -> None:
+    def apply(self, views: list[ShardView], comm: Collectives) -> None:
         """Zero the masked weights (working copy and fp32 master). Collective."""
         for v in views:
             m = self.masks.get(v.name)
@@ -68,13 +68,13 @@ class MaskSet:
                 v.write(m.to(v.lp().device), 0.0, master=True)
         sync_views(views, comm)
 
-    def counts(self, views: list[ShardView], comm: Comm) -> list[tuple[str, int, int]]:
+    def counts(self, views: list[ShardView], comm: Collectives) -> list[tuple[str, int, int]]:
         """(name, pruned, numel) per target, summed over ranks. Collective."""
         local = torch.tensor([int(self.masks[v.name].sum()) if v.name in self.masks else 0 for v in views], dtype=torch.int64)
         total = comm.all_reduce_sum(local)
         return [(v.name, int(n), v.numel) for v, n in zip(views, total)]
 
-    def save(self, directory: str, views: list[ShardView], comm: Comm) -> str:
+    def save(self, directory: str, views: list[ShardView], comm: Collectives) -> str:
         """Write this rank's file (and, on rank 0, a small JSON index). Collective."""
         os.makedirs(directory, exist_ok=True)
         payload = {
@@ -98,7 +98,7 @@ class MaskSet:
         return path
 
     @classmethod
-    def load(cls, directory: str, views: list[ShardView], comm: Comm) -> MaskSet:
+    def load(cls, directory: str, views: list[ShardView], comm: Collectives) -> MaskSet:
         """Rebuild this rank's pieces from files written at any world size."""
         files = sorted(glob.glob(os.path.join(directory, FILE_GLOB)))
         if not files:
@@ -138,8 +138,8 @@ class MaskEnforcer:
     collective per training step.
     """
 
-    def __init__(self, model_or_engine: Any, masks: MaskSet, targets: str = "decoder_linears", comm: Comm | None = None) -> None:
-        self.comm = comm or Comm()
+    def __init__(self, model_or_engine: Any, masks: MaskSet, targets: str = "decoder_linears", comm: Collectives | None = None) -> None:
+        self.comm = comm or Collectives()
         self.views = [v for v in build_views(model_or_engine, targets, self.comm) if v.name in masks]
         self.local = {v.name: masks[v.name] for v in self.views}
         self.full: dict[str, torch.Tensor] = {}

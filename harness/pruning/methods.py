@@ -1,4 +1,5 @@
-"""The pruning rules: magnitude, Wanda, SparseGPT and GradProbe's decision, on local shards.
+"""The pruning rules: magnitude, Wanda, SparseGPT and GradProbe's decisions (veto, original), on
+local shards. The GradProbe variants measured worse are in `harness.pruning.experimental`.
 
 Each function takes this rank's piece of each matrix (a ShardView and its statistics) and
 returns this rank's piece of the mask (True = pruned). Anything that needs more than the
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.config import PRUNE_BASES
-from harness.pruning.comm import Comm
+from harness.distributed import Collectives
 from harness.pruning.layout import Layout, exchange_split_units
 from harness.pruning.select import (
     FLOAT_KEY_BITS,
@@ -80,7 +81,7 @@ def widen(rule: Rule, pool: float) -> Rule:
 
 
 def select(
-    rule: Rule, layouts: list[Layout], keys: list[torch.Tensor], comm: Comm, key_bits: int, sparsities: list[float] | None = None
+    rule: Rule, layouts: list[Layout], keys: list[torch.Tensor], comm: Collectives, key_bits: int, sparsities: list[float] | None = None
 ) -> list[torch.Tensor]:
     """Apply a rule to int64 keys (lowest pruned first); returns local boolean masks.
     `sparsities`: one per layout instead of the rule's (a per-layer allocation such as OWL;
@@ -102,11 +103,9 @@ def select(
 
 
 # Base scores GradProbe can draw its candidates from (PRUNE_BASES). All but magnitude compare weights
-# within an output row, as Wanda does; gblm and taylor need the gradient statistics the
-# probe's first pass collects anyway (sum over probe steps of the squared gradient).
+# within an output row, as Wanda does. magnitude and wanda are here; the bases measured worse
+# (taylor, gblm, ria) are in harness.pruning.experimental.bases.
 PER_ROW_BASES = tuple(b for b in PRUNE_BASES if b != "magnitude")
-GRADIENT_BASES = ("gblm", "taylor")
-INPUT_NORM_BASES = ("wanda", "gblm", "ria")
 
 
 def magnitude_scores(weight: torch.Tensor) -> torch.Tensor:
@@ -115,54 +114,12 @@ def magnitude_scores(weight: torch.Tensor) -> torch.Tensor:
 
 def wanda_scores(weight: torch.Tensor, layout: Layout, norms: torch.Tensor) -> torch.Tensor:
     """|W_ij| * ||X_j||_2 for this rank's flat range (column j = flat index mod cols)."""
-    cols = _local_columns(layout, weight.device)
+    cols = local_columns(layout, weight.device)
     return (weight.double().abs() * norms.to(weight.device)[cols]).float()
 
 
-def _local_columns(layout: Layout, device: torch.device) -> torch.Tensor:
+def local_columns(layout: Layout, device: torch.device) -> torch.Tensor:
     return torch.arange(layout.start, layout.end, device=device) % layout.cols
-
-
-def _local_rows(layout: Layout, device: torch.device) -> torch.Tensor:
-    return torch.arange(layout.start, layout.end, device=device) // layout.cols
-
-
-def taylor_scores(weight: torch.Tensor, grad_sumsq: torch.Tensor) -> torch.Tensor:
-    """|W_ij| * sqrt(sum_t g_t,ij^2): the square root of the Fisher (OBD) estimate of the loss
-    increase from removing W_ij, w^2 E[g^2] / 2, with the expectation over probe steps. The
-    mean gradient of a trained model is near zero, so the first-order |W g| of one averaged
-    gradient is mostly noise; the squared per-step gradients are not."""
-    return (weight.double().abs() * grad_sumsq.to(weight.device).double().sqrt()).float()
-
-
-def gblm_scores(weight: torch.Tensor, layout: Layout, norms: torch.Tensor, grad_sumsq: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """GBLM-Pruner's |W|*||X_j|| + alpha*|W|*||G_ij||_2. The paper fixes alpha for its gradient
-    scale (per-sample gradients of a mean loss); ours are per probe step, so the gradient term
-    is rescaled per matrix to the mean of the Wanda term (alpha = 1 after that): neither term
-    dominates by an accident of units. The means are over the whole matrix (one all-reduce)."""
-    wanda = wanda_scores(weight, layout, norms).double()
-    grad = taylor_scores(weight, grad_sumsq).double()
-    sums = comm.all_reduce_sum(torch.stack([wanda.sum(), grad.sum()]))
-    # Rounded to fp32: partial sums added in another order at another world size differ in
-    # the last fp64 bits, and the masks must not.
-    scale = float(torch.tensor(float(sums[0] / sums[1]), dtype=torch.float32)) if float(sums[1]) > 0 else 0.0
-    return (wanda + scale * grad).float()
-
-
-def ria_scores(weight: torch.Tensor, layout: Layout, norms: torch.Tensor, comm: Comm, power: float = 0.5) -> torch.Tensor:
-    """RIA (relative importance and activations): (|W_ij| / sum_k |W_ik| + |W_ij| / sum_k |W_kj|) * ||X_j||^0.5.
-    Row and column sums cover the whole matrix: each rank adds its elements' |W| into
-    rows+cols sized vectors, then one all-reduce (rows cut by a shard boundary included)."""
-    dev = weight.device
-    a = weight.double().abs()
-    rows, cols = _local_rows(layout, dev), _local_columns(layout, dev)
-    sums = torch.zeros(layout.rows + layout.cols, dtype=torch.float64, device=dev)
-    sums.index_add_(0, rows, a)
-    sums.index_add_(0, layout.rows + cols, a)
-    sums = comm.all_reduce_sum(sums).float().double()  # fp32: the same sums whatever order the ranks added them in
-    row_sum, col_sum = sums[: layout.rows], sums[layout.rows :]
-    relative = a / torch.where(row_sum[rows] > 0, row_sum[rows], 1.0) + a / torch.where(col_sum[cols] > 0, col_sum[cols], 1.0)
-    return (relative * norms.to(dev)[cols].pow(power)).float()
 
 
 def score_keys(scores: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
@@ -194,23 +151,12 @@ def original_decision(
     return mask | forced if forced is not None else mask
 
 
-def _within_pool(keys: torch.Tensor, pool: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
+def within_pool(keys: torch.Tensor, pool: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
     """Decision keys confined to the pool: non-pool weights EXCLUDED, already-pruned ones first."""
     keys = torch.where(pool, keys, torch.full_like(keys, EXCLUDED))
     if forced is not None:
         keys = torch.where(forced, torch.full_like(keys, FORCED_KEY), keys)
     return keys
-
-
-def exact_keys(
-    pool: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, base_scores: torch.Tensor, forced: torch.Tensor | None
-) -> torch.Tensor:
-    """Composite keys ranking the pool by relative gradient increase (lowest pruned first),
-    ties by base score then index; non-pool weights are EXCLUDED."""
-    # Rounded to bf16 (monotone), so ratios stored in bf16 for a global selection rank the same.
-    ratio16 = float_keys(gradient_ratio(g0, g1).to(torch.bfloat16).float()) >> (FLOAT_KEY_BITS - RATIO_BITS)
-    keys = (ratio16 << FLOAT_KEY_BITS) | float_keys(base_scores)
-    return _within_pool(keys, pool, forced)
 
 
 def veto_keys(
@@ -223,26 +169,7 @@ def veto_keys(
     (again in base order) only if too few passed."""
     vetoed = (gradient_ratio(g0, g1) > 1.0 + threshold).to(torch.int64)
     keys = (vetoed << FLOAT_KEY_BITS) | float_keys(base_scores)
-    return _within_pool(keys, pool, forced)
-
-
-def saliency_keys(
-    pool: torch.Tensor, weight: torch.Tensor, sum0: torch.Tensor, sum1: torch.Tensor, reduction: float, forced: torch.Tensor | None
-) -> torch.Tensor:
-    """Keys ranking the pool by the loss increase the probe predicts for removing each weight.
-
-    Shrinking the pool by `reduction` moves the weights by d = -(1 - r) w_pool, so the change
-    of the calibration gradient is a finite-difference Hessian-vector product:
-    g1 - g0 ~= H d, i.e. (H w_pool)_i ~= (g0 - g1)_i / (1 - r). Removing the pool changes the
-    loss by -g0.w + w.H.w / 2 to second order; weight i's share of it is
-    -g0_i w_i + w_i (g0_i - g1_i) / (2 (1 - r)), with the interactions of everything else
-    shrunk at the same time included. `sum0`/`sum1` are the gradients summed over the probe
-    steps (the common factor does not change the order). Lowest pruned first."""
-    w = weight.double()
-    s0, s1 = sum0.to(weight.device).double(), sum1.to(weight.device).double()
-    loss = -s0 * w + w * (s0 - s1) / (2.0 * (1.0 - reduction))
-    keys = float_keys(loss.float())
-    return _within_pool(keys, pool, forced)
+    return within_pool(keys, pool, forced)
 
 
 # ------------------------------------------------------------------------------ SparseGPT
@@ -258,7 +185,7 @@ def sparsegpt_prune(
     weight: torch.Tensor,
     H: torch.Tensor,
     rule: Rule,
-    comm: Comm,
+    comm: Collectives,
     forced: torch.Tensor | None = None,
     blocksize: int = 128,
     damp: float = 0.01,

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from harness.config import PruneConfig
+from harness.distributed import Collectives
 from harness.pruning.calibration import LossFn
-from harness.pruning.comm import Comm
+from harness.pruning.pipeline import PruneReport, run_pruning
 from harness.pruning.shards import ShardView, build_views, sync_views
-from harness.pruning.stage import PruneReport, run_pruning
 
 
 @dataclass
@@ -43,7 +43,7 @@ def snapshot_views(views: list[ShardView]) -> list[tuple[torch.Tensor, torch.Ten
     return out
 
 
-def restore_views(views: list[ShardView], snap: list[tuple[torch.Tensor, torch.Tensor | None]], comm: Comm) -> None:
+def restore_views(views: list[ShardView], snap: list[tuple[torch.Tensor, torch.Tensor | None]], comm: Collectives) -> None:
     """Put a `snapshot_views` result back (collective: re-syncs replicated copies)."""
     for v, (lp, master) in zip(views, snap):
         everything = torch.ones(v.local_numel, dtype=torch.bool, device=lp.device)
@@ -62,7 +62,7 @@ def run_schedule(
     targets: list[float],
     max_increase: float,
     *,
-    comm: Comm | None = None,
+    comm: Collectives | None = None,
     **kwargs: Any,
 ) -> ScheduleReport:
     """Prune at each sparsity of `targets` (increasing) until the metric limit is hit."""
@@ -70,7 +70,7 @@ def run_schedule(
         raise ValueError("an iterative schedule raises an unstructured target; N:M fixes the sparsity")
     if any(b <= a for a, b in zip(targets, targets[1:])):
         raise ValueError(f"schedule targets must increase, got {targets}")
-    comm = comm or Comm()
+    comm = comm or Collectives()
     batches = list(calib_batches)
     views = build_views(model_or_engine, cfg.targets, comm)
 

@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import torch
 
-from harness.pruning.comm import Comm
+from harness.distributed import Collectives
 from harness.pruning.layout import Layout
 
 FLOAT_KEY_BITS = 32  # float_keys() values are < 2**32
@@ -52,7 +52,7 @@ def count_for(fraction: float, n: int) -> int:
 def radix_select(
     problems: list[list[tuple[torch.Tensor, torch.Tensor]]],
     ks: list[int],
-    comm: Comm,
+    comm: Collectives,
     key_bits: int,
     index_bits: int,
 ) -> list[tuple[int, int]]:
@@ -125,7 +125,9 @@ def _local_lowest(keys_2d: torch.Tensor, k: int) -> torch.Tensor:
     return mask
 
 
-def select_per_matrix(layouts: list[Layout], keys: list[torch.Tensor], counts: list[int], comm: Comm, key_bits: int) -> list[torch.Tensor]:
+def select_per_matrix(
+    layouts: list[Layout], keys: list[torch.Tensor], counts: list[int], comm: Collectives, key_bits: int
+) -> list[torch.Tensor]:
     """Mark `counts[i]` lowest keys of matrix i (local pieces in, local masks out)."""
     problems = []
     for lay, k in zip(layouts, keys):
@@ -136,7 +138,7 @@ def select_per_matrix(layouts: list[Layout], keys: list[torch.Tensor], counts: l
     return [threshold_mask(p[0][0], p[0][1], t) for p, t in zip(problems, thresholds)]
 
 
-def select_global(layouts: list[Layout], keys: list[torch.Tensor], count: int, comm: Comm, key_bits: int) -> list[torch.Tensor]:
+def select_global(layouts: list[Layout], keys: list[torch.Tensor], count: int, comm: Collectives, key_bits: int) -> list[torch.Tensor]:
     """Mark the `count` lowest keys over all matrices together (ties: earlier matrix first)."""
     offsets, total = [], 0
     for lay in layouts:
@@ -150,7 +152,7 @@ def select_global(layouts: list[Layout], keys: list[torch.Tensor], count: int, c
 
 
 def select_per_unit(
-    layouts: list[Layout], keys: list[torch.Tensor], unit: list[int], per_unit: list[int], comm: Comm, key_bits: int
+    layouts: list[Layout], keys: list[torch.Tensor], unit: list[int], per_unit: list[int], comm: Collectives, key_bits: int
 ) -> list[torch.Tensor]:
     """Mark the `per_unit[i]` lowest keys in every aligned block of `unit[i]` elements.
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from harness.distributed import Collectives
 from harness.engine import local_part
 from harness.models import decoder_blocks
-from harness.pruning.comm import Comm
 from harness.pruning.layout import Layout, even_ranges, gather_ranges
 
 
@@ -200,7 +200,7 @@ class ShardView:
             hp[mask] = values.to(hp.dtype) if torch.is_tensor(values) else values
 
 
-def gather_full(view: ShardView, local: torch.Tensor, comm: Comm) -> torch.Tensor:
+def gather_full(view: ShardView, local: torch.Tensor, comm: Collectives) -> torch.Tensor:
     """The whole matrix of a per-range tensor (only for replicated weights, where each rank
     holds the full weight anyway and needs, e.g., the full mask to apply)."""
     assert view.layout is not None
@@ -213,7 +213,7 @@ def gather_full(view: ShardView, local: torch.Tensor, comm: Comm) -> torch.Tenso
 
 
 @torch.no_grad()
-def sync_views(views: list[ShardView], comm: Comm) -> None:
+def sync_views(views: list[ShardView], comm: Collectives) -> None:
     """Make every rank's working weights agree again after `write` calls.
 
     Replicated copies: all-gather each rank's range. ZeRO-3: parameters that DeepSpeed
@@ -232,7 +232,7 @@ def sync_views(views: list[ShardView], comm: Comm) -> None:
                 p.data.view(-1).copy_(torch.cat(parts)[: v.numel])
 
 
-def build_views(model_or_engine: Any, targets: str, comm: Comm) -> list[ShardView]:
+def build_views(model_or_engine: Any, targets: str, comm: Collectives) -> list[ShardView]:
     """A ShardView per target, in a deterministic order identical on every rank."""
     module = unwrap(model_or_engine)
     views = []
@@ -256,7 +256,7 @@ def _global_shape(p: torch.Tensor) -> tuple[int, int]:
     return int(shape[0]), int(shape[1])
 
 
-def _local_range(p: torch.Tensor, rows: int, cols: int, comm: Comm) -> tuple[str, int, int]:
+def _local_range(p: torch.Tensor, rows: int, cols: int, comm: Collectives) -> tuple[str, int, int]:
     """This rank's flat range of a weight: the engine's own storage (FSDP2 rows, a ZeRO-3
     partition; `harness.engine.local_part`), ZeRO-1/2's fragment, or an even split of a replica."""
     if isinstance(p, DTensor):

@@ -11,10 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from harness.distributed import DistInfo
+from harness.distributed import Collectives, DistInfo
 from harness.engine import weights_finite
 from harness.errors import NonFiniteError
 from harness.log import get_logger
@@ -41,6 +38,7 @@ class StepGuard:
         self.policy = cfg.checkpoint.on_nonfinite
         self.fp16 = cfg.precision == "fp16"
         self.info, self.engine, self.tracker = info, engine, tracker
+        self.comm = Collectives()
         self.last_checkpoint = last_checkpoint
         self.start_step = self.steps_done = start_step
         self.stop_requested = False
@@ -51,12 +49,7 @@ class StepGuard:
 
     def pre_step(self, local_loss: float) -> bool:
         """Before the optimizer step (collective): True when any rank's loss is non-finite: skip the update."""
-        flags = torch.tensor([0.0 if math.isfinite(local_loss) else 1.0, 1.0 if signal_received() else 0.0])
-        if self.info.distributed and self.info.world_size > 1:
-            flags = flags.to(self.info.device if self.info.backend == "nccl" else "cpu")
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self._bad_loss = bool(flags[0] > 0)
-        self.stop_requested = bool(flags[1] > 0)
+        self._bad_loss, self.stop_requested = self.comm.any([not math.isfinite(local_loss), signal_received()])
         return self._bad_loss
 
     def post_step(self, result: Any) -> None:
@@ -71,7 +64,7 @@ class StepGuard:
         what = "loss" if self._bad_loss else "gradient norm"
         last = self.last_checkpoint() or "none saved yet"
         applied = not result.skipped or getattr(self.engine, "oib", None) is not None  # optimizer-in-backward stepped already
-        if applied and not weights_finite(self.engine, self.info):
+        if applied and not weights_finite(self.engine, self.comm):
             raise NonFiniteError(
                 f"non-finite {what} at step {step} was applied to the weights (this engine cannot skip it); last good checkpoint: {last}"
             )

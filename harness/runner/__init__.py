@@ -1,15 +1,15 @@
 """One run's lifecycle, shared by the entry points: the pre-flight gate, everything built before
-step 1, the loop and evaluation, the pruning stage, and the supervised command around them."""
+step 1, the trainer and evaluation, the pruning stage, and the supervised command around them."""
 
 from harness.runner.build import build_run, prepare
 from harness.runner.command import parse_command_line, run_command
-from harness.runner.loop import Loop, evaluate, write_state_bytes
 from harness.runner.preflight import preflight
 from harness.runner.prune_stage import PruneStats, run_prune_stage
+from harness.runner.trainer import Trainer, evaluate, write_state_bytes
 
 __all__ = [
-    "Loop",
     "PruneStats",
+    "Trainer",
     "build_run",
     "evaluate",
     "parse_command_line",

@@ -31,7 +31,7 @@ from harness.memory import StepMemoryTracker
 from harness.models import model_spec
 from harness.observability import Observer
 from harness.reliability import StepGuard
-from harness.runner.loop import Loop
+from harness.runner.trainer import Trainer
 from harness.training import causal_lm_loss, labelled_lm_loss, precision_policy
 
 log = get_logger(__name__)
@@ -65,9 +65,9 @@ def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampl
     return sampler
 
 
-def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Loop, ResumeState]:
+def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Trainer, ResumeState]:
     """Data, model, engine, checkpoint restore, observer: everything before the first step
-    (shared with `python -m harness.prune`). Returns the loop and the restored state."""
+    (shared with `python -m harness.prune`). Returns the trainer and the restored state."""
     torch.manual_seed(cfg.seed)
     data = prepare(cfg, info)
     started = time.perf_counter()
@@ -103,7 +103,7 @@ def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Loop,
         f"{engine.num_parameters():,} params, "
         f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens"
     )
-    loop = Loop(
+    trainer = Trainer(
         cfg,
         info,
         engine,
@@ -116,4 +116,4 @@ def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Loop,
         skipped=int(resumed.counters.get("skipped_steps", 0)),
         started_at=started,
     )
-    return loop, resumed
+    return trainer, resumed

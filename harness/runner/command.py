@@ -4,13 +4,12 @@ the body under the supervisor and tear the group down."""
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from harness.config import RunConfig, Strategy
 from harness.distributed import init_distributed, teardown
-from harness.errors import EXIT_BAD_INPUT, ConfigError
+from harness.errors import EXIT_OK, command_errors
 from harness.log import set_rank
 from harness.reliability import Supervisor, collective_timeout_s
 from harness.runner import run_dir
@@ -27,25 +26,24 @@ def parse_command_line(prog: str, doc: str | None, argv: list[str] | None) -> tu
 def run_command(prog: str, load: Callable[[], tuple[RunConfig, Strategy]], body: Callable[..., Any]) -> int:
     """Shared by `harness.train` and `harness.prune`: every check that can fail runs in `load`,
     before any process group starts (one line, exit 2); then `body(cfg, strategy, info)` runs
-    under the supervisor (OOM, dead ranks, NaN stop, SIGTERM -> a message and an exit code)."""
-    try:
+    under the supervisor (OOM, dead ranks, NaN stop, SIGTERM -> a message and an exit code).
+    A ConfigError found after the group started is still one line and the same code on every
+    rank (an agreed refusal carries its message on rank 0 only: the others print nothing)."""
+
+    @command_errors(prog)
+    def run() -> int:
         cfg, strategy = load()
-    except ConfigError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    info = init_distributed(cfg.device, collective_timeout_s(), force_group=strategy.needs_process_group)
-    set_rank(info.rank)
-    lock = None
-    try:
-        lock = run_dir.acquire(cfg, info)
-        with Supervisor(cfg, info):
-            body(cfg, strategy, info)
-    except ConfigError as exc:  # found after the group started: still one line, the same code on every rank
-        if str(exc):  # an agreed refusal carries its message on rank 0 only
-            print(f"{prog}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    finally:
-        if lock is not None:
-            lock.release()
-        teardown()
-    return 0
+        info = init_distributed(cfg.device, collective_timeout_s(), force_group=strategy.needs_process_group)
+        set_rank(info.rank)
+        lock = None
+        try:
+            lock = run_dir.acquire(cfg, info)
+            with Supervisor(cfg, info):
+                body(cfg, strategy, info)
+        finally:
+            if lock is not None:
+                lock.release()
+            teardown()
+        return EXIT_OK
+
+    return run()

@@ -22,13 +22,12 @@ import torch
 from harness.checkpoint import CheckpointManager, ResumeState
 from harness.config import RunConfig
 from harness.data import PackedData
-from harness.distributed import DistInfo
+from harness.distributed import Collectives, DistInfo
 from harness.engine import Engine
 from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.observability import Observer
 from harness.pruning import (
-    Comm,
     MaskEnforcer,
     MaskSet,
     build_views,
@@ -37,7 +36,7 @@ from harness.pruning import (
     run_schedule,
     shard_calibration,
 )
-from harness.runner.loop import evaluate
+from harness.runner.trainer import evaluate
 
 log = get_logger(__name__)
 
@@ -48,7 +47,7 @@ HOLDOUT_SPLIT = "calib_holdout"  # calib-split blocks not drawn for calibration:
 
 class PruneStats(dict):
     """The stage's numbers (a plain dict: logged, returned, written as JSON) carrying what the
-    loop needs afterwards: `after_step()`, called after every `engine.step()`, keeps the
+    trainer needs afterwards: `after_step()`, called after every `engine.step()`, keeps the
     pruned weights at exactly zero.
 
     For a torch optimizer the enforcer is installed as a post-step hook (so any step of it
@@ -93,7 +92,7 @@ def calibration_split(data: PackedData, cfg: RunConfig) -> tuple[torch.Tensor, n
     return order[:n], order[n:].numpy().astype(np.int32)
 
 
-def calibration_batches(samples: torch.Tensor, cfg: RunConfig, info: DistInfo, comm: Comm) -> list[torch.Tensor]:
+def calibration_batches(samples: torch.Tensor, cfg: RunConfig, info: DistInfo, comm: Collectives) -> list[torch.Tensor]:
     """This rank's micro-batches: a probe step is `grad_accum` micro-batches per rank, laid out
     so the same global micro-batches meet in the same step at any world size."""
     if samples.shape[0] == 0:
@@ -125,7 +124,7 @@ def run_prune_stage(
     `enforce=False` / `save_masks=False` / `before` (the dense model's eval numbers, if
     known) are for callers that prune one engine many times (the benchmark). Collective.
     """
-    comm = Comm()
+    comm = Collectives()
     if resumed is not None and resumed.masks:
         return _restore(engine, cfg, info, resumed.masks, ckpt, comm)
     p = cfg.prune
@@ -185,7 +184,7 @@ def run_prune_stage(
     return PruneStats(stats, enforcer, None if report is None else report.masks, hook)
 
 
-def _install(engine: Engine, masks: MaskSet, targets: str, comm: Comm) -> tuple[MaskEnforcer, Any]:
+def _install(engine: Engine, masks: MaskSet, targets: str, comm: Collectives) -> tuple[MaskEnforcer, Any]:
     """A MaskEnforcer on the engine; hooked into a torch optimizer's step where there is one."""
     enforcer = MaskEnforcer(engine.model, masks, targets, comm)
     optimizer = engine.optimizer
@@ -193,7 +192,7 @@ def _install(engine: Engine, masks: MaskSet, targets: str, comm: Comm) -> tuple[
     return enforcer, hook
 
 
-def _hand_to_checkpoints(ckpt: CheckpointManager | None, masks: MaskSet, comm: Comm) -> None:
+def _hand_to_checkpoints(ckpt: CheckpointManager | None, masks: MaskSet, comm: Collectives) -> None:
     """Later checkpoints carry the masks; the one of this step (if any) predates pruning, so
     the end-of-run save must be written again."""
     if ckpt is None:
@@ -204,7 +203,7 @@ def _hand_to_checkpoints(ckpt: CheckpointManager | None, masks: MaskSet, comm: C
 
 
 def _restore(
-    engine: Engine, cfg: RunConfig, info: DistInfo, saved: dict[str, torch.Tensor], ckpt: CheckpointManager | None, comm: Comm
+    engine: Engine, cfg: RunConfig, info: DistInfo, saved: dict[str, torch.Tensor], ckpt: CheckpointManager | None, comm: Collectives
 ) -> PruneStats:
     """Masks from a resumed checkpoint: enforce them again rather than pruning twice. A mask
     saved at world 1 is whole; at another world size each rank takes its range of it."""

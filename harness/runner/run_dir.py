@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from harness.config import RunConfig
-from harness.distributed import DistInfo, FileLock, all_reduce_sum
+from harness.distributed import Collectives, DistInfo, FileLock
 from harness.errors import ConfigError
 from harness.log import get_logger
 
@@ -56,6 +56,6 @@ def acquire(cfg: RunConfig, info: DistInfo) -> FileLock | None:
                 taken = lock.try_acquire()
             if not taken:
                 refusal, lock = _in_use(cfg, lock), None
-    if all_reduce_sum([1.0 if refusal else 0.0], info)[0]:
+    if Collectives().any([bool(refusal)])[0]:
         raise ConfigError(refusal)  # the message is rank 0's; the others exit with the same code, silently
     return lock

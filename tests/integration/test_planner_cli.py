@@ -11,7 +11,8 @@ import pytest
 from launching import REPO as _REPO
 
 from harness.config import load_config
-from harness.plan import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_NOTHING_FITS, main
+from harness.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, EXIT_PLAN_NOTHING_FITS
+from harness.plan import main
 from harness.planner import estimate, parse_size, verdict
 
 REPO = str(_REPO)
@@ -49,14 +50,14 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys: 
 
 def test_nothing_fits_is_one_line_and_exit_3(capsys: pytest.CaptureFixture[str]) -> None:
     # 1 MiB: the tiny model's own states (5.4 MiB in fp32) cannot fit under any strategy.
-    assert main(["--gpu-mem", "1MiB", *TINY]) == EXIT_NOTHING_FITS
+    assert main(["--gpu-mem", "1MiB", *TINY]) == EXIT_PLAN_NOTHING_FITS
     assert "nothing fits" in _one_line_error(capsys)
 
 
 def test_plan_reports_a_fit_and_writes_json(tmp_path: str, capsys: pytest.CaptureFixture[str]) -> None:
     out = os.path.join(tmp_path, "plan.json")
     argv = ["--gpus", "2", "--gpu-mem", "48GiB", "--json", out, "--vocab-size", "2048", "strategy=zero2", *TINY]
-    assert main(argv) == EXIT_FITS
+    assert main(argv) == EXIT_OK
     text = capsys.readouterr().out
     for heading in ("Per-rank peak", "Allowance for what a CPU trace cannot see", "Host (CPU) memory", "Model states of all", "FITS"):
         assert heading in text
@@ -73,7 +74,7 @@ def test_plan_that_does_not_fit_exits_1_with_a_hint(capsys: pytest.CaptureFixtur
     cfg = load_config(None, ["strategy=ddp", *TINY])
     need = verdict(estimate(cfg, 2, vocab_size=2048), 10**15, None, 2).device_need
     budget = f"{need - 1}"  # one byte short for DDP, plenty for sharding the tiny model's states
-    assert main(["--gpus", "2", "--gpu-mem", budget, "--vocab-size", "2048", "strategy=ddp", *TINY]) == EXIT_DOES_NOT_FIT
+    assert main(["--gpus", "2", "--gpu-mem", budget, "--vocab-size", "2048", "strategy=ddp", *TINY]) == EXIT_PLAN_DOES_NOT_FIT
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "--recommend" in out
 
@@ -86,7 +87,7 @@ def test_recommend_writes_a_config_that_loads_and_fits(tmp_path: str, capsys: py
     ddp_need = verdict(estimate(base, 2, vocab_size=2048), 10**15, None, 2).device_need
     out = os.path.join(tmp_path, "best.yaml")
     argv = ["--config", config, "--gpus", "2", "--gpu-mem", str(ddp_need - 1), "--vocab-size", "2048", "--recommend", "--out", out]
-    assert main(argv) == EXIT_FITS
+    assert main(argv) == EXIT_OK
     text = capsys.readouterr().out
     assert "Best:" in text and "why:" in text
     best = load_config(out)  # launchable as written
@@ -105,5 +106,5 @@ def test_module_entry_point_runs() -> None:
         env=env,
         timeout=120,
     )
-    assert proc.returncode == EXIT_FITS, proc.stderr
+    assert proc.returncode == EXIT_OK, proc.stderr
     assert "Per-rank peak" in proc.stdout and parse_size("8GiB") > 0

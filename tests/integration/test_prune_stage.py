@@ -55,17 +55,19 @@ def exported_model(hf_dir: Path):
 
 def masks_of(model, masks_dir: Path) -> dict[str, torch.Tensor]:
     """The saved masks (any world size) as full boolean matrices of `model`'s targets."""
-    from harness.pruning import Comm, MaskSet, build_views
+    from harness.distributed import Collectives
+    from harness.pruning import MaskSet, build_views
 
-    views = build_views(model, "decoder_linears", Comm())
-    loaded = MaskSet.load(str(masks_dir), views, Comm())
+    views = build_views(model, "decoder_linears", Collectives())
+    loaded = MaskSet.load(str(masks_dir), views, Collectives())
     return {v.name: loaded[v.name].reshape(v.rows, v.cols) for v in views}
 
 
 def weights_of(model) -> dict[str, torch.Tensor]:
-    from harness.pruning import Comm, build_views
+    from harness.distributed import Collectives
+    from harness.pruning import build_views
 
-    return {v.name: v.param.detach() for v in build_views(model, "decoder_linears", Comm())}
+    return {v.name: v.param.detach() for v in build_views(model, "decoder_linears", Collectives())}
 
 
 def assert_exactly_sparse(hf_dir: Path, masks_dir: Path) -> dict[str, torch.Tensor]:

@@ -193,10 +193,10 @@ def _deepspeed_strategy(strategy: str, out: str, comm, results: dict) -> None:
 def _worker(out: str, group: str) -> None:
     import torch.distributed as dist
 
-    from harness.pruning import Comm
+    from harness.distributed import Collectives
 
     dist.init_process_group("gloo")
-    comm = Comm()
+    comm = Collectives()
     results: dict = {}
     for strategy in GROUPS[group]:
         (_torch_strategy if group == "torch" else _deepspeed_strategy)(strategy, out, comm, results)
@@ -237,16 +237,18 @@ def load_results(out: str, world: int, strategy: str) -> dict:
 
 
 def plain_views(strategy: str):
+    from harness.distributed import Collectives
     from harness.models import build_model
-    from harness.pruning import Comm, build_views
+    from harness.pruning import build_views
 
-    return build_views(build_model("tiny-llama", config_overrides=OVERRIDES[strategy]), "decoder_linears", Comm())
+    return build_views(build_model("tiny-llama", config_overrides=OVERRIDES[strategy]), "decoder_linears", Collectives())
 
 
 def load_masks(out: str, strategy: str, name: str, world: int):
-    from harness.pruning import Comm, MaskSet
+    from harness.distributed import Collectives
+    from harness.pruning import MaskSet
 
-    return MaskSet.load(os.path.join(out, f"{strategy}_{name}_w{world}"), plain_views(strategy), Comm())
+    return MaskSet.load(os.path.join(out, f"{strategy}_{name}_w{world}"), plain_views(strategy), Collectives())
 
 
 CASES = [(s, n) for s, runs in RUNS.items() for n in runs]
@@ -307,12 +309,13 @@ def test_g0_equals_a_plain_single_process_model(launched, strategy: str) -> None
     (LinearFunctionForZeroStage3) sums the weight gradient in another order (its world 1
     and world 2 agree exactly: see the mask test). FSDP2 runs bf16 compute here, so it is
     compared across worlds only."""
+    from harness.distributed import Collectives
     from harness.models import build_model
-    from harness.pruning import Comm, run_pruning, shard_calibration
+    from harness.pruning import run_pruning, shard_calibration
 
     out = launched(strategy)
     model = build_model("tiny-llama", config_overrides=OVERRIDES[strategy])
-    ref = run_pruning(model, shard_calibration(samples(), 1, 2, Comm()), GP_WANDA, lm_loss, grad_accum=2, keep_g0=True).g0
+    ref = run_pruning(model, shard_calibration(samples(), 1, 2, Collectives()), GP_WANDA, lm_loss, grad_accum=2, keep_g0=True).g0
     for world in (1, 2):
         parts = [torch.load(os.path.join(out, f"{strategy}_gp_wanda_w{world}", f"g0_{r}.pt")) for r in range(world)]
         for name, want in ref.items():

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from harness.pruning import Comm
+from harness.distributed import Collectives
 from harness.pruning.layout import Layout, exchange_split_units
 from harness.pruning.methods import Rule, select, sparsegpt_prune
 from harness.pruning.select import FLOAT_KEY_BITS, count_for, float_keys, radix_select, threshold_mask
@@ -54,7 +54,7 @@ def whole_layout(name: str) -> Layout:
     return Layout(rows, cols, 0, rows * cols, ((0, rows * cols),))
 
 
-def run_all(layouts: dict[str, Layout], comm: Comm) -> dict[str, torch.Tensor]:
+def run_all(layouts: dict[str, Layout], comm: Collectives) -> dict[str, torch.Tensor]:
     """Every rule on every case, plus global selection over all cases and SparseGPT; the
     local piece of each result."""
     out: dict[str, torch.Tensor] = {}
@@ -101,7 +101,7 @@ def test_radix_select_matches_a_lexicographic_sort() -> None:
     g = torch.Generator().manual_seed(0)
     keys = torch.randint(0, 50, (3000,), generator=g).to(torch.int64) * 1_000_003  # ties, spread bits
     idx = torch.randperm(3000, generator=g).to(torch.int64)
-    comm = Comm()
+    comm = Collectives()
     for k in (0, 1, 7, 1500, 2999, 3000):
         chunks = [(keys[:1000], idx[:1000]), (keys[1000:], idx[1000:])]
         (t,) = radix_select([chunks], [k], comm, key_bits=40, index_bits=12)
@@ -113,7 +113,7 @@ def test_radix_select_matches_a_lexicographic_sort() -> None:
 
 
 def test_rules_on_one_rank_select_exact_counts_with_index_tiebreak() -> None:
-    comm = Comm()
+    comm = Collectives()
     layouts = {n: whole_layout(n) for n in CASES}
     out = run_all(layouts, comm)
     for name, (rows, cols, _) in CASES.items():
@@ -140,7 +140,7 @@ def test_two_ranks_with_split_rows_and_groups_equal_one_rank(tmp_path) -> None:
     from launching import launch
 
     launch(__file__, [str(tmp_path)], world=2, timeout=120)
-    single = run_all({n: whole_layout(n) for n in CASES}, Comm())
+    single = run_all({n: whole_layout(n) for n in CASES}, Collectives())
     pieces = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for key, want in single.items():
         if key.startswith("rows/"):
@@ -171,7 +171,7 @@ def _worker(out_dir: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    comm = Comm()
+    comm = Collectives()
     out = run_all({n: local_layout(n, comm.rank) for n in CASES}, comm)
     torch.save(out, os.path.join(out_dir, f"rank{comm.rank}.pt"))
     dist.barrier()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from harness.config import load_config
+from harness.errors import EXIT_OK, EXIT_PLAN_DOES_NOT_FIT
 from harness.models import apply_lora, build_model, trainable_counts
-from harness.plan import EXIT_DOES_NOT_FIT, EXIT_FITS, main
+from harness.plan import main
 from harness.planner.estimate import estimate
 from harness.planner.lora import NF4_BYTES, adapter_numel, base_bytes, lora_plan
 from harness.planner.recommend import Candidate, _param_info, evaluate_lora, recommend
@@ -74,8 +75,8 @@ def test_qlora_needs_a_gpu(setup):
 
 def test_plan_command_models_a_lora_config(capsys):
     argv = ["--gpu-mem", "8GiB", "--vocab-size", str(VOCAB), *SMALL, "lora.enabled=true", "precision=bf16"]
-    assert main(argv) == EXIT_FITS
+    assert main(argv) == EXIT_OK
     out = capsys.readouterr().out
     assert "LoRA (base frozen)" in out and "0.15M adapter parameters" in out
-    assert main([*argv, "lora.quantize=nf4", "--target", "cpu"]) == EXIT_DOES_NOT_FIT
+    assert main([*argv, "lora.quantize=nf4", "--target", "cpu"]) == EXIT_PLAN_DOES_NOT_FIT
     assert "QLoRA needs a CUDA GPU" in capsys.readouterr().out

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from harness.config import PruneConfig
+from harness.distributed import Collectives
 from harness.models import build_model
-from harness.pruning import Comm, run_pruning, shard_calibration
+from harness.pruning import run_pruning, shard_calibration
 
 
 def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -62,8 +63,8 @@ def test_sequential_streaming_changes_later_g0_only() -> None:
     assert not all(torch.equal(oneshot.g0[n], seq.g0[n]) for n in second)
 
 
-class FakeRank(Comm):
-    """Comm stand-in that only answers rank/world (shard_calibration needs nothing else)."""
+class FakeRank(Collectives):
+    """Collectives stand-in that only answers rank/world (shard_calibration needs nothing else)."""
 
     def __init__(self, rank: int, world: int) -> None:
         super().__init__()
@@ -88,15 +89,15 @@ def test_linears_sharing_an_input_share_one_hessian_with_identical_statistics() 
     from harness.pruning.calibration import InputStats, Runner, forward_pass
 
     model = build_model("tiny-llama")
-    views = build_views(model, "decoder_linears", Comm())
+    views = build_views(model, "decoder_linears", Collectives())
     runner = Runner(model, lm_loss)
     shared = InputStats(views, hessian=True)
     forward_pass(runner, calib(), shared)
-    shared.finalize(Comm())
+    shared.finalize(Collectives())
     k_proj = [v for v in views if v.name.endswith("layers.0.self_attn.k_proj")]
     alone = InputStats(k_proj, hessian=True)
     forward_pass(runner, calib(), alone)
-    alone.finalize(Comm())
+    alone.finalize(Collectives())
     name = k_proj[0].name
     assert shared.alias[name].endswith("q_proj")  # one accumulator for q, k and v
     assert len(shared.H) == 4 * 2  # per layer: qkv, o, gate/up, down

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from harness.config import PruneConfig
+from harness.distributed import Collectives
 from harness.models import build_model, decoder_blocks
-from harness.pruning import Comm, MaskEnforcer, MaskSet, build_views, run_pruning, run_schedule
+from harness.pruning import MaskEnforcer, MaskSet, build_views, run_pruning, run_schedule
 from harness.pruning.masks import pack_bits, unpack_bits
 
 
@@ -70,7 +71,7 @@ def test_masks_survive_optimizer_steps_and_would_regrow_without_enforcement() ->
 
 def test_save_load_roundtrip_reapplies_the_same_zeros(tmp_path) -> None:
     model, masks = pruned_model()
-    comm = Comm()
+    comm = Collectives()
     views = build_views(model, "decoder_linears", comm)
     masks.save(str(tmp_path), views, comm)
     fresh = build_model("tiny-llama")
@@ -86,7 +87,7 @@ def test_save_load_roundtrip_reapplies_the_same_zeros(tmp_path) -> None:
 
 def test_load_refuses_a_different_shape(tmp_path) -> None:
     model, masks = pruned_model()
-    comm = Comm()
+    comm = Collectives()
     masks.save(str(tmp_path), build_views(model, "decoder_linears", comm), comm)
     other = build_model("tiny-llama", config_overrides={"intermediate_size": 172})
     with pytest.raises(ValueError, match="model has"):

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from harness.config import PruneConfig
+from harness.distributed import Collectives
 from harness.models import build_model, decoder_blocks
 from harness.pruning import run_pruning
-from harness.pruning.comm import Comm
+from harness.pruning.experimental import exact_keys
 from harness.pruning.layout import Layout
-from harness.pruning.methods import PER_ROW_BASES, Rule, exact_keys, select, veto_keys
+from harness.pruning.methods import PER_ROW_BASES, Rule, select, veto_keys
 from harness.pruning.select import count_for
 
 
@@ -301,7 +302,7 @@ def test_veto_keeps_the_base_order_where_rank_reorders() -> None:
     rule = Rule("per_matrix", 0.4)  # floor(0.4 x 5) = 2 pruned
 
     def chosen(keys: torch.Tensor) -> list[int]:
-        (mask,) = select(rule, [layout], [keys], Comm(), 49)
+        (mask,) = select(rule, [layout], [keys], Collectives(), 49)
         return mask.nonzero().flatten().tolist()
 
     g1 = torch.tensor([2.0, 0.5, 0.9, 0.1, 1.0], dtype=torch.bfloat16)

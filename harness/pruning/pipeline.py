@@ -1,6 +1,8 @@
-"""`run_pruning`: the pruning stage, on the trainer's own model or engine, at any world size.
+"""`run_pruning`: the pruning pipeline (calibrate, score, select, mask), on the trainer's own model
+or engine, at any world size. The run's pruning *stage* (prune after training, fine-tune with
+the masks) is `harness.runner.prune_stage`, which calls it.
 
-One entry point for every method so that they share the calibration pipeline, the
+One entry point for every method so that they share the calibration passes, the
 selection rules and the report: a comparison between methods then measures the methods,
 not four different harnesses.
 
@@ -24,9 +26,10 @@ from typing import Any
 import torch
 
 from harness.config import PruneConfig, check_original, is_original, resolve_prune
-from harness.pruning.allocation import owl_sparsities, view_sparsities
+from harness.distributed import Collectives
+from harness.pruning.allocation import view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
-from harness.pruning.comm import Comm
+from harness.pruning.experimental import owl_sparsities
 from harness.pruning.gradprobe import ProbeSettings, run_gradprobe
 from harness.pruning.masks import MaskSet
 from harness.pruning.methods import (
@@ -64,7 +67,7 @@ class LayerReport:
 
 @dataclass
 class PruneReport:
-    """What the stage did; `to_dict()` is what gets logged and written to notes."""
+    """What the pipeline did; `to_dict()` is what gets logged and written to notes."""
 
     method: str
     pattern: str
@@ -76,7 +79,7 @@ class PruneReport:
     fwd_passes: float  # passes over the calibration set, forward only
     fwd_bwd_passes: float  # passes over the calibration set, forward + backward
     wall_time_s: float
-    peak_probe_bytes: int  # the stage's own buffers on this rank (ledger), max over ranks
+    peak_probe_bytes: int  # the pipeline's own buffers on this rank (ledger), max over ranks
     peak_device_bytes: int | None  # CUDA allocator peak above the start, max over ranks (None on CPU)
     world_size: int
     exact_target: bool
@@ -104,7 +107,7 @@ def run_pruning(
     loss_fn: LossFn,
     *,
     grad_accum: int | None = None,
-    comm: Comm | None = None,
+    comm: Collectives | None = None,
     sequential: bool | None = None,
     prior: MaskSet | None = None,
     stat_dtype: torch.dtype | None = None,
@@ -139,7 +142,7 @@ def run_pruning(
     sequential = bool(cfg.sequential)
     assert cfg.stat_dtype is not None and cfg.scope is not None and cfg.exact_target is not None
     stat_dtype = DTYPES[cfg.stat_dtype]  # prune.stat_dtype names the storage of G0 and G1
-    comm = comm or Comm()
+    comm = comm or Collectives()
     comm.barrier()
     start = time.perf_counter()
     cuda = torch.cuda.is_available() and comm.device.type == "cuda"
@@ -240,7 +243,7 @@ def run_pruning(
 
 
 def _allocation(
-    cfg: PruneConfig, views: list[ShardView], rule: Rule, runner: Runner, batches: list[Any], comm: Comm, ledger: Ledger
+    cfg: PruneConfig, views: list[ShardView], rule: Rule, runner: Runner, batches: list[Any], comm: Collectives, ledger: Ledger
 ) -> dict[str, float] | None:
     """Per-matrix sparsities of a non-uniform allocation (None: uniform). OWL reads the dense
     model's input norms: one forward pass of its own, counted in the report's passes."""
@@ -260,7 +263,7 @@ def _magnitude(
     groups: list[list[ShardView]],
     rule: Rule,
     forced: dict[str, torch.Tensor] | None,
-    comm: Comm,
+    comm: Collectives,
     sequential: bool,
     alloc: dict[str, float] | None = None,
 ) -> MaskSet:
@@ -282,7 +285,7 @@ def _wanda(
     forced: dict[str, torch.Tensor] | None,
     runner: Runner,
     batches: list[Any],
-    comm: Comm,
+    comm: Collectives,
     sequential: bool,
     ledger: Ledger,
     alloc: dict[str, float] | None = None,
@@ -315,7 +318,7 @@ def _sparsegpt(
     forced: dict[str, torch.Tensor] | None,
     runner: Runner,
     batches: list[Any],
-    comm: Comm,
+    comm: Collectives,
     ledger: Ledger,
     alloc: dict[str, float] | None = None,
 ) -> MaskSet:

@@ -1,7 +1,8 @@
-"""The training loop, readable in one sitting, and evaluation.
+"""The `Trainer`: the whole training run once it is built, readable in one sitting; and evaluation.
 
-One `Loop` serves training, fine-tuning after pruning (`after_step` keeps pruned weights
-at zero) and `python -m harness.prune`. It never asks which engine it has.
+One `Trainer` serves training, fine-tuning after pruning (`after_step` keeps pruned weights
+at zero) and `python -m harness.prune`: `train(first, stop)` runs steps, `close()` ends the
+run's outputs. It never asks which engine it has.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from harness.checkpoint import CheckpointManager
 from harness.config import RunConfig
 from harness.data import BatchSampler, PackedData, split_batches
-from harness.distributed import DistInfo, all_gather_object, all_reduce_mean, all_reduce_sum
+from harness.distributed import Collectives, DistInfo
 from harness.engine import Engine
 from harness.log import get_logger
 from harness.memory import StepMemoryTracker
@@ -34,7 +35,7 @@ def write_state_bytes(output_dir: str, info: DistInfo, points: list[dict[str, in
         json.dump({"rank": info.rank, "world_size": info.world_size, "peak": peak, "phases": points}, f, indent=1)
 
 
-def worst_rank_memory(tracker: StepMemoryTracker, info: DistInfo) -> dict[str, float]:
+def worst_rank_memory(tracker: StepMemoryTracker, comm: Collectives) -> dict[str, float]:
     """The step's memory on the rank that peaked highest (collective when tracking is on).
 
     `_peak_bytes`: that rank's split at its peak moment (sums to its total; the stacked
@@ -43,8 +44,8 @@ def worst_rank_memory(tracker: StepMemoryTracker, info: DistInfo) -> dict[str, f
     """
     peaks, maxima = tracker.last_peaks(), tracker.last_category_maxima()
     out: dict[str, float] = {}
-    if peaks and info.distributed and info.world_size > 1:
-        gathered = all_gather_object((peaks, maxima), info)
+    if peaks and comm.distributed:
+        gathered = comm.gather_object((peaks, maxima))
         worst = max(range(len(gathered)), key=lambda r: gathered[r][0].get("total") or 0)
         peaks = gathered[worst][0]
         maxima = {k: max((g[1].get(k) or 0) for g in gathered) for k in maxima}
@@ -62,15 +63,15 @@ def evaluate(engine: Engine, data: PackedData, cfg: RunConfig, info: DistInfo, s
         loss = engine.eval_loss(batch.to(info.device))
         total += float(loss) * batch.shape[0]
         count += batch.shape[0]
-    total, count = all_reduce_sum([total, count], info)
+    total, count = Collectives().sum([total, count])
     engine.train(True)
     mean = total / max(count, 1.0)
     return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
 
 
 @dataclass
-class Loop:
-    """Everything the steps touch, so one loop serves training, fine-tuning after pruning
+class Trainer:
+    """Everything the steps touch, so one trainer serves training, fine-tuning after pruning
     (`after_step` keeps pruned weights at zero) and `python -m harness.prune`."""
 
     cfg: RunConfig
@@ -87,8 +88,9 @@ class Loop:
     stopped_at: int | None = None  # the step a stop request ended the run at (checkpoint saved)
     after_step: Callable[[], None] | None = None  # run after every engine.step(), e.g. the pruning stage's mask enforcer
     started_at: float | None = None  # time.perf_counter() when the run began building: time to first step is part of its cost
+    comm: Collectives = field(default_factory=Collectives)  # the logged loss and memory peaks over ranks
 
-    def run(self, first: int, stop: int) -> bool:
+    def train(self, first: int, stop: int) -> bool:
         """Train steps [first, stop); False when a stop request ended the run (saved, observer closed)."""
         cfg, info, engine, sampler, tracker, guard, observer = (
             self.cfg,
@@ -123,7 +125,7 @@ class Loop:
             elapsed = time.perf_counter() - t0
             self.skipped += int(result.skipped)
             guard.post_step(result)  # checkpoint.on_nonfinite: skip (counted) or stop naming the last good checkpoint
-            self.loss_mean = all_reduce_mean(step_loss, info)
+            self.loss_mean = self.comm.mean(step_loss)
             metrics = {
                 "train/loss": self.loss_mean,
                 "train/lr": lr,
@@ -133,7 +135,7 @@ class Loop:
                 "perf/tokens_per_s": tokens_per_step / elapsed,
                 "perf/samples_per_s": sampler.global_batch / elapsed,
             }
-            metrics.update(worst_rank_memory(tracker, info))
+            metrics.update(worst_rank_memory(tracker, self.comm))
             if step == first and self.started_at is not None:
                 metrics["time/to_first_step_s"] = time.perf_counter() - self.started_at
                 startup = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in engine.startup_s.items())
@@ -142,7 +144,11 @@ class Loop:
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
                 observer.log_eval(step + 1, evaluate(engine, self.data, cfg, info))
             if self.ckpt.after_step(step + 1, {"skipped_steps": self.skipped}, stop=guard.stop_requested):
-                observer.close()  # SIGTERM/SIGUSR1: saved; exit cleanly so the job can requeue
+                self.close()  # SIGTERM/SIGUSR1: saved; exit cleanly so the job can requeue
                 self.stopped_at = step + 1
                 return False
         return True
+
+    def close(self) -> None:
+        """End the run's outputs (metrics, W&B, plots): after the summary is logged."""
+        self.observer.close()
