@@ -32,11 +32,11 @@ import torch
 
 from harness.config import load_config, load_strategy
 from harness.distributed import init_distributed, teardown
-from harness.engine import build_engine
+from harness.engine import build_engine, hidden_size_of, plan_engine
 from harness.memory import StepMemoryTracker, category_of
 from harness.memory.categories import CATEGORIES as CATS
 from harness.models import model_spec
-from harness.training import causal_lm_loss, precision_policy
+from harness.training import causal_lm_loss
 
 
 def _cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
@@ -64,9 +64,9 @@ def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None 
     with tracker:
         spec = model_spec(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
         vocab = int(spec.config.vocab_size)
-        policy = precision_policy(cfg.precision, info.device, strategy.kind)
+        plan = plan_engine(cfg, strategy, info.world_size, info.device, hidden_size_of(spec.config))
         loss_fn = lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
-        engine = build_engine(spec, cfg, strategy, policy, info, loss_fn)
+        engine = build_engine(spec, cfg, plan, info, loss_fn)
         batches = [torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), generator=gen) for _ in range(cfg.grad_accum)]
     per_step: list[dict[str, int]] = []
     for _ in range(steps):
