@@ -15,11 +15,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from harness.config import CheckpointFormat, EngineKind, RunConfig
 from harness.distributed import DistInfo
 from harness.engine.plan import EnginePlan
+from harness.engine.shard_base import ParamShard
+from harness.engine.shards import shard_of
 from harness.memory import ActivationOffload
 from harness.models import ModelSpec
 
@@ -94,6 +97,12 @@ class Engine:
     def num_parameters(self) -> int:
         """Parameters of the whole model, however they are sharded."""
         return sum(p.numel() for p in self.module.parameters())
+
+    def shards(self) -> list[ParamShard]:
+        """This rank's part of every parameter (name, range, working/master/gradient views, `write`),
+        however this engine stores it: what pruning, masks and reports read instead of the storage."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return [shard_of(p, name, world) for name, p in self.module.named_parameters()]
 
     def local_parameters(self) -> list[torch.Tensor]:
         """The weights this rank holds (its shard where the engine shards), detached."""

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.engine import is_deepspeed_engine, unwrap
 from harness.pruning.comm import Comm
-from harness.pruning.shards import ShardView, is_deepspeed_engine, unwrap
+from harness.pruning.shards import ShardView
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
