@@ -6,7 +6,7 @@
     engine.save_state(dir); engine.load_state(dir, saved_world_size, is_main)
     engine.state_bytes()   # per-rank bytes held: the proof of sharding
 
-    for shard in engine.shards(names): ...   # this rank's part of each parameter, however stored
+    for shard in engine.shards(): ...   # this rank's part of each parameter, however stored
 
 To add a strategy: a strategy file (`harness/config/ds_configs/`), and, if it needs a new
 engine, a subclass of `Engine` here (its `build` and `load_model`), chosen in `build.ENGINES`.
@@ -24,7 +24,7 @@ from harness.engine.deepspeed_engine import DeepSpeedEngine
 from harness.engine.parallelize import apply_memory_techniques, fsdp_wrap
 from harness.engine.plan import EnginePlan, hidden_size_of, plan_engine
 from harness.engine.shard_base import ParamShard
-from harness.engine.shards import is_deepspeed_engine, shard_of, unwrap
+from harness.engine.shards import is_deepspeed_engine, memory_storage, shard_of, unwrap
 from harness.engine.storage import local_part
 from harness.engine.torch_engine import TorchEngine
 
@@ -55,6 +55,7 @@ __all__ = [
     "is_deepspeed_engine",
     "load_model",
     "local_part",
+    "memory_storage",
     "plan_engine",
     "read_model_weights",
     "shard_of",

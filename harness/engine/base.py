@@ -22,8 +22,8 @@ from harness.config import CheckpointFormat, EngineKind, RunConfig
 from harness.distributed import DistInfo
 from harness.engine.plan import EnginePlan
 from harness.engine.shard_base import ParamShard
-from harness.engine.shards import shard_of
-from harness.memory import ActivationOffload
+from harness.engine.shards import memory_storage, shard_of
+from harness.memory import ActivationOffload, ModelStorage
 from harness.models import ModelSpec
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -103,6 +103,10 @@ class Engine:
         however this engine stores it: what pruning, masks and reports read instead of the storage."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return [shard_of(p, name, world) for name, p in self.module.named_parameters()]
+
+    def memory_storage(self) -> ModelStorage:
+        """What the memory tracker of `model` must be told about how this engine stores it."""
+        return memory_storage(self.model)
 
     def local_parameters(self) -> list[torch.Tensor]:
         """The weights this rank holds (its shard where the engine shards), detached."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from harness.engine.shard_base import ParamShard
 from harness.engine.storage import local_part
+from harness.memory import ModelStorage
 
 
 class Zero3Shard(ParamShard):
@@ -100,6 +101,23 @@ def deepspeed_shard_of(param: nn.Parameter, name: str, world: int) -> ParamShard
         a = mapping.lp_fragment_address.start
         return Zero12Shard(name, param, tuple(param.shape), a, a + mapping.lp_fragment_address.numel)
     return None
+
+
+def deepspeed_memory_storage(ds_engine: Any) -> ModelStorage:
+    """Where a DeepSpeed engine keeps what the memory trackers cannot see on its module: ZeRO-3's
+    parameter partitions (`ds_tensor`) and the ZeRO optimizer's fp32 master partitions (ZeRO-1/2
+    `single_partition_of_fp32_groups`, ZeRO-3 `fp32_partitioned_groups_flat`; ZeRO-3 empties
+    the inner optimizer's param_groups outside step())."""
+    module, optimizer = ds_engine.module, ds_engine.optimizer
+
+    def partitions() -> list[torch.Tensor]:
+        return [p.ds_tensor for p in module.parameters() if isinstance(getattr(p, "ds_tensor", None), torch.Tensor)]
+
+    def masters() -> list[torch.Tensor]:
+        attrs = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+        return [t for attr in attrs for t in getattr(optimizer, attr, None) or [] if isinstance(t, torch.Tensor)]
+
+    return ModelStorage(partitions=partitions, masters=masters)
 
 
 def is_deepspeed_engine(obj: Any) -> bool:

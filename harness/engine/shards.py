@@ -9,11 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from harness.engine.deepspeed_shards import deepspeed_shard_of, is_deepspeed_engine
+from harness.engine.deepspeed_shards import deepspeed_memory_storage, deepspeed_shard_of, is_deepspeed_engine
 from harness.engine.shard_base import DTensorShard, ParamShard
 from harness.engine.storage import local_part
+from harness.memory import ModelStorage
 
 Split = Callable[[int], tuple[int, int]]  # a replicated parameter's numel -> the flat range this rank works on
 
@@ -35,6 +37,15 @@ def shard_of(param: nn.Parameter, name: str, world: int, split: Split | None = N
     return ParamShard(name, param, shape, start, end)
 
 
+def memory_storage(model_or_engine: Any) -> ModelStorage:
+    """How the model a memory tracker follows is stored: an FSDP2 root, a DeepSpeed engine, or a plain module."""
+    if isinstance(model_or_engine, FSDPModule):
+        return ModelStorage(sharded=True)
+    if is_deepspeed_engine(model_or_engine):
+        return deepspeed_memory_storage(model_or_engine)
+    return ModelStorage()
+
+
 def unwrap(model_or_engine: Any) -> nn.Module:
     """The user's nn.Module inside a DeepSpeed engine or DDP wrapper (FSDP2 wraps in place)."""
     if is_deepspeed_engine(model_or_engine) or isinstance(model_or_engine, nn.parallel.DistributedDataParallel):
@@ -42,4 +53,4 @@ def unwrap(model_or_engine: Any) -> nn.Module:
     return model_or_engine
 
 
-__all__ = ["DTensorShard", "ParamShard", "Split", "is_deepspeed_engine", "shard_of", "unwrap"]
+__all__ = ["DTensorShard", "ParamShard", "Split", "is_deepspeed_engine", "memory_storage", "shard_of", "unwrap"]

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from harness.config import RunConfig
-from harness.distributed import DistInfo
+from harness.distributed import DistInfo, local_tensor
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, fsdp_wrap, lora_base
 from harness.engine.plan import EnginePlan
@@ -66,12 +66,7 @@ class TorchEngine(Engine):
                     module.reshard()
 
     def local_parameters(self) -> list[torch.Tensor]:
-        out = []
-        for p in self.model.parameters():
-            t = p.to_local() if hasattr(p, "to_local") else p
-            if t.numel():
-                out.append(t.detach())
-        return out
+        return [local_tensor(p).detach() for p in self.model.parameters() if local_tensor(p).numel()]
 
     def state_bytes(self) -> dict[str, int]:
         """Local shards of parameters, their gradients and optimizer state."""

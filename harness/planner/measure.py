@@ -100,7 +100,7 @@ def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None 
 def _trainer_view_step(engine: Any, batches: list[torch.Tensor]) -> tuple[int | None, str | None]:
     """One more step, measured by the trainer's own ``StepMemoryTracker``: (peak total, error)."""
 
-    view = StepMemoryTracker(engine.model, engine.optimizer, enabled=True)
+    view = StepMemoryTracker(engine.model, engine.optimizer, enabled=True, storage=engine.memory_storage())
     try:
         with view.step():
             for micro, batch in enumerate(batches):

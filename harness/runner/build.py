@@ -96,6 +96,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> tuple[Loop, R
         category_every=cfg.memory.track_every,
         snapshot_dir=os.path.join(cfg.output_dir, "memory_snapshot") if cfg.memory.snapshot else None,
         layer_hooks=cfg.memory.layer_hooks,
+        storage=engine.memory_storage(),
     )
     guard = StepGuard(cfg, info, engine, tracker, lambda: ckpt.last_path, resumed.step)  # NaN policy, stop signals
     log.info(
