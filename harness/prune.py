@@ -22,8 +22,9 @@ if __package__ in (None, ""):  # run as a file by a launcher: make `harness` imp
 
 from safetensors import safe_open
 
-from harness.config import RunConfig, Strategy, load_config, load_strategy
+from harness.config import RunConfig, load_config, load_strategy
 from harness.distributed import Collectives, DistInfo, exit_process
+from harness.engine import EnginePlan
 from harness.errors import ConfigError
 from harness.runner import build_run, evaluate, parse_command_line, preflight, run_command, run_prune_stage
 
@@ -41,9 +42,9 @@ def exported_zeros(hf_dir: str, names: list[str]) -> dict[str, int]:
     return out
 
 
-def prune_model(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> dict[str, Any]:
+def prune_model(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, Any]:
     """The command: build the run as `harness.train` does, prune, fine-tune, export."""
-    trainer, _ = build_run(cfg, strategy, info)
+    trainer, _ = build_run(cfg, plan, info)
     stats = run_prune_stage(trainer.engine, trainer.data, cfg, info, trainer.observer, 0, ckpt=trainer.ckpt)
     trainer.after_step = stats.after_step
     steps = cfg.prune.finetune_steps
@@ -97,11 +98,9 @@ def command_config(path: str | None, overrides: list[str]) -> RunConfig:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_command_line("harness.prune", __doc__, argv)
 
-    def load() -> tuple[RunConfig, Strategy]:
+    def load() -> tuple[RunConfig, EnginePlan]:
         cfg = command_config(args.config, overrides)
-        strategy = load_strategy(cfg.strategy)
-        preflight(cfg, strategy)  # includes the pruning rules at this world size
-        return cfg, strategy
+        return cfg, preflight(cfg, load_strategy(cfg.strategy))  # includes the pruning rules at this world size
 
     return run_command("harness.prune", load, prune_model)
 

@@ -14,13 +14,14 @@ import sys
 if __package__ in (None, ""):  # run as a file by a launcher: make `harness` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness.config import RunConfig, Strategy, load_config, load_strategy
+from harness.config import RunConfig, load_config, load_strategy
 from harness.distributed import DistInfo, exit_process
+from harness.engine import EnginePlan
 from harness.runner import build_run, evaluate, parse_command_line, preflight, run_command, run_prune_stage
 
 
-def train(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> dict[str, float]:
-    trainer, resumed = build_run(cfg, strategy, info)
+def train(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, float]:
+    trainer, resumed = build_run(cfg, plan, info)
     engine, data, observer, ckpt = trainer.engine, trainer.data, trainer.observer, trainer.ckpt
     last = cfg.steps
     if not trainer.train(resumed.step, cfg.steps):
@@ -49,11 +50,9 @@ def train(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> dict[str, float
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_command_line("harness.train", __doc__, argv)
 
-    def load() -> tuple[RunConfig, Strategy]:
+    def load() -> tuple[RunConfig, EnginePlan]:
         cfg = load_config(args.config, overrides)
-        strategy = load_strategy(cfg.strategy)
-        preflight(cfg, strategy)
-        return cfg, strategy
+        return cfg, preflight(cfg, load_strategy(cfg.strategy))  # the engine plan, made once
 
     return run_command("harness", load, train)
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.config import LoraConfig, RunConfig, Strategy
+from harness.config import LoraConfig, RunConfig, Strategy, checkpoint_format
 from harness.errors import CheckpointError, ConfigError
 
 CHECKPOINTS = "checkpoints"
@@ -33,8 +33,8 @@ FORMAT = 1
 class CheckpointMeta:
     step: int
     world_size: int
-    engine: str  # "torch" (DCP) | "deepspeed"
-    kind: str  # single | ddp | fsdp | deepspeed
+    engine: str  # the checkpoint format (`harness.config.checkpoint_format`): "torch" (DCP) | "deepspeed"
+    kind: str  # the engine kind (`harness.config.EngineKind`): single | ddp | fsdp | deepspeed
     strategy: str
     zero_stage: int
     global_batch: int
@@ -120,14 +120,9 @@ def resume_path(cfg: RunConfig) -> str | None:
     return resolve_checkpoint_path(resume)
 
 
-def engine_family(kind: str) -> str:
-    """The checkpoint format a strategy kind writes (`Engine.checkpoint_format`), known without building it."""
-    return "deepspeed" if kind == "deepspeed" else "torch"
-
-
 def check_compatible(meta: CheckpointMeta, path: str, cfg: RunConfig, strategy: Strategy, world: int) -> None:
     """Refuse a resume that could not continue the same run (before any process starts)."""
-    if engine_family(meta.kind) != engine_family(strategy.kind):
+    if checkpoint_format(meta.kind) != checkpoint_format(strategy.kind):
         other = "a DeepSpeed strategy (zero1/zero2/zero3…)" if meta.kind == "deepspeed" else "ddp or fsdp"
         raise ConfigError(
             f"checkpoint '{path}' was written by {meta.strategy} ({meta.kind}); resume it with {other}, or start a new run "

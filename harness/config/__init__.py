@@ -1,7 +1,13 @@
 """The run config: typed schema, loading with `key=value` overrides, strategy files, and every
-rule a config must satisfy (`checks`)."""
+rule a config must satisfy (`checks`).
+
+Modules by concern: `schema` (dataclasses and choice vocabularies), `loading` (files and
+overrides), `strategies` (strategy files, the `EngineKind` vocabulary and its one rule
+`engine_kind`), `deepspeed_keys` (DeepSpeed's key schema), `deepspeed_auto` ("auto" filling of
+a DeepSpeed dict from the run config), `checks` (every rule on a config)."""
 
 from harness.config.checks import check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
+from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
 from harness.config.prune_modes import check_original, is_original, resolve_prune
 from harness.config.schema import (
@@ -22,7 +28,16 @@ from harness.config.schema import (
     PruneConfig,
     RunConfig,
 )
-from harness.config.strategies import DS_CONFIG_DIR, Strategy, load_strategy, resolve_deepspeed_config
+from harness.config.strategies import (
+    DS_CONFIG_DIR,
+    ENGINE_KINDS,
+    CheckpointFormat,
+    EngineKind,
+    Strategy,
+    checkpoint_format,
+    engine_kind,
+    load_strategy,
+)
 from harness.errors import ConfigError
 
 __all__ = [
@@ -31,12 +46,15 @@ __all__ = [
     "DATA_FORMATS",
     "DS_CONFIG_DIR",
     "EMBEDDED_CORPORA",
+    "ENGINE_KINDS",
     "LORA_QUANTIZE",
     "PRECISIONS",
     "PRUNE_BASES",
     "CheckpointConfig",
+    "CheckpointFormat",
     "ConfigError",
     "DataConfig",
+    "EngineKind",
     "LoggingConfig",
     "LoraConfig",
     "MemoryConfig",
@@ -51,8 +69,10 @@ __all__ = [
     "check_original",
     "check_run",
     "check_strategy_against_run",
+    "checkpoint_format",
     "check_values",
     "config_to_dict",
+    "engine_kind",
     "is_original",
     "load_config",
     "load_strategy",

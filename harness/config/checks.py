@@ -11,7 +11,7 @@ import functools
 
 from harness.config.prune_modes import check_prune_mode
 from harness.config.schema import EMBEDDED_CORPORA, RunConfig, choice_fields
-from harness.config.strategies import Strategy, resolve_deepspeed_config
+from harness.config.strategies import Strategy
 from harness.errors import ConfigError, did_you_mean
 
 
@@ -133,6 +133,16 @@ def check_lora(cfg: RunConfig, strategy_kind: str, has_accelerator: bool) -> Non
         )
 
 
+def check_optimizer_in_backward_engine(cfg: RunConfig, strategy_kind: str, strategy_name: str = "") -> None:
+    """The optimizer-in-backward/DeepSpeed rule, defined once: DeepSpeed owns the optimizer step."""
+    if cfg.memory.optimizer_in_backward and strategy_kind == "deepspeed":
+        named = f" ({strategy_name})" if strategy_name else ""
+        raise ConfigError(
+            f"memory.optimizer_in_backward=true cannot run under DeepSpeed{named}: DeepSpeed owns the optimizer "
+            "step; use ddp/fsdp strategies or turn it off"
+        )
+
+
 def check_optimizer_in_backward(cfg: RunConfig, strategy_kind: str, world_size: int) -> None:
     """Raise ConfigError (one line) when optimizer-in-backward cannot work with this run config."""
     if not cfg.memory.optimizer_in_backward:
@@ -147,8 +157,7 @@ def check_optimizer_in_backward(cfg: RunConfig, strategy_kind: str, world_size: 
             "memory.optimizer_in_backward=true cannot run with precision=fp16: the loss scaler must check every "
             "gradient for inf/nan before any parameter steps; use bf16 or fp32"
         )
-    if strategy_kind == "deepspeed":
-        raise ConfigError("memory.optimizer_in_backward=true cannot run under DeepSpeed: DeepSpeed owns the optimizer step")
+    check_optimizer_in_backward_engine(cfg, strategy_kind)
     if strategy_kind == "ddp" and world_size > 1:
         raise ConfigError(
             "memory.optimizer_in_backward=true cannot run with DDP at world>1: the per-parameter hooks fire before "
@@ -182,11 +191,7 @@ def check_strategy_against_run(strategy: Strategy, cfg: RunConfig, has_accelerat
             f"{strategy.path}: FSDP2 CPU offload needs a GPU (torch's CPUOffloadPolicy moves shards between host and "
             "accelerator); on a CPU-only machine use fsdp.json or zero3_offload.json"
         )
-    if cfg.memory.optimizer_in_backward and strategy.kind == "deepspeed":
-        raise ConfigError(
-            f"memory.optimizer_in_backward=true cannot run under DeepSpeed ({strategy.name}): DeepSpeed owns the optimizer "
-            "step; use ddp/fsdp strategies or turn it off"
-        )
+    check_optimizer_in_backward_engine(cfg, strategy.kind, strategy.name)
     if cfg.precision == "fp16" and strategy.kind == "fsdp" and not has_accelerator:
         raise ConfigError("precision=fp16 with FSDP2 needs a GPU (its gradient scaler is CUDA-only); use bf16 or fp32 on CPU")
 
@@ -216,8 +221,8 @@ def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: b
     check_batch(cfg, world)
     check_prune_config(cfg, world)
     check_lora(cfg, strategy.kind, has_accelerator)
-    if strategy.kind == "deepspeed":
-        resolve_deepspeed_config(strategy, cfg, world, hidden_size=1)  # contradictions and 'auto' holes
+    # A DeepSpeed file's contradictions and 'auto' holes are refused where its dict is resolved, once:
+    # `harness.engine.plan_engine`, called by pre-flight.
 
 
 def check_optimizer_values(cfg: RunConfig) -> None:

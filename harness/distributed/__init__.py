@@ -13,6 +13,7 @@ from harness.distributed.process_group import (
     pick_device,
     teardown,
 )
+from harness.distributed.tensors import local_tensor
 
 __all__ = [
     "Collectives",
@@ -22,6 +23,7 @@ __all__ = [
     "free_port",
     "init_distributed",
     "launch_env",
+    "local_tensor",
     "pick_device",
     "teardown",
 ]

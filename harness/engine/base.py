@@ -12,13 +12,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from harness.memory import ActivationOffload
-from harness.training import PrecisionPolicy
+from harness.config import CheckpointFormat, EngineKind, RunConfig
+from harness.distributed import DistInfo
+from harness.engine.plan import EnginePlan
+from harness.engine.shard_base import ParamShard
+from harness.engine.shards import memory_storage, shard_of
+from harness.memory import ActivationOffload, ModelStorage
+from harness.models import ModelSpec
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -30,27 +36,51 @@ class StepResult:
 
 
 class Engine:
-    """Common surface; subclasses fill in the engine-specific parts."""
+    """Common surface; subclasses fill in the engine-specific parts.
 
-    kind: str = "base"  # single | ddp | fsdp | deepspeed: for reports and checkpoint metadata only
-    checkpoint_format: str = "base"  # the on-disk format of `save_state`: "torch" (DCP) | "deepspeed"
+    An engine is built whole from its `EnginePlan` (`build`: load the model its own way, wrap
+    it, construct): nothing is set on it from outside after construction.
+    """
+
+    checkpoint_format: ClassVar[CheckpointFormat]  # the on-disk format of `save_state`: "torch" (DCP) | "deepspeed"
     zero_stage: int = 0  # the ZeRO stage a checkpoint of this engine was partitioned at (DeepSpeed only)
-    owns_grad_accumulation: bool = False  # divides the loss by the accumulation steps itself (DeepSpeed)
+    owns_grad_accumulation: ClassVar[bool] = False  # divides the loss by the accumulation steps itself (DeepSpeed)
     module: nn.Module  # the underlying HF model (for pruning, export, hooks)
     model: nn.Module  # what forward is called on
-    oib: Any = None  # the optimizer-in-backward object, when the optimizer steps inside backward
-    # Checkpoints keep the trainable parameters only (LoRA: the adapters); the frozen base is
-    # rebuilt from model.name on resume and export, so a checkpoint is the adapters' size.
-    trainable_only: bool = False
 
-    def __init__(self, policy: PrecisionPolicy, loss_fn: LossFn, grad_accum: int, device: torch.device):
-        self.policy = policy
+    def __init__(self, plan: EnginePlan, loss_fn: LossFn, grad_accum: int, device: torch.device, startup_s: dict[str, float]):
+        self.plan = plan
+        self.kind: EngineKind = plan.kind  # for reports and checkpoint metadata
+        self.policy = plan.precision
         self.loss_fn = loss_fn
         self.grad_accum = grad_accum
         self.device = device
+        self.activation_offload = plan.activation_offload  # saved activations go to host memory
+        # Checkpoints keep the trainable parameters only (LoRA: the adapters); see EnginePlan.trainable_only.
+        self.trainable_only = plan.trainable_only
+        self.startup_s = dict(startup_s)  # seconds spent loading the model and initialising the engine
 
-    activation_offload: bool = False  # memory.activation_offload: saved activations go to host memory
-    startup_s: dict[str, float] = {}  # seconds spent loading the model and initialising the engine (build_engine)
+    @classmethod
+    def build(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> Engine:
+        """Load the model this engine's way (no rank holds more than its part), wrap it, and
+        construct the engine, timing both phases (`startup_s`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
+        """The load phase alone: the model built, its memory techniques applied, sharded where the
+        engine shards, and filled."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ optimizer-in-backward
+    @property
+    def steps_in_backward(self) -> bool:
+        """Whether the optimizer already stepped inside backward (a step cannot be skipped after it)."""
+        return False
+
+    def backward_without_step(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes run inside do not step the optimizer (gradient probes, e.g. pruning)."""
+        return contextlib.nullcontext()
 
     def forward_loss(self, input_ids: torch.Tensor) -> torch.Tensor:
         offload = ActivationOffload() if self.activation_offload and torch.is_grad_enabled() else contextlib.nullcontext()
@@ -67,6 +97,16 @@ class Engine:
     def num_parameters(self) -> int:
         """Parameters of the whole model, however they are sharded."""
         return sum(p.numel() for p in self.module.parameters())
+
+    def shards(self) -> list[ParamShard]:
+        """This rank's part of every parameter (name, range, working/master/gradient views, `write`),
+        however this engine stores it: what pruning, masks and reports read instead of the storage."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return [shard_of(p, name, world) for name, p in self.module.named_parameters()]
+
+    def memory_storage(self) -> ModelStorage:
+        """What the memory tracker of `model` must be told about how this engine stores it."""
+        return memory_storage(self.model)
 
     def local_parameters(self) -> list[torch.Tensor]:
         """The weights this rank holds (its shard where the engine shards), detached."""

@@ -14,17 +14,24 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import time
 from argparse import Namespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from harness.config import RunConfig, Strategy
+from harness.distributed import DistInfo
 from harness.engine.base import Engine, LossFn, StepResult
+from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, lora_base
+from harness.engine.plan import EnginePlan
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
 from harness.errors import CheckpointError
 from harness.log import get_logger
-from harness.training import PrecisionPolicy
+from harness.models import ModelSpec, clean_name, construct_model, empty_model, materialize
+from harness.training import build_optimizer, lr_lambda
 
 DS_TAG = "state"  # DeepSpeed's tag: <step dir>/ds/state/...
 DS_UNIVERSAL = "ds_universal"  # <step dir>/ds_universal/state/...: written on first resume at another world size
@@ -35,7 +42,6 @@ log = get_logger(__name__)
 class DeepSpeedEngine(Engine):
     """A DeepSpeed engine: it owns the optimizer, loss scaling and ZeRO partitioning."""
 
-    kind = "deepspeed"
     checkpoint_format = "deepspeed"
     owns_grad_accumulation = True
 
@@ -85,8 +91,10 @@ class DeepSpeedEngine(Engine):
             raise CheckpointError(f"DeepSpeed could not load the checkpoint in {directory}")
         self._skipped_before = int(getattr(self.ds, "skipped_steps", 0))  # DeepSpeed restored its counter: count from it
 
-    def __init__(self, ds_engine: Any, policy: PrecisionPolicy, loss_fn: LossFn, grad_accum: int, device: torch.device):
-        super().__init__(policy, loss_fn, grad_accum, device)
+    def __init__(
+        self, plan: EnginePlan, ds_engine: Any, loss_fn: LossFn, grad_accum: int, device: torch.device, startup_s: dict[str, float]
+    ):
+        super().__init__(plan, loss_fn, grad_accum, device, startup_s)
         self.ds = ds_engine
         self.zero_stage = int(ds_engine.zero_optimization_stage())
         self.module = ds_engine.module
@@ -94,6 +102,67 @@ class DeepSpeedEngine(Engine):
         # per-micro-step bookkeeping, and ZeRO-3 then loses the first micro-batches' gradients.
         self.model = ds_engine
         self._skipped_before = 0
+
+    @classmethod
+    def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
+        """ZeRO-3: built under `zero.Init`, which partitions each parameter as its module is created,
+        then each rank fills its partitions. ZeRO-0/1/2 keep the working weights whole on every rank:
+        built on the device directly in DeepSpeed's working dtype (no fp32 copy to cast from)."""
+        import deepspeed
+
+        ds_config = plan.deepspeed_config()
+        if cfg.lora.enabled:  # adapters need a built model: the frozen base whole, partitioned by deepspeed.initialize
+            return lora_base(spec, cfg, info, _deepspeed_dtype(ds_config))
+        weights = WeightsToLoad(spec)
+        if plan.zero_stage == 3:
+            # zero.Init reads the world size from DeepSpeed's communicator: wrap our process group first
+            deepspeed.comm.init_distributed(dist_backend=info.backend or "gloo", dist_init_required=False)
+            with deepspeed.zero.Init(config_dict_or_path=ds_config):
+                model = construct_model(spec.config)
+            if ds_config["zero_optimization"].get("offload_param", {}).get("device") == "nvme":
+                _fill_gathered(weights, model, info.rank)
+            else:
+                weights.fill(model)
+        else:
+            model = materialize(empty_model(spec.config).to(dtype=_deepspeed_dtype(ds_config)), info.device)
+            weights.fill(model)
+        apply_memory_techniques(model, cfg)
+        return model
+
+    @classmethod
+    def build(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> DeepSpeedEngine:
+        import deepspeed
+
+        started = time.perf_counter()
+        model = cls.load_model(spec, cfg, plan, info)
+        loaded = time.perf_counter()
+        strategy = plan.strategy
+        ds_config = plan.deepspeed_config()
+        filled = list(plan.deepspeed_filled)
+        optimizer = None
+        if "optimizer" not in ds_config:
+            written = strategy.raw.get("zero_force_ds_cpu_optimizer")
+            optimizer = _client_optimizer(model, cfg, strategy, ds_config)
+            if written is not None:  # the file's own value stands (DeepSpeed then says why it refuses our optimizer)
+                ds_config["zero_force_ds_cpu_optimizer"] = written
+            elif "zero_force_ds_cpu_optimizer" in ds_config:
+                filled.append(
+                    f"zero_force_ds_cpu_optimizer={ds_config['zero_force_ds_cpu_optimizer']} "
+                    f"(the client optimizer {type(optimizer).__name__} runs on the host)"
+                )
+        lr_scheduler = deepspeed_lr_scheduler(ds_config, cfg)
+        used = "" if lr_scheduler else f"; the file's scheduler {ds_config['scheduler']['type']} drives the LR, not optim.schedule"
+        log.info(f"DeepSpeed config {strategy.path}: filled from the run config: {', '.join(filled) or 'nothing'}{used}")
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            config=ds_config,
+            dist_init_required=False,
+        )
+        startup = {"load": loaded - started, "engine_init": time.perf_counter() - loaded}
+        return cls(plan, engine, loss_fn, cfg.grad_accum, info.device, startup)
 
     @property
     def optimizer(self) -> Any:
@@ -138,6 +207,66 @@ class DeepSpeedEngine(Engine):
     @property
     def lr(self) -> float:
         return float(self.ds.get_lr()[0])
+
+
+def deepspeed_lr_scheduler(ds_config: dict[str, Any], cfg: RunConfig) -> Any:
+    """The `lr_scheduler` argument for `deepspeed.initialize`: harness's schedule, or None where the
+    resolved config keeps a scheduler of the file's own. DeepSpeed prefers a client scheduler to
+    its config's (`DeepSpeedEngine._configure_lr_scheduler`), so passing ours would silently
+    replace the file's; `resolve_deepspeed_config` drops a `"type": "auto"` scheduler."""
+    if "scheduler" in ds_config:
+        return None
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.optim, cfg.steps))
+
+
+def _deepspeed_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    """The dtype DeepSpeed keeps the module's working weights in (it casts the module itself)."""
+    if ds_config.get("bf16", {}).get("enabled") is True:
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled") is True:
+        return torch.float16
+    return torch.float32
+
+
+def _client_optimizer(model: nn.Module, cfg: RunConfig, strategy: Strategy, ds_config: dict[str, Any]):
+    """Our optimizer for DeepSpeed; with optimizer offload on a GPU machine, DeepSpeed's CPU Adam.
+
+    DeepSpeedCPUAdam is the fast path when the model lives on a GPU and its optimizer on the
+    host. On a CPU-only machine both already share the host, and its C++ op costs a minute of
+    JIT build, so we pass torch's AdamW and tell DeepSpeed to accept it; likewise where the
+    op cannot be built (`zero_force_ds_cpu_optimizer: false`).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if strategy.offload_optimizer != "none" and cfg.optim.name in ("adamw", "adam"):
+        if torch.cuda.is_available() and os.environ.get("HARNESS_DS_CPU_ADAM", "1") == "1":
+            try:
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(
+                    params,
+                    lr=cfg.optim.lr,
+                    betas=cfg.optim.betas,
+                    eps=cfg.optim.eps,
+                    weight_decay=cfg.optim.weight_decay,
+                    adamw_mode=cfg.optim.name == "adamw",
+                )
+            except Exception as exc:  # the op needs a compiler and DeepSpeed's build deps
+                log.warning(f"DeepSpeedCPUAdam unavailable ({type(exc).__name__}); using torch AdamW on CPU")
+        ds_config["zero_force_ds_cpu_optimizer"] = False
+    return build_optimizer(params, cfg.optim)
+
+
+def _fill_gathered(weights: WeightsToLoad, model: nn.Module, rank: int) -> None:
+    """ZeRO-3 with parameters offloaded to NVMe: a partition may be swapped out, so each parameter
+    is gathered in turn, written whole by rank 0, then partitioned (and swapped) again."""
+    import deepspeed
+
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+            if rank == 0:
+                names = [clean_name(name)]
+                piece = weights.source.read(names, p.shape, 0, p.numel())
+                p.data.view(-1).copy_(piece if piece is not None else weights.fallback.read(names, p.shape, 0, p.numel()))
 
 
 def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:

@@ -13,11 +13,8 @@ from typing import Any
 
 import torch
 
+from harness.distributed import local_tensor
 from harness.memory import STATE_CATEGORIES
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class StateCounter:
@@ -31,7 +28,7 @@ class StateCounter:
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue
-            t = _local(t)
+            t = local_tensor(t)
             if t.device.type == "meta":
                 continue
             storage = t.untyped_storage()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -25,10 +26,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
+from harness.config import RunConfig
+from harness.distributed import DistInfo, local_tensor
 from harness.engine.base import Engine, LossFn, StepResult
+from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, fsdp_wrap, lora_base
+from harness.engine.plan import EnginePlan
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
-from harness.training import PrecisionPolicy
+from harness.memory import OptimizerInBackward
+from harness.models import ModelSpec, empty_model, materialize
+from harness.training import build_optimizer, build_scheduler
 
 
 @contextlib.contextmanager
@@ -58,12 +66,7 @@ class TorchEngine(Engine):
                     module.reshard()
 
     def local_parameters(self) -> list[torch.Tensor]:
-        out = []
-        for p in self.model.parameters():
-            t = p.to_local() if hasattr(p, "to_local") else p
-            if t.numel():
-                out.append(t.detach())
-        return out
+        return [local_tensor(p).detach() for p in self.model.parameters() if local_tensor(p).numel()]
 
     def state_bytes(self) -> dict[str, int]:
         """Local shards of parameters, their gradients and optimizer state."""
@@ -115,27 +118,75 @@ class TorchEngine(Engine):
 
     def __init__(
         self,
-        kind: str,
+        plan: EnginePlan,
         module: nn.Module,
         model: nn.Module,
         optimizer: Any,
         scheduler: Any,
-        policy: PrecisionPolicy,
         loss_fn: LossFn,
         grad_accum: int,
         grad_clip: float,
         device: torch.device,
-        optimizer_in_backward: Any = None,
+        startup_s: dict[str, float],
+        optimizer_in_backward: OptimizerInBackward | None = None,
     ):
-        super().__init__(policy, loss_fn, grad_accum, device)
-        self.kind = kind
+        super().__init__(plan, loss_fn, grad_accum, device, startup_s)
         self.module = module
         self.model = model
         self._optimizer = optimizer
         self.scheduler = scheduler
         self.grad_clip = grad_clip
-        self.oib = optimizer_in_backward  # harness.memory.optimizer_in_backward object or None
-        self.scaler = torch.amp.GradScaler(device.type) if policy.uses_scaler else None
+        self._oib = optimizer_in_backward  # steps each parameter inside backward, or None
+        self.scaler = torch.amp.GradScaler(device.type) if self.policy.uses_scaler else None
+
+    @classmethod
+    def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
+        """Single, DDP: the model built directly on the device in its working dtype. FSDP2: built on
+        the meta device, AC and compile applied, sharded, then each rank allocates and fills only its
+        shards. LoRA/QLoRA: peft injects adapters into a built model, so the frozen base is built
+        whole on each rank (a QLoRA base quantized on load by bitsandbytes), then sharded like any model."""
+        strategy, policy = plan.strategy, plan.precision
+        if cfg.lora.enabled:
+            model = lora_base(spec, cfg, info, policy.param_dtype)
+            if plan.kind == "fsdp":
+                fsdp_wrap(model, strategy, policy, info)
+            return model
+        model = empty_model(spec.config).to(dtype=policy.param_dtype)
+        weights = WeightsToLoad(spec)
+        if plan.kind == "fsdp":
+            apply_memory_techniques(model, cfg)
+            fsdp_wrap(model, strategy, policy, info)
+            weights.fill(materialize(model, info.device))
+        else:
+            weights.fill(materialize(model, info.device))
+            apply_memory_techniques(model, cfg)
+        return model
+
+    @classmethod
+    def build(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> TorchEngine:
+        started = time.perf_counter()
+        model = cls.load_model(spec, cfg, plan, info)
+        loaded = time.perf_counter()
+        wrapped: nn.Module = model  # FSDP2 shards in place
+        if plan.kind == "ddp":
+            ids = [info.device.index] if info.device.type == "cuda" else None
+            wrapped = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+        oib = None
+        if plan.optimizer_in_backward:
+            oib = OptimizerInBackward(wrapped, cfg.optim, cfg.steps)
+            optimizer, scheduler = oib, oib.scheduler
+        else:
+            optimizer = build_optimizer(wrapped.parameters(), cfg.optim)
+            scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
+        startup = {"load": loaded - started, "engine_init": time.perf_counter() - loaded}
+        return cls(plan, model, wrapped, optimizer, scheduler, loss_fn, cfg.grad_accum, cfg.optim.grad_clip, info.device, startup, oib)
+
+    @property
+    def steps_in_backward(self) -> bool:
+        return self._oib is not None
+
+    def backward_without_step(self) -> contextlib.AbstractContextManager[None]:
+        return self._oib.micro_batch(last=False) if self._oib is not None else contextlib.nullcontext()
 
     @property
     def optimizer(self) -> Any:
@@ -150,8 +201,8 @@ class TorchEngine(Engine):
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
-        if self.oib is not None:
-            self.oib.set_last_micro_batch(last_micro)
+        if self._oib is not None:
+            self._oib.set_last_micro_batch(last_micro)
         scaled = loss / self.grad_accum
         with self._sync_context(last_micro):
             if self.scaler is not None:
@@ -164,9 +215,9 @@ class TorchEngine(Engine):
 
     def step(self, skip: bool = False) -> StepResult:
         """`skip`: every rank agreed this step's loss is non-finite (harness.reliability): drop the update."""
-        if self.oib is not None:
+        if self._oib is not None:
             # The optimizer already stepped inside backward; it reports the norm it saw.
-            norm = self.oib.last_grad_norm()
+            norm = self._oib.last_grad_norm()
             skipped = not math.isfinite(norm)
             self.scheduler.step()
             return StepResult(norm, skipped)

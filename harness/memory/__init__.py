@@ -15,7 +15,7 @@ from harness.memory.activation_offload import ActivationOffload
 from harness.memory.categories import CATEGORIES, REPORTED, STATE_CATEGORIES, category_of
 from harness.memory.compile import CompileTimer, apply_compile, set_activation_memory_budget
 from harness.memory.optimizer_in_backward import OptimizerInBackward
-from harness.memory.tracking import StepMemoryTracker
+from harness.memory.tracking import ModelStorage, StepMemoryTracker, optimizer_state_bytes
 
 __all__ = [
     "CATEGORIES",
@@ -23,6 +23,7 @@ __all__ = [
     "STATE_CATEGORIES",
     "ActivationOffload",
     "CompileTimer",
+    "ModelStorage",
     "OptimizerInBackward",
     "StepMemoryTracker",
     "apply_activation_checkpointing",
@@ -31,5 +32,6 @@ __all__ = [
     "category_of",
     "checkpointed_blocks",
     "clean_fqn",
+    "optimizer_state_bytes",
     "set_activation_memory_budget",
 ]

@@ -44,9 +44,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from harness.config import OptimConfig
+from harness.distributed import local_tensor
 from harness.training import build_optimizer, build_scheduler
 
 OptimizerFactory = Callable[[list[nn.Parameter]], Optimizer]
@@ -98,8 +100,8 @@ class OptimizerInBackward:
         self._sq_sum: torch.Tensor | None = None  # sum of squared gradient entries seen by this step's hooks
         first = next(iter(self.optimizers))
         # FSDP2 parameters are DTensors: each rank sees its shards, the norm needs an all-reduce.
-        self._sharded = hasattr(first, "to_local")
-        self._device = (first.to_local() if self._sharded else first).device
+        self._sharded = isinstance(first, DTensor)
+        self._device = local_tensor(first).device
         self.scheduler: SchedulerGroup | None = None
         if isinstance(optim, OptimConfig) and total_steps is not None:
             self.scheduler = self.make_schedulers(lambda o: build_scheduler(o, optim, total_steps))
@@ -109,7 +111,7 @@ class OptimizerInBackward:
         if not self._stepping:
             return  # an earlier micro-batch: let the gradient accumulate
         grad = param.grad
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        local = local_tensor(grad)
         # One fused reduction accumulating in fp32: no fp32 copy of a bf16 gradient.
         sq = torch.linalg.vector_norm(local.detach(), dtype=torch.float32).square()
         self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq

@@ -26,16 +26,16 @@ from harness.config import (
     Strategy,
     check_optimizer_in_backward,
     check_strategy_against_run,
+    engine_kind,
     load_strategy,
-    resolve_deepspeed_config,
 )
 from harness.data import cache_dir_for
+from harness.engine import EnginePlan, plan_engine
 from harness.errors import ConfigError
 from harness.memory import REPORTED
 from harness.models import is_preset
 from harness.planner.model_states import BYTES, EngineModel, EngineSpec, engine_model, zero12_partition
 from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, build_fake_model, trace_step
-from harness.training import precision_policy
 
 REPORT_CATS = (*REPORTED, "other")  # buffers count as "other" in a plan
 
@@ -103,31 +103,30 @@ def _plannable_strategy(strategy: Strategy) -> Strategy:
     return Strategy(**{**strategy.__dict__, "raw": raw})
 
 
-def deepspeed_zero(strategy: Strategy, cfg: RunConfig, world: int, hidden: int) -> Any:
-    """The zero_optimization block with "auto" resolved as the trainer resolves it, and every key
-    the file leaves out filled by DeepSpeed's own defaults (its pydantic config model)."""
+def plan_for(cfg: RunConfig, strategy: Strategy, world: int, hidden: int) -> EnginePlan:
+    """The engine plan the trainer's pre-flight makes (`harness.engine.plan_engine`: the same kind
+    rule, DeepSpeed dict and precision policy), for a machine that need not exist here."""
+    return plan_engine(cfg, _plannable_strategy(strategy), world, torch.device("cpu"), hidden)
+
+
+def deepspeed_zero(plan: EnginePlan) -> Any:
+    """The plan's zero_optimization block with every key the file leaves out filled by DeepSpeed's
+    own defaults (its pydantic config model)."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    ds = resolve_deepspeed_config(_plannable_strategy(strategy), cfg, world, hidden)
-    return DeepSpeedZeroConfig(**ds.get("zero_optimization", {}))
-
-
-def engine_kind(strategy: Strategy, world: int) -> str:
-    """The engine the trainer builds: DDP runs unwrapped in a single process; FSDP2 always wraps."""
-    if strategy.kind == "deepspeed":
-        return "zero"
-    return "single" if world == 1 and strategy.kind == "ddp" else strategy.kind
+    return DeepSpeedZeroConfig(**(plan.deepspeed or {}).get("zero_optimization", {}))
 
 
 def specs_for(
     cfg: RunConfig, strategy: Strategy, world: int, info_hidden: int, target: str, vocab: int | None
 ) -> tuple[TraceSpec, EngineSpec]:
-    kind = engine_kind(strategy, world)
-    if kind == "zero" and strategy.zero_stage == 0:
+    kind = engine_kind(strategy.kind, world)
+    if kind == "deepspeed" and strategy.zero_stage == 0:
         raise PlanError(f"{strategy.name}: DeepSpeed ZeRO stage 0 is not modelled by the planner; use ddp.json")
-    policy = precision_policy(cfg.precision, torch.device("cpu"), strategy.kind)
+    plan = plan_for(cfg, strategy, world, info_hidden)
+    policy = plan.precision
     param_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[policy.param_dtype]
-    module_dtype = cfg.precision if kind == "zero" and cfg.precision != "fp32" else param_dtype
+    module_dtype = cfg.precision if kind == "deepspeed" and cfg.precision != "fp32" else param_dtype
     trace = TraceSpec(
         model_name=cfg.model.name,
         vocab_size=vocab,
@@ -143,7 +142,7 @@ def specs_for(
         ac_every=cfg.memory.ac_every,
         loss_chunk_size=cfg.memory.loss_chunk_size,
         micro_batches=2 if cfg.grad_accum > 1 else 1,
-        autocast=policy.autocast and kind != "zero",
+        autocast=policy.autocast and kind != "deepspeed",
     )
     common = dict(
         kind=kind,
@@ -158,9 +157,9 @@ def specs_for(
         target=target,
         torch_param_bytes=BYTES[param_dtype],
     )
-    if kind != "zero":
+    if kind != "deepspeed":
         return trace, EngineSpec(**common)
-    zero = deepspeed_zero(strategy, cfg, world, info_hidden)
+    zero = deepspeed_zero(plan)
     off = zero.offload_param
     engine = EngineSpec(
         **common,
@@ -365,7 +364,7 @@ def estimate(
 
 def _worst_ranks(espec: EngineSpec, info: ParamInfo) -> list[int]:
     """Only ZeRO-1/2 ranks differ (their gradient partitions); the others are all alike."""
-    if espec.kind == "zero" and espec.stage in (1, 2):
+    if espec.kind == "deepspeed" and espec.stage in (1, 2):
         sizes = [zero12_partition(info.numels, espec.world, r)[2] for r in range(espec.world)]
         return [max(range(espec.world), key=sizes.__getitem__)]
     return [0]
@@ -383,9 +382,9 @@ def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:
     """
     one_tensor = info.largest * 4
     # the working weights' dtype: DeepSpeed's half precision, bf16 module under single/DDP, FSDP2's fp32 shards
-    half = ("bf16", "fp16") if espec.kind == "zero" else ("bf16",) if espec.kind in ("single", "ddp") else ()
+    half = ("bf16", "fp16") if espec.kind == "deepspeed" else ("bf16",) if espec.kind in ("single", "ddp") else ()
     working = 2 if espec.precision in half else 4
-    if espec.kind == "zero" and espec.stage == 3:
+    if espec.kind == "deepspeed" and espec.stage == 3:
         part, in_flight_device = info.total * working // espec.world, one_tensor
     elif espec.kind == "fsdp":
         part, in_flight_device = info.total * 4 // espec.world, one_tensor // espec.world
@@ -396,4 +395,4 @@ def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:
     return part + in_flight_device, one_tensor
 
 
-__all__ = ["Estimate", "Moment", "REPORT_CATS", "collective_race_bytes", "engine_kind", "estimate", "resolve_vocab", "specs_for", "walk"]
+__all__ = ["Estimate", "Moment", "REPORT_CATS", "collective_race_bytes", "estimate", "plan_for", "resolve_vocab", "specs_for", "walk"]

@@ -35,11 +35,11 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from harness.config import load_config, load_strategy
 from harness.distributed import init_distributed, teardown
-from harness.engine import build_engine
+from harness.engine import build_engine, hidden_size_of, plan_engine
 from harness.memory import CATEGORIES as CATS
 from harness.memory import StepMemoryTracker, category_of
 from harness.models import model_spec
-from harness.training import causal_lm_loss, precision_policy
+from harness.training import causal_lm_loss
 
 
 def _cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
@@ -65,9 +65,9 @@ def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None 
     with tracker:
         spec = model_spec(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
         vocab = int(spec.config.vocab_size)
-        policy = precision_policy(cfg.precision, info.device, strategy.kind)
+        plan = plan_engine(cfg, strategy, info.world_size, info.device, hidden_size_of(spec.config))
         loss_fn = lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
-        engine = build_engine(spec, cfg, strategy, policy, info, loss_fn)
+        engine = build_engine(spec, cfg, plan, info, loss_fn)
         batches = [torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), generator=gen) for _ in range(cfg.grad_accum)]
     per_step: list[dict[str, int]] = []
     for _ in range(steps):
@@ -101,7 +101,7 @@ def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None 
 def _trainer_view_step(engine: Any, batches: list[torch.Tensor]) -> tuple[int | None, str | None]:
     """One more step, measured by the trainer's own ``StepMemoryTracker``: (peak total, error)."""
 
-    view = StepMemoryTracker(engine.model, engine.optimizer, enabled=True)
+    view = StepMemoryTracker(engine.model, engine.optimizer, enabled=True, storage=engine.memory_storage())
     try:
         with view.step():
             for micro, batch in enumerate(batches):

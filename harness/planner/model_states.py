@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from harness.config import EngineKind
 from harness.planner.trace import ParamInfo
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -37,7 +38,7 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 class EngineSpec:
     """What decides model-state memory: engine, stage, offload, dtypes and DeepSpeed knobs."""
 
-    kind: str  # single | ddp | fsdp | zero
+    kind: EngineKind  # harness.config.EngineKind: single | ddp | fsdp | deepspeed
     world: int
     precision: str  # fp32 | bf16 | fp16
     stage: int = 0  # ZeRO stage (zero only)
@@ -360,7 +361,7 @@ def engine_model(spec: EngineSpec, info: ParamInfo, rank: int = 0) -> EngineMode
         return torch_model(spec, info)
     if spec.kind == "fsdp":
         return fsdp_model(spec, info)
-    if spec.kind == "zero":
+    if spec.kind == "deepspeed":
         if spec.stage in (1, 2):
             return zero12_model(spec, info, rank)
         if spec.stage == 3:
@@ -370,7 +371,7 @@ def engine_model(spec: EngineSpec, info: ParamInfo, rank: int = 0) -> EngineMode
 
 def ranks_to_check(spec: EngineSpec) -> list[int]:
     """Ranks whose model state differs: ZeRO-1/2 gradient partitions depend on where parameters fall."""
-    if spec.kind == "zero" and spec.stage in (1, 2):
+    if spec.kind == "deepspeed" and spec.stage in (1, 2):
         return list(range(spec.world))
     return [0]
 

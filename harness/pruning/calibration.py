@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from harness.distributed import Collectives
-from harness.pruning.shards import ShardView, is_deepspeed_engine, unwrap
+from harness.engine import is_deepspeed_engine, unwrap
+from harness.pruning.shards import ShardView
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 

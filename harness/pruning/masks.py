@@ -144,23 +144,17 @@ class MaskEnforcer:
         self.local = {v.name: masks[v.name] for v in self.views}
         self.full: dict[str, torch.Tensor] = {}
         for v in self.views:
-            if v.replicated_lp or (v.kind == "zero3" and getattr(v.param, "ds_persist", False)):
+            if v.shard.keeps_full_working:
                 self.full[v.name] = gather_full(v, self.local[v.name], self.comm)
 
     @torch.no_grad()
     def __call__(self) -> None:
         for v in self.views:
             local = self.local[v.name]
-            if v.kind == "zero3":
-                v.write(local.to(v.lp().device), 0.0, master=True)  # partition + fp32 master
-            elif v.kind == "dtensor":
-                v.lp()[local.to(v.lp().device)] = 0
-            elif v.kind == "zero12":
-                master = v.master()
-                if master is not None:
-                    master[local.to(master.device)] = 0
-            if v.name in self.full and v.param.data.numel() == v.numel:  # a full working copy is present
-                v.param.data.view(-1)[self.full[v.name].to(v.param.device)] = 0
+            v.write(local.to(v.lp().device), 0.0, master=True)  # this rank's range: working copy and fp32 master
+            full = v.shard.full_working() if v.name in self.full else None
+            if full is not None and full.numel() == v.numel:  # a full working copy is present
+                full.view(-1)[self.full[v.name].to(full.device)] = 0
 
     def install(self, optimizer: torch.optim.Optimizer) -> Any:
         """Run after every `optimizer.step()` of a torch optimizer; returns the hook handle."""

@@ -63,7 +63,7 @@ class StepGuard:
         self.nonfinite_steps += 1
         what = "loss" if self._bad_loss else "gradient norm"
         last = self.last_checkpoint() or "none saved yet"
-        applied = not result.skipped or getattr(self.engine, "oib", None) is not None  # optimizer-in-backward stepped already
+        applied = not result.skipped or self.engine.steps_in_backward  # the optimizer stepped inside backward already
         if applied and not weights_finite(self.engine, self.comm):
             raise NonFiniteError(
                 f"non-finite {what} at step {step} was applied to the weights (this engine cannot skip it); last good checkpoint: {last}"

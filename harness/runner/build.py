@@ -12,7 +12,7 @@ import time
 import torch
 
 from harness.checkpoint import CheckpointManager, ResumeState
-from harness.config import RunConfig, Strategy, config_to_dict
+from harness.config import RunConfig, config_to_dict
 from harness.data import (
     BatchSampler,
     PackedData,
@@ -24,7 +24,7 @@ from harness.data import (
     prepare_data,
 )
 from harness.distributed import DistInfo
-from harness.engine import build_engine
+from harness.engine import EnginePlan, build_engine
 from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.memory import StepMemoryTracker
@@ -32,7 +32,7 @@ from harness.models import model_spec
 from harness.observability import Observer
 from harness.reliability import StepGuard
 from harness.runner.trainer import Trainer
-from harness.training import causal_lm_loss, labelled_lm_loss, precision_policy
+from harness.training import causal_lm_loss, labelled_lm_loss
 
 log = get_logger(__name__)
 
@@ -65,17 +65,17 @@ def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampl
     return sampler
 
 
-def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Trainer, ResumeState]:
+def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> tuple[Trainer, ResumeState]:
     """Data, model, engine, checkpoint restore, observer: everything before the first step
-    (shared with `python -m harness.prune`). Returns the trainer and the restored state."""
+    (shared with `python -m harness.prune`), the engine from pre-flight's plan. Returns the trainer and the restored state."""
+    strategy = plan.strategy
     torch.manual_seed(cfg.seed)
     data = prepare(cfg, info)
     started = time.perf_counter()
     spec = model_spec(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
-    policy = precision_policy(cfg.precision, info.device, strategy.kind)
     labelled = cfg.data.format == "instruction"  # blocks carry (input_ids, labels): loss on the responses only
     loss_fn = functools.partial(labelled_lm_loss if labelled else causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
-    engine = build_engine(spec, cfg, strategy, policy, info, loss_fn)  # built, sharded and filled (LoRA: adapters) inside
+    engine = build_engine(spec, cfg, plan, info, loss_fn)  # built, sharded and filled (LoRA: adapters) inside
     sampler = make_sampler(cfg, data, info)
     ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir, per_rank={"data": sampler})
     resumed = ckpt.restore()  # step 0, or the checkpoint's step (= data position) with optimizer, RNG, schedule, stream position
@@ -96,10 +96,11 @@ def build_run(cfg: RunConfig, strategy: Strategy, info: DistInfo) -> tuple[Train
         category_every=cfg.memory.track_every,
         snapshot_dir=os.path.join(cfg.output_dir, "memory_snapshot") if cfg.memory.snapshot else None,
         layer_hooks=cfg.memory.layer_hooks,
+        storage=engine.memory_storage(),
     )
     guard = StepGuard(cfg, info, engine, tracker, lambda: ckpt.last_path, resumed.step)  # NaN policy, stop signals
     log.info(
-        f"{strategy.name} ({strategy.kind}) x{info.world_size} on {info.device}, {cfg.precision}, "
+        f"{strategy.name} ({plan.kind}) x{info.world_size} on {info.device}, {cfg.precision}, "
         f"{engine.num_parameters():,} params, "
         f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens"
     )

@@ -7,8 +7,9 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from harness.config import RunConfig, Strategy
+from harness.config import RunConfig
 from harness.distributed import init_distributed, teardown
+from harness.engine import EnginePlan
 from harness.errors import EXIT_OK, command_errors
 from harness.log import set_rank
 from harness.reliability import Supervisor, collective_timeout_s
@@ -23,23 +24,23 @@ def parse_command_line(prog: str, doc: str | None, argv: list[str] | None) -> tu
     return parser.parse_known_args(argv)
 
 
-def run_command(prog: str, load: Callable[[], tuple[RunConfig, Strategy]], body: Callable[..., Any]) -> int:
+def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], body: Callable[..., Any]) -> int:
     """Shared by `harness.train` and `harness.prune`: every check that can fail runs in `load`,
-    before any process group starts (one line, exit 2); then `body(cfg, strategy, info)` runs
+    before any process group starts (one line, exit 2); then makes the engine plan; then `body(cfg, plan, info)` runs
     under the supervisor (OOM, dead ranks, NaN stop, SIGTERM -> a message and an exit code).
     A ConfigError found after the group started is still one line and the same code on every
     rank (an agreed refusal carries its message on rank 0 only: the others print nothing)."""
 
     @command_errors(prog)
     def run() -> int:
-        cfg, strategy = load()
-        info = init_distributed(cfg.device, collective_timeout_s(), force_group=strategy.needs_process_group)
+        cfg, plan = load()
+        info = init_distributed(cfg.device, collective_timeout_s(), force_group=plan.strategy.needs_process_group)
         set_rank(info.rank)
         lock = None
         try:
             lock = run_dir.acquire(cfg, info)
             with Supervisor(cfg, info):
-                body(cfg, strategy, info)
+                body(cfg, plan, info)
         finally:
             if lock is not None:
                 lock.release()

@@ -32,6 +32,7 @@ from harness.checkpoint import check_compatible, checkpoint_root, read_meta, res
 from harness.config import RunConfig, Strategy, check_run
 from harness.data import EMBEDDED_SOURCES, read_records
 from harness.distributed import launch_env
+from harness.engine import EnginePlan, hidden_size_of, plan_engine
 from harness.errors import CheckpointError, ConfigError
 from harness.log import get_logger
 from harness.models import PRESETS, BlocksNotFound, CheckpointWeights, decoder_block_list, empty_model, is_preset, model_config
@@ -323,8 +324,10 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
 # ------------------------------------------------------------------ the entry point
 
 
-def preflight(cfg: RunConfig, strategy: Strategy) -> None:
-    """Every check that can fail before a process group starts; ConfigError (one line) on the first failure."""
+def preflight(cfg: RunConfig, strategy: Strategy) -> EnginePlan:
+    """Every check that can fail before a process group starts; ConfigError (one line) on the first
+    failure. Returns the engine plan (kind, resolved DeepSpeed dict, precision policy), made here once
+    and handed to the engine builder."""
     _, world, _ = launch_env()
     check_run(cfg, strategy, world, has_accelerator(cfg))
     amp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
@@ -336,7 +339,11 @@ def preflight(cfg: RunConfig, strategy: Strategy) -> None:
         raise ConfigError("device=cuda but no GPU is visible; use device=auto or device=cpu")
     if cfg.precision == "bf16" and has_accelerator(cfg) and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
+    # DeepSpeed's "auto" bucket sizes need the model's width (its contradictions and 'auto' holes are refused here)
+    hidden = hidden_size_of(model_shape(cfg) or {}) if strategy.kind == "deepspeed" else None
+    plan = plan_engine(cfg, strategy, world, torch.device("cuda" if has_accelerator(cfg) else "cpu"), hidden)
     check_model(cfg)
     check_architecture(cfg, strategy)
     check_data(cfg)
     check_output_and_resume(cfg, strategy, world)
+    return plan

@@ -10,7 +10,6 @@ weights at exactly zero through further steps.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -138,8 +137,7 @@ def run_prune_stage(
         comm=comm,
     )  # sequential and stat_dtype: from `p`, unset keys filled by the decision mode inside run_pruning
     loss_fn = lambda _, batch: engine.forward_loss(batch)
-    oib = engine.oib
-    with oib.micro_batch(last=False) if oib is not None else contextlib.nullcontext():  # probe backwards must not step
+    with engine.backward_without_step():  # probe backwards must not step
         if p.schedule:
             val = dataclasses.replace(data, blocks={**data.blocks, HOLDOUT_SPLIT: holdout})
             if holdout.shape[0] == 0:

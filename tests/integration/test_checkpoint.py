@@ -206,9 +206,9 @@ def _in_process(tmp_path: Path, *overrides: str):
 
     from harness.config import load_config, load_strategy
     from harness.distributed import DistInfo
-    from harness.engine import build_engine
+    from harness.engine import build_engine, plan_engine
     from harness.models import model_spec
-    from harness.training import causal_lm_loss, precision_policy
+    from harness.training import causal_lm_loss
 
     cfg = load_config(None, ["model.name=tiny-llama", f"output_dir={tmp_path}", *overrides])
     strategy = load_strategy("ddp")
@@ -216,8 +216,7 @@ def _in_process(tmp_path: Path, *overrides: str):
     engine = build_engine(
         model_spec("tiny-llama", vocab_size=64),
         cfg,
-        strategy,
-        precision_policy("fp32", info.device, "ddp"),
+        plan_engine(cfg, strategy, 1, info.device, None),
         info,
         functools.partial(causal_lm_loss, chunk_size=0),
     )

@@ -26,8 +26,8 @@ def _worker(out_path: str) -> None:
 
     from harness.config import RunConfig, load_strategy, resolve_deepspeed_config
     from harness.distributed import init_distributed, teardown
-    from harness.memory import StepMemoryTracker
-    from harness.memory.trackers import optimizer_state_bytes
+    from harness.engine import memory_storage
+    from harness.memory import StepMemoryTracker, optimizer_state_bytes
     from harness.models import build_model
     from harness.training import causal_lm_loss
 
@@ -43,7 +43,7 @@ def _worker(out_path: str) -> None:
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         n_tensors = len(list(model.parameters()))
         engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=ds)
-        tracker = StepMemoryTracker(engine, opt)
+        tracker = StepMemoryTracker(engine, opt, storage=memory_storage(engine))
         losses, plain = [], None
         for step in range(3):
             with tracker.step():
@@ -61,7 +61,7 @@ def _worker(out_path: str) -> None:
             "chunked_after": chunked,
             "param_bytes": param_bytes,
             "n_tensors": n_tensors,
-            "counted_opt": optimizer_state_bytes(opt, engine),
+            "counted_opt": optimizer_state_bytes(opt, engine, memory_storage(engine)),
             "maxima": tracker.last_category_maxima(),
             "peak": tracker.last_peaks(),
             "opt_type": type(opt).__name__,

@@ -39,6 +39,7 @@ def _worker(out_path: str) -> None:
     from torch.optim.lr_scheduler import LambdaLR
 
     from harness.distributed import init_distributed, teardown
+    from harness.engine import memory_storage
     from harness.memory import OptimizerInBackward, StepMemoryTracker, apply_activation_checkpointing, apply_compile
     from harness.models import build_model, decoder_block_list
     from harness.training import causal_lm_loss
@@ -84,7 +85,7 @@ def _worker(out_path: str) -> None:
         else:
             opt = make(model.parameters())
             sched = LambdaLR(opt, decay)
-        tracker = StepMemoryTracker(model, opt, enabled=track)
+        tracker = StepMemoryTracker(model, opt, enabled=track, storage=memory_storage(model))
         losses, lrs, steps_in_backward, norms = [], [], [], []
         for step in range(STEPS):
             total = 0.0

@@ -40,10 +40,10 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
 
     from harness.config import load_config, load_strategy
     from harness.distributed import init_distributed, teardown
-    from harness.engine import build_engine, load_model
+    from harness.engine import build_engine, hidden_size_of, load_model, plan_engine
     from harness.engine.storage import local_part
     from harness.models import CheckpointWeights, build_model, clean_name, model_spec
-    from harness.training import causal_lm_loss, precision_policy
+    from harness.training import causal_lm_loss
 
     dirs = json.loads(dirs_json)
     results: dict[str, dict] = {}
@@ -72,12 +72,12 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
         )
         strategy_obj = load_strategy(cfg.strategy)
         info = info or init_distributed("cpu", force_group=True)
-        policy = precision_policy(cfg.precision, info.device, strategy_obj.kind)
         spec = model_spec(path, vocab_size=VOCAB, seed=cfg.model.seed)
+        plan = plan_engine(cfg, strategy_obj, info.world_size, info.device, hidden_size_of(spec.config))
 
         tracker = MemTracker()
         with tracker:
-            model = load_model(spec, cfg, strategy_obj, policy, info)
+            model = load_model(spec, cfg, plan, info)
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
         reference = build_model(path, vocab_size=VOCAB, seed=cfg.model.seed)  # world 1, one process, whole
@@ -107,7 +107,7 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
         del model, reference, ref
 
         loss_fn = functools.partial(causal_lm_loss, chunk_size=0)
-        engine = build_engine(spec, cfg, strategy_obj, policy, info, loss_fn)
+        engine = build_engine(spec, cfg, plan, info, loss_fn)
         batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(info.rank))
         losses = []
         for _ in range(3):

@@ -100,7 +100,7 @@ def _run_strategy(strategy: str, target, step, accum: int, out: str, comm, resul
     batches = shard_calibration(samples(), 1, accum, comm)
     results[f"{strategy}/write_check"] = _write_check(target, batches, comm)
     views = build_views(target, "decoder_linears", comm)
-    results[f"{strategy}/kinds"] = sorted({v.kind for v in views})
+    results[f"{strategy}/kinds"] = sorted({v.storage for v in views})
     results[f"{strategy}/split_rows"] = sum(len(v.layout.split_units(v.cols)) for v in views)
     results[f"{strategy}/persistent"] = sorted(v.name for v in views if getattr(v.param, "ds_persist", False))
     dense = snapshot_views(views)

@@ -92,7 +92,7 @@ def test_ddp_adamw_state_and_step_temporaries() -> None:
 
 def test_zero2_model_holds_flat_params_master_and_partitioned_grads() -> None:
     info = _info([100, 400])
-    spec = EngineSpec(kind="zero", stage=2, world=2, precision="bf16", reduce_bucket=64, target="cuda")
+    spec = EngineSpec(kind="deepspeed", stage=2, world=2, precision="bf16", reduce_bucket=64, target="cuda")
     em = engine_model(spec, info, rank=0)
     flat, part, gip = zero12_partition(info.numels, 2, 0)
     assert em.params == flat * 2
@@ -105,7 +105,7 @@ def test_zero2_model_holds_flat_params_master_and_partitioned_grads() -> None:
 def test_zero3_offload_moves_master_and_state_to_the_host() -> None:
     info = _info([100, 400])
     spec = EngineSpec(
-        kind="zero",
+        kind="deepspeed",
         stage=3,
         world=2,
         precision="bf16",
@@ -143,10 +143,10 @@ def test_dtype_breakdown_reproduces_the_published_8_5b_table() -> None:
     ("kind", "stage", "precision", "device", "host"),
     [
         # sharded engines: this rank's part plus one tensor in flight (FSDP2: its slice of it)
-        ("zero", 3, "bf16", 500 * 2 // 4 + 400 * 4, 400 * 4),
+        ("deepspeed", 3, "bf16", 500 * 2 // 4 + 400 * 4, 400 * 4),
         ("fsdp", 0, "bf16", 500 * 4 // 4 + 400 * 4 // 4, 400 * 4),
         # replicated working weights: the whole model in the working dtype, nothing more
-        ("zero", 2, "bf16", 500 * 2, 400 * 4),
+        ("deepspeed", 2, "bf16", 500 * 2, 400 * 4),
         ("ddp", 0, "bf16", 500 * 2, 400 * 4),
         ("ddp", 0, "fp32", 500 * 4, 400 * 4),
     ],
@@ -157,5 +157,5 @@ def test_load_phase_holds_the_ranks_part_and_one_tensor(kind, stage, precision, 
 
 
 def test_load_phase_with_parameter_offload_keeps_the_part_on_the_host() -> None:
-    spec = EngineSpec(kind="zero", stage=3, world=4, precision="bf16", offload_params="cpu", target="cuda")
+    spec = EngineSpec(kind="deepspeed", stage=3, world=4, precision="bf16", offload_params="cpu", target="cuda")
     assert load_phase_bytes(spec, _info([100, 400])) == (400 * 4, 500 * 2 // 4 + 400 * 4)

@@ -14,7 +14,7 @@ from model_families import save_families
 
 from harness.config import load_config, load_strategy
 from harness.distributed import DistInfo
-from harness.engine import build_engine, load_model
+from harness.engine import build_engine, hidden_size_of, load_model, plan_engine
 from harness.errors import ConfigError
 from harness.models import CheckpointWeights, decoder_blocks, model_spec
 from harness.training import causal_lm_loss, precision_policy
@@ -26,8 +26,9 @@ def _engine(strategy: str, precision: str, distributed: bool, steps: int = 3):
     cfg = load_config(None, [f"strategy={strategy}", f"precision={precision}", "micro_batch_size=2", f"steps={steps}", "optim.lr=0.01"])
     s = load_strategy(cfg.strategy, env={})
     info = DistInfo(0, 1, 0, torch.device("cpu"), "gloo" if distributed else None)
-    policy = precision_policy(precision, info.device, s.kind)
-    engine = build_engine(model_spec("tiny-llama", vocab_size=VOCAB), cfg, s, policy, info, functools.partial(causal_lm_loss, chunk_size=0))
+    spec = model_spec("tiny-llama", vocab_size=VOCAB)
+    plan = plan_engine(cfg, s, 1, info.device, hidden_size_of(spec.config))
+    engine = build_engine(spec, cfg, plan, info, functools.partial(causal_lm_loss, chunk_size=0))
     return engine, engine.module
 
 
@@ -121,7 +122,8 @@ def test_deepspeed_bf16_loads_a_bf16_file_without_an_fp32_copy(group_of_one, tmp
     info = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")
     tracker = MemTracker()
     with tracker:
-        model = load_model(model_spec(directory), cfg, s, precision_policy("bf16", info.device, s.kind), info)
+        spec = model_spec(directory)
+        model = load_model(spec, cfg, plan_engine(cfg, s, 1, info.device, hidden_size_of(spec.config)), info)
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     params = {id(p): p for p in model.parameters()}.values()
     assert {p.dtype for p in params} == {torch.bfloat16}  # DeepSpeed's working dtype, built directly

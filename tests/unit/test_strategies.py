@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from harness.config import load_config
+from harness.config import DS_CONFIG_DIR, load_config, load_strategy, resolve_deepspeed_config
 from harness.config.checks import check_strategy_against_run
-from harness.config.strategies import DS_CONFIG_DIR, load_strategy, resolve_deepspeed_config, strategy_from_launcher
+from harness.config.strategies import strategy_from_launcher
 from harness.errors import ConfigError
 
 SHIPPED = ["ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme", "fsdp", "fsdp_grad_op", "fsdp_offload"]
@@ -192,7 +192,7 @@ def test_auto_scheduler_means_harness_schedule(tmp_path):
 def test_lr_scheduler_argument_decides_which_schedule_runs(tmp_path):
     import torch
 
-    from harness.engine.parallelize import deepspeed_lr_scheduler
+    from harness.engine.deepspeed_engine import deepspeed_lr_scheduler
     from harness.training import lr_lambda
 
     cfg = load_config(None, ["steps=20", "optim.lr=0.01", "optim.warmup_steps=4"])
@@ -215,7 +215,7 @@ def test_deepspeed_builds_the_file_scheduler(tmp_path):
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    from harness.engine.parallelize import deepspeed_lr_scheduler
+    from harness.engine.deepspeed_engine import deepspeed_lr_scheduler
 
     cfg = load_config(None, ["optim.lr=0.01", "optim.warmup_steps=6"])
     path = _user_file(
@@ -302,7 +302,7 @@ def test_misspelt_deepspeed_key_names_the_right_one(tmp_path, data, key, hint):
 
 
 def test_documented_deepspeed_keys_accepted(tmp_path):
-    from harness.config.strategies import deepspeed_top_level_keys
+    from harness.config.deepspeed_keys import deepspeed_top_level_keys
 
     documented = {
         "optimizer",

@@ -8,7 +8,7 @@ Users come because of OOM, so every run says *what* filled memory at its peak. S
   tracker per measured step (MemTracker refuses a second forward of the same root).
 - Compiled models: a dispatch mode makes dynamo skip compiled frames (torch.compile
   under a non-infra TorchDispatchMode runs eagerly), so MemTracker would measure the eager
-  program. Instead :class:`_LiveBytes` follows storages by weakref: activations are what
+  program. Instead :class:`LiveBytes` follows storages by weakref: activations are what
   autograd saves (``saved_tensors_hooks``, which compiled graphs go through), gradients
   come from gradient hooks, parameters and optimizer state are counted. Temporaries,
   communication buffers and the common total are not seen there: those keys are absent.
@@ -24,7 +24,8 @@ Optimizer-step temporaries count as optimizer state; under FSDP2 with
 optimizer-in-backward each sharded gradient is consumed inside FSDP's post-backward before
 it can be labelled, so it shows as a temporary. DeepSpeed: ZeRO's fp32 masters and Adam
 state live in its optimizer wrapper, created before any per-step tracker, so they are
-counted directly (:func:`optimizer_tensors`; ZeRO-3 partitions from ``ds_tensor``); ZeRO's
+counted directly (:func:`optimizer_tensors`; ZeRO-3's partitions and masters as the engine's
+``ModelStorage`` names them); ZeRO's
 own flat gradient partitions and buckets appear as temporaries/activations, not gradients.
 DDP: its C++ reducer allocates the gradient buckets at construction; with
 ``gradient_as_bucket_view`` the gradients are views of them, counted once a backward has
@@ -41,24 +42,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
+from harness.distributed import local_tensor
 from harness.memory.categories import CATEGORIES
-from harness.memory.trackers import (
-    _FSDPTracker,
-    _in_backward,
-    _LiveBytes,
-    _peaks,
-    _storages,
-    _tensor_bytes,
-    _to_categories,
-    _torch_optimizers,
-    _Tracker,
+from harness.memory.tracking.live import (
+    LiveBytes,
     is_compiled,
     optimizer_state_bytes,
     optimizer_tensors,
-    write_module_report,
+    storages,
+    tensor_bytes,
+    torch_optimizers,
 )
+from harness.memory.tracking.storage import ModelStorage
+from harness.memory.tracking.trackers import FSDPTracker, Tracker, in_backward, peaks, to_categories, write_module_report
 from harness.models import decoder_blocks
 from harness.training import unwrap_model
 
@@ -73,6 +70,8 @@ class StepMemoryTracker:
     (pytorch.org/memory_viz) or, on CPU, the per-module report as JSON (eager models).
     ``layer_hooks``: record the bytes held after each decoder block's forward (eager models).
     ``optimizer``: a torch optimizer, an OptimizerInBackward or a DeepSpeed ZeRO optimizer.
+    ``storage``: how the engine stores the model, where a plain module would mislead
+    (`harness.engine.Engine.memory_storage()`); default: a plain module.
     """
 
     def __init__(
@@ -86,8 +85,10 @@ class StepMemoryTracker:
         snapshot_step: int = 1,
         layer_hooks: bool = False,
         compiled: bool | None = None,
+        storage: ModelStorage | None = None,
     ) -> None:
         self.model, self.optimizer, self.enabled = model, optimizer, enabled
+        self.storage = storage or ModelStorage()
         self.category_every = category_every
         self.snapshot_dir, self.snapshot_step = snapshot_dir, snapshot_step
         self.compiled = is_compiled(model) if compiled is None else compiled
@@ -100,7 +101,7 @@ class StepMemoryTracker:
         self.snapshot_path: str | None = None
         self._step_index = 0
         self._layer_bytes: list[dict[str, Any]] = []
-        self._current: Any = None  # the active tracker or _LiveBytes, for layer hooks
+        self._current: Any = None  # the active tracker or LiveBytes, for layer hooks
 
     # ------------------------------------------------------------------ measurement
     def _splits_this_step(self) -> bool:
@@ -148,17 +149,16 @@ class StepMemoryTracker:
         self._step_index += 1
 
     def _make_tracker(self) -> Any:
-        if isinstance(self.model, FSDPModule):
-            return _FSDPTracker(self.model, _torch_optimizers(self.optimizer))
-        tracker = _Tracker()
-        tracker.track_external(self.model, *_torch_optimizers(self.optimizer))
-        # ZeRO-3 keeps each parameter's shard in `ds_tensor`; ZeRO's fp32 master
+        if self.storage.sharded:
+            return FSDPTracker(self.model, torch_optimizers(self.optimizer))
+        tracker = Tracker()
+        tracker.track_external(self.model, *torch_optimizers(self.optimizer))
+        # Parameter storage the module does not show (ZeRO-3's partitions); ZeRO's fp32 master
         # partitions are parameters of the inner optimizer, not of the module.
-        for p in self.model.parameters():
-            if isinstance(getattr(p, "ds_tensor", None), torch.Tensor):
-                tracker._update_and_maybe_create_winfos(p.ds_tensor, tracker._ref_class("Parameter"))
-        for t in optimizer_tensors(self.optimizer):
-            if not any(st in tracker._WINFO for st in _storages(t)):  # a ZeRO-3 fp32 master may be the parameter
+        for t in self.storage.partitions():
+            tracker._update_and_maybe_create_winfos(t, tracker._ref_class("Parameter"))
+        for t in optimizer_tensors(self.optimizer, self.storage.masters()):
+            if not any(st in tracker._WINFO for st in storages(t)):  # a ZeRO-3 fp32 master may be the parameter
                 tracker._update_and_maybe_create_winfos(t, tracker._ref_class("Optstate"))
         return tracker
 
@@ -174,20 +174,20 @@ class StepMemoryTracker:
                 yield
         peak = tracker.get_tracker_snapshot("peak")
         device = self._device()
-        record["peak"] = _to_categories(peak.get(device, {}))
+        record["peak"] = to_categories(peak.get(device, {}))
         record["detail"] = {getattr(k, "value", str(k)): v for k, v in peak.get(device, {}).items()}
         maxima: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         maxima.update({cat: v for (dev, cat), v in tracker.category_max.items() if dev == device})
         record["category_max"] = maxima
         record["detail_max"] = {getattr(k, "value", str(k)): v for (dev, k), v in tracker.raw_max.items() if dev == device}
         if device.type != "cpu" and torch.device("cpu") in peak:
-            record["host_peak"] = _to_categories(peak[torch.device("cpu")])
+            record["host_peak"] = to_categories(peak[torch.device("cpu")])
         if snapshot and self.snapshot_dir is not None and not self.cuda:
             self.snapshot_path = write_module_report(tracker, os.path.join(self.snapshot_dir, f"memory_report_step{self._step_index}.json"))
 
     @contextlib.contextmanager
     def _live_step(self, record: dict[str, Any]) -> Iterator[None]:
-        acts, grads = _LiveBytes(), _LiveBytes()
+        acts, grads = LiveBytes(), LiveBytes()
         self._current = acts
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
@@ -196,7 +196,7 @@ class StepMemoryTracker:
         handles = []
         for p in params:
             handles.append(p.register_post_accumulate_grad_hook(lambda q: grads.add(q.grad) if q.grad is not None else None))
-            if not hasattr(p, "to_local"):  # FSDP2 sharded params get no autograd gradient
+            if not self.storage.sharded:  # FSDP2 sharded params get no autograd gradient
                 handles.append(p.register_hook(lambda g: grads.add(g)))
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -211,10 +211,10 @@ class StepMemoryTracker:
             for h in handles:
                 h.remove()
         maxima = {
-            "parameters": _tensor_bytes(self.model.parameters()),
-            "model_buffers": _tensor_bytes(self.model.buffers()),
+            "parameters": tensor_bytes(self.model.parameters()),
+            "model_buffers": tensor_bytes(self.model.buffers()),
             "gradients": grads.peak,
-            "optimizer_state": optimizer_state_bytes(self.optimizer, self.model),
+            "optimizer_state": optimizer_state_bytes(self.optimizer, self.model, self.storage),
             "activations": acts.peak,
         }  # temporaries, communication and the common total are not observable here: absent
         record["method"] = "saved-tensors"
@@ -223,7 +223,7 @@ class StepMemoryTracker:
 
     def _device(self) -> torch.device:
         for p in self.model.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = local_tensor(p)
             return torch.device(local.device.type, local.device.index) if local.device.type == "cuda" else local.device
         return torch.device("cpu")
 
@@ -232,7 +232,7 @@ class StepMemoryTracker:
         if self.cuda:
             return torch.cuda.memory_allocated()
         tracker = self._current
-        if isinstance(tracker, _LiveBytes):
+        if isinstance(tracker, LiveBytes):
             return tracker.live
         if tracker is not None:
             return sum(snap.get("Total", 0) for snap in tracker.get_tracker_snapshot().values())
@@ -243,7 +243,7 @@ class StepMemoryTracker:
         for i, block in enumerate(decoder_blocks(unwrap_model(self.model))):
 
             def pre(mod: nn.Module, args: Any, i: int = i) -> None:
-                if torch.is_grad_enabled() and not _in_backward():
+                if torch.is_grad_enabled() and not in_backward():
                     self._layer_bytes.append({"block": i, "before": self._current_bytes()})
 
             def post(mod: nn.Module, args: Any, out: Any, i: int = i) -> None:
@@ -260,13 +260,13 @@ class StepMemoryTracker:
     def current(self) -> dict[str, int]:
         """Bytes per category right now, inside a category-split eager step (for debugging and tests)."""
         tracker = self._current
-        if tracker is None or isinstance(tracker, _LiveBytes):
+        if tracker is None or isinstance(tracker, LiveBytes):
             raise RuntimeError("current() needs an active eager step with the category split")
-        return _to_categories(tracker.get_tracker_snapshot().get(self._device(), {}))
+        return to_categories(tracker.get_tracker_snapshot().get(self._device(), {}))
 
     def last_peaks(self) -> dict[str, int | None]:
         """Bytes per category at the step's total peak, plus ``total`` (CUDA: also allocator peaks)."""
-        return _peaks(self.history[-1]) if self.history else {}
+        return peaks(self.history[-1]) if self.history else {}
 
     def last_category_maxima(self) -> dict[str, int | None]:
         """Each category's own maximum during the last step."""
@@ -277,9 +277,9 @@ class StepMemoryTracker:
 
     def peak_so_far(self) -> dict[str, int | None]:
         """Peaks of the step with the largest total so far (CUDA: largest allocator peak), with its index."""
-        measured = [(_peaks(r).get("device_allocated" if self.cuda else "total"), r) for r in self.history]
+        measured = [(peaks(r).get("device_allocated" if self.cuda else "total"), r) for r in self.history]
         measured = [(v, r) for v, r in measured if v is not None]
         if not measured:
             return {}
         rec = max(measured, key=lambda vr: vr[0])[1]
-        return {**_peaks(rec), "step": rec["step"]}
+        return {**peaks(rec), "step": rec["step"]}

@@ -1,14 +1,11 @@
-"""The pieces under StepMemoryTracker: torch's MemTracker/FSDPMemTracker extended to keep each
-category's own maximum and to survive gradient accumulation, plus direct byte counts for what
-those trackers cannot see (DeepSpeed's optimizer state, compiled graphs' saved tensors).
+"""torch's MemTracker/FSDPMemTracker extended to keep each category's own maximum and to survive
+gradient accumulation, and the helpers that read their snapshots by category.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,7 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from harness.memory.categories import CATEGORIES, category_of
 
 
-class _CategoryMaxima:
+class CategoryMaxima:
     """Mixin: each category's running maximum, updated on every change of the live snapshot.
 
     A category made of several tracker types (sharded + unsharded gradients, all-gather +
@@ -80,7 +77,7 @@ def _skip_frozen(tracker: MemTracker, module: nn.Module) -> None:
             handles[p] = (_NoHook(), _NoHook())
 
 
-class _Tracker(_CategoryMaxima, MemTracker):
+class Tracker(CategoryMaxima, MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self._init_maxima()
@@ -90,7 +87,7 @@ class _Tracker(_CategoryMaxima, MemTracker):
         _retry_on_repeat(self, super()._pre_fw_hook, module, inputs)
 
 
-class _FSDPTracker(_CategoryMaxima, FSDPMemTracker):
+class FSDPTracker(CategoryMaxima, FSDPMemTracker):
     """FSDPMemTracker that follows any number of optimizers (optimizer-in-backward has one per parameter)."""
 
     def __init__(self, root: nn.Module, optimizers: list[Any]) -> None:
@@ -117,116 +114,15 @@ class _FSDPTracker(_CategoryMaxima, FSDPMemTracker):
         return lambda *args, **kwargs: _retry_on_repeat(self, inner, *args, **kwargs)
 
 
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return [local.untyped_storage()]
-
-
-def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        for st in _storages(t):
-            seen[st.data_ptr() or id(st)] = st.nbytes()
-    return sum(seen.values())
-
-
-class _LiveBytes:
-    """Live bytes of a set of storages, followed by weakref (dies with the storage)."""
-
-    def __init__(self) -> None:
-        self.live = 0
-        self.peak = 0
-        self._refs: dict[int, weakref.ref] = {}
-
-    def add(self, t: torch.Tensor) -> None:
-        for st in _storages(t):
-            key = id(st)
-            if key in self._refs and self._refs[key]() is st:
-                continue
-            nbytes = st.nbytes()
-            self._refs[key] = weakref.ref(st, lambda _r, n=nbytes, k=key: self._dead(k, n))
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-
-    def _dead(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self._refs.pop(key, None)
-
-
-def optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
-    """Every state tensor of a torch optimizer, an OptimizerInBackward or a DeepSpeed ZeRO optimizer.
-
-    For DeepSpeed the inner torch optimizer's parameters are ZeRO's fp32 master
-    partitions (not module parameters), so they count as optimizer state here.
-    """
-    if optimizer is None:
-        return
-    if hasattr(optimizer, "optimizers") and isinstance(optimizer.optimizers, dict):  # OptimizerInBackward
-        for inner in optimizer.optimizers.values():
-            yield from optimizer_tensors(inner)
-        return
-    inner = getattr(optimizer, "optimizer", None)
-    if inner is not None and hasattr(inner, "state"):  # DeepSpeed wrapper around a torch optimizer
-        # fp32 masters: ZeRO-1/2 `single_partition_of_fp32_groups`, ZeRO-3
-        # `fp32_partitioned_groups_flat` (ZeRO-3 empties the inner param_groups outside step()).
-        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
-            yield from (t for t in getattr(optimizer, attr, None) or [] if isinstance(t, torch.Tensor))
-        for group in inner.param_groups:
-            yield from (p for p in group["params"] if isinstance(p, torch.Tensor))
-        optimizer = inner
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                yield value
-
-
-def parameter_storages(model: nn.Module) -> set[int]:
-    """Data pointers of the storages holding ``model``'s parameters (ZeRO-3: their ``ds_tensor`` partitions)."""
-    ptrs = set()
-    for p in model.parameters():
-        for t in (p, getattr(p, "ds_tensor", None)):
-            if isinstance(t, torch.Tensor):
-                ptrs.update(st.data_ptr() for st in _storages(t) if st.nbytes())
-    return ptrs
-
-
-def optimizer_state_bytes(optimizer: Any, model: nn.Module | None = None) -> int:
-    """Bytes of optimizer state, each storage once, not counting storages that are ``model``'s parameters.
-
-    (ZeRO-3 with fp32 parameters uses the parameter partition itself as the fp32 master.)
-    """
-    exclude = parameter_storages(model) if model is not None else set()
-    seen: dict[int, int] = {}
-    for t in optimizer_tensors(optimizer):
-        for st in _storages(t):
-            if st.data_ptr() not in exclude and st.nbytes():
-                seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
-def _torch_optimizers(optimizer: Any) -> list[Any]:
-    if optimizer is None:
-        return []
-    if hasattr(optimizer, "optimizers") and isinstance(optimizer.optimizers, dict):
-        return list(optimizer.optimizers.values())
-    inner = getattr(optimizer, "optimizer", None)
-    return [inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
-
-
-def is_compiled(model: nn.Module) -> bool:
-    """Whether any part of ``model`` runs through torch.compile."""
-    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
-
-
-def _peaks(rec: dict[str, Any]) -> dict[str, Any]:
+def peaks(rec: dict[str, Any]) -> dict[str, Any]:
     return {**rec.get("peak", {}), **{k: rec[k] for k in ("device_allocated", "device_reserved") if k in rec}}
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _to_categories(snap: dict[Any, int]) -> dict[str, int]:
+def to_categories(snap: dict[Any, int]) -> dict[str, int]:
     out = dict.fromkeys(CATEGORIES, 0)
     for reftype, value in snap.items():
         cat = category_of(reftype)
@@ -244,11 +140,11 @@ def write_module_report(tracker: MemTracker, path: str) -> str:
             k: getattr(stats, k) for k in ("parameter_mem", "buffer_mem", "input_mem", "output_mem") if hasattr(stats, k)
         }
         for state, snaps in stats.snapshots.items():
-            entry[getattr(state, "value", str(state))] = [{str(dev): _to_categories(snap) for dev, snap in s.items()} for s in snaps]
+            entry[getattr(state, "value", str(state))] = [{str(dev): to_categories(snap) for dev, snap in s.items()} for s in snaps]
         modules[stats.mod_fqn] = entry
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(
-            {"peak": {str(d): _to_categories(s) for d, s in tracker.get_tracker_snapshot("peak").items()}, "modules": modules}, f, indent=1
+            {"peak": {str(d): to_categories(s) for d, s in tracker.get_tracker_snapshot("peak").items()}, "modules": modules}, f, indent=1
         )
     return path

@@ -1,0 +1,28 @@
+"""The one place an engine kind picks its engine class; each class builds itself whole from the plan."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from harness.config import EngineKind, RunConfig
+from harness.distributed import DistInfo
+from harness.engine.base import Engine, LossFn
+from harness.engine.deepspeed_engine import DeepSpeedEngine
+from harness.engine.plan import EnginePlan
+from harness.engine.torch_engine import TorchEngine
+from harness.models import ModelSpec
+
+ENGINES: dict[EngineKind, type[Engine]] = {"single": TorchEngine, "ddp": TorchEngine, "fsdp": TorchEngine, "deepspeed": DeepSpeedEngine}
+
+
+def load_model(spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
+    """The load phase: the model built, its memory techniques applied, sharded where the engine
+    shards, and filled, without any rank holding more than its part plus one tensor."""
+    return ENGINES[plan.kind].load_model(spec, cfg, plan, info)
+
+
+def build_engine(spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> Engine:
+    """Load the model, then the engine around it (AC -> compile -> shard); `engine.startup_s` says how long each took."""
+    if plan.world_size != info.world_size:
+        raise ValueError(f"the engine plan is for world size {plan.world_size}, this process group has {info.world_size}")
+    return ENGINES[plan.kind].build(spec, cfg, plan, info, loss_fn)

@@ -1,0 +1,93 @@
+"""The engine plan: every decision about which engine a run gets, made once, before any process group.
+
+Pre-flight (`harness.runner.preflight`) makes the plan; the engine builder and the planner
+read it. Nothing downstream re-derives the engine kind, re-resolves the DeepSpeed config or
+re-picks the precision policy, so the trainer, the planner and the checkpoint metadata cannot
+disagree about them (they once did: the planner and the builder decided "single vs ddp" by
+different rules, and the DeepSpeed dict was resolved three times per run).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.config import (
+    CheckpointFormat,
+    EngineKind,
+    RunConfig,
+    Strategy,
+    checkpoint_format,
+    engine_kind,
+    resolve_deepspeed_config,
+)
+from harness.training import PrecisionPolicy, precision_policy
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What an engine is built from, besides the model and the run config's training values."""
+
+    kind: EngineKind
+    strategy: Strategy
+    world_size: int
+    precision: PrecisionPolicy
+    # DeepSpeed's config dict with every "auto" filled from the run config (None for torch engines).
+    # Read-only by convention: `deepspeed_config()` hands out a copy for DeepSpeed to mutate.
+    deepspeed: dict[str, Any] | None = field(default=None, compare=False)
+    deepspeed_filled: tuple[str, ...] = ()  # one entry per value filled, logged once when the engine starts
+    optimizer_in_backward: bool = False  # the torch engine steps each parameter's optimizer inside backward
+    activation_offload: bool = False  # saved activations go to host memory (memory.activation_offload)
+    # Checkpoints keep the trainable parameters only (LoRA: the adapters); the frozen base is rebuilt
+    # from model.name on resume and export, so a checkpoint is the adapters' size.
+    trainable_only: bool = False
+
+    @property
+    def checkpoint_format(self) -> CheckpointFormat:
+        return checkpoint_format(self.kind)
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage of a DeepSpeed plan (0 for torch engines)."""
+        if self.deepspeed is None:
+            return 0
+        return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
+
+    def deepspeed_config(self) -> dict[str, Any]:
+        """A private copy of the resolved DeepSpeed dict: `deepspeed.initialize` and the client
+        optimizer's host rule write into the dict they are given."""
+        if self.deepspeed is None:
+            raise ValueError(f"a {self.kind} plan has no DeepSpeed config")
+        return copy.deepcopy(self.deepspeed)
+
+
+def plan_engine(cfg: RunConfig, strategy: Strategy, world_size: int, device: torch.device, hidden_size: int | None) -> EnginePlan:
+    """The plan for `strategy` at `world_size` on `device`; ConfigError (one line) where the run
+    config contradicts the strategy. `hidden_size` fills DeepSpeed's "auto" bucket sizes."""
+    kind = engine_kind(strategy.kind, world_size)
+    filled: list[str] = []
+    ds = resolve_deepspeed_config(strategy, cfg, world_size, hidden_size, filled=filled) if kind == "deepspeed" else None
+    return EnginePlan(
+        kind=kind,
+        strategy=strategy,
+        world_size=world_size,
+        precision=precision_policy(cfg.precision, device, kind),
+        deepspeed=ds,
+        deepspeed_filled=tuple(filled),
+        optimizer_in_backward=cfg.memory.optimizer_in_backward,
+        activation_offload=cfg.memory.activation_offload,
+        trainable_only=cfg.lora.enabled,
+    )
+
+
+def hidden_size_of(shape: dict[str, Any] | Any) -> int | None:
+    """The model width a config (a dict or a transformers config) gives under any of its usual names."""
+    get = shape.get if isinstance(shape, dict) else lambda k: getattr(shape, k, None)
+    for key in ("hidden_size", "n_embd", "d_model"):
+        value = get(key)
+        if isinstance(value, int):
+            return value
+    return None

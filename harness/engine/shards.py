@@ -1,0 +1,56 @@
+"""Which `ParamShard` a parameter gets (`shard_of`), and the user's module inside an engine's wrapper.
+
+The shard classes: `shard_base` (replicated, FSDP2's DTensor) and `deepspeed_shards` (ZeRO).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from harness.engine.deepspeed_shards import deepspeed_memory_storage, deepspeed_shard_of, is_deepspeed_engine
+from harness.engine.shard_base import DTensorShard, ParamShard
+from harness.engine.storage import local_part
+from harness.memory import ModelStorage
+
+Split = Callable[[int], tuple[int, int]]  # a replicated parameter's numel -> the flat range this rank works on
+
+
+def shard_of(param: nn.Parameter, name: str, world: int, split: Split | None = None) -> ParamShard:
+    """The shard object of `param` on this rank of a `world`-rank run; `split` picks the range a
+    rank works on where every rank holds the whole parameter (default: all of it)."""
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        if mesh.ndim != 1 or mesh.size() != world:
+            raise NotImplementedError(f"FSDP2 mesh {tuple(mesh.shape)}: only a 1-D mesh over all ranks is supported (no HSDP)")
+        shape, start, end, _ = local_part(param)
+        return DTensorShard(name, param, shape, start, end)
+    deepspeed_shard = deepspeed_shard_of(param, name, world)
+    if deepspeed_shard is not None:
+        return deepspeed_shard
+    shape = tuple(param.shape)
+    start, end = split(param.numel()) if split is not None else (0, param.numel())
+    return ParamShard(name, param, shape, start, end)
+
+
+def memory_storage(model_or_engine: Any) -> ModelStorage:
+    """How the model a memory tracker follows is stored: an FSDP2 root, a DeepSpeed engine, or a plain module."""
+    if isinstance(model_or_engine, FSDPModule):
+        return ModelStorage(sharded=True)
+    if is_deepspeed_engine(model_or_engine):
+        return deepspeed_memory_storage(model_or_engine)
+    return ModelStorage()
+
+
+def unwrap(model_or_engine: Any) -> nn.Module:
+    """The user's nn.Module inside a DeepSpeed engine or DDP wrapper (FSDP2 wraps in place)."""
+    if is_deepspeed_engine(model_or_engine) or isinstance(model_or_engine, nn.parallel.DistributedDataParallel):
+        return model_or_engine.module
+    return model_or_engine
+
+
+__all__ = ["DTensorShard", "ParamShard", "Split", "is_deepspeed_engine", "memory_storage", "shard_of", "unwrap"]

@@ -1,0 +1,14 @@
+"""Per-step peak memory by category (`StepMemoryTracker`) and the byte counts under it.
+
+Modules: `step` (the tracker the trainer uses), `trackers` (torch's MemTracker/FSDPMemTracker
+extended), `live` (direct byte counts: weakref-followed storages, optimizer state), `storage`
+(`ModelStorage`: what the engine says about how it stores the model, so nothing here inspects
+an engine's internals).
+"""
+
+from harness.memory.tracking.live import is_compiled, optimizer_state_bytes, optimizer_tensors
+from harness.memory.tracking.step import StepMemoryTracker
+from harness.memory.tracking.storage import ModelStorage
+from harness.memory.tracking.trackers import write_module_report
+
+__all__ = ["ModelStorage", "StepMemoryTracker", "is_compiled", "optimizer_state_bytes", "optimizer_tensors", "write_module_report"]
