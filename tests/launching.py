@@ -31,11 +31,17 @@ BIN = Path(sys.executable).parent
 TRAIN = str(REPO / "harness" / "train.py")
 
 
+# The data of `tiny_config` (the embedded corpus); conftest's `tiny_data` is its prepared cache.
+TINY_DATA = {"seq_len": 32, "max_tokens": 20000, "vocab_size": 512}
+
+
 def tiny_config(path: Path, cache: Path, output: Path, **extra) -> Path:
-    """A run config small enough for 2 CPU ranks on 2 cores: tiny Llama, 32-token blocks."""
+    """A run config small enough for 2 CPU ranks on 2 cores: tiny Llama, 32-token blocks.
+    `cache`: the data cache directory, normally the session's (conftest's `data_cache`), so the
+    corpus is tokenized once for the whole suite."""
     cfg = {
         "model": {"name": "tiny-llama"},
-        "data": {"seq_len": 32, "max_tokens": 20000, "vocab_size": 512, "cache_dir": str(cache)},
+        "data": {**TINY_DATA, "cache_dir": str(cache)},
         "micro_batch_size": 2,
         "grad_accum": 2,
         "steps": 3,

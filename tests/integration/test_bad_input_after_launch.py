@@ -18,8 +18,8 @@ def _one_error_line(stderr: str) -> str:
     return lines[0]
 
 
-def test_a_global_batch_larger_than_the_data_is_refused(tmp_path):
-    cfg = tiny_config(tmp_path / "a.yaml", tmp_path / "cache", tmp_path / "out", micro_batch_size=100_000)
+def test_a_global_batch_larger_than_the_data_is_refused(tmp_path, data_cache):
+    cfg = tiny_config(tmp_path / "a.yaml", data_cache, tmp_path / "out", micro_batch_size=100_000)
     proc = run(launch_command("python", 1, cfg, []), timeout=300, check=False)
     assert proc.returncode == 2
     assert "global batch (200000 blocks" in _one_error_line(proc.stderr) and "exceeds the" in proc.stderr
@@ -27,13 +27,13 @@ def test_a_global_batch_larger_than_the_data_is_refused(tmp_path):
     assert two.returncode != 0 and "(exitcode: 2)" in two.stderr and "exceeds the" in two.stderr
 
 
-def test_a_corrupt_line_deep_in_a_data_file_is_one_line(tmp_path):
+def test_a_corrupt_line_deep_in_a_data_file_is_one_line(tmp_path, data_cache):
     corpus = tmp_path / "docs.jsonl"
     with open(corpus, "w") as f:
         for doc in embedded_documents()[:300]:  # well past the 64 KiB pre-flight decodes
             f.write(json.dumps({"text": doc}) + "\n")
         f.write('{"text": "a line cut short\n')
-    cfg = tiny_config(tmp_path / "a.yaml", tmp_path / "cache", tmp_path / "out", **{"data.source": str(corpus)})
+    cfg = tiny_config(tmp_path / "a.yaml", data_cache, tmp_path / "out", **{"data.source": str(corpus)})
     proc = run(launch_command("python", 1, cfg, []), timeout=300, check=False)
     assert proc.returncode == 2
     line = _one_error_line(proc.stderr)

@@ -59,8 +59,8 @@ def step_dir(out: Path, step: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    return {"root": tmp_path_factory.mktemp("ckpt"), "cache": tmp_path_factory.getbasetemp() / "ckpt-data-cache"}
+def ws(tmp_path_factory, data_cache):
+    return {"root": tmp_path_factory.mktemp("ckpt"), "cache": data_cache}
 
 
 def launch(ws, name: str, world: int, *overrides: str, extra_env: dict[str, str] | None = None) -> tuple[Path, subprocess.CompletedProcess]:

@@ -88,8 +88,8 @@ def same_weights(a: Path, b: Path) -> bool:
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    return {"root": tmp_path_factory.mktemp("failures"), "cache": tmp_path_factory.getbasetemp() / "ckpt-data-cache"}
+def ws(tmp_path_factory, data_cache):
+    return {"root": tmp_path_factory.mktemp("failures"), "cache": data_cache}
 
 
 def config(ws, name: str, **extra) -> tuple[Path, Path]:
