@@ -141,6 +141,20 @@ def run(cmd: list[str], timeout: float = 300, check: bool = True) -> subprocess.
     return proc
 
 
+def side_by_side(*jobs: Callable[[], object]) -> list:
+    """Run independent launches at once and return their results in order (an exception is
+    raised where its result would be). A world-1 run (one thread) leaves one of the CI
+    machine's 2 cores idle, so a second one beside it costs little wall time; results are the
+    same (one thread per process: no reduction order depends on load). Not for DeepSpeed
+    engines whose CPU ops may still be JIT-built (several at once race to build them), nor for
+    tests that measure time or memory of the process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        return [f.result() for f in futures]
+
+
 def step_losses(output: Path) -> list[float]:
     rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r["train/loss"] for r in rows if "train/loss" in r]
