@@ -144,10 +144,11 @@ def test_signal_on_one_rank_and_nan_on_one_rank_under_zero2(ws):
 
 
 @pytest.fixture(scope="module")
-def one_process(ws) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+def one_process(ws, tiny_data) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """The three one-process fault runs (a NaN stop, a NaN under DeepSpeed ZeRO-0, an OOM), two at a
     time (each uses one of the CI machine's two cores; see `launching.side_by_side`), started by the
-    first test that needs one; name -> (process, output directory). Each was its own test's launch,
+    first test that needs one (the data cache ready first: `tiny_data`, so neither waits on the
+    other's preparation); name -> (process, output directory). Each was its own test's launch,
     one after another; their assertions are unchanged."""
     import json
 

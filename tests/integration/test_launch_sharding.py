@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from launching import final_eval, launch_command, run, state_bytes, step_losses, tiny_config
+from launching import final_eval, launch_command, run, side_by_side, state_bytes, step_losses, tiny_config
 
 from harness.models import build_model, count_parameters
 from harness.observability.metrics import PEAK_RANK, read_records
@@ -36,17 +36,20 @@ LAUNCHERS = ["torchrun", "accelerate", "deepspeed"]
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory, data_cache):
+def workspace(tmp_path_factory, data_cache, tiny_data):
     root = tmp_path_factory.mktemp("launch")
     cache = data_cache
-    # World-1 reference: same global batch (2 micro × 4 accumulation × 1 = 2 × 2 × 2).
-    ref_out = root / "ref"
+    # World-1 references: same global batch (2 micro × 4 accumulation × 1 = 2 × 2 × 2), fp32 and
+    # bf16 FSDP2 (for `bf16_runs`); two one-process runs side by side, the data cache ready (`tiny_data`).
+    ref_out, bf16_ref_out = root / "ref", root / "bf16-ref"
     config = tiny_config(root / "ref.yaml", cache, ref_out, grad_accum=4)
-    run(launch_command("python", 1, config, []))
+    bf16_config = tiny_config(root / "bf16-ref.yaml", cache, bf16_ref_out, grad_accum=4, precision="bf16", strategy="fsdp")
+    side_by_side(lambda: run(launch_command("python", 1, config, [])), lambda: run(launch_command("python", 1, bf16_config, [])))
     n_params = count_parameters(build_model("tiny-llama", vocab_size=512))
     return {
         "root": root,
         "cache": cache,
+        "bf16_ref": bf16_ref_out,
         "ref_losses": step_losses(ref_out),
         "ref_eval": final_eval(ref_out),
         "P": 4 * n_params,
@@ -95,18 +98,10 @@ def test_accelerate_flags_choose_the_strategy(workspace):
 
 @pytest.fixture(scope="module")
 def bf16_runs(workspace):
-    """bf16 FSDP2: a world-1 reference and a torchrun world-2 run with per-step memory tracking;
-    (reference output, world-2 output). Two tests check the world-2 run."""
+    """bf16 FSDP2: the world-1 reference (run by `workspace`) and a torchrun world-2 run with
+    per-step memory tracking; (reference output, world-2 output). Two tests check the world-2 run."""
     root = workspace["root"]
-    ref_out, out = root / "bf16-ref", root / "bf16-fsdp"
-    run(
-        launch_command(
-            "python",
-            1,
-            tiny_config(root / "bf16-ref.yaml", workspace["cache"], ref_out, grad_accum=4, precision="bf16", strategy="fsdp"),
-            [],
-        )
-    )
+    ref_out, out = workspace["bf16_ref"], root / "bf16-fsdp"
     # with per-step memory tracking on: FSDPMemTracker must follow the trainer's FSDP layout
     config = tiny_config(root / "bf16-fsdp.yaml", workspace["cache"], out, precision="bf16", strategy="fsdp", **{"memory.track": True})
     run(launch_command("torchrun", 2, config, []))
