@@ -1,6 +1,14 @@
 """Shared test setup. Tests live in `unit/` (in-process) and `integration/` (launch real
 processes: ranks, launchers, entry points); the latter carry the `integration` marker, so
-`pytest -m "not integration"` runs the fast half alone. Shared helpers: `launching.py`."""
+`pytest -m "not integration"` runs the fast half alone. Shared helpers: `launching.py`.
+
+Session fixtures hold what many tests would otherwise make again: `data_cache`, the one data
+cache directory of the session (caches inside are keyed by their data config, so every test
+and every launched run that names it shares each prepared cache, and the embedded corpus is
+tokenized and its BPE trained once for all of them); `tiny_data`, the cache of `tiny_config`'s
+data, prepared once; `tokenizer_dir`, its saved BPE tokenizer, for tests that need a tokenizer
+on disk and do not test training one.
+"""
 
 import os
 import sys
@@ -27,6 +35,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if INTEGRATION in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's data cache directory (`data.cache_dir`): pass it to `tiny_config`."""
+    return tmp_path_factory.mktemp("data-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(data_cache: Path):
+    """The prepared cache of `launching.tiny_config`'s data (the embedded corpus, 32-token blocks,
+    a 512-token BPE), as `harness.data.PackedData`; runs configured by `tiny_config` with
+    `data_cache` find it ready."""
+    from launching import TINY_DATA
+
+    from harness.config import DataConfig
+    from harness.data import load_packed, prepare_data
+
+    return load_packed(prepare_data("tiny-llama", DataConfig(**TINY_DATA, cache_dir=str(data_cache)), progress=False))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tiny_data) -> Path:
+    """A saved byte-level BPE tokenizer (512 tokens, trained on the embedded corpus): `tiny_data`'s."""
+    return Path(tiny_data.tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

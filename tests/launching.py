@@ -31,11 +31,17 @@ BIN = Path(sys.executable).parent
 TRAIN = str(REPO / "harness" / "train.py")
 
 
+# The data of `tiny_config` (the embedded corpus); conftest's `tiny_data` is its prepared cache.
+TINY_DATA = {"seq_len": 32, "max_tokens": 20000, "vocab_size": 512}
+
+
 def tiny_config(path: Path, cache: Path, output: Path, **extra) -> Path:
-    """A run config small enough for 2 CPU ranks on 2 cores: tiny Llama, 32-token blocks."""
+    """A run config small enough for 2 CPU ranks on 2 cores: tiny Llama, 32-token blocks.
+    `cache`: the data cache directory, normally the session's (conftest's `data_cache`), so the
+    corpus is tokenized once for the whole suite."""
     cfg = {
         "model": {"name": "tiny-llama"},
-        "data": {"seq_len": 32, "max_tokens": 20000, "vocab_size": 512, "cache_dir": str(cache)},
+        "data": {**TINY_DATA, "cache_dir": str(cache)},
         "micro_batch_size": 2,
         "grad_accum": 2,
         "steps": 3,
@@ -133,6 +139,20 @@ def run(cmd: list[str], timeout: float = 300, check: bool = True) -> subprocess.
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def side_by_side(*jobs: Callable[[], object]) -> list:
+    """Run independent launches at once and return their results in order (an exception is
+    raised where its result would be). A world-1 run (one thread) leaves one of the CI
+    machine's 2 cores idle, so a second one beside it costs little wall time; results are the
+    same (one thread per process: no reduction order depends on load). Not for DeepSpeed
+    engines whose CPU ops may still be JIT-built (several at once race to build them), nor for
+    tests that measure time or memory of the process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        return [f.result() for f in futures]
 
 
 def step_losses(output: Path) -> list[float]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO, env, launch_command, tiny_config
+from launching import REPO, env, launch_command, side_by_side, tiny_config
 
 from harness.checkpoint import CheckpointManager, latest_checkpoint, read_meta
 from harness.errors import CheckpointError
@@ -59,8 +59,8 @@ def step_dir(out: Path, step: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    return {"root": tmp_path_factory.mktemp("ckpt"), "cache": tmp_path_factory.getbasetemp() / "ckpt-data-cache"}
+def ws(tmp_path_factory, data_cache):
+    return {"root": tmp_path_factory.mktemp("ckpt"), "cache": data_cache}
 
 
 def launch(ws, name: str, world: int, *overrides: str, extra_env: dict[str, str] | None = None) -> tuple[Path, subprocess.CompletedProcess]:
@@ -75,15 +75,6 @@ def launch(ws, name: str, world: int, *overrides: str, extra_env: dict[str, str]
     )
     cmd = launch_command("python" if world == 1 else "torchrun", world, config, list(overrides))
     return out, _run(cmd, extra_env)
-
-
-def side_by_side(*jobs):
-    """Run independent launches at once and return their results in order. On the 2-core CI
-    machine a world-1 run leaves a core idle, so a second launch beside it costs little wall
-    time; results are the same (one thread per process, so no reduction order depends on load)."""
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(job) for job in jobs]
-        return [f.result() for f in futures]
 
 
 @pytest.fixture(scope="module")

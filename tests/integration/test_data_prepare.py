@@ -16,21 +16,19 @@ import pytest
 from launching import REPO, env, launch_command, run, tiny_config
 
 from harness.data import embedded_documents
-from harness.data.tokenizer import train_bpe_tokenizer
 from harness.observability.metrics import read_records
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """~6 MB of JSON lines (long enough to kill a preparation midway) and a saved tokenizer."""
+def corpus(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict[str, Path]:
+    """~6 MB of JSON lines (long enough to kill a preparation midway) and a saved tokenizer (the session's)."""
     root = tmp_path_factory.mktemp("data")
     docs = embedded_documents()
     with open(root / "docs.jsonl", "w") as f:
         for k in range(2):
             for d in docs:
                 f.write(json.dumps({"text": f"copy {k}: {d}"}) + "\n")
-    train_bpe_tokenizer([docs], 512, str(root / "tok"))
-    return {"root": root, "docs": root / "docs.jsonl", "tok": root / "tok"}
+    return {"root": root, "docs": root / "docs.jsonl", "tok": tokenizer_dir}
 
 
 def _data_cmd(corpus: dict[str, Path], cache: Path, *extra: str) -> list[str]:
@@ -51,17 +49,24 @@ def _last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def test_cli_prints_the_cache_as_its_last_line(corpus, tmp_path):
-    out = run(_data_cmd(corpus, tmp_path), timeout=600)
-    info = _last_json(out.stdout)
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory) -> tuple[Path, dict]:
+    """One complete preparation by the command (its cache directory, its JSON line): the CLI test
+    reads it, and the killed-preparation test compares its redone streams against it."""
+    cache = tmp_path_factory.mktemp("prepared")
+    return cache, _last_json(run(_data_cmd(corpus, cache), timeout=600).stdout)
+
+
+def test_cli_prints_the_cache_as_its_last_line(corpus, prepared):
+    cache, info = prepared
     assert info["tokens"] == sum(info["tokens_per_split"].values()) > 1_000_000
     assert info["seconds"] > 0 and info["tokens_per_s"] > 0 and info["bytes"] > 5_000_000
     assert (Path(info["cache"]) / "meta.json").is_file()
-    again = _last_json(run(_data_cmd(corpus, tmp_path), timeout=600).stdout)  # cached: the same answer, at once
+    again = _last_json(run(_data_cmd(corpus, cache), timeout=600).stdout)  # cached: the same answer, at once
     assert again["cache"] == info["cache"] and again["tokens"] == info["tokens"] and again["seconds"] < info["seconds"]
 
 
-def test_a_preparation_killed_midway_is_redone_not_trusted(corpus, tmp_path):
+def test_a_preparation_killed_midway_is_redone_not_trusted(corpus, prepared, tmp_path):
     proc = subprocess.Popen(_data_cmd(corpus, tmp_path), cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob("data-*.tmp-*/train.bin")) and time.monotonic() < deadline:
@@ -74,8 +79,9 @@ def test_a_preparation_killed_midway_is_redone_not_trusted(corpus, tmp_path):
     redone = run(_data_cmd(corpus, tmp_path), timeout=600)
     assert "stopped; preparing it again" in redone.stderr
     assert not list(tmp_path.glob("data-*.tmp-*")) and not list(tmp_path.glob("data-*.lock"))
-    clean = _last_json(run(_data_cmd(corpus, tmp_path / "clean"), timeout=600).stdout)
+    clean = prepared[1]  # the same data config prepared once, never interrupted
     info = _last_json(redone.stdout)
+    assert Path(info["cache"]).name == Path(clean["cache"]).name and info["cache"] != clean["cache"]
     for split in ("train", "eval", "calib"):
         assert (Path(info["cache"]) / f"{split}.bin").read_bytes() == (Path(clean["cache"]) / f"{split}.bin").read_bytes()
 

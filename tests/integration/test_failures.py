@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -88,8 +89,8 @@ def same_weights(a: Path, b: Path) -> bool:
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    return {"root": tmp_path_factory.mktemp("failures"), "cache": tmp_path_factory.getbasetemp() / "ckpt-data-cache"}
+def ws(tmp_path_factory, data_cache):
+    return {"root": tmp_path_factory.mktemp("failures"), "cache": data_cache}
 
 
 def config(ws, name: str, **extra) -> tuple[Path, Path]:
@@ -139,12 +140,49 @@ def test_signal_on_one_rank_and_nan_on_one_rank_under_zero2(ws):
     assert not same_weights(ckpts / "step_00000002", ckpts / "step_00000003")
 
 
+# ------------------------------------------------------------------ one-process faults, side by side
+
+
+@pytest.fixture(scope="module")
+def one_process(ws, tiny_data) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The three one-process fault runs (a NaN stop, a NaN under DeepSpeed ZeRO-0, an OOM), two at a
+    time (each uses one of the CI machine's two cores; see `launching.side_by_side`), started by the
+    first test that needs one (the data cache ready first: `tiny_data`, so neither waits on the
+    other's preparation); name -> (process, output directory). Each was its own test's launch,
+    one after another; their assertions are unchanged."""
+    import json
+
+    zero0 = json.loads((REPO / "ds_configs" / "zero1.json").read_text())
+    zero0["zero_optimization"]["stage"] = 0
+    (ws["root"] / "zero0.json").write_text(json.dumps(zero0))
+    runs = {
+        "nan_stop": (
+            config(ws, "nan_stop", steps=6, **{"checkpoint.every": 1, "checkpoint.keep": 6, "checkpoint.on_nonfinite": "stop"}),
+            [],
+            "nan_loss@3",
+        ),
+        "oom": (config(ws, "oom", steps=4, **{"memory.track": True}), [], "oom@3"),
+        "zero0_nan": (
+            config(ws, "zero0_nan", steps=3, **{"checkpoint.every": 1, "checkpoint.keep": 3}),
+            [f"strategy={ws['root'] / 'zero0.json'}"],
+            "nan_loss@2",
+        ),
+    }
+
+    def job(name: str):
+        (cfg, out), overrides, fault = runs[name]
+        return _run(launch_command("python", 1, cfg, overrides), {"HARNESS_FAULT": fault}, ok=False), out
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(job, name) for name in runs}
+        return {name: f.result() for name, f in futures.items()}
+
+
 # ------------------------------------------------------------------ non-finite steps
 
 
-def test_nan_stop_names_the_step_and_the_last_good_checkpoint(ws):
-    cfg, out = config(ws, "nan_stop", steps=6, **{"checkpoint.every": 1, "checkpoint.keep": 6, "checkpoint.on_nonfinite": "stop"})
-    proc = _run(launch_command("python", 1, cfg, []), {"HARNESS_FAULT": "nan_loss@3"}, ok=False)
+def test_nan_stop_names_the_step_and_the_last_good_checkpoint(one_process):
+    proc, out = one_process["nan_stop"]
     assert proc.returncode == 3, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("harness: error:")]
     last_good = out / "checkpoints" / "step_00000002"
@@ -171,15 +209,10 @@ def test_a_save_that_cannot_be_written_ends_in_one_line_exit_6_and_resumes(ws):
     assert latest_checkpoint(str(ckpts)) == str(ckpts / "step_00000004")
 
 
-def test_deepspeed_without_zero_does_not_apply_a_nan_step(ws):
+def test_deepspeed_without_zero_does_not_apply_a_nan_step(one_process):
     """Stage 0 in fp32 hands DeepSpeed a bare torch optimizer with no overflow check of its own."""
-    import json
-
-    zero0 = json.loads((REPO / "ds_configs" / "zero1.json").read_text())
-    zero0["zero_optimization"]["stage"] = 0
-    (ws["root"] / "zero0.json").write_text(json.dumps(zero0))
-    cfg, out = config(ws, "zero0_nan", steps=3, **{"checkpoint.every": 1, "checkpoint.keep": 3})
-    proc = _run(launch_command("python", 1, cfg, [f"strategy={ws['root'] / 'zero0.json'}"]), {"HARNESS_FAULT": "nan_loss@2"})
+    proc, out = one_process["zero0_nan"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2: non-finite loss; update skipped" in proc.stdout
     ckpts = out / "checkpoints"
     assert same_weights(ckpts / "step_00000001", ckpts / "step_00000002")
@@ -190,9 +223,8 @@ def test_deepspeed_without_zero_does_not_apply_a_nan_step(ws):
 # ------------------------------------------------------------------ out of memory
 
 
-def test_oom_prints_memory_by_category_and_the_planner_change(ws):
-    cfg, out = config(ws, "oom", steps=4, **{"memory.track": True})
-    proc = _run(launch_command("python", 1, cfg, []), {"HARNESS_FAULT": "oom@3"}, ok=False)
+def test_oom_prints_memory_by_category_and_the_planner_change(one_process):
+    proc, out = one_process["oom"]
     assert proc.returncode == 4, proc.stderr[-3000:]
     err = proc.stderr
     assert "harness: error: out of memory on rank 0 (cpu) in step 3" in err

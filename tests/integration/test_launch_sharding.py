@@ -3,7 +3,8 @@
 For world 2 each rank must hold the expected share of parameters, gradients and optimizer
 state (ZeRO-1: optimizer state halved; ZeRO-2: + gradients; ZeRO-3/FSDP: + parameters), and
 the loss must match a world-1 run on the same global batch. Nothing here trusts a flag:
-bytes come from the tensors each rank actually holds (harness/engine/state_bytes.py).
+bytes come from the tensors each rank actually holds (harness/engine/state_bytes.py). The bf16
+FSDP2 run also checks that per-step memory metrics are the worst rank's.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from launching import final_eval, launch_command, run, state_bytes, step_losses, tiny_config
+from launching import final_eval, launch_command, run, side_by_side, state_bytes, step_losses, tiny_config
 
 from harness.models import build_model, count_parameters
+from harness.observability.metrics import PEAK_RANK, read_records
 
 # Fractions of the full fp32 model size P each rank holds at world 2 (grads: the peak
 # during accumulation; ZeRO-1 keeps full gradients until the boundary, ZeRO-2 does not).
@@ -34,17 +36,20 @@ LAUNCHERS = ["torchrun", "accelerate", "deepspeed"]
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
+def workspace(tmp_path_factory, data_cache, tiny_data):
     root = tmp_path_factory.mktemp("launch")
-    cache = root / "cache"
-    # World-1 reference: same global batch (2 micro × 4 accumulation × 1 = 2 × 2 × 2).
-    ref_out = root / "ref"
+    cache = data_cache
+    # World-1 references: same global batch (2 micro × 4 accumulation × 1 = 2 × 2 × 2), fp32 and
+    # bf16 FSDP2 (for `bf16_runs`); two one-process runs side by side, the data cache ready (`tiny_data`).
+    ref_out, bf16_ref_out = root / "ref", root / "bf16-ref"
     config = tiny_config(root / "ref.yaml", cache, ref_out, grad_accum=4)
-    run(launch_command("python", 1, config, []))
+    bf16_config = tiny_config(root / "bf16-ref.yaml", cache, bf16_ref_out, grad_accum=4, precision="bf16", strategy="fsdp")
+    side_by_side(lambda: run(launch_command("python", 1, config, [])), lambda: run(launch_command("python", 1, bf16_config, [])))
     n_params = count_parameters(build_model("tiny-llama", vocab_size=512))
     return {
         "root": root,
         "cache": cache,
+        "bf16_ref": bf16_ref_out,
         "ref_losses": step_losses(ref_out),
         "ref_eval": final_eval(ref_out),
         "P": 4 * n_params,
@@ -91,24 +96,45 @@ def test_accelerate_flags_choose_the_strategy(workspace):
     assert step_losses(out) == pytest.approx(workspace["ref_losses"], rel=1e-3)
 
 
-def test_bf16_world_two_matches_world_one_within_bf16_tolerance(workspace):
+@pytest.fixture(scope="module")
+def bf16_runs(workspace):
+    """bf16 FSDP2: the world-1 reference (run by `workspace`) and a torchrun world-2 run with
+    per-step memory tracking; (reference output, world-2 output). Two tests check the world-2 run."""
     root = workspace["root"]
-    ref_out, out = root / "bf16-ref", root / "bf16-fsdp"
-    run(
-        launch_command(
-            "python",
-            1,
-            tiny_config(root / "bf16-ref.yaml", workspace["cache"], ref_out, grad_accum=4, precision="bf16", strategy="fsdp"),
-            [],
-        )
-    )
+    ref_out, out = workspace["bf16_ref"], root / "bf16-fsdp"
     # with per-step memory tracking on: FSDPMemTracker must follow the trainer's FSDP layout
     config = tiny_config(root / "bf16-fsdp.yaml", workspace["cache"], out, precision="bf16", strategy="fsdp", **{"memory.track": True})
     run(launch_command("torchrun", 2, config, []))
+    return ref_out, out
+
+
+def test_bf16_world_two_matches_world_one_within_bf16_tolerance(bf16_runs):
+    ref_out, out = bf16_runs
     assert step_losses(out) == pytest.approx(step_losses(ref_out), rel=2e-2)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tracked = [r for r in rows if r.get("kind") == "train"]
     assert all(r["memory/total_peak_bytes"] > 0 and r["memory/communication_max_bytes"] > 0 for r in tracked)
+
+
+def test_each_step_reports_the_worst_ranks_memory(bf16_runs):
+    """Memory metrics come from the rank that peaked highest, not from rank 0 alone (checked
+    on the tracked FSDP2 torchrun launch above)."""
+    _, out = bf16_runs
+    steps = [r for r in read_records(str(out / "metrics.jsonl")) if "train/loss" in r]
+    assert len(steps) == 3  # the run's steps
+    for r in steps:
+        assert r[PEAK_RANK] in (0, 1)
+        split = sum(
+            v
+            for k, v in r.items()
+            if k.endswith("_peak_bytes") and k != "memory/total_peak_bytes" and not k.startswith(("memory/device_",))
+        )
+        assert r["memory/total_peak_bytes"] > 0 and split == r["memory/total_peak_bytes"]  # one rank's split, whole
+        assert all(
+            r[k.replace("_peak_bytes", "_max_bytes")] >= r[k]
+            for k in r
+            if k.endswith("_peak_bytes") and k != "memory/total_peak_bytes" and k.replace("_peak_bytes", "_max_bytes") in r
+        )
 
 
 def test_fsdp_offload_is_refused_on_cpu_before_launch(workspace):

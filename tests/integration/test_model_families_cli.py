@@ -22,9 +22,8 @@ from transformers import AutoModelForCausalLM
 
 
 @pytest.fixture(scope="module")
-def families(tmp_path_factory) -> tuple[dict[str, str], Path]:
-    root = tmp_path_factory.mktemp("family_models")
-    return save_families(root), root / "cache"
+def families(tmp_path_factory, data_cache) -> tuple[dict[str, str], Path]:
+    return save_families(tmp_path_factory.mktemp("family_models")), data_cache
 
 
 def _train(tmp_path: Path, cache: Path, model_dir: str, **extra) -> tuple[Path, str]:

@@ -37,10 +37,10 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the bad input i
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory):
+def ws(tmp_path_factory, data_cache):
     """Files the cases point at, and one real run's checkpoints (the output-directory and resume rules)."""
     root = tmp_path_factory.mktemp("preflight")
-    cache = tmp_path_factory.getbasetemp() / "ckpt-data-cache"
+    cache = data_cache
     done = root / "done_run"
     cfg = tiny_config(root / "done.yaml", cache, done, steps=2, **{"checkpoint.every": 1})
     run([sys.executable, "-m", "harness.train", "--config", str(cfg)])
@@ -91,6 +91,8 @@ CASES = [
     ("optimizer_in_backward_deepspeed", {}, ["strategy=zero2", "memory.optimizer_in_backward=true"], "cannot run under DeepSpeed"),
     pytest.param("cuda_without_gpu", {}, ["device=cuda"], "no GPU is visible", marks=CPU_ONLY),
     ("model_path_missing", {}, ["model.name=./no/such/model"], "does not exist"),
+    # was test_lora_runs.py::test_quantized_base_is_refused_on_cpu_in_one_line (a process of its own)
+    ("qlora_without_gpu", {}, ["lora.enabled=true", "lora.quantize=nf4"], "lora.quantize=nf4 needs a CUDA GPU"),
     ("model_id_offline", {}, ["model.name=nobody-xyz/no-such-model"], "HF_HUB_OFFLINE=1"),
     ("dataset_missing", {}, ["data.source=/no/such/corpus"], "does not exist"),
     ("dataset_empty_dir", {}, ["data.source={root}/empty_dir"], "is an empty directory"),

@@ -27,8 +27,8 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("prune_cache")
+def cache(data_cache) -> Path:
+    return data_cache
 
 
 def records(output: Path, kind: str | None = None) -> list[dict]:

@@ -1,6 +1,7 @@
-"""One run directory, one owner, through the user's entry points: a second run on a live
-directory is refused in one line naming the owner, on every rank, and nothing of the first
-run is touched; a directory whose run died is taken over."""
+"""One run directory, one owner, through the user's entry points: a directory whose run died
+is taken over; a second run on a live directory is refused in one line naming the owner, on
+every rank, and nothing of the first run is touched. One held run shows both: it starts on
+the directory of a run that died."""
 
 from __future__ import annotations
 
@@ -20,8 +21,17 @@ def _train_steps(out: Path) -> list[int]:
     return [r["step"] for r in read_records(str(out / "metrics.jsonl")) if "train/loss" in r]
 
 
-def test_a_live_run_directory_is_refused_and_left_alone(tmp_path):
-    """The first run is held alive by an injected pause in its step-1 checkpoint save.
+def _dead_run_lock(out: Path) -> int:
+    """A lock left in `out` by a run that died (a pid that no longer exists, on this host); its pid."""
+    out.mkdir()
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    (out / ".harness-run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid, "started": 1.0}))
+    return dead_pid
+
+
+def test_a_live_run_directory_is_refused_and_left_alone(tmp_path, data_cache):
+    """The first run takes over the directory of a run that died (this was its own test, with a
+    run of its own), then is held alive by an injected pause in its step-1 checkpoint save.
 
     The pause must outlast both refused launches (two fresh interpreters importing torch, then
     torchrun with two ranks: ~15 s idle, more on a loaded 2-core machine), and a fixed length
@@ -30,8 +40,9 @@ def test_a_live_run_directory_is_refused_and_left_alone(tmp_path):
     compared) after its last check that the first run is still in its save; 300 s is only the
     cap should the test die before that."""
     out = tmp_path / "run"
+    dead_pid = _dead_run_lock(out)
     release = tmp_path / "release-the-save"
-    cfg = tiny_config(tmp_path / "a.yaml", tmp_path / "cache", out, steps=4, **{"checkpoint.every": 1})
+    cfg = tiny_config(tmp_path / "a.yaml", data_cache, out, steps=4, **{"checkpoint.every": 1})
     held = env() | {"HARNESS_FAULT": "save_pause=300@1", "HARNESS_FAULT_RELEASE": str(release)}
     first = subprocess.Popen(
         launch_command("python", 1, cfg, []), cwd=REPO, env=held, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -61,16 +72,6 @@ def test_a_live_run_directory_is_refused_and_left_alone(tmp_path):
         if first.poll() is None:
             first.kill()
     assert first.returncode == 0, stderr[-2000:]
+    assert f"the run that held it (pid {dead_pid} on host" in stderr and "is gone; taking it over" in stderr  # the dead run's
     assert _train_steps(out) == [1, 2, 3, 4]  # no step logged twice, none by another run
-    assert not (out / ".harness-run.lock").exists()
-
-
-def test_the_directory_of_a_run_that_died_is_taken_over(tmp_path):
-    out = tmp_path / "run"
-    out.mkdir()
-    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
-    (out / ".harness-run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid, "started": 1.0}))
-    cfg = tiny_config(tmp_path / "a.yaml", tmp_path / "cache", out, steps=2)
-    proc = run(launch_command("python", 1, cfg, []), timeout=300)
-    assert f"the run that held it (pid {dead_pid} on host" in proc.stderr and "is gone; taking it over" in proc.stderr
     assert not (out / ".harness-run.lock").exists()

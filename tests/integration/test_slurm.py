@@ -75,9 +75,9 @@ def _steps(out: Path) -> list[int]:
     return [r["step"] for r in read_records(str(path)) if "train/loss" in r] if path.exists() else []
 
 
-def test_preemption_saves_exits_zero_everywhere_and_requeues(tmp_path):
+def test_preemption_saves_exits_zero_everywhere_and_requeues(tmp_path, data_cache):
     out = tmp_path / "run"
-    cfg = tiny_config(tmp_path / "run.yaml", tmp_path / "cache", out, steps=8, **{"checkpoint.every": 2})
+    cfg = tiny_config(tmp_path / "run.yaml", data_cache, out, steps=8, **{"checkpoint.every": 2})
     script = str(REPO / "launch" / "slurm_multinode.sbatch")
     held = _slurm_env(tmp_path) | {"HARNESS_FAULT": "save_pause=120@2", "HARNESS_FAULT_RELEASE": str(tmp_path / "signalled")}
     job = subprocess.Popen(["bash", script, str(cfg)], cwd=REPO, env=held, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

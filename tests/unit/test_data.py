@@ -1,6 +1,7 @@
 """Data: embedded corpus, disjoint document splits, packing, world-size-invariant batches."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,9 +27,10 @@ def test_splits_are_disjoint_and_seeded():
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    cfg = DataConfig(seq_len=32, max_tokens=20_000, cache_dir=str(tmp_path_factory.mktemp("cache")), vocab_size=512)
-    return load_packed(prepare_data("tiny-llama", cfg)), cfg
+def packed(tiny_data):
+    """The session's prepared `tiny_config` data (seq_len 32, max_tokens 20,000, vocab 512) and its config."""
+    cfg = DataConfig(seq_len=32, max_tokens=20_000, cache_dir=str(Path(tiny_data.cache_dir).parent), vocab_size=512)
+    return tiny_data, cfg
 
 
 def test_packing_shapes_and_tokenizer(packed):

@@ -25,7 +25,6 @@ from harness.data import (
     prepare_data,
     split_of,
 )
-from harness.data.tokenizer import train_bpe_tokenizer
 from harness.distributed import FileLock
 from harness.errors import ConfigError
 
@@ -33,29 +32,35 @@ SPLITS = ("train", "eval", "calib")
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[str]]:
-    """~6,000 JSON-lines documents (enough for several tokenizer tasks) and a saved tokenizer."""
+def corpus(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> tuple[Path, Path, list[str]]:
+    """~6,000 JSON-lines documents (enough for several tokenizer tasks) and a saved tokenizer (the session's)."""
     root = tmp_path_factory.mktemp("corpus")
     base = [d[:600] for d in embedded_documents()]
     docs = [f"copy {k}: {d}" for k in range(8) for d in base][:6000]
     with open(root / "docs.jsonl", "w") as f:
         for d in docs:
             f.write(json.dumps({"text": d}) + "\n")
-    train_bpe_tokenizer([base], 512, str(root / "tok"))
-    return root / "docs.jsonl", root / "tok", docs
+    return root / "docs.jsonl", tokenizer_dir, docs
 
 
 def _cfg(corpus: tuple[Path, Path, list[str]], cache: Path, **kw) -> DataConfig:
     return DataConfig(source=str(corpus[0]), tokenizer=str(corpus[1]), seq_len=32, cache_dir=str(cache), **kw)
 
 
-def test_no_cap_by_default_and_every_token_kept(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def full(corpus, tmp_path_factory) -> PackedData:
+    """The whole corpus prepared once with the defaults (no cap), in two tokenizer processes: the
+    cache the next three tests check, compare with a one-process preparation, and cap."""
+    return load_packed(prepare_data("tiny-llama", _cfg(corpus, tmp_path_factory.mktemp("full"), num_proc=2), progress=False))
+
+
+def test_no_cap_by_default_and_every_token_kept(corpus, full):
     assert DataConfig().max_tokens is None
-    data = load_packed(prepare_data("tiny-llama", _cfg(corpus, tmp_path), progress=False))
+    data = full
     tok = AutoTokenizer.from_pretrained(corpus[1])
     expected = dict.fromkeys(SPLITS, 0)
     for doc in corpus[2]:  # one document at a time, the slow obvious way
-        expected[split_of(doc, _cfg(corpus, tmp_path))] += len(tok(doc, add_special_tokens=False)["input_ids"]) + 1
+        expected[split_of(doc, _cfg(corpus, Path(full.cache_dir)))] += len(tok(doc, add_special_tokens=False)["input_ids"]) + 1
     assert data.tokens == expected
     for split in SPLITS:
         assert data.n_blocks(split) == expected[split] // 32
@@ -65,16 +70,15 @@ def test_no_cap_by_default_and_every_token_kept(corpus, tmp_path):
         assert starts[0] == 0 and np.all(stream[starts[1:] - 1] == tok.eos_token_id)  # every document ends in EOS
 
 
-def test_streams_are_the_same_with_one_or_two_tokenizer_processes(corpus, tmp_path):
+def test_streams_are_the_same_with_one_or_two_tokenizer_processes(corpus, full, tmp_path):
     one = load_packed(prepare_data("tiny-llama", _cfg(corpus, tmp_path / "a", num_proc=1), progress=False))
-    two = load_packed(prepare_data("tiny-llama", _cfg(corpus, tmp_path / "b", num_proc=2), progress=False))
+    two = full  # num_proc=2
     for split in SPLITS:
         a = (Path(one.cache_dir) / f"{split}.bin").read_bytes()
         assert a and a == (Path(two.cache_dir) / f"{split}.bin").read_bytes()
 
 
-def test_max_tokens_caps_the_train_split_only(corpus, tmp_path):
-    full = load_packed(prepare_data("tiny-llama", _cfg(corpus, tmp_path / "full"), progress=False))
+def test_max_tokens_caps_the_train_split_only(corpus, full, tmp_path):
     capped = load_packed(prepare_data("tiny-llama", _cfg(corpus, tmp_path / "cap", max_tokens=5000), progress=False))
     assert 5000 <= capped.tokens["train"] < 5000 + 1000  # the document that reaches the cap is kept whole
     assert capped.tokens["eval"] == full.tokens["eval"] and capped.tokens["calib"] == full.tokens["calib"]

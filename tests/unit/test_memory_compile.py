@@ -30,6 +30,16 @@ def _batch() -> torch.Tensor:
     return torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
 
 
+_EAGER: list[float] = []
+
+
+def _eager_losses() -> list[float]:
+    """The eager reference (no compile, no AC, 3 steps), computed once for the module's tests."""
+    if not _EAGER:
+        _EAGER.extend(_run("eager", None, ac="none")[0])
+    return list(_EAGER)
+
+
 def _run(
     mode: str, budget: float | None, backend: str = FAST, ac: str = "none", steps: int = 3, layers: int = 2
 ) -> tuple[list[float], dict, dict]:
@@ -58,8 +68,7 @@ def test_budget_sweep_orders_activation_bytes() -> None:
     assert acts[0.0] < acts[1.0]
     # Recomputation is numerically neutral: identical losses for every budget.
     assert results[0.0][0] == results[0.5][0] == results[1.0][0]
-    eager, _, _ = _run("eager", None)
-    assert results[1.0][0] == pytest.approx(eager, rel=1e-5)
+    assert results[1.0][0] == pytest.approx(_eager_losses(), rel=1e-5)
 
 
 def test_inductor_budget_zero_saves_less_than_one() -> None:
@@ -85,7 +94,7 @@ def test_inductor_budget_zero_saves_less_than_one() -> None:
 
 @pytest.mark.parametrize("mode,ac", [("model", "none"), ("block", "op"), ("block", "full")])
 def test_compile_modes_and_ac_match_eager(mode: str, ac: str) -> None:
-    eager, _, _ = _run("eager", None, ac="none")
+    eager = _eager_losses()
     losses, _, report = _run(mode, None, ac=ac)
     assert losses == pytest.approx(eager, rel=1e-5)
     # The first step compiled (forward and backward graphs); later steps reuse them.
