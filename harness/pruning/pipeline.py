@@ -272,11 +272,25 @@ def _magnitude(
     masks: dict[str, torch.Tensor] = {}
     for views in chunks:
         keys = [score_keys(magnitude_scores(v.weight()), forced.get(v.name)) for v in views]
-        for v, m in zip(views, select(rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS, view_sparsities(views, alloc))):
-            masks[v.name] = m
-        if sequential:
-            MaskSet({v.name: masks[v.name] for v in views}).apply(views, comm)
+        _select_group(views, keys, rule, comm, alloc, masks, sequential)
     return MaskSet(masks)
+
+
+def _select_group(
+    views: list[ShardView],
+    keys: list[torch.Tensor],
+    rule: Rule,
+    comm: Collectives,
+    alloc: dict[str, float] | None,
+    masks: dict[str, torch.Tensor],
+    sequential: bool,
+) -> None:
+    """Select one group's masks from its score keys into `masks`; when sequential, apply them
+    at once, so the next group is scored on the model with this group pruned."""
+    for v, m in zip(views, select(rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS, view_sparsities(views, alloc))):
+        masks[v.name] = m
+    if sequential:
+        MaskSet({v.name: masks[v.name] for v in views}).apply(views, comm)
 
 
 def _wanda(
@@ -305,10 +319,7 @@ def _wanda(
             stats.finalize(comm)
         assert stats is not None
         keys = [score_keys(wanda_scores(v.weight(), v.layout, stats.norms(v.name)), forced.get(v.name)) for v in views]
-        for v, m in zip(views, select(rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS, view_sparsities(views, alloc))):
-            masks[v.name] = m
-        if sequential:
-            MaskSet({v.name: masks[v.name] for v in views}).apply(views, comm)
+        _select_group(views, keys, rule, comm, alloc, masks, sequential)
     return MaskSet(masks)
 
 
