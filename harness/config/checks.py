@@ -36,7 +36,7 @@ def check_values(cfg: RunConfig) -> None:
     check_optimizer_values(cfg)
     at_least = {
         "memory.ac_every": (cfg.memory.ac_every, 1),
-        "memory.track_every": (cfg.memory.track_every, 1),
+        "memory.track_every": (cfg.memory.track_every, 0),
         "logging.log_every": (cfg.logging.log_every, 1),
         "memory.loss_chunk_size": (cfg.memory.loss_chunk_size, 0),
         "eval_every": (cfg.eval_every, 0),

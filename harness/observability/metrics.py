@@ -6,7 +6,8 @@ scripts and the plots read, and the trainer that produces the numbers. Sections:
 
 - `train/`  loss, lr, grad_norm, skipped_steps (cumulative count of skipped steps)
 - `perf/`   tokens_per_s, samples_per_s (global), *_per_device, mfu, step_time_s
-- `memory/` `<category>_peak_bytes` per category, max_allocated_bytes, max_reserved_bytes (GPU)
+- `memory/` `<category>_peak_bytes` per category (sampled steps), max_allocated_bytes, max_reserved_bytes (GPU),
+  max_rss_bytes (CPU), every step
 - `eval/`   loss, perplexity
 - `prune/`  sparsity/<layer>, achieved_sparsity
 
@@ -45,6 +46,7 @@ STEP_TIME = "perf/step_time_s"
 MEMORY_CATEGORIES = REPORTED  # the panels; buffers and 'other' appear when a run logs them
 MAX_ALLOCATED = "memory/max_allocated_bytes"
 MAX_RESERVED = "memory/max_reserved_bytes"
+MAX_RSS = "memory/max_rss_bytes"  # CPU: the process's resident high-water mark over the step
 MEMORY_TOTAL = "memory/total_peak_bytes"  # optional: the tracker's whole-process peak
 
 EVAL_LOSS = "eval/loss"
@@ -61,8 +63,9 @@ SUPERSEDED_FILE = "metrics.superseded.jsonl"  # records of a timeline a resume a
 ALIASES = {
     "memory/device_allocated_peak_bytes": MAX_ALLOCATED,
     "memory/device_reserved_peak_bytes": MAX_RESERVED,
+    "memory/host_rss_peak_bytes": MAX_RSS,
 }
-_NOT_CATEGORIES = frozenset({"total", "device_allocated", "device_reserved"})
+_NOT_CATEGORIES = frozenset({"total", "device_allocated", "device_reserved", "host_rss"})
 
 _CATEGORY_RE = re.compile(r"^memory/(.+)_peak_bytes$")
 

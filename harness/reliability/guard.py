@@ -16,7 +16,7 @@ from harness.engine import weights_finite
 from harness.errors import NonFiniteError
 from harness.log import get_logger
 from harness.reliability.faults import install_fault_hooks
-from harness.reliability.signals import signal_received
+from harness.reliability.signals import on_memory_split_request, signal_received
 
 log = get_logger(__name__)
 
@@ -46,6 +46,8 @@ class StepGuard:
         self._bad_loss = False
         _ACTIVE["guard"] = self
         install_fault_hooks(engine.module, info.rank, lambda: self.steps_done)
+        if tracker is not None and tracker.enabled:
+            on_memory_split_request(tracker.request_split)
 
     def pre_step(self, local_loss: float) -> bool:
         """Before the optimizer step (collective): True when any rank's loss is non-finite: skip the update."""

@@ -1,13 +1,15 @@
 """Stop requests (SIGTERM/SIGUSR1, as SLURM sends before preemption): a flag, acted on at a step boundary.
 
 The handler only records the signal; the step guard all-reduces it so every rank saves
-and stops at the same step.
+and stops at the same step. SIGUSR2 asks for the next step's memory split by category
+(`harness.memory.StepMemoryTracker.request_split`): per rank, no collective needed.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 _SIGNAL = {"received": None}
@@ -25,3 +27,9 @@ def install_signal_handlers() -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, _on_signal)
+
+
+def on_memory_split_request(request: Callable[[], None]) -> None:
+    """SIGUSR2 (`kill -USR2 <pid>`, `scancel --signal=USR2`) calls `request`, which must only set a flag."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR2, lambda signum, frame: request())

@@ -46,7 +46,9 @@ def worst_rank_memory(tracker: StepMemoryTracker, comm: Collectives) -> dict[str
     out: dict[str, float] = {}
     if peaks and comm.distributed:
         gathered = comm.gather_object((peaks, maxima))
-        worst = max(range(len(gathered)), key=lambda r: gathered[r][0].get("total") or 0)
+        # the split's total where every rank split this step, else the peak counter all ranks read
+        key = next((k for k in ("total", "device_allocated", "host_rss") if all(k in g[0] for g in gathered)), "total")
+        worst = max(range(len(gathered)), key=lambda r: gathered[r][0].get(key) or 0)
         peaks = gathered[worst][0]
         maxima = {k: max((g[1].get(k) or 0) for g in gathered) for k in maxima}
         out[PEAK_RANK] = worst

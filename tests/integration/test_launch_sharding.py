@@ -16,7 +16,7 @@ import pytest
 from launching import final_eval, launch_command, run, side_by_side, state_bytes, step_losses, tiny_config
 
 from harness.models import build_model, count_parameters
-from harness.observability.metrics import PEAK_RANK, read_records
+from harness.observability.metrics import MAX_RSS, MEMORY_TOTAL, PEAK_RANK, read_records
 
 # Fractions of the full fp32 model size P each rank holds at world 2 (grads: the peak
 # during accumulation; ZeRO-1 keeps full gradients until the boundary, ZeRO-2 does not).
@@ -132,12 +132,13 @@ def test_each_step_reports_the_worst_ranks_memory(bf16_runs):
     _, out = bf16_runs
     steps = [r for r in read_records(str(out / "metrics.jsonl")) if "train/loss" in r]
     assert len(steps) == 3  # the run's steps
-    for r in steps:
-        assert r[PEAK_RANK] in (0, 1)
+    assert all(r[PEAK_RANK] in (0, 1) and r[MAX_RSS] > 0 for r in steps)  # the peak counter: every step
+    assert MEMORY_TOTAL not in steps[2]  # memory.track_every's default: the split on steps 0 and 1, not 2
+    for r in steps[:2]:
         split = sum(
             v
             for k, v in r.items()
-            if k.endswith("_peak_bytes") and k != "memory/total_peak_bytes" and not k.startswith(("memory/device_",))
+            if k.endswith("_peak_bytes") and k != MEMORY_TOTAL and not k.startswith(("memory/device_",))
         )
         assert r["memory/total_peak_bytes"] > 0 and split == r["memory/total_peak_bytes"]  # one rank's split, whole
         assert all(

@@ -76,6 +76,39 @@ def test_category_every_measures_selected_steps() -> None:
     assert [r["step"] for r in tracker.history if "peak" in r] == [0, 1, 3, 6]
 
 
+def test_request_split_and_every_zero() -> None:
+    """category_every=0 splits steps 0 and 1 only; request_split (SIGUSR2 in a run) splits the next step once."""
+    mlp, opt, x = _mlp()
+    tracker = StepMemoryTracker(mlp, opt, category_every=0)
+    for i in range(6):
+        if i == 3:
+            tracker.request_split()
+        with tracker.step():
+            mlp(x).sum().backward()
+    assert [r["step"] for r in tracker.history if "peak" in r] == [0, 1, 3]
+
+
+def test_peak_counter_every_step_and_reset_per_step() -> None:
+    """Unsplit steps still report the platform's peak (CPU: the resident high-water mark), and the
+    mark is the step's own: a 64 MiB temporary shows in its step and not in the next."""
+    mlp, opt, x = _mlp()
+    tracker = StepMemoryTracker(mlp, opt, category_every=0)
+    big = 64 << 20
+    for i in range(4):
+        with tracker.step():
+            mlp(x).sum().backward()
+            if i == 2:
+                t = torch.ones(big // 4)  # touched pages: resident
+                del t
+    rss = [r["host_rss"] for r in tracker.history]
+    assert all(v > 0 for v in rss) and "peak" not in tracker.history[2]
+    assert tracker.last_peaks()["host_rss"] == rss[-1]
+    if tracker.counters.resets_per_step:  # Linux with a writable /proc/self/clear_refs (CI)
+        assert rss[2] - rss[1] >= big * 0.9 and rss[2] - rss[3] >= big * 0.9, rss
+    else:
+        assert rss == sorted(rss)  # the lifetime peak: never falls
+
+
 def test_bf16_halves_parameter_bytes() -> None:
     sizes = {}
     for dtype in (torch.float32, torch.bfloat16):

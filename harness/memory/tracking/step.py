@@ -12,8 +12,12 @@ Users come because of OOM, so every run says *what* filled memory at its peak. S
   autograd saves (``saved_tensors_hooks``, which compiled graphs go through), gradients
   come from gradient hooks, parameters and optimizer state are counted. Temporaries,
   communication buffers and the common total are not seen there: those keys are absent.
-- CUDA: ``max_memory_allocated`` / ``max_memory_reserved``, reset every step, the
-  allocator's truth (``device_allocated`` / ``device_reserved``), cheap, every step.
+- Every step, split or not: the platform's own peak counters (`counters.PeakCounters`):
+  on CUDA ``max_memory_allocated`` / ``max_memory_reserved`` (``device_allocated`` /
+  ``device_reserved``), on CPU the process's resident high-water mark (``host_rss``).
+  They cost next to nothing; the split costs about a step, so it runs on steps 0 and 1
+  (the first step's split is what the planner is compared with), every ``category_every``-th
+  step after, and on the step after :meth:`StepMemoryTracker.request_split` (SIGUSR2 in a run).
 
 Two views per step: :meth:`StepMemoryTracker.last_peaks` is the split *at the moment
 the total peaked* (the stacked bar); :meth:`last_category_maxima` is each category's own
@@ -45,6 +49,7 @@ from torch import nn
 
 from harness.distributed import local_tensor
 from harness.memory.categories import CATEGORIES
+from harness.memory.tracking.counters import PeakCounters
 from harness.memory.tracking.live import (
     LiveBytes,
     is_compiled,
@@ -64,8 +69,9 @@ class StepMemoryTracker:
     """Measure each training step's memory peaks by category; ``enabled=False`` costs nothing.
 
     ``with tracker.step(): forward, backward, optimizer step`` then :meth:`last_peaks`.
-    ``category_every``: split by category on steps 0, 1 and every k-th after (the
-    dispatch-mode tracker slows a step several-fold); CUDA allocator peaks every step.
+    ``category_every``: split by category on steps 0, 1 and every k-th after (0: steps 0
+    and 1 only; the dispatch-mode tracker slows a step about two-fold), and on the step after
+    :meth:`request_split`; the platform's peak counters on every step.
     ``snapshot_dir``: on step ``snapshot_step`` write a CUDA memory-history pickle
     (pytorch.org/memory_viz) or, on CPU, the per-module report as JSON (eager models).
     ``layer_hooks``: record the bytes held after each decoder block's forward (eager models).
@@ -99,14 +105,20 @@ class StepMemoryTracker:
         self.cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
         self.history: list[dict[str, Any]] = []
         self.snapshot_path: str | None = None
+        self.counters = PeakCounters(self.cuda)
         self._step_index = 0
+        self._split_requested = False
         self._layer_bytes: list[dict[str, Any]] = []
         self._current: Any = None  # the active tracker or LiveBytes, for layer hooks
 
     # ------------------------------------------------------------------ measurement
     def _splits_this_step(self) -> bool:
         i, k = self._step_index, self.category_every
-        return k > 0 and (i < 2 or i % k == 0)
+        return i < 2 or (k > 0 and i % k == 0) or self._split_requested
+
+    def request_split(self) -> None:
+        """Split the next step by category (safe from a signal handler: it only sets a flag)."""
+        self._split_requested = True
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -116,13 +128,14 @@ class StepMemoryTracker:
             return
         record: dict[str, Any] = {"step": self._step_index}
         snapshot = self.snapshot_dir is not None and self._step_index == self.snapshot_step
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-            if snapshot:
-                torch.cuda.memory._record_memory_history(max_entries=200_000)
+        self.counters.reset()
+        if self.cuda and snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
         hooks = self._install_layer_hooks() if self.layer_hooks else []
+        split = self._splits_this_step()
+        self._split_requested = False
         try:
-            if not self._splits_this_step():
+            if not split:
                 yield
             elif self.compiled:
                 with self._live_step(record):
@@ -134,9 +147,8 @@ class StepMemoryTracker:
             for h in hooks:
                 h.remove()
             self._current = None
+        record.update(self.counters.read())
         if self.cuda:
-            record["device_allocated"] = torch.cuda.max_memory_allocated()
-            record["device_reserved"] = torch.cuda.max_memory_reserved()
             if snapshot:
                 self.snapshot_path = os.path.join(self.snapshot_dir, f"memory_snapshot_step{self._step_index}.pickle")
                 os.makedirs(self.snapshot_dir, exist_ok=True)

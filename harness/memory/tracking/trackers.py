@@ -15,6 +15,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from harness.memory.categories import CATEGORIES, category_of
+from harness.memory.tracking.counters import COUNTER_KEYS
 
 
 class CategoryMaxima:
@@ -115,7 +116,7 @@ class FSDPTracker(CategoryMaxima, FSDPMemTracker):
 
 
 def peaks(rec: dict[str, Any]) -> dict[str, Any]:
-    return {**rec.get("peak", {}), **{k: rec[k] for k in ("device_allocated", "device_reserved") if k in rec}}
+    return {**rec.get("peak", {}), **{k: rec[k] for k in COUNTER_KEYS if k in rec}}
 
 
 def in_backward() -> bool:
