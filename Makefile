@@ -1,5 +1,7 @@
 # The README's two commands: `make train` (the main job) and `make test` (lint, then the suite:
-# tests/unit and tests/integration; `pytest -m "not integration"` runs the fast half alone).
+# tests/unit and tests/integration; `pytest -m "not integration"` runs the fast half alone). Two pytest-xdist
+# workers, each test module on one worker (module fixtures are made once): a serial run leaves
+# one of CI's 2 cores idle about half the time (launchers waiting, one-rank runs, bounded waits).
 # Both create .venv and install harness with pinned torch on first use.
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,6 +22,6 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --durations=15
 
 .PHONY: install train test
