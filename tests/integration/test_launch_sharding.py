@@ -135,11 +135,7 @@ def test_each_step_reports_the_worst_ranks_memory(bf16_runs):
     assert all(r[PEAK_RANK] in (0, 1) and r[MAX_RSS] > 0 for r in steps)  # the peak counter: every step
     assert MEMORY_TOTAL not in steps[2]  # memory.track_every's default: the split on steps 0 and 1, not 2
     for r in steps[:2]:
-        split = sum(
-            v
-            for k, v in r.items()
-            if k.endswith("_peak_bytes") and k != MEMORY_TOTAL and not k.startswith(("memory/device_",))
-        )
+        split = sum(v for k, v in r.items() if k.endswith("_peak_bytes") and k != MEMORY_TOTAL and not k.startswith(("memory/device_",)))
         assert r["memory/total_peak_bytes"] > 0 and split == r["memory/total_peak_bytes"]  # one rank's split, whole
         assert all(
             r[k.replace("_peak_bytes", "_max_bytes")] >= r[k]
