@@ -1,11 +1,16 @@
 """Harness overhead: the same training run by a minimal hand-written loop and by harness.
 
-    python benchmarks/overhead.py [--model small-llama] [--steps 30] [--precision fp32]
+    python benchmarks/overhead.py [--model small-llama|<model dir>] [--steps 30] [--precision fp32]
+                                  [--modes defaults track-off split-every-step]
 
-Both use the same model preset, data blocks, batch and optimizer on one process; the hand
-loop is nanoGPT-style (HF loss, AdamW, no logging). harness runs as users run it
-(`python -m harness.train`, memory tracking and W&B off, progress on). Reported: median
-samples/s after two warm-up steps, and the ratio harness / hand loop (target >= 0.97).
+Both use the same model, data blocks, batch and optimizer on one process; the hand loop is
+nanoGPT-style (HF loss, AdamW, no logging). harness runs as users run it (`python -m
+harness.train`, W&B off, progress on), once per memory mode: `defaults` (what a user gets:
+the peak counters every step, the category split on steps 0 and 1 and every 100th),
+`track-off` (`memory.track=false`) and `split-every-step` (`memory.track_every=1`, the
+default before the split was sampled). Reported per mode: median samples/s over the steps
+after two warm-up steps, and the ratio harness / hand loop (target >= 0.97); the hand loop
+runs before and after the harness runs, and its spread is the machine's drift.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ def hand_loop(cfg, steps: int) -> float:
     return cfg.micro_batch_size / statistics.median(times[2:])
 
 
+MEMORY_MODES = {"defaults": {}, "track-off": {"track": False}, "split-every-step": {"track_every": 1}}
+
+
 def harness_run(config: Path, out: Path) -> float:
     env = dict(os.environ, WANDB_MODE="disabled")
     subprocess.run([sys.executable, "-m", "harness.train", "--config", str(config)], cwd=REPO, env=env, check=True, capture_output=True)
@@ -61,9 +69,9 @@ def main() -> None:
     parser.add_argument("--model", default="small-llama")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--modes", nargs="+", choices=list(MEMORY_MODES), default=list(MEMORY_MODES))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run"
         raw = {
             "model": {"name": args.model},
             "data": {"seq_len": 256, "vocab_size": 4096},
@@ -72,20 +80,24 @@ def main() -> None:
             "eval_batches": 1,
             "precision": args.precision,
             "optim": {"grad_clip": 0.0, "warmup_steps": 0, "schedule": "constant"},
-            "memory": {"track": False},
             "logging": {"wandb": False, "plots": False},
-            "output_dir": str(out),
         }
-        config = Path(tmp) / "run.yaml"
-        config.write_text(yaml.safe_dump(raw))
-        cfg = load_config(str(config))
+        base = Path(tmp) / "hand.yaml"
+        base.write_text(yaml.safe_dump({**raw, "output_dir": str(Path(tmp) / "hand")}))
+        cfg = load_config(str(base))
         hand = hand_loop(cfg, args.steps)
-        ours = harness_run(config, out)
+        ours = {}
+        for mode in args.modes:
+            out = Path(tmp) / mode
+            config = Path(tmp) / f"{mode}.yaml"
+            config.write_text(yaml.safe_dump({**raw, "memory": MEMORY_MODES[mode], "output_dir": str(out)}))
+            ours[mode] = harness_run(config, out)
         hand2 = hand_loop(cfg, args.steps)  # again: the machine's drift shows in the spread
-    print(
-        f"| {args.model} | {args.precision} | {min(hand, hand2):.3f}–{max(hand, hand2):.3f} | {ours:.3f} | "
-        f"{ours / statistics.mean([hand, hand2]):.3f} |"
-    )
+    for mode, value in ours.items():
+        print(
+            f"| {args.model} | {args.precision} | {min(hand, hand2):.3f}–{max(hand, hand2):.3f} | {mode} | {value:.3f} | "
+            f"{value / statistics.mean([hand, hand2]):.3f} |"
+        )
 
 
 if __name__ == "__main__":
