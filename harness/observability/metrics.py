@@ -26,7 +26,7 @@ import re
 import time
 from typing import Any, TextIO
 
-from harness.memory import REPORTED
+from harness.memory import COUNTER_KEYS, REPORTED
 
 # The W&B x-axis: every event carries it, so eval and prune points line up with training.
 STEP = "train/step"
@@ -65,7 +65,7 @@ ALIASES = {
     "memory/device_reserved_peak_bytes": MAX_RESERVED,
     "memory/host_rss_peak_bytes": MAX_RSS,
 }
-_NOT_CATEGORIES = frozenset({"total", "device_allocated", "device_reserved", "host_rss"})
+_NOT_CATEGORIES = frozenset({"total", *COUNTER_KEYS})
 
 _CATEGORY_RE = re.compile(r"^memory/(.+)_peak_bytes$")
 

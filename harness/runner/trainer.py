@@ -20,7 +20,7 @@ from harness.data import BatchSampler, PackedData, split_batches
 from harness.distributed import Collectives, DistInfo
 from harness.engine import Engine
 from harness.log import get_logger
-from harness.memory import StepMemoryTracker
+from harness.memory import COUNTER_KEYS, StepMemoryTracker
 from harness.observability import PEAK_RANK, Observer
 from harness.reliability import StepGuard
 
@@ -47,7 +47,7 @@ def worst_rank_memory(tracker: StepMemoryTracker, comm: Collectives) -> dict[str
     if peaks and comm.distributed:
         gathered = comm.gather_object((peaks, maxima))
         # the split's total where every rank split this step, else the peak counter all ranks read
-        key = next((k for k in ("total", "device_allocated", "host_rss") if all(k in g[0] for g in gathered)), "total")
+        key = next((k for k in ("total", *COUNTER_KEYS) if all(k in g[0] for g in gathered)), "total")
         worst = max(range(len(gathered)), key=lambda r: gathered[r][0].get(key) or 0)
         peaks = gathered[worst][0]
         maxima = {k: max((g[1].get(k) or 0) for g in gathered) for k in maxima}

@@ -6,9 +6,18 @@ extended), `live` (direct byte counts: weakref-followed storages, optimizer stat
 an engine's internals).
 """
 
+from harness.memory.tracking.counters import COUNTER_KEYS
 from harness.memory.tracking.live import is_compiled, optimizer_state_bytes, optimizer_tensors
 from harness.memory.tracking.step import StepMemoryTracker
 from harness.memory.tracking.storage import ModelStorage
 from harness.memory.tracking.trackers import write_module_report
 
-__all__ = ["ModelStorage", "StepMemoryTracker", "is_compiled", "optimizer_state_bytes", "optimizer_tensors", "write_module_report"]
+__all__ = [
+    "COUNTER_KEYS",
+    "ModelStorage",
+    "StepMemoryTracker",
+    "is_compiled",
+    "optimizer_state_bytes",
+    "optimizer_tensors",
+    "write_module_report",
+]
