@@ -26,7 +26,7 @@ from harness.engine.shards import memory_storage, shard_of
 from harness.memory import ActivationOffload, ModelStorage
 from harness.models import ModelSpec
 
-LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+LossFn = Callable[..., torch.Tensor]  # (model, batch, num_items=None) -> the micro-batch's loss
 
 
 @dataclass
@@ -82,14 +82,19 @@ class Engine:
         """Backward passes run inside do not step the optimizer (gradient probes, e.g. pruning)."""
         return contextlib.nullcontext()
 
-    def forward_loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_loss(self, batch: torch.Tensor, num_items: float | None = None) -> torch.Tensor:
+        """The loss of one micro-batch: its summed token losses over ``num_items`` (default: its
+        own counted tokens, a mean). `backward` then averages over accumulation and ranks."""
         offload = ActivationOffload() if self.activation_offload and torch.is_grad_enabled() else contextlib.nullcontext()
         with self.policy.autocast_context(self.device), offload:
-            return self.loss_fn(self.model, input_ids)
+            if num_items is None:
+                return self.loss_fn(self.model, batch)
+            return self.loss_fn(self.model, batch, num_items=num_items)
 
     @torch.no_grad()
-    def eval_loss(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.forward_loss(input_ids)
+    def eval_loss_sum(self, batch: torch.Tensor) -> torch.Tensor:
+        """The summed token losses of `batch` (its counted tokens: `harness.training.count_targets`)."""
+        return self.forward_loss(batch, num_items=1.0)
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from harness.checkpoint import CheckpointManager
 from harness.config import RunConfig
 from harness.data import BatchSampler, PackedData, split_batches
@@ -23,6 +25,7 @@ from harness.log import get_logger
 from harness.memory import COUNTER_KEYS, StepMemoryTracker
 from harness.observability import PEAK_RANK, Observer
 from harness.reliability import StepGuard
+from harness.training import count_targets
 
 log = get_logger(__name__)
 
@@ -58,17 +61,30 @@ def worst_rank_memory(tracker: StepMemoryTracker, comm: Collectives) -> dict[str
 
 
 def evaluate(engine: Engine, data: PackedData, cfg: RunConfig, info: DistInfo, split: str = "eval") -> dict[str, float]:
-    """Mean token loss and perplexity over the same global set of blocks at any world size."""
+    """Mean token loss and perplexity over the same global set of blocks at any world size:
+    every rank's summed token losses and counted tokens, summed over ranks, then divided."""
     engine.train(False)
     total, count = 0.0, 0.0
     for batch in split_batches(data, split, cfg.micro_batch_size, cfg.eval_batches, info.world_size, info.rank):
-        loss = engine.eval_loss(batch.to(info.device))
-        total += float(loss) * batch.shape[0]
-        count += batch.shape[0]
+        total += float(engine.eval_loss_sum(batch.to(info.device)))
+        count += count_targets(batch)
     total, count = Collectives().sum([total, count])
     engine.train(True)
     mean = total / max(count, 1.0)
     return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
+
+
+def tokens_per_micro_batch(batches: list[torch.Tensor], comm: Collectives) -> float:
+    """The step's counted tokens (all its micro-batches, all ranks) per micro-batch.
+
+    Each micro-batch's loss is its summed token losses divided by this; the engines then
+    average over accumulation and ranks, so the step's loss and gradient weigh every counted
+    token of the step equally, however the global batch is split (HF Trainer's
+    `num_items_in_batch` with `average_tokens_across_devices`). With uneven label counts
+    (instruction data) a per-micro-batch mean would not: each micro-batch would weigh the same.
+    """
+    total = comm.sum([float(sum(count_targets(b) for b in batches))])[0]
+    return max(total, 1.0) / (len(batches) * comm.world)
 
 
 @dataclass
@@ -110,9 +126,10 @@ class Trainer:
             t0 = time.perf_counter()
             with tracker.step():
                 step_loss = 0.0
-                for micro in range(cfg.grad_accum):
-                    batch = sampler.batch(step, micro).to(info.device)
-                    loss = engine.forward_loss(batch)
+                batches = [sampler.batch(step, micro) for micro in range(cfg.grad_accum)]
+                per_micro = tokens_per_micro_batch(batches, self.comm)
+                for micro, batch in enumerate(batches):
+                    loss = engine.forward_loss(batch.to(info.device), num_items=per_micro)
                     engine.backward(loss, last_micro=micro == cfg.grad_accum - 1)
                     step_loss += float(loss.detach()) / cfg.grad_accum
                     if step == 0:

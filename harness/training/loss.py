@@ -207,13 +207,34 @@ def causal_lm_loss(
     return total / denom
 
 
-def labelled_lm_loss(model: nn.Module, batch: torch.Tensor, chunk_size: int = 0) -> torch.Tensor:
+def labelled_lm_loss(
+    model: nn.Module, batch: torch.Tensor, chunk_size: int = 0, num_items: float | torch.Tensor | None = None
+) -> torch.Tensor:
     """The loss of `(B, 2, S)` blocks of (input_ids, labels) - instruction data, where labels are
-    -100 on prompt tokens and padding - averaged over the labelled tokens only. A micro-batch
-    without one labelled token (a prompt longer than the block) contributes 0, not 0/0."""
+    -100 on prompt tokens and padding - summed over the labelled tokens and divided by
+    ``num_items`` (default: this micro-batch's labelled count). A micro-batch without one
+    labelled token (a prompt longer than the block) contributes 0, not 0/0."""
     input_ids, labels = batch[:, 0].contiguous(), batch[:, 1].contiguous()
-    counted = (shift_targets(labels) != IGNORE_INDEX).sum().clamp(min=1)
-    return causal_lm_loss(model, input_ids, labels, chunk_size=chunk_size, num_items=counted)
+    if num_items is None:
+        num_items = (shift_targets(labels) != IGNORE_INDEX).sum().clamp(min=1)
+    return causal_lm_loss(model, input_ids, labels, chunk_size=chunk_size, num_items=num_items)
 
 
-__all__ = ["IGNORE_INDEX", "causal_lm_loss", "labelled_lm_loss", "chunked_ce_sum", "install_loss_forward", "shift_targets", "unwrap_model"]
+def count_targets(batch: torch.Tensor) -> int:
+    """The tokens a batch's loss counts: every next-token target of `(B, S)` text blocks, the
+    labelled ones of `(B, 2, S)` (input_ids, labels) blocks. The denominator that weights every
+    counted token of a step equally, however the step is split into micro-batches and ranks."""
+    labels = batch[:, 1] if batch.dim() == 3 else batch
+    return int((shift_targets(labels) != IGNORE_INDEX).sum())
+
+
+__all__ = [
+    "IGNORE_INDEX",
+    "causal_lm_loss",
+    "count_targets",
+    "labelled_lm_loss",
+    "chunked_ce_sum",
+    "install_loss_forward",
+    "shift_targets",
+    "unwrap_model",
+]

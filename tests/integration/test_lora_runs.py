@@ -24,7 +24,7 @@ from harness import export
 from harness.config import load_config
 from harness.data import cache_dir_for, load_packed, split_batches
 from harness.models import apply_lora, build_model, trainable_counts
-from harness.training import labelled_lm_loss
+from harness.training import count_targets, labelled_lm_loss
 
 WORLD_RTOL = 1e-5  # world 1 vs world 2 fp32 reduction order (observed: equal to the printed digit)
 
@@ -125,8 +125,8 @@ def _eval_loss(model: torch.nn.Module, ref: Path) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for batch in split_batches(data, "eval", cfg.micro_batch_size, cfg.eval_batches, 1, 0):
-            total += float(labelled_lm_loss(model, batch)) * batch.shape[0]
-            count += batch.shape[0]
+            total += float(labelled_lm_loss(model, batch, num_items=1))  # the summed token losses
+            count += count_targets(batch)
     return total / count
 
 

@@ -1,0 +1,122 @@
+"""Every labelled token of a step weighs the same, however the step's global batch is split.
+
+Instruction data (labelled counts differ from block to block), one global batch of 8 blocks,
+split as (micro_batch_size, grad_accum, world) = (8,1,1), (4,2,1), (2,2,2) and (1,4,2), under
+every engine: the per-step losses, and the final eval loss, equal a reference loop written
+here with HF's own loss on the whole global batch (one mean over all its labelled tokens).
+A per-micro-batch mean (each micro-batch weighing the same) differs from it by ~1e-3 here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from launching import final_eval, instruction_file, launch_command, run, side_by_side, step_losses, tiny_config
+
+from harness.config import load_config
+from harness.data import BatchSampler, cache_dir_for, load_packed, prepare_data
+from harness.models import build_model
+from harness.training import build_optimizer, build_scheduler
+
+STEPS = 3
+RTOL = 1e-6  # fp32; world 2 vs world 1 is a different reduction order
+# (micro_batch_size, grad_accum, world, strategy, extra overrides): each engine at world 2 with
+# accumulation, each world-2 split under two engines; optimizer-in-backward under FSDP2.
+SPLITS = {
+    "w1_8x1": (8, 1, 1, None, ()),
+    "w1_4x2": (4, 2, 1, None, ()),
+    "ddp_2x2": (2, 2, 2, "ddp", ()),
+    "fsdp_1x4": (1, 4, 2, "fsdp", ()),
+    "zero2_1x4": (1, 4, 2, "zero2", ()),
+    "zero3_2x2": (2, 2, 2, "zero3", ()),
+    "fsdp_oib_2x2": (2, 2, 2, "fsdp", ("memory.optimizer_in_backward=true",)),
+}
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory, data_cache):
+    root = tmp_path_factory.mktemp("token-weighting")
+    return {"root": root, "data": instruction_file(root / "instructions.jsonl", 400), "cache": data_cache}
+
+
+def config(ws, name: str, micro: int, accum: int) -> Path:
+    return tiny_config(
+        ws["root"] / f"{name}.yaml",
+        ws["cache"],
+        ws["root"] / name,
+        steps=STEPS,
+        micro_batch_size=micro,
+        grad_accum=accum,
+        eval_batches=10_000,  # every eval block, whatever the micro-batch: one eval set for every split
+        **{
+            "data.source": str(ws["data"]),
+            "data.format": "instruction",
+            "data.seq_len": 64,
+            "data.eval_fraction": 0.1,
+            "data.max_tokens": None,
+            "optim.grad_clip": 0.0,  # optimizer-in-backward cannot clip; the reference does not either
+        },
+    )
+
+
+def launch(ws, name: str) -> Path:
+    micro, accum, world, strategy, extra = SPLITS[name]
+    overrides = [*([f"strategy={strategy}"] if strategy else []), *extra]
+    run(launch_command("python" if world == 1 else "torchrun", world, config(ws, name, micro, accum), overrides))
+    return ws["root"] / name
+
+
+@pytest.fixture(scope="module")
+def reference(ws) -> tuple[list[float], float]:
+    """Per-step losses and final eval loss of a hand loop: the whole global batch in one forward,
+    HF's loss (the mean over its labelled tokens), AdamW and the schedule the runs use."""
+    cfg = load_config(str(config(ws, "reference", 8, 1)))
+    data = load_packed(prepare_data(cfg.model.name, cfg.data, progress=False))
+    model = build_model(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
+    sampler = BatchSampler(data, 8, 1, 1, 0, cfg.data.seed)
+    losses = []
+    for step in range(STEPS):
+        batch = sampler.batch(step, 0)
+        loss = model(input_ids=batch[:, 0], labels=batch[:, 1], use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(float(loss.detach()))
+    eval_blocks = torch.from_numpy(data.blocks["eval"][:].astype("int64"))
+    with torch.no_grad():
+        eval_loss = float(model(input_ids=eval_blocks[:, 0], labels=eval_blocks[:, 1], use_cache=False).loss)
+    return losses, eval_loss
+
+
+@pytest.fixture(scope="module")
+def world_one(ws) -> dict[str, Path]:
+    names = ["w1_8x1", "w1_4x2"]
+    return dict(zip(names, side_by_side(*(lambda n=n: launch(ws, n) for n in names))))
+
+
+def test_the_data_has_uneven_label_counts(ws, reference):
+    """Otherwise every split would agree whatever the weighting."""
+    cfg = load_config(str(ws["root"] / "reference.yaml"))
+    blocks = load_packed(cache_dir_for(cfg.model.name, cfg.data)).blocks["train"]
+    counts = {int((torch.from_numpy(blocks[i, 1, 1:].astype("int64")) != -100).sum()) for i in range(32)}
+    assert len(counts) > 4, counts
+
+
+@pytest.mark.parametrize("name", ["w1_8x1", "w1_4x2"])
+def test_world_one_splits_equal_the_reference(world_one, reference, name):
+    losses, eval_loss = reference
+    assert step_losses(world_one[name]) == pytest.approx(losses, rel=RTOL)
+    assert final_eval(world_one[name]) == pytest.approx(eval_loss, rel=RTOL)
+
+
+@pytest.mark.parametrize("name", [n for n, split in SPLITS.items() if split[2] == 2])
+def test_world_two_splits_equal_the_reference_under_every_engine(ws, reference, name):
+    losses, eval_loss = reference
+    out = launch(ws, name)
+    assert step_losses(out) == pytest.approx(losses, rel=RTOL)
+    assert final_eval(out) == pytest.approx(eval_loss, rel=RTOL)
