@@ -2,13 +2,15 @@
 rule a config must satisfy (`checks`).
 
 Modules by concern: `schema` (dataclasses and choice vocabularies), `loading` (files and
-overrides), `strategies` (strategy files, the `EngineKind` vocabulary and its one rule
+overrides; the defaults that depend on what is trained), `presets` (the model presets' names
+and shapes), `strategies` (strategy files, the `EngineKind` vocabulary and its one rule
 `engine_kind`), `deepspeed_keys` (DeepSpeed's key schema), `deepspeed_auto` ("auto" filling of
 a DeepSpeed dict from the run config), `checks` (every rule on a config)."""
 
 from harness.config.checks import check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
 from harness.config.deepspeed_auto import resolve_deepspeed_config
-from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
+from harness.config.loading import all_keys, apply_overrides, config_to_dict, default_lr, load_config, parse_yaml, read_config_file
+from harness.config.presets import PRESETS, Preset, is_preset
 from harness.config.prune_modes import check_original, is_original, resolve_prune
 from harness.config.schema import (
     AC_MODES,
@@ -49,6 +51,7 @@ __all__ = [
     "ENGINE_KINDS",
     "LORA_QUANTIZE",
     "PRECISIONS",
+    "PRESETS",
     "PRUNE_BASES",
     "CheckpointConfig",
     "CheckpointFormat",
@@ -60,6 +63,7 @@ __all__ = [
     "MemoryConfig",
     "ModelConfig",
     "OptimConfig",
+    "Preset",
     "PruneConfig",
     "RunConfig",
     "Strategy",
@@ -72,8 +76,10 @@ __all__ = [
     "checkpoint_format",
     "check_values",
     "config_to_dict",
+    "default_lr",
     "engine_kind",
     "is_original",
+    "is_preset",
     "load_config",
     "load_strategy",
     "parse_yaml",

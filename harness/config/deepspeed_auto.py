@@ -39,7 +39,10 @@ def _settle(ds: dict[str, Any], key: str, ours: Any, ours_name: str, path: str, 
         ds[key] = ours
         _note(filled, f"{where}{key}", ours, ours_name)
     elif not _same(current, ours):
-        raise ConfigError(f"{path}: {where}{key}={current!r} contradicts the run config's {ours_name}={ours!r}")
+        raise ConfigError(
+            f"{path}: {where}{key}={current!r} contradicts the run config's {ours_name}={ours!r}; set "
+            f'{ours_name}={current!r} or "{key}": "auto" in the file'
+        )
 
 
 def _optimizer_kind(type_name: Any, params: dict[str, Any]) -> str:

@@ -104,7 +104,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: OptimName = "adamw"
-    lr: float = 3e-3
+    lr: float | None = None  # None: by what is trained (harness.config.loading.default_lr)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8

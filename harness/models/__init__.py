@@ -2,16 +2,14 @@
 piece at a time (`weights`), where their decoder blocks are (the one lookup every technique uses),
 and LoRA/QLoRA adapters (`lora`)."""
 
+from harness.config import PRESETS, Preset, is_preset
 from harness.models.blocks import BlocksNotFound, block_class_names, decoder_block_list, decoder_blocks
 from harness.models.build import (
-    PRESETS,
     ModelSpec,
-    Preset,
     build_model,
     construct_model,
     count_parameters,
     empty_model,
-    is_preset,
     model_config,
     model_directory,
     model_spec,

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.config import LoraConfig, RunConfig
+from harness.config import LoraConfig, RunConfig, is_preset
 from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.models.blocks import decoder_blocks
-from harness.models.build import build_model, is_preset
+from harness.models.build import build_model
 
 log = get_logger(__name__)
 

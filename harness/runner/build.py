@@ -12,7 +12,7 @@ import time
 import torch
 
 from harness.checkpoint import CheckpointManager, ResumeState
-from harness.config import RunConfig, config_to_dict
+from harness.config import RunConfig, config_to_dict, default_lr
 from harness.data import (
     BatchSampler,
     PackedData,
@@ -65,6 +65,12 @@ def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampl
     return sampler
 
 
+def describe_lr(cfg: RunConfig) -> str:
+    """The run's learning rate, and where it is the default for what is trained, which default."""
+    value, why = default_lr(cfg)
+    return f"lr {cfg.optim.lr:g}" + (f" (optim.lr's default for {why})" if cfg.optim.lr == value else "")
+
+
 def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> tuple[Trainer, ResumeState]:
     """Data, model, engine, checkpoint restore, observer: everything before the first step
     (shared with `python -m harness.prune`), the engine from pre-flight's plan. Returns the trainer and the restored state."""
@@ -102,7 +108,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> tuple[Trainer
     log.info(
         f"{strategy.name} ({plan.kind}) x{info.world_size} on {info.device}, {cfg.precision}, "
         f"{engine.num_parameters():,} params, "
-        f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens"
+        f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens, {describe_lr(cfg)}"
     )
     trainer = Trainer(
         cfg,

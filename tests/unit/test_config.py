@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from harness.config import all_keys, check_run, load_config, load_strategy
+from harness.config import all_keys, check_run, default_lr, load_config, load_strategy
 from harness.errors import ConfigError
+from harness.runner.build import describe_lr
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -133,3 +134,25 @@ def test_prune_mode_contradictions_are_refused_before_launch(overrides, message)
 )
 def test_prune_modes_accepted(overrides):
     check_run(load_config(None, overrides), load_strategy("ddp"), 1, False)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "lr", "why"),
+    [
+        ([], 3e-3, "the preset tiny-llama trained from random init"),
+        (["model.name=/models/smollm2-135m"], 2e-5, "a full fine-tune of pretrained weights"),
+        (["model.name=/models/smollm2-135m", "lora.enabled=true"], 2e-4, "LoRA adapters"),
+        (["lora.enabled=true"], 2e-4, "LoRA adapters"),
+    ],
+)
+def test_the_learning_rate_defaults_by_what_is_trained(overrides, lr, why):
+    cfg = load_config(None, overrides)
+    assert cfg.optim.lr == lr
+    assert default_lr(cfg) == (lr, why)
+    assert describe_lr(cfg) == f"lr {lr:g} (optim.lr's default for {why})"
+
+
+def test_a_learning_rate_the_user_gives_is_kept_and_not_called_a_default():
+    cfg = load_config(None, ["model.name=/models/smollm2-135m", "optim.lr=1e-4"])
+    assert cfg.optim.lr == 1e-4
+    assert describe_lr(cfg) == "lr 0.0001"
