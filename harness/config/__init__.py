@@ -1,15 +1,15 @@
 """The run config: typed schema, loading with `key=value` overrides, strategy files, and every
 rule a config must satisfy (`checks`).
 
-Modules by concern: `schema` (dataclasses and choice vocabularies), `loading` (files and
-overrides; the defaults that depend on what is trained), `presets` (the model presets' names
+Modules by concern: `schema` (dataclasses, choice vocabularies, the defaults that depend on what is trained), `loading` (files and
+overrides), `presets` (the model presets' names
 and shapes), `strategies` (strategy files, the `EngineKind` vocabulary and its one rule
 `engine_kind`), `deepspeed_keys` (DeepSpeed's key schema), `deepspeed_auto` ("auto" filling of
 a DeepSpeed dict from the run config), `checks` (every rule on a config)."""
 
 from harness.config.checks import check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
 from harness.config.deepspeed_auto import resolve_deepspeed_config
-from harness.config.loading import all_keys, apply_overrides, config_to_dict, default_lr, load_config, parse_yaml, read_config_file
+from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
 from harness.config.presets import PRESETS, Preset, is_preset
 from harness.config.prune_modes import check_original, is_original, resolve_prune
 from harness.config.schema import (
@@ -29,6 +29,7 @@ from harness.config.schema import (
     OptimConfig,
     PruneConfig,
     RunConfig,
+    default_lr,
 )
 from harness.config.strategies import (
     DS_CONFIG_DIR,

@@ -14,6 +14,29 @@ from harness.config.schema import EMBEDDED_CORPORA, RunConfig, choice_fields
 from harness.config.strategies import Strategy
 from harness.errors import ConfigError, did_you_mean
 
+# Sections whose keys do nothing until one key switches them on: the switch and how to turn it on.
+SWITCHED_SECTIONS = {
+    "lora": ("enabled", "lora.enabled=true"),
+    "prune": ("method", "prune.method=<{}>"),
+}
+
+
+def check_dead_keys(given: dict, cfg: RunConfig) -> None:
+    """A key of a switched-off section whose switch the user never gave does nothing: `lora.r=8`
+    without `lora.enabled=true` would silently train the whole model. Name the switch.
+    A switch given explicitly off (`lora.enabled: false`) is the user's choice, not an error."""
+    for section, (switch, turn_on) in SWITCHED_SECTIONS.items():
+        keys = given.get(section)
+        if not isinstance(keys, dict) or switch in keys:
+            continue
+        dead = sorted(k for k in keys if k != switch)
+        if dead:
+            if "{}" in turn_on:  # an enumerated switch: its values other than "off"
+                choices = choice_fields(RunConfig)[f"{section}.{switch}"][0]
+                turn_on = turn_on.format("|".join(c for c in choices if c != getattr(getattr(cfg, section), switch)))
+            names = ", ".join(f"{section}.{k}" for k in dead)
+            raise ConfigError(f"{names} set but {section}.{switch} is not: set {turn_on} (or remove {names}); it does nothing otherwise")
+
 
 def check_values(cfg: RunConfig) -> None:
     """Checks on single values; cross-checks that need the strategy or model live elsewhere."""

@@ -14,8 +14,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-from harness.config.checks import check_values
-from harness.config.presets import is_preset
+from harness.config.checks import check_dead_keys, check_values
 from harness.config.schema import RunConfig
 from harness.errors import ConfigError, did_you_mean
 
@@ -175,28 +174,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     data = read_config_file(path) if path else {}
     data = apply_overrides(data, overrides or [])
     cfg = _build(RunConfig, data)
-    if cfg.optim.lr is None:
-        cfg.optim.lr = default_lr(cfg)[0]
     check_values(cfg)
+    check_dead_keys(data, cfg)
     return cfg
-
-
-# The learning rates used when `optim.lr` is not given, by what is trained: the values the
-# field's recipes publish (torchtune's and axolotl's full fine-tunes of 1-8B models, 2e-5;
-# LoRA/QLoRA, 2e-4 as in the QLoRA paper and peft's examples; a small model from random init, 3e-3).
-FROM_SCRATCH_LR = 3e-3
-FULL_FINETUNE_LR = 2e-5
-ADAPTER_LR = 2e-4
-
-
-def default_lr(cfg: RunConfig) -> tuple[float, str]:
-    """The learning rate a run gets when `optim.lr` is not set, and why. A from-scratch rate on
-    pretrained weights destroys them in a few steps (perplexity ~10^2 -> ~10^5 on a 270M model)."""
-    if cfg.lora.enabled:
-        return ADAPTER_LR, "LoRA adapters"
-    if is_preset(cfg.model.name):
-        return FROM_SCRATCH_LR, f"the preset {cfg.model.name} trained from random init"
-    return FULL_FINETUNE_LR, "a full fine-tune of pretrained weights"
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 shape of a Llama built from its config with random init (harness.models builds them).
 
 They are config vocabulary, like the embedded corpora: a preset is trained from scratch, so the
-defaults that depend on what is trained (`harness.config.loading.default_lr`) read this table.
+defaults that depend on what is trained (`harness.config.schema.default_lr`) read this table.
 """
 
 from __future__ import annotations

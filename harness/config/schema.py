@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from harness.config.presets import is_preset
+
 # The choices of the enumerated keys, one definition each: a `Literal` type is the field's type,
 # and the tuple of its values (`get_args`) is what the checks and the techniques read, so a new
 # choice is added in one place and is checked everywhere.
@@ -104,7 +106,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: OptimName = "adamw"
-    lr: float | None = None  # None: by what is trained (harness.config.loading.default_lr)
+    lr: float | None = None  # None: by what is trained (harness.config.schema.default_lr)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
@@ -218,3 +220,25 @@ class RunConfig:
     seed: int = 0
     output_dir: str = "runs/default"
     device: Device = "auto"
+
+    def __post_init__(self) -> None:
+        if self.optim.lr is None:  # not given: the default for what this run trains
+            self.optim.lr = default_lr(self)[0]
+
+
+# The learning rates used when `optim.lr` is not given, by what is trained: the values the
+# field's recipes publish (torchtune's and axolotl's full fine-tunes of 1-8B models, 2e-5;
+# LoRA/QLoRA, 2e-4 as in the QLoRA paper and peft's examples; a small model from random init, 3e-3).
+FROM_SCRATCH_LR = 3e-3
+FULL_FINETUNE_LR = 2e-5
+ADAPTER_LR = 2e-4
+
+
+def default_lr(cfg: RunConfig) -> tuple[float, str]:
+    """The learning rate a run gets when `optim.lr` is not set, and why. A from-scratch rate on
+    pretrained weights destroys them in a few steps (perplexity ~10^2 -> ~10^5 on a 270M model)."""
+    if cfg.lora.enabled:
+        return ADAPTER_LR, "LoRA adapters"
+    if is_preset(cfg.model.name):
+        return FROM_SCRATCH_LR, f"the preset {cfg.model.name} trained from random init"
+    return FULL_FINETUNE_LR, "a full fine-tune of pretrained weights"

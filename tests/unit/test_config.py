@@ -75,9 +75,9 @@ def test_all_keys_cover_sections():
 
 def test_nm_pattern_is_not_a_base60_number(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("prune:\n  pattern: 2:4\n")
+    path.write_text("prune:\n  method: wanda\n  pattern: 2:4\n")
     assert load_config(str(path)).prune.pattern == "2:4"
-    assert load_config(None, ["prune.pattern=2:4"]).prune.pattern == "2:4"
+    assert load_config(None, ["prune.method=wanda", "prune.pattern=2:4"]).prune.pattern == "2:4"
 
 
 ORIGINAL = ["prune.method=gradprobe", "prune.decision=original"]
@@ -156,3 +156,22 @@ def test_a_learning_rate_the_user_gives_is_kept_and_not_called_a_default():
     cfg = load_config(None, ["model.name=/models/smollm2-135m", "optim.lr=1e-4"])
     assert cfg.optim.lr == 1e-4
     assert describe_lr(cfg) == "lr 0.0001"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["lora.r=8"], "lora.r set but lora.enabled is not: set lora.enabled=true"),
+        (["lora.alpha=32", "lora.r=8"], "lora.alpha, lora.r set but lora.enabled is not"),
+        (["prune.sparsity=0.3"], "prune.sparsity set but prune.method is not: set prune.method=<magnitude|wanda|sparsegpt|gradprobe>"),
+    ],
+)
+def test_keys_of_a_section_that_is_off_are_refused_naming_the_switch(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_a_switch_given_off_explicitly_keeps_its_sections_keys():
+    """`lora.enabled: false` in a file that keeps its LoRA settings: the user turned it off."""
+    assert load_config(None, ["lora.enabled=false", "lora.r=4"]).lora.r == 4
+    assert load_config(None, ["prune.method=none", "prune.sparsity=0.3"]).prune.sparsity == 0.3
