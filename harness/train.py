@@ -43,7 +43,11 @@ def train(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, float]:
     observer.log_summary(summary)
     trainer.close()
     if info.is_main:
-        print(f"[harness] final eval perplexity {final['eval/perplexity']:.2f}; outputs in {os.path.abspath(cfg.output_dir)}", flush=True)
+        print(
+            f"[harness] final eval perplexity {final['eval/perplexity']:.2f}; outputs in {os.path.abspath(cfg.output_dir)}; "
+            f"{ckpt.result_line()}",
+            flush=True,
+        )
     return summary
 
 

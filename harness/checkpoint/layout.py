@@ -53,6 +53,11 @@ def checkpoint_root(output_dir: str) -> str:
     return os.path.join(output_dir, CHECKPOINTS)
 
 
+def adapter_dir(output_dir: str) -> str:
+    """Where a LoRA run leaves its PEFT adapter directory at the end."""
+    return os.path.join(output_dir, "adapter")
+
+
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
 

@@ -49,6 +49,7 @@ from harness.checkpoint.layout import (
     LATEST,
     META,
     CheckpointMeta,
+    adapter_dir,
     check_compatible,
     checkpoint_root,
     complete_checkpoints,
@@ -143,7 +144,8 @@ class CheckpointManager:
     @property
     def final_save(self) -> bool:
         c = self.cfg.checkpoint
-        return c.save_final or c.every > 0 or c.export_hf
+        # A LoRA run always ends with its checkpoint (adapters and their optimizer state: small): its adapter directory is written from it.
+        return c.save_final or c.every > 0 or c.export_hf or self.cfg.lora.enabled
 
     def restore(self) -> ResumeState:
         """Load the checkpoint `checkpoint.resume` names (if any) into the engine; return where to continue."""
@@ -206,12 +208,29 @@ class CheckpointManager:
             return
         if self.last_step != step:
             self.save(step, counters)
-        if self.cfg.checkpoint.export_hf and self.last_path:
-            out = os.path.join(self.cfg.output_dir, "hf")
-            if self.info.is_main:
-                export_hf(self.last_path, out)
-                log.info(f"exported {self.last_path} to {out} (safetensors + config + tokenizer)")
+        exports = []  # (directory, merged): where HF Trainer / axolotl users look for the result
+        if self.cfg.lora.enabled:
+            exports.append((adapter_dir(self.cfg.output_dir), False))
+        if self.cfg.checkpoint.export_hf:
+            exports.append((os.path.join(self.cfg.output_dir, "hf"), self.cfg.lora.enabled))
+        if self.last_path and self.info.is_main:
+            for out, merged in exports:
+                export_hf(self.last_path, out, merged=merged)
+                what = "PEFT adapter" if self.cfg.lora.enabled and not merged else "safetensors + config + tokenizer"
+                log.info(f"exported {self.last_path} to {out} ({what})")
+        if exports:
             self._barrier()
+
+    def result_line(self) -> str:
+        """Where the trained model is, in the form a user loads it (the run's last line)."""
+        out = os.path.abspath(self.cfg.output_dir)
+        if self.cfg.lora.enabled and self.last_path:
+            return f"adapter in {adapter_dir(out)} (PeftModel.from_pretrained(base, it))"
+        if self.cfg.checkpoint.export_hf and self.last_path:
+            return f"HF model in {os.path.join(out, 'hf')}"
+        if self.last_path:
+            return f"HF model: python -m harness.export {self.last_path} --out {os.path.join(out, 'hf')}"
+        return "no checkpoint saved: set checkpoint.export_hf=true (or checkpoint.save_final=true) to keep the model"
 
     def save(self, step: int, counters: dict[str, Any] | None = None) -> str:
         """Write a complete checkpoint of `step` atomically; refuse (CheckpointError) if any weight is non-finite."""

@@ -88,7 +88,10 @@ class TorchEngine(Engine):
         else:  # optimizer-in-backward: already FQN-keyed through DCP's helpers
             optim_sd = self._optimizer.state_dict()
         options = StateDictOptions(ignore_frozen_params=self.trainable_only)
-        return {"model": get_model_state_dict(self.model, options=options), "optim": optim_sd}
+        model_sd = get_model_state_dict(self.model, options=options)
+        if self.trainable_only:
+            model_sd = drop_frozen_aliases(model_sd, self.model)
+        return {"model": model_sd, "optim": optim_sd}
 
     def save_state(self, directory: str) -> None:
         with _quiet_dcp():
@@ -243,6 +246,20 @@ class TorchEngine(Engine):
     @property
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
+
+
+def drop_frozen_aliases(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """`state` without the entries that are a frozen parameter under a second name. torch drops
+    frozen parameters by `named_parameters()`, which lists a tied weight once: a tied model's
+    frozen `lm_head.weight` (the embedding's storage) stays, the largest tensor of a LoRA
+    checkpoint. Entries are matched to the frozen parameters by storage, not by name."""
+    frozen = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters() if not p.requires_grad and local_tensor(p).numel()}
+
+    def is_frozen(value: Any) -> bool:
+        local = local_tensor(value) if isinstance(value, torch.Tensor) else None
+        return local is not None and local.numel() > 0 and local.untyped_storage().data_ptr() in frozen
+
+    return {k: v for k, v in state.items() if not is_frozen(v)}
 
 
 def read_model_weights(directory: str, model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:

@@ -71,7 +71,7 @@ def counts(ref):
     """(trainable, total) parameters of the run's model, built as the run builds it."""
     cfg = load_config(str(ref.parent / "ref.yaml"))
     vocab = load_packed(cache_dir_for(cfg.model.name, cfg.data)).vocab_size
-    model = apply_lora(build_model("tiny-llama", vocab_size=vocab), load_config(None, ["lora.r=4"]).lora, 0)
+    model = apply_lora(build_model("tiny-llama", vocab_size=vocab), load_config(None, ["lora.enabled=true", "lora.r=4"]).lora, 0)
     return trainable_counts(model)
 
 
@@ -141,6 +141,9 @@ def test_adapter_and_merged_exports_give_the_runs_eval_loss(ws, ref):
     adapted = PeftModel.from_pretrained(build_model("tiny-llama", vocab_size=vocab), ws["root"] / "adapter").eval()
     assert _eval_loss(merged, ref) == pytest.approx(final, rel=1e-5)
     assert _eval_loss(adapted, ref) == pytest.approx(final, rel=1e-5)
+    # the run itself left its adapter in <output_dir>/adapter, with no export step
+    own = PeftModel.from_pretrained(build_model("tiny-llama", vocab_size=vocab), ref / "adapter").eval()
+    assert _eval_loss(own, ref) == pytest.approx(final, rel=1e-5)
 
 
 def test_a_merged_model_prunes_like_any_saved_model(ws, ref):

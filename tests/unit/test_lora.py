@@ -140,3 +140,30 @@ def test_config_values_refused_on_load():
         load_config(None, ["lora.enabled=true", "lora.r=0"])
     with pytest.raises(ConfigError, match="local JSON lines"):
         load_config(None, ["data.format=instruction"])
+
+
+def test_a_tied_models_lora_checkpoint_holds_the_adapters_only(tmp_path):
+    """A tied model's frozen `lm_head.weight` is the embedding under a second name, which
+    `named_parameters()` (and so torch's ignore_frozen_params) never lists: it must not be saved."""
+    import functools
+
+    import torch.distributed.checkpoint as dcp
+    from model_families import save_families
+
+    from harness.distributed import DistInfo
+    from harness.engine import build_engine, plan_engine
+    from harness.models import model_spec
+
+    qwen2 = save_families(tmp_path)["qwen2"]  # tie_word_embeddings=True
+    cfg = load_config(None, [f"model.name={qwen2}", "lora.enabled=true", "lora.r=4", f"output_dir={tmp_path / 'out'}"])
+    info = DistInfo(0, 1, 0, torch.device("cpu"), None)
+    plan = plan_engine(cfg, load_strategy("ddp"), 1, info.device, None)
+    engine = build_engine(model_spec(qwen2, vocab_size=512), cfg, plan, info, functools.partial(labelled_lm_loss, chunk_size=0))
+    assert engine.module.get_output_embeddings().weight is engine.module.get_input_embeddings().weight
+    engine.save_state(str(tmp_path / "ckpt"))
+    saved = dcp.FileSystemReader(str(tmp_path / "ckpt" / "dcp")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    trainable, _ = trainable_counts(engine.module)
+    assert model_keys and all(".lora_" in k for k in model_keys), [k for k in model_keys if ".lora_" not in k]
+    assert sum(int(torch.Size(saved[k].size).numel()) for k in model_keys) == trainable
+    engine.load_state(str(tmp_path / "ckpt"), 1, True)  # and it loads back (the base is rebuilt, not read)
