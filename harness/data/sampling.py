@@ -18,6 +18,7 @@ import torch
 from harness.config import DataConfig
 from harness.data.cache import PackedData
 from harness.data.documents import SPLIT_CODE, open_stream, split_codes
+from harness.data.tokenizer import leading_specials
 from harness.errors import CheckpointError
 from harness.log import get_logger
 
@@ -56,16 +57,19 @@ class BatchSampler:
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
-def split_batches(data: PackedData, split: str, micro: int, max_batches: int, world: int, rank: int) -> Iterator[torch.Tensor]:
-    """The first `max_batches * micro` blocks of a fixed split, strided over ranks."""
+def split_batches(data: PackedData, split: str, micro: int, max_batches: int, world: int, rank: int) -> Iterator[tuple[torch.Tensor, bool]]:
+    """This rank's part of the first `max_batches * micro` blocks of a fixed split (the same global
+    set at any world size), strided over ranks, as (batch, counted) pairs. Every rank runs the same
+    number of forwards (sharded engines gather in them): a rank with fewer blocks gets filler
+    batches (`counted` False: a copy of the split's first block, whose result must be discarded)."""
     arr = data.blocks[split]
-    total = min(arr.shape[0], max_batches * micro)  # global: the same blocks at any world size
-    total -= total % world  # every rank runs the same number of forwards (sharded engines gather in them)
+    total = min(arr.shape[0], max_batches * micro)
     mine = np.arange(rank, total, world)
-    for i in range(0, len(mine), micro):
-        idx = mine[i : i + micro]
-        if len(idx):
-            yield torch.from_numpy(np.asarray(arr[idx]).astype(np.int64))
+    forwards = -(-(-(-total // world)) // micro)  # the most forwards any rank runs
+    for i in range(forwards):
+        idx = mine[i * micro : (i + 1) * micro]
+        counted = len(idx) > 0
+        yield torch.from_numpy(np.asarray(arr[idx if counted else [0]]).astype(np.int64)), counted
 
 
 class StreamSampler:
@@ -111,7 +115,8 @@ class StreamSampler:
         train = [t for t, c in zip(texts, split_codes(texts, self.cfg)) if c == SPLIT_CODE["train"]]
         if train:
             ids = self.tok(train, add_special_tokens=False)["input_ids"]
-            self.buffer = np.concatenate([self.buffer, *(np.asarray([*x, self.eos], dtype=np.int64) for x in ids)])
+            prefix = leading_specials(self.tok)  # a BOS the tokenizer puts before every text
+            self.buffer = np.concatenate([self.buffer, *(np.asarray([*prefix, *x, self.eos], dtype=np.int64) for x in ids)])
 
     def batch(self, step: int, micro_index: int) -> torch.Tensor:
         wanted = step * self.accum + micro_index

@@ -65,9 +65,11 @@ def evaluate(engine: Engine, data: PackedData, cfg: RunConfig, info: DistInfo, s
     every rank's summed token losses and counted tokens, summed over ranks, then divided."""
     engine.train(False)
     total, count = 0.0, 0.0
-    for batch in split_batches(data, split, cfg.micro_batch_size, cfg.eval_batches, info.world_size, info.rank):
-        total += float(engine.eval_loss_sum(batch.to(info.device)))
-        count += count_targets(batch)
+    for batch, counted in split_batches(data, split, cfg.micro_batch_size, cfg.eval_batches, info.world_size, info.rank):
+        loss_sum = float(engine.eval_loss_sum(batch.to(info.device)))  # a filler's forward still runs: sharded engines gather in it
+        if counted:
+            total += loss_sum
+            count += count_targets(batch)
     total, count = Collectives().sum([total, count])
     engine.train(True)
     mean = total / max(count, 1.0)

@@ -185,7 +185,7 @@ def _eval_exported(ws, hf: Path) -> float:
     assert len(AutoTokenizer.from_pretrained(str(hf))) == data.vocab_size
     total = count = 0.0
     with torch.no_grad():
-        for batch in split_batches(data, "eval", cfg.micro_batch_size, cfg.eval_batches, 1, 0):
+        for batch, _ in split_batches(data, "eval", cfg.micro_batch_size, cfg.eval_batches, 1, 0):
             total += float(causal_lm_loss(model, batch)) * batch.shape[0]
             count += batch.shape[0]
     return total / count

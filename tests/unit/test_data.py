@@ -65,11 +65,19 @@ def test_sampler_wraps_epochs_with_new_order(packed):
     assert not np.array_equal(e0, e1)  # ...in a different order
 
 
-def test_eval_batches_cover_the_same_blocks_at_any_world(packed):
+@pytest.mark.parametrize("max_batches", [3, 2])  # 6 blocks, and 4 (not a multiple of 3): each counted once at any world
+def test_eval_batches_cover_the_same_blocks_at_any_world(packed, max_batches):
     data, _ = packed
-    w1 = np.concatenate([b.numpy() for b in split_batches(data, "eval", 2, 3, 1, 0)])
-    w2 = np.concatenate([b.numpy() for r in range(2) for b in split_batches(data, "eval", 2, 3, 2, r)])
-    assert sorted(map(tuple, w1)) == sorted(map(tuple, w2)) and len(w1) == 6
+    micro = 2 if max_batches == 3 else 5 // max_batches
+    limit = max_batches * micro
+    w1 = [(b.numpy(), c) for b, c in split_batches(data, "eval", micro, max_batches, 1, 0)]
+    per_rank = {world: [list(split_batches(data, "eval", micro, max_batches, world, r)) for r in range(world)] for world in (2, 3)}
+    expected = sorted(map(tuple, np.concatenate([b for b, c in w1 if c])))
+    assert len(expected) == limit and all(c for _, c in w1)
+    for world, ranks in per_rank.items():
+        assert len({len(batches) for batches in ranks}) == 1  # the same number of forwards on every rank
+        counted = np.concatenate([b.numpy() for batches in ranks for b, c in batches if c])
+        assert sorted(map(tuple, counted)) == expected, world
 
 
 def test_local_jsonl_and_text_sources(tmp_path):
