@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from harness.config import DataConfig
+from harness.config import DataConfig, is_preset
 from harness.data import tokens as tokenization
 from harness.data.documents import SPLITS, is_token_file, open_documents, open_stream, pretokenized
-from harness.data.instructions import PAIRS, load_pairs, prepare_instructions
+from harness.data.instructions import EXAMPLES, LAYOUT_VERSION, load_examples, prepare_instructions
 from harness.data.tokenizer import eos_id, given_tokenizer, train_bpe_tokenizer
 from harness.distributed import FileLock
 from harness.errors import ConfigError
@@ -74,6 +74,10 @@ def cache_dir_for(model_name: str, cfg: DataConfig) -> str:
     content = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes what is written
     if cfg.format == "text":  # keys added with instruction data: text caches keep the names they had before
         del content["format"], content["packing"]
+        if cfg.tokenizer or not is_preset(model_name):  # a given tokenizer's leading specials (a BOS) are kept since
+            content["specials"] = "leading"
+    else:
+        content["layout"] = LAYOUT_VERSION
     key = json.dumps(
         {
             "format": FORMAT,
@@ -186,7 +190,7 @@ def _build(model_name: str, cfg: DataConfig, tmp: str, progress: bool) -> str:
         "seconds": time.perf_counter() - t0,
         "source": cfg.source,
     }
-    if "layout" in stats:  # instruction blocks: <split>.pairs.npy, and how many tokens carry a label
+    if "layout" in stats:  # instruction blocks: <split>.examples.npy, and how many tokens carry a label
         meta.update(layout=stats["layout"], labelled=stats["labelled"])
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -303,7 +307,7 @@ def load_packed(cache: str) -> PackedData:
     with open(os.path.join(cache, "meta.json")) as f:
         meta = json.load(f)
     seq, dtype = int(meta["seq_len"]), np.dtype(meta["dtype"])
-    blocks = load_pairs(cache) if meta.get("layout") == PAIRS else {}
+    blocks = load_examples(cache) if meta.get("layout") == EXAMPLES else {}
     for split in SPLITS if not blocks else ():
         n = int(meta["tokens"][split]) // seq
         path = os.path.join(cache, f"{split}.bin")

@@ -1,42 +1,53 @@
 """Instruction data (`data.format: instruction`): JSON lines of prompt/response pairs or chat
-`messages`, tokenized into blocks that carry their own labels, loss on the response only.
+`messages`, tokenized into blocks that carry their own labels and positions, loss on the
+response only.
 
-Each block is a pair of rows, `(input_ids, labels)`, stored as one `(n, 2, seq_len)` int32
-array per split (`<split>.pairs.npy`, memory-mapped). Labels are the token ids where the
-model must learn to answer and -100 on prompt tokens and padding, so the ordinary causal-LM
-loss (`harness.training.labelled_lm_loss`) counts response tokens only. The samplers,
-checkpoints and resume treat these blocks like any other (a block is a row of the array),
-so world-size invariance and exact resume hold unchanged.
+Each block is three rows, `(input_ids, labels, position_ids)`, stored as one `(n, 3, seq_len)`
+int32 array per split (`<split>.examples.npy`, memory-mapped). Labels are the token ids where
+the model must learn to answer and -100 on prompt tokens and padding, so the ordinary causal-LM
+loss (`harness.training.labelled_lm_loss`) counts response tokens only. Positions restart at 0
+with every example: given position ids and no attention mask, transformers confines attention
+to each example (its packed-sequence masks for sdpa/eager/flex; flash-attention's varlen path on
+a GPU), so packed examples never see each other. The samplers, checkpoints and resume treat
+these blocks like any other (a block is a row of the array).
 
-- `{"prompt": ..., "response": ...}`: prompt tokens, then response tokens and EOS (labelled).
+- `{"prompt": ..., "response": ...}`: the tokenizer's leading specials (a BOS, where it adds
+  one), prompt tokens, then response tokens and EOS (labelled).
 - `{"messages": [{"role": ..., "content": ...}, ...]}`: rendered with the tokenizer's chat
-  template when it has one (every assistant turn labelled: the tokens the template adds for
-  that turn), else with a plain `role: content` line per turn (logged).
+  template when it has one. Labelled: each assistant turn's content and its end-of-turn token -
+  the template's `{% generation %}` mask where it has one, else the tokens after the rendering
+  with `add_generation_prompt=True` (the assistant header) up to the turn's last special token.
+  Without a template, a plain `role: content` line per turn (logged).
 
-`data.packing: true` concatenates examples and cuts full blocks (no padding, examples may
-span blocks: the standard trade); `false` gives one example per block, truncated or padded
-with EOS (label -100). Padding is on the right, so causal attention never lets a labelled
-token see it. The split of an example is a seeded hash of its record, as for documents.
+`data.packing: true` packs whole examples into blocks, best-fit decreasing (TRL's BFD, axolotl's
+multipack): no example is cut at a block boundary and none is dropped; `false` gives one example
+per block. Either way an example longer than `seq_len` is truncated (counted, warned) and the
+rest of a block is padding (EOS, label -100, its own positions). The split of an example is a
+seeded hash of its record, as for documents.
 """
 
 from __future__ import annotations
 
+import bisect
 import glob
 import json
 import os
+import re
 from typing import Any
 
 import numpy as np
 
 from harness.config import DataConfig
 from harness.data.documents import SPLITS, split_of
-from harness.data.tokenizer import eos_id, given_tokenizer, train_bpe_tokenizer
+from harness.data.tokenizer import eos_id, given_tokenizer, leading_specials, train_bpe_tokenizer
 from harness.errors import ConfigError
 from harness.log import get_logger
 
 log = get_logger(__name__)
 IGNORE = -100
-PAIRS = "pairs"  # the cache layout name in meta.json
+EXAMPLES = "examples"  # the cache layout name in meta.json: (n, 3, seq_len) input_ids, labels, position_ids
+# What an instruction cache holds, in its key: a cache written by other rules is never read as this one.
+LAYOUT_VERSION = "examples-1: whole-example BFD packing, positions per example, assistant-content labels, leading specials"
 
 
 def record_kind(record: Any) -> str | None:
@@ -96,31 +107,66 @@ def _plain_turn(message: dict[str, Any]) -> str:
     return f"{message.get('role', 'user')}: {message.get('content', '')}\n"
 
 
-def encode_record(record: dict[str, Any], tok: Any, eos: int) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of one example: labels are -100 except on the response tokens."""
+def _ids(rendered: Any) -> list[int]:
+    return list(rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered)
+
+
+def _special_ids(tok: Any) -> set[int]:
+    ids = set(tok.all_special_ids)
+    ids.update(i for i, added in getattr(tok, "added_tokens_decoder", {}).items() if getattr(added, "special", False))
+    return ids
+
+
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def _template_labels(messages: list[dict[str, Any]], tok: Any) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of a conversation through the tokenizer's chat template."""
+    if GENERATION_TAG.search(tok.chat_template or ""):  # the template marks what the assistant generates
+        out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids = list(out["input_ids"])
+        return ids, [t if m else IGNORE for t, m in zip(ids, out["assistant_masks"])]
+    ids: list[int] = []
+    labels: list[int] = []
+    specials = _special_ids(tok)
+    for i, message in enumerate(messages):
+        # The template renders a prefix of the conversation the same way whatever follows: the
+        # tokens added by turn i are the difference between the renderings up to i and i + 1.
+        upto = _ids(tok.apply_chat_template(messages[: i + 1], tokenize=True, add_generation_prompt=False))
+        header = ids
+        if message.get("role") == "assistant":  # what the template writes before the assistant's words
+            header = _ids(tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True)) if i else ids
+            if upto[: len(header)] != header:
+                header = ids  # the template does not render a generation prompt as its turn begins
+        if upto[: len(ids)] != ids or header[: len(ids)] != ids:
+            raise ConfigError(
+                "the tokenizer's chat template renders a conversation prefix differently once more turns "
+                "follow; give prompt/response records instead"
+            )
+        labels += [IGNORE] * (len(header) - len(ids))
+        added = upto[len(header) :]
+        if message.get("role") == "assistant":
+            ends = [j for j, t in enumerate(added) if t in specials]
+            stop = ends[-1] + 1 if ends else len(added)  # through the end-of-turn token, not the whitespace after it
+            labels += added[:stop] + [IGNORE] * (len(added) - stop)
+        else:
+            labels += [IGNORE] * len(added)
+        ids = upto
+    return ids, labels
+
+
+def encode_record(record: dict[str, Any], tok: Any, eos: int, prefix: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one example: labels are -100 except on the response tokens.
+    `prefix`: the tokenizer's leading specials (`leading_specials`), put before a prompt or plain chat."""
+    prefix = list(prefix or [])
     if record_kind(record) == "prompt":
-        prompt = tok(record["prompt"], add_special_tokens=False)["input_ids"]
+        prompt = prefix + tok(record["prompt"], add_special_tokens=False)["input_ids"]
         response = tok(record["response"], add_special_tokens=False)["input_ids"] + [eos]
         return prompt + response, [IGNORE] * len(prompt) + response
     messages = record["messages"]
     if getattr(tok, "chat_template", None):
-        ids: list[int] = []
-        labels: list[int] = []
-        for i, message in enumerate(messages):
-            # The template renders a prefix of the conversation the same way whatever follows: the
-            # tokens added by turn i are the difference between the renderings up to i and i + 1.
-            upto = tok.apply_chat_template(messages[: i + 1], tokenize=True, add_generation_prompt=False)
-            upto = list(upto["input_ids"] if isinstance(upto, dict) or hasattr(upto, "keys") else upto)
-            if upto[: len(ids)] != ids:
-                raise ConfigError(
-                    "the tokenizer's chat template renders a conversation prefix differently once more turns "
-                    "follow; give prompt/response records instead"
-                )
-            added = upto[len(ids) :]
-            ids += added
-            labels += added if message.get("role") == "assistant" else [IGNORE] * len(added)
-        return ids, labels
-    ids, labels = [], []
+        return _template_labels(messages, tok)  # the template writes its own specials
+    ids, labels = prefix, [IGNORE] * len(prefix)
     for message in messages:
         piece = tok(_plain_turn(message), add_special_tokens=False)["input_ids"]
         if message.get("role") == "assistant":
@@ -130,26 +176,46 @@ def encode_record(record: dict[str, Any], tok: Any, eos: int) -> tuple[list[int]
     return ids, labels
 
 
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Example indices grouped into bins of at most `capacity` tokens: longest first, each into
+    the fullest bin it still fits (TRL's BFD, axolotl's multipack), so few bins and no example split."""
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free tokens, bin), sorted: the first that fits is the fullest
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        at = bisect.bisect_left(free, (lengths[i], -1))
+        if at == len(free):
+            bins.append([i])
+            room, b = capacity - lengths[i], len(bins) - 1
+        else:
+            room, b = free.pop(at)
+            bins[b].append(i)
+            room -= lengths[i]
+        if room > 0:
+            bisect.insort(free, (room, b))
+    return bins
+
+
 def to_blocks(examples: list[tuple[list[int], list[int]]], seq_len: int, packing: bool, eos: int) -> tuple[np.ndarray, int]:
-    """`(n, 2, seq_len)` int32 blocks, and how many examples lost labelled tokens to truncation."""
-    if packing:
-        ids = np.fromiter((t for e in examples for t in e[0]), dtype=np.int64)
-        labels = np.fromiter((t for e in examples for t in e[1]), dtype=np.int64)
-        n = len(ids) // seq_len
-        pairs = np.stack([ids[: n * seq_len].reshape(n, seq_len), labels[: n * seq_len].reshape(n, seq_len)], axis=1)
-        return pairs.astype(np.int32), 0
-    pairs = np.empty((len(examples), 2, seq_len), dtype=np.int32)
-    pairs[:, 0], pairs[:, 1] = eos, IGNORE
-    truncated = 0
-    for i, (ids_e, labels_e) in enumerate(examples):
-        k = min(len(ids_e), seq_len)
-        pairs[i, 0, :k], pairs[i, 1, :k] = ids_e[:k], labels_e[:k]
-        truncated += int(any(lab != IGNORE for lab in labels_e[seq_len:]))
-    return pairs, truncated
+    """`(n, 3, seq_len)` int32 blocks (input_ids, labels, position_ids) of whole examples, and how
+    many examples lost labelled tokens to truncation at `seq_len`."""
+    truncated = sum(any(lab != IGNORE for lab in labels[seq_len:]) for _, labels in examples)
+    # An example's first token is never a target: in a packed block it would be predicted from the previous example.
+    cut = [(ids[:seq_len], [IGNORE, *labels[1:seq_len]]) for ids, labels in examples if ids]
+    groups = best_fit_decreasing([len(ids) for ids, _ in cut], seq_len) if packing else [[i] for i in range(len(cut))]
+    blocks = np.empty((len(groups), 3, seq_len), dtype=np.int32)
+    for b, group in enumerate(groups):
+        ids = [t for i in group for t in cut[i][0]]
+        labels = [t for i in group for t in cut[i][1]]
+        positions = [p for i in group for p in range(len(cut[i][0]))]
+        pad = seq_len - len(ids)  # the rest: EOS, no label, positions of its own (a segment nothing attends across)
+        blocks[b, 0] = ids + [eos] * pad
+        blocks[b, 1] = labels + [IGNORE] * pad
+        blocks[b, 2] = positions + list(range(pad))
+    return blocks, truncated
 
 
 def prepare_instructions(model_name: str, cfg: DataConfig, out: str) -> dict[str, Any]:
-    """Write `<out>/<split>.pairs.npy` for every split; returns the cache statistics (with the tokenizer)."""
+    """Write `<out>/<split>.examples.npy` for every split; returns the cache statistics (with the tokenizer)."""
     records = read_records(cfg.source)
     splits = [split_of(json.dumps(r, sort_keys=True), cfg) for r in records]
     tok = given_tokenizer(model_name, cfg)
@@ -159,6 +225,7 @@ def prepare_instructions(model_name: str, cfg: DataConfig, out: str) -> dict[str
     if any(record_kind(r) == "messages" for r in records) and not getattr(tok, "chat_template", None):
         log.info("data: the tokenizer has no chat template; messages are rendered as 'role: content' lines")
     eos = eos_id(tok, cfg)
+    prefix = leading_specials(tok)
     stats: dict[str, Any] = {
         "tokens": {},
         "documents": {},
@@ -167,33 +234,35 @@ def prepare_instructions(model_name: str, cfg: DataConfig, out: str) -> dict[str
         "dtype": "int32",
         "max_id": eos,
         "tokenizer": tok,
-        "layout": PAIRS,
+        "layout": EXAMPLES,
     }
     for split in SPLITS:
-        examples = [encode_record(r, tok, eos) for r, s in zip(records, splits) if s == split]
-        pairs, truncated = to_blocks(examples, cfg.seq_len, cfg.packing, eos)
+        examples = [encode_record(r, tok, eos, prefix) for r, s in zip(records, splits) if s == split]
+        blocks, truncated = to_blocks(examples, cfg.seq_len, cfg.packing, eos)
         if truncated:
             log.warning(f"data: {truncated} {split} examples are longer than data.seq_len={cfg.seq_len}; their response is cut")
-        np.save(os.path.join(out, f"{split}.{PAIRS}.npy"), pairs)
-        stats["tokens"][split] = int(pairs.shape[0] * cfg.seq_len)
+        np.save(os.path.join(out, f"{split}.{EXAMPLES}.npy"), blocks)
+        stats["tokens"][split] = int(blocks.shape[0] * cfg.seq_len)
         stats["documents"][split] = len(examples)
-        stats["labelled"][split] = int((pairs[:, 1] != IGNORE).sum())
-        stats["max_id"] = max(stats["max_id"], int(pairs[:, 0].max()) if pairs.size else 0)
+        stats["labelled"][split] = int((blocks[:, 1] != IGNORE).sum())
+        stats["max_id"] = max(stats["max_id"], int(blocks[:, 0].max()) if blocks.size else 0)
         stats["bytes"] += sum(len(t.encode("utf-8")) for r, s in zip(records, splits) if s == split for t in _texts(r))
     return stats
 
 
-def load_pairs(cache: str) -> dict[str, np.ndarray]:
-    """The memory-mapped `(n, 2, seq_len)` blocks of every split."""
-    return {split: np.load(os.path.join(cache, f"{split}.{PAIRS}.npy"), mmap_mode="r") for split in SPLITS}
+def load_examples(cache: str) -> dict[str, np.ndarray]:
+    """The memory-mapped `(n, 3, seq_len)` blocks of every split."""
+    return {split: np.load(os.path.join(cache, f"{split}.{EXAMPLES}.npy"), mmap_mode="r") for split in SPLITS}
 
 
 __all__ = [
+    "EXAMPLES",
     "IGNORE",
-    "PAIRS",
+    "LAYOUT_VERSION",
+    "best_fit_decreasing",
     "check_record",
     "encode_record",
-    "load_pairs",
+    "load_examples",
     "prepare_instructions",
     "read_records",
     "record_kind",

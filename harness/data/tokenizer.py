@@ -61,6 +61,16 @@ def eos_id(tok: PreTrainedTokenizerFast | None, cfg: DataConfig) -> int:
     return int(cfg.eos_id) if cfg.eos_id is not None else 0
 
 
+def leading_specials(tok: Any) -> list[int]:
+    """The ids the tokenizer puts before every text (a BOS), which `add_special_tokens=False`
+    drops: a model trained with BOS on every sequence degrades several-fold without it."""
+    full, plain = tok("a")["input_ids"], tok("a", add_special_tokens=False)["input_ids"]
+    for k in range(len(full) - len(plain) + 1):
+        if full[k : k + len(plain)] == plain:
+            return list(full[:k])
+    return []
+
+
 def load_tokenizer(directory: str) -> Any:
     """The tokenizer saved in a directory (a cache's, a model's)."""
     from transformers import AutoTokenizer  # lazily, see harness.data.documents

@@ -12,6 +12,7 @@ import numpy as np
 
 from harness.config import DataConfig
 from harness.data.documents import SPLIT_CODE, SPLITS, split_codes, split_of
+from harness.data.tokenizer import leading_specials
 from harness.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -73,6 +74,9 @@ def encode_texts(texts: list[str], tok: Any, cfg: DataConfig, eos: int, dtype: t
     codes = split_codes(texts, cfg)
     keep = [i for i in range(len(texts)) if not (skip_train and codes[i] == TRAIN)]
     ids_list = tok([texts[i] for i in keep], add_special_tokens=False)["input_ids"] if keep else []
+    prefix = leading_specials(tok)  # a BOS the tokenizer puts before every text: every document keeps it
+    if prefix:
+        ids_list = [prefix + list(ids) for ids in ids_list]
     nbytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
     return _pack(ids_list, codes[keep], nbytes, eos, dtype)
 

@@ -180,7 +180,8 @@ def causal_lm_loss(
     labels: torch.Tensor | None = None,
     chunk_size: int = 0,
     attention_mask: torch.Tensor | None = None,
-    num_items: int | torch.Tensor | None = None,
+    num_items: float | torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32 of ``model`` on ``input_ids``; same value as HF's loss.
 
@@ -188,12 +189,16 @@ def causal_lm_loss(
     a DeepSpeed engine. ``labels`` defaults to ``input_ids`` (shifted inside; ``-100`` is
     ignored). ``num_items``: divide the summed loss by this count instead of this batch's
     token count, so that gradient accumulation over micro-batches of uneven token counts
-    equals one big batch (HF's ``num_items_in_batch``).
+    equals one big batch (HF's ``num_items_in_batch``). ``position_ids`` restarting inside a
+    row (packed examples) with no ``attention_mask``: transformers confines attention to each
+    example.
     """
     targets = shift_targets(input_ids if labels is None else labels)
     kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
     if chunk_size > 0:
         install_loss_forward(model)
         total = model(**kwargs, harness_targets=targets, harness_chunk_size=chunk_size)
@@ -210,19 +215,22 @@ def causal_lm_loss(
 def labelled_lm_loss(
     model: nn.Module, batch: torch.Tensor, chunk_size: int = 0, num_items: float | torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The loss of `(B, 2, S)` blocks of (input_ids, labels) - instruction data, where labels are
-    -100 on prompt tokens and padding - summed over the labelled tokens and divided by
-    ``num_items`` (default: this micro-batch's labelled count). A micro-batch without one
-    labelled token (a prompt longer than the block) contributes 0, not 0/0."""
+    """The loss of `(B, 3, S)` blocks of (input_ids, labels, position_ids) - instruction data
+    (`harness.data.instructions`), where labels are -100 on prompt tokens and padding and
+    positions restart with every packed example - summed over the labelled tokens and divided
+    by ``num_items`` (default: this micro-batch's labelled count). `(B, 2, S)` blocks have no
+    positions (one sequence per row). A micro-batch without one labelled token (a prompt
+    longer than the block) contributes 0, not 0/0."""
     input_ids, labels = batch[:, 0].contiguous(), batch[:, 1].contiguous()
+    positions = batch[:, 2].contiguous() if batch.shape[1] > 2 else None
     if num_items is None:
         num_items = (shift_targets(labels) != IGNORE_INDEX).sum().clamp(min=1)
-    return causal_lm_loss(model, input_ids, labels, chunk_size=chunk_size, num_items=num_items)
+    return causal_lm_loss(model, input_ids, labels, chunk_size=chunk_size, num_items=num_items, position_ids=positions)
 
 
 def count_targets(batch: torch.Tensor) -> int:
     """The tokens a batch's loss counts: every next-token target of `(B, S)` text blocks, the
-    labelled ones of `(B, 2, S)` (input_ids, labels) blocks. The denominator that weights every
+    labelled ones of `(B, 3, S)` (input_ids, labels, position_ids) blocks. The denominator that weights every
     counted token of a step equally, however the step is split into micro-batches and ranks."""
     labels = batch[:, 1] if batch.dim() == 3 else batch
     return int((shift_targets(labels) != IGNORE_INDEX).sum())

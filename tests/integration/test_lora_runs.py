@@ -124,7 +124,7 @@ def _eval_loss(model: torch.nn.Module, ref: Path) -> float:
     data = load_packed(cache_dir_for(cfg.model.name, cfg.data))  # the run's own cache (the session's holds several)
     total, count = 0.0, 0
     with torch.no_grad():
-        for batch in split_batches(data, "eval", cfg.micro_batch_size, cfg.eval_batches, 1, 0):
+        for batch, _ in split_batches(data, "eval", cfg.micro_batch_size, cfg.eval_batches, 1, 0):
             total += float(labelled_lm_loss(model, batch, num_items=1))  # the summed token losses
             count += count_targets(batch)
     return total / count

@@ -58,10 +58,11 @@ def test_chat_messages_label_assistant_turns_through_the_template():
 
 def test_blocks_packed_and_padded():
     examples = [([1, 2, 3], [IGNORE, 2, 3]), ([4, 5, 6, 7, 8], [IGNORE, IGNORE, 6, 7, 8])]
-    packed, _ = to_blocks(examples, seq_len=4, packing=True, eos=0)
-    assert packed.shape == (2, 2, 4)
-    assert packed[:, 0].ravel().tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert packed[:, 1].ravel().tolist() == [IGNORE, 2, 3, IGNORE, IGNORE, 6, 7, 8]
+    packed, _ = to_blocks(examples, seq_len=8, packing=True, eos=0)
+    assert packed.shape == (1, 3, 8)  # both whole in one block, the longer first
+    assert packed[0, 0].tolist() == [4, 5, 6, 7, 8, 1, 2, 3]
+    assert packed[0, 1].tolist() == [IGNORE, IGNORE, 6, 7, 8, IGNORE, 2, 3]
+    assert packed[0, 2].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
     padded, truncated = to_blocks(examples, seq_len=4, packing=False, eos=0)
     assert padded[0, 0].tolist() == [1, 2, 3, 0] and padded[0, 1].tolist() == [IGNORE, 2, 3, IGNORE]
     assert truncated == 1  # the second example's last response token did not fit

@@ -1,0 +1,142 @@
+"""Instruction data, in process: whole-example packing that keeps examples apart, chat labels
+equal to HF's assistant mask, and the tokenizer's leading specials kept."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, processors
+
+from harness.data.instructions import IGNORE, best_fit_decreasing, encode_record, to_blocks
+from harness.data.tokenizer import leading_specials, train_bpe_tokenizer
+from harness.models import build_model
+
+SEQ = 64
+
+
+def random_examples(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Examples of 4..40 tokens whose last part (the response) is labelled."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length, prompt = rng.randint(4, 40), rng.randint(1, 3)
+        ids = [rng.randrange(1, vocab) for _ in range(length)]
+        out.append((ids, [IGNORE] * prompt + ids[prompt:]))
+    return out
+
+
+def unpack(blocks) -> list[tuple[list[int], list[int]]]:
+    """The examples of packed blocks, cut where the positions restart (padding dropped: no label, EOS)."""
+    out = []
+    for ids, labels, positions in blocks.tolist():
+        starts = [i for i, p in enumerate(positions) if p == 0] + [SEQ]
+        for a, b in zip(starts, starts[1:]):
+            if any(lab != IGNORE for lab in labels[a:b]) or ids[a:b] != [0] * (b - a):
+                out.append((ids[a:b], labels[a:b]))
+    return out
+
+
+def test_packing_keeps_every_example_whole_in_few_blocks():
+    examples = random_examples(300, 500)
+    blocks, truncated = to_blocks(examples, SEQ, packing=True, eos=0)
+    assert truncated == 0 and blocks.shape[1:] == (3, SEQ)
+    expected = sorted((ids, [IGNORE, *labels[1:]]) for ids, labels in examples)  # a first token is never a target
+    assert sorted(unpack(blocks)) == expected  # none cut at a boundary, none dropped
+    tokens = sum(len(ids) for ids, _ in examples)
+    assert blocks.shape[0] <= 1.02 * -(-tokens // SEQ) + 1  # best-fit decreasing: within ~2% of the bound
+
+
+def test_best_fit_puts_each_example_in_the_fullest_block_it_fits():
+    assert best_fit_decreasing([5, 3, 2, 6, 1, 4], 6) == [[3], [0, 4], [5, 2], [1]]
+
+
+def _per_example_loss(model, ids, labels, positions=None) -> torch.Tensor:
+    kwargs = {"position_ids": positions[None]} if positions is not None else {}
+    logits = model(input_ids=ids[None], use_cache=False, **kwargs).logits[0].float()
+    return F.cross_entropy(logits[:-1], labels[1:], ignore_index=IGNORE, reduction="none")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_packed_examples_loss_equals_the_example_alone(attn):
+    torch.manual_seed(0)
+    model = build_model("tiny-llama", vocab_size=128, config_overrides={"attn_implementation": attn}).eval()
+    blocks, _ = to_blocks(random_examples(12, 128, seed=1), SEQ, packing=True, eos=0)
+    blocks = torch.from_numpy(blocks.astype("int64"))
+    compared = leaked = 0
+    with torch.no_grad():
+        for ids, labels, positions in blocks:
+            packed = _per_example_loss(model, ids, labels, positions)
+            crossed = _per_example_loss(model, ids, labels)  # no positions: attention crosses examples
+            starts = [int(i) for i in torch.nonzero(positions == 0)] + [SEQ]
+            for a, b in zip(starts, starts[1:]):
+                if (labels[a:b] == IGNORE).all():
+                    continue  # padding
+                alone = _per_example_loss(model, ids[a:b], labels[a:b])
+                assert packed[a : b - 1].sum() == pytest.approx(float(alone.sum()), rel=1e-5, abs=1e-5)
+                compared += 1
+                leaked += a > 0 and abs(float(crossed[a : b - 1].sum() - alone.sum())) > 1e-3
+    assert compared == 12 and leaked > 0  # every example checked; without positions they see each other
+
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    "{% else %}{{ m['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+CONVERSATION = [
+    {"role": "system", "content": "You sort words."},
+    {"role": "user", "content": "Sort: pear apple"},
+    {"role": "assistant", "content": "apple pear"},
+    {"role": "user", "content": "Sort: fig date"},
+    {"role": "assistant", "content": "date fig"},
+]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    texts = [m["content"] for m in CONVERSATION] * 20 + ["system user assistant sort words"] * 20
+    tok = train_bpe_tokenizer([texts], 300, str(tmp_path_factory.mktemp("bpe")))
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS, "bos_token": "<|begin_of_text|>"})
+    return tok
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA3], ids=["chatml", "llama3"])
+def test_chat_labels_equal_hfs_assistant_mask(bpe, template):
+    """HF's mask comes from the template's {% generation %} marks; ours, from the same template
+    without them (as most shipped templates are): the assistant content and its end-of-turn token."""
+    bpe.chat_template = template
+    hf = bpe.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    expected = [t if m else IGNORE for t, m in zip(hf["input_ids"], hf["assistant_masks"])]
+    bpe.chat_template = template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    ids, labels = encode_record({"messages": CONVERSATION}, bpe, eos=bpe.eos_token_id)
+    assert ids == list(hf["input_ids"])
+    assert labels == expected
+    labelled = bpe.decode([t for t in labels if t != IGNORE])
+    assert "assistant" not in labelled and labelled.count("apple pear") == 1
+    bpe.chat_template = template  # with the marks: HF's own mask
+    assert encode_record({"messages": CONVERSATION}, bpe, eos=bpe.eos_token_id)[1] == expected
+
+
+def test_a_tokenizers_bos_is_kept(bpe, tmp_path):
+    """A tokenizer that puts BOS before every text keeps it on every example."""
+    assert leading_specials(bpe) == []  # this one adds nothing
+    backend: Tokenizer = bpe.backend_tokenizer
+    bos = bpe.bos_token_id
+    backend.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    try:
+        assert leading_specials(bpe) == [bos]
+        ids, labels = encode_record({"prompt": "Sort: fig date", "response": " date fig"}, bpe, 0, leading_specials(bpe))
+        assert ids[0] == bos and labels[0] == IGNORE and ids[1:].count(bos) == 0
+    finally:
+        backend.post_processor = None
