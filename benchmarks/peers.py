@@ -73,6 +73,7 @@ def harness_side(row: dict, model: Path, args: argparse.Namespace, work: Path) -
         "data": {"seq_len": data.seq_len, "max_tokens": data.max_tokens, "cache_dir": data.cache_dir},
         "micro_batch_size": args.micro_batch,
         "steps": args.steps,
+        "optim": {"lr": args.lr},  # the rate Trainer gets (harness's own default depends on what is trained)
         "eval_batches": 1,
         "logging": {"wandb": False},
         "output_dir": str(out),
@@ -194,7 +195,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=200_000, help="cap on the train split harness prepares")
-    parser.add_argument("--lr", type=float, default=3e-3, help="harness's default, given to Trainer too")
+    parser.add_argument("--lr", type=float, default=3e-3, help="the learning rate of both sides (speed does not depend on it)")
     parser.add_argument("--trainer-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trainer_worker:
