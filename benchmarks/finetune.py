@@ -121,7 +121,7 @@ def greedy(model, tok, prompt: str) -> str:
 def trainer_losses(model_dir: Path, cfg_path: Path, args: argparse.Namespace, work: Path) -> list[float]:
     """HF Trainer + peft on harness's global batches, in harness's order (see the module docstring)."""
     import torch
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from harness.config import load_config
     from harness.data import BatchSampler, load_packed, prepare_data
@@ -140,12 +140,7 @@ def trainer_losses(model_dir: Path, cfg_path: Path, args: argparse.Namespace, wo
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(o, cfg.steps))
-    losses: list[float] = []
-
-    class Losses(TrainerCallback):
-        def on_log(self, _args, _state, _control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                losses.append(float(logs["loss"]))
+    micro_losses: list[float] = []  # what Trainer backpropagates per micro-batch: its share of the step's loss
 
     targs = TrainingArguments(
         output_dir=str(work / "trainer"),
@@ -162,12 +157,22 @@ def trainer_losses(model_dir: Path, cfg_path: Path, args: argparse.Namespace, wo
     )
 
     class InOrder(Trainer):
+        """Harness's batch order, and the unrounded loss (Trainer's log rounds it to 4 decimals)."""
+
         def _get_train_sampler(self, *a, **k):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    collate = lambda batch: {k: torch.stack([b[k] for b in batch]) for k in batch[0]}
+        def training_step(self, *a, **k):
+            loss = super().training_step(*a, **k)
+            micro_losses.append(float(loss))
+            return loss
+
+    def collate(batch: list[dict]) -> dict:
+        return {k: torch.stack([b[k] for b in batch]) for k in batch[0]}
+
     InOrder(model=model, args=targs, train_dataset=dataset, data_collator=collate, optimizers=(optimizer, scheduler)).train()
-    return losses
+    # with num_items_in_batch each micro-batch's loss is its share of the step's token mean: their sum is the step's loss
+    return [sum(micro_losses[i : i + args.grad_accum]) for i in range(0, len(micro_losses), args.grad_accum)]
 
 
 def main() -> None:
