@@ -140,3 +140,19 @@ def test_a_tokenizers_bos_is_kept(bpe, tmp_path):
         assert ids[0] == bos and labels[0] == IGNORE and ids[1:].count(bos) == 0
     finally:
         backend.post_processor = None
+
+
+def test_the_chunked_loss_sees_the_packed_positions_too():
+    """`memory.loss_chunk_size` runs the model body inside its own forward: the positions must reach it."""
+    from harness.training import labelled_lm_loss
+
+    torch.manual_seed(0)
+    model = build_model("tiny-llama", vocab_size=128).eval()
+    blocks, _ = to_blocks(random_examples(12, 128, seed=1), SEQ, packing=True, eos=0)
+    batch = torch.from_numpy(blocks.astype("int64"))
+    with torch.no_grad():
+        plain = labelled_lm_loss(model, batch)
+        chunked = labelled_lm_loss(model, batch, chunk_size=16)
+        crossing = labelled_lm_loss(model, batch[:, :2])  # (input_ids, labels) only: examples see each other
+    assert float(chunked) == pytest.approx(float(plain), rel=1e-6)
+    assert abs(float(crossing) - float(plain)) > 1e-4
