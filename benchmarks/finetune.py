@@ -125,7 +125,7 @@ def trainer_losses(model_dir: Path, cfg_path: Path, args: argparse.Namespace, wo
 
     from harness.config import load_config
     from harness.data import BatchSampler, load_packed, prepare_data
-    from harness.models import apply_lora
+    from harness.models import apply_lora, init_adapters
     from harness.training import lr_lambda
 
     cfg = load_config(str(cfg_path))
@@ -135,7 +135,8 @@ def trainer_losses(model_dir: Path, cfg_path: Path, args: argparse.Namespace, wo
     rows = [row for step in range(args.steps) for row in sampler.batch(step, 0)]
     dataset = [{"input_ids": r[0], "labels": r[1], "position_ids": r[2]} for r in rows]
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model = apply_lora(base, cfg.lora, cfg.model.seed)  # the same peft LoraConfig and seeded adapter init as the run
+    model = apply_lora(base, cfg.lora, cfg.model.seed)  # the same peft LoraConfig as the run
+    init_adapters(model, cfg.model.seed)  # and the same adapter init
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)

@@ -20,7 +20,7 @@ from harness.config import RunConfig, Strategy
 from harness.distributed import DistInfo
 from harness.engine.storage import local_part
 from harness.memory import apply_activation_checkpointing, apply_compile
-from harness.models import ModelSpec, build_run_model, decoder_blocks, empty_model, fill, is_quantized
+from harness.models import LoraWeights, ModelSpec, build_run_model, decoder_blocks, empty_lora_model, empty_model, fill, is_quantized
 from harness.training import PrecisionPolicy
 
 
@@ -63,8 +63,19 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
     return model
 
 
+def empty_model_to_train(spec: ModelSpec, cfg: RunConfig, dtype: torch.dtype) -> nn.Module:
+    """The model a run trains, on the meta device in `dtype`: the spec's, with LoRA adapters
+    injected (`lora.enabled`, unquantized) before anything is allocated. Fill it from
+    `WeightsToLoad(spec, lora=cfg.lora.enabled)` once materialized (sharded or not)."""
+    model = empty_model(spec.config)
+    if cfg.lora.enabled:
+        model = empty_lora_model(model, cfg.lora)
+    return model.to(dtype=dtype)
+
+
 def lora_base(spec: ModelSpec, cfg: RunConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
-    """The frozen base built whole with its adapters, on the device in `dtype`, AC and compile applied."""
+    """The frozen base built whole with its adapters, on the device in `dtype`, AC and compile
+    applied: a QLoRA base (bitsandbytes quantizes it on load) and DeepSpeed's LoRA path."""
     model = build_run_model(cfg, spec.config.vocab_size, info.device.index or 0)
     if not is_quantized(model):  # a QLoRA base was placed and typed by bitsandbytes on load
         model.to(device=info.device, dtype=dtype)
@@ -74,12 +85,15 @@ def lora_base(spec: ModelSpec, cfg: RunConfig, info: DistInfo, dtype: torch.dtyp
 
 class WeightsToLoad:
     """The spec's weights (a checkpoint or the seeded init) written into whatever part of each
-    parameter this rank stores, read from a template of the model kept on the meta device."""
+    parameter this rank stores, read from a template of the model kept on the meta device.
+    `lora`: the model has adapters (`empty_lora_model`): the base's weights plus the adapters' seeded init."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, lora: bool = False):
         self.template = empty_model(spec.config)
         self.source = spec.source(self.template)
         self.fallback = spec.fallback(self.template)
+        if lora:
+            self.source, self.fallback = LoraWeights(self.source, spec.seed), LoraWeights(self.fallback, spec.seed)
 
     def fill(self, model: nn.Module) -> None:
         fill(model, self.source, part_of=local_part, fallback=self.fallback)

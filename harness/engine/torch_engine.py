@@ -31,11 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 from harness.config import RunConfig
 from harness.distributed import DistInfo, local_tensor
 from harness.engine.base import Engine, LossFn, StepResult
-from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, fsdp_wrap, lora_base
+from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, empty_model_to_train, fsdp_wrap, lora_base
 from harness.engine.plan import EnginePlan
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
 from harness.memory import OptimizerInBackward
-from harness.models import ModelSpec, empty_model, materialize
+from harness.models import ModelSpec, materialize
 from harness.training import build_optimizer, build_scheduler
 
 
@@ -146,16 +146,17 @@ class TorchEngine(Engine):
     def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
         """Single, DDP: the model built directly on the device in its working dtype. FSDP2: built on
         the meta device, AC and compile applied, sharded, then each rank allocates and fills only its
-        shards. LoRA/QLoRA: peft injects adapters into a built model, so the frozen base is built
-        whole on each rank (a QLoRA base quantized on load by bitsandbytes), then sharded like any model."""
+        shards. LoRA: the adapters are injected into the meta model first, so a LoRA run loads like a
+        full fine-tune (each rank its part). QLoRA: bitsandbytes quantizes a base it loads whole on
+        each rank, which is then sharded like any model."""
         strategy, policy = plan.strategy, plan.precision
-        if cfg.lora.enabled:
+        if cfg.lora.enabled and cfg.lora.quantize != "none":  # bitsandbytes quantizes a whole base on load
             model = lora_base(spec, cfg, info, policy.param_dtype)
             if plan.kind == "fsdp":
                 fsdp_wrap(model, strategy, policy, info)
             return model
-        model = empty_model(spec.config).to(dtype=policy.param_dtype)
-        weights = WeightsToLoad(spec)
+        model = empty_model_to_train(spec, cfg, policy.param_dtype)
+        weights = WeightsToLoad(spec, lora=cfg.lora.enabled)
         if plan.kind == "fsdp":
             apply_memory_techniques(model, cfg)
             fsdp_wrap(model, strategy, policy, info)

@@ -16,9 +16,12 @@ from harness.models.build import (
     preset_config,
 )
 from harness.models.lora import (
+    LoraWeights,
     apply_lora,
     build_run_model,
     default_target_modules,
+    empty_lora_model,
+    init_adapters,
     is_quantized,
     load_quantized_base,
     resolve_target_modules,
@@ -29,6 +32,7 @@ from harness.models.weights import CheckpointWeights, InitWeights, Part, WeightS
 
 __all__ = [
     "PRESETS",
+    "LoraWeights",
     "BlocksNotFound",
     "CheckpointWeights",
     "InitWeights",
@@ -46,6 +50,8 @@ __all__ = [
     "decoder_block_list",
     "decoder_blocks",
     "default_target_modules",
+    "empty_lora_model",
+    "init_adapters",
     "empty_model",
     "fill",
     "is_preset",

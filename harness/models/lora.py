@@ -17,6 +17,7 @@ needs a CUDA GPU; the run config's checks refuse it before launch on a machine w
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.models.blocks import decoder_blocks
 from harness.models.build import build_model
+from harness.models.weights import clean_name, module_seed
 
 log = get_logger(__name__)
 
@@ -84,14 +86,17 @@ def wrap_peft(model: nn.Module, cfg: LoraConfig, targets: list[str], seed: int) 
 def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
     """Freeze the base and inject adapters; returns the HF module the engines train (the same object)."""
     targets = resolve_target_modules(model, cfg)
-    wrapped = wrap_peft(model, cfg, targets, seed)
-    inner = wrapped.base_model.model
+    inner = wrap_peft(model, cfg, targets, seed).base_model.model
+    _log_adapters(inner, cfg, targets)
+    return inner
+
+
+def _log_adapters(inner: nn.Module, cfg: LoraConfig, targets: list[str]) -> None:
     trainable, total = trainable_counts(inner)
     log.info(
         f"LoRA r={cfg.r} alpha={cfg.alpha:g} on {targets}: {trainable:,} trainable of {total:,} parameters "
         f"({100.0 * trainable / max(total, 1):.2f}%), base frozen{'' if cfg.quantize == 'none' else ', ' + cfg.quantize}"
     )
-    return inner
 
 
 def trainable_counts(model: nn.Module) -> tuple[int, int]:
@@ -145,6 +150,40 @@ def load_quantized_base(name_or_path: str, quantize: str, compute_dtype: torch.d
     return model
 
 
+def empty_lora_model(template: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """`template` (a model on the meta device) with adapters injected, still on the meta device
+    (peft's `low_cpu_mem_usage`): sharded and filled like any model, so no rank ever holds the
+    whole base. Returns the HF module the engines train; fill it from `LoraWeights`."""
+    import peft
+
+    targets = resolve_target_modules(template, cfg)
+    inner = peft.get_peft_model(template, peft_config(cfg, targets), low_cpu_mem_usage=True).base_model.model
+    _log_adapters(inner, cfg, targets)
+    return inner
+
+
+class LoraWeights:
+    """The weights of a LoRA model built on the meta device: the base's from `base` (a
+    `WeightSource` of the model without adapters: peft's `.base_layer` segment dropped), the
+    adapters' from peft's own init rule (lora_A Kaiming-uniform with a = sqrt(5), lora_B zero)
+    under a seed of each adapter's own, so every rank and world size starts from the same."""
+
+    ADAPTER = ".lora_"
+
+    def __init__(self, base: Any, seed: int):
+        self.base, self.seed = base, seed
+
+    def read(self, names: Any, shape: Any, start: int, end: int) -> torch.Tensor | None:
+        if self.ADAPTER not in names[0]:
+            return self.base.read([n.replace(".base_layer.", ".") for n in names], shape, start, end)
+        full = torch.zeros(tuple(shape), dtype=torch.float32)
+        if ".lora_A." in names[0]:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module_seed(self.seed, names[0]))
+                nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+        return full.reshape(-1)[start:end]
+
+
 def build_run_model(cfg: RunConfig, vocab_size: int, device_index: int = 0) -> nn.Module:
     """The model a run trains: the preset or pretrained model (quantized on load for QLoRA), with
     LoRA adapters on a frozen base when `lora.enabled`. Resume rebuilds the same base this way,
@@ -156,11 +195,25 @@ def build_run_model(cfg: RunConfig, vocab_size: int, device_index: int = 0) -> n
         model = build_model(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora, seed=cfg.model.seed)
+        init_adapters(model, cfg.model.seed)
     return model
 
 
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """The adapters of a built LoRA model set by `LoraWeights`' rule: the same start as a model
+    built on the meta device and filled, whichever way a run builds it."""
+    rule = LoraWeights(None, seed)
+    for name, p in model.named_parameters():
+        if LoraWeights.ADAPTER in name:
+            p.copy_(rule.read([clean_name(name)], tuple(p.shape), 0, p.numel()).view(p.shape).to(p.dtype))
+
+
 __all__ = [
+    "LoraWeights",
     "apply_lora",
+    "empty_lora_model",
+    "init_adapters",
     "build_run_model",
     "default_target_modules",
     "is_quantized",

@@ -285,7 +285,11 @@ def evaluate_lora(
         return Evaluated(c, cost, False, need, f"QLoRA needs a CUDA GPU (bitsandbytes kernels); {gib(need)} on one would hold it")
     if need > gpu_mem:
         return Evaluated(c, cost, False, need, f"needs {gib(need)} > {gib(gpu_mem)} ({adapters})")
-    host = info.total * 4 * per_node  # LoRA builds the frozen base whole in fp32 on the host, then injects adapters
+    # Unquantized LoRA under torch's engines is built on the meta device and filled a tensor at a
+    # time (like a full fine-tune); QLoRA (bitsandbytes quantizes on load) and DeepSpeed's LoRA
+    # path build the frozen base whole in fp32 on the host.
+    meta_built = c.lora == "lora" and not c.strategy.startswith("zero")
+    host = (info.largest if meta_built else info.total) * 4 * per_node
     if cpu_mem is not None and host > cpu_mem:
         return Evaluated(c, cost, False, need, f"needs {gib(host)} host memory per node to build the model > {gib(cpu_mem)}")
     return Evaluated(

@@ -27,6 +27,10 @@ from model_families import VOCAB, save_families
 
 FAMILIES = ("llama", "qwen2", "opt", "gpt_neox", "gpt2")
 STRATEGIES = ("fsdp", "zero3")
+# LoRA (adapters injected on the meta device, then sharded and filled like any model): under
+# FSDP2, on an untied and a tied model. (DeepSpeed's LoRA path still builds the base whole.)
+LORA_CASES = ["tiny-llama+lora/fsdp", "qwen2+lora/fsdp"]
+CASES = [f"{family}/{strategy}" for family in ["tiny-llama", *FAMILIES] for strategy in STRATEGIES] + LORA_CASES
 
 
 # ----------------------------------------------------------------------------- worker
@@ -42,7 +46,7 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
     from harness.distributed import init_distributed, teardown
     from harness.engine import build_engine, hidden_size_of, load_model, plan_engine
     from harness.engine.storage import local_part
-    from harness.models import CheckpointWeights, build_model, clean_name, model_spec
+    from harness.models import CheckpointWeights, build_model, build_run_model, clean_name, model_spec
     from harness.training import causal_lm_loss
 
     dirs = json.loads(dirs_json)
@@ -50,15 +54,16 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
     info = None
     cases = [
         (family, strategy)
-        for family in ["tiny-llama", *FAMILIES]
-        for strategy in STRATEGIES
+        for family, strategy in (case.split("/") for case in CASES)
         if not only or f"{family}/{strategy}" in only.split(",")
     ]
     for family, strategy in cases:
-        path = dirs.get(family, family)
+        base, _, lora = family.partition("+")
+        path = dirs.get(base, base)
         cfg = load_config(
             None,
             [
+                *(["lora.enabled=true", "lora.r=4"] if lora else []),
                 f"model.name={path}",
                 f"strategy={strategy}",
                 "precision=fp32",
@@ -80,7 +85,8 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
             model = load_model(spec, cfg, plan, info)
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
-        reference = build_model(path, vocab_size=VOCAB, seed=cfg.model.seed)  # world 1, one process, whole
+        # world 1, one process, whole (LoRA: the base built whole, then the adapters)
+        reference = build_run_model(cfg, VOCAB) if lora else build_model(path, vocab_size=VOCAB, seed=cfg.model.seed)
         ref = {name: p.detach() for name, p in reference.named_parameters(remove_duplicate=False)}
         local_bytes, mismatched, largest = 0, [], 0
         seen = set()
@@ -95,7 +101,7 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
             if not torch.equal(view, full.reshape(-1)[start:end].to(view.dtype)):
                 mismatched.append(clean_name(name))
         file_equal = None
-        if family in dirs:  # and the reference itself is the file's content, every parameter found in it
+        if base in dirs and not lora:  # and the reference itself is the file's content, every parameter found in it
             ckpt = CheckpointWeights(path, reference.base_model_prefix)
             ckpt.follow_conversions(reference)
             file_equal = all(
@@ -151,9 +157,6 @@ def measured(tmp_path_factory) -> list[dict]:
     out = root / "results.json"
     launch(__file__, ["--worker", json.dumps(dirs), str(out)], world=2, timeout=600)
     return json.loads(out.read_text())
-
-
-CASES = [f"{family}/{strategy}" for family in ["tiny-llama", *FAMILIES] for strategy in STRATEGIES]
 
 
 @pytest.mark.parametrize("case", CASES)
