@@ -1,9 +1,9 @@
 """The run config: typed schema, loading with `key=value` overrides, strategy files, and every
 rule a config must satisfy (`checks`).
 
-Modules by concern: `schema` (dataclasses, choice vocabularies, the defaults that depend on what is trained), `loading` (files and
-overrides), `presets` (the model presets' names
-and shapes), `strategies` (strategy files, the `EngineKind` vocabulary and its one rule
+Modules by concern: `schema` (dataclasses, choice vocabularies, the defaults that depend on
+what is trained), `loading` (files and overrides), `presets` (the model presets' names and
+shapes), `strategies` (strategy files, the `EngineKind` vocabulary and its one rule
 `engine_kind`), `deepspeed_keys` (DeepSpeed's key schema), `deepspeed_auto` ("auto" filling of
 a DeepSpeed dict from the run config), `checks` (every rule on a config)."""
 

@@ -74,7 +74,7 @@ def cache_dir_for(model_name: str, cfg: DataConfig) -> str:
     content = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes what is written
     if cfg.format == "text":  # keys added with instruction data: text caches keep the names they had before
         del content["format"], content["packing"]
-        if cfg.tokenizer or not is_preset(model_name):  # a given tokenizer's leading specials (a BOS) are kept since
+        if cfg.tokenizer or not is_preset(model_name):  # caches that keep a given tokenizer's BOS (`leading_specials`)
             content["specials"] = "leading"
     else:
         content["layout"] = LAYOUT_VERSION

@@ -9,6 +9,7 @@ stream's state plus the tokens carried into the next block, saved per rank in ch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,7 +66,7 @@ def split_batches(data: PackedData, split: str, micro: int, max_batches: int, wo
     arr = data.blocks[split]
     total = min(arr.shape[0], max_batches * micro)
     mine = np.arange(rank, total, world)
-    forwards = -(-(-(-total // world)) // micro)  # the most forwards any rank runs
+    forwards = math.ceil(math.ceil(total / world) / micro)  # what the rank with the most blocks runs
     for i in range(forwards):
         idx = mine[i * micro : (i + 1) * micro]
         counted = len(idx) > 0
@@ -81,6 +82,7 @@ class StreamSampler:
 
     def __init__(self, cfg: DataConfig, tokenizer: Any, eos: int, micro: int, accum: int, world: int, rank: int):
         self.cfg, self.tok, self.eos = cfg, tokenizer, eos
+        self.prefix = leading_specials(tokenizer)  # a BOS the tokenizer puts before every text
         self.micro, self.accum, self.world, self.rank = micro, accum, world, rank
         from datasets.distributed import split_dataset_by_node  # lazily, see harness.data.documents
 
@@ -115,8 +117,7 @@ class StreamSampler:
         train = [t for t, c in zip(texts, split_codes(texts, self.cfg)) if c == SPLIT_CODE["train"]]
         if train:
             ids = self.tok(train, add_special_tokens=False)["input_ids"]
-            prefix = leading_specials(self.tok)  # a BOS the tokenizer puts before every text
-            self.buffer = np.concatenate([self.buffer, *(np.asarray([*prefix, *x, self.eos], dtype=np.int64) for x in ids)])
+            self.buffer = np.concatenate([self.buffer, *(np.asarray([*self.prefix, *x, self.eos], dtype=np.int64) for x in ids)])
 
     def batch(self, step: int, micro_index: int) -> torch.Tensor:
         wanted = step * self.accum + micro_index
