@@ -324,11 +324,12 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
 # ------------------------------------------------------------------ the entry point
 
 
-def preflight(cfg: RunConfig, strategy: Strategy) -> EnginePlan:
+def preflight(cfg: RunConfig, strategy: Strategy, world: int | None = None) -> EnginePlan:
     """Every check that can fail before a process group starts; ConfigError (one line) on the first
     failure. Returns the engine plan (kind, resolved DeepSpeed dict, precision policy), made here once
-    and handed to the engine builder."""
-    _, world, _ = launch_env()
+    and handed to the engine builder. `world`: the world size, when the caller launches the ranks
+    itself (a Ray driver); else the launcher's environment says."""
+    world = launch_env()[1] if world is None else world
     check_run(cfg, strategy, world, has_accelerator(cfg))
     amp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if amp in ("bf16", "fp16") and amp != cfg.precision:
