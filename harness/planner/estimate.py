@@ -339,6 +339,9 @@ def estimate(
     assert best is not None
     peak, moments, em, rank = best
     load_device, load_host = load_phase_bytes(espec, info)
+    if cfg.lora.enabled and cfg.lora.quantize != "none":
+        # bitsandbytes quantizes on load, a tensor at a time onto the device: the quantized base and one bf16 tensor
+        load_device, load_host = (em.params or 0) + 2 * info.whole_largest, 4 * info.whole_largest
     race = collective_race_bytes(trace, target == "cpu")
     notes = list(em.notes)
     if race:

@@ -26,7 +26,7 @@ from harness.config import RunConfig, load_config
 from harness.errors import ConfigError
 from harness.planner.estimate import Estimate, estimate
 from harness.planner.recommend import SPEED
-from harness.planner.report import gib, verdict
+from harness.planner.report import gib, gpu_allowance, verdict
 from harness.planner.trace import PlanError
 
 
@@ -150,9 +150,9 @@ def walk_ladder(
         v = verdict(est, gpu_mem, cpu_mem, per_node)
         params = est.params_total
         offload = offload_seconds(cfg, params, world, per_node, cpu_adam_rate)
-        results.append(
-            RungResult(rung, all_overrides, est, v.fits, v.device_need, v.host_need_per_node, relative_time(cfg), offload, v.reason)
-        )
+        step_need = est.total + (gpu_allowance(est).total if target == "cuda" else 0)
+        device = max(v.device_need, step_need)  # the larger of loading and the step, whichever the verdict names
+        results.append(RungResult(rung, all_overrides, est, v.fits, device, v.host_need_per_node, relative_time(cfg), offload, v.reason))
     return results
 
 
