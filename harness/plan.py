@@ -31,7 +31,7 @@ from harness.config import load_config, read_config_file
 from harness.errors import EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, EXIT_PLAN_NOTHING_FITS, ConfigError, command_errors
 from harness.planner import PlanError
 from harness.planner.estimate import estimate, resolve_vocab
-from harness.planner.ladder import CPU_ADAM_PARAMS_PER_S, first_fit, format_ladder, walk_ladder
+from harness.planner.ladder import CPU_ADAM_PARAMS_PER_S, PCIE_BYTES_PER_S, first_fit, format_ladder, offload_seconds, walk_ladder
 from harness.planner.recommend import Candidate, evaluate_lora, most_frugal, recommended_config, with_candidate, write_recommended
 from harness.planner.report import format_estimate, gib, gpu_allowance, parse_size, verdict
 from harness.planner.trace import build_fake_model, param_info
@@ -161,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         f"micro-batch {cfg.micro_batch_size} x seq {cfg.data.seq_len}, AC {cfg.memory.activation_checkpointing}"
     )
     print(format_estimate(est, gpu_mem, cpu_mem, per_node, title))
+    host_s = offload_seconds(cfg, est.params_total, args.gpus, per_node, args.cpu_adam_rate)
+    if host_s:
+        print(
+            f"host's part of a step (offloaded optimizer): +{host_s:.3f} s, unoverlapped: CPU Adam at {args.cpu_adam_rate / 1e9:.2f}G "
+            f"parameters/s per node (--cpu-adam-rate), PCIe {PCIE_BYTES_PER_S / 1e9:.0f} GB/s (assumed)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_estimate_json(est, gpu_mem, cpu_mem, per_node), f, indent=1)
