@@ -150,15 +150,17 @@ def load_quantized_base(name_or_path: str, quantize: str, compute_dtype: torch.d
     return model
 
 
-def empty_lora_model(template: nn.Module, cfg: LoraConfig) -> nn.Module:
+def empty_lora_model(template: nn.Module, cfg: LoraConfig, quiet: bool = False) -> nn.Module:
     """`template` (a model on the meta device) with adapters injected, still on the meta device
     (peft's `low_cpu_mem_usage`): sharded and filled like any model, so no rank ever holds the
-    whole base. Returns the HF module the engines train; fill it from `LoraWeights`."""
+    whole base. Returns the HF module the engines train; fill it from `LoraWeights`. `quiet`: no
+    log line (the planner builds it to trace, not to train)."""
     import peft
 
-    targets = resolve_target_modules(template, cfg)
+    targets = default_target_modules(template) if quiet and cfg.target_modules is None else resolve_target_modules(template, cfg)
     inner = peft.get_peft_model(template, peft_config(cfg, targets), low_cpu_mem_usage=True).base_model.model
-    _log_adapters(inner, cfg, targets)
+    if not quiet:
+        _log_adapters(inner, cfg, targets)
     return inner
 
 

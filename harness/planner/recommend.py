@@ -36,7 +36,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import RunConfig, apply_overrides, check_values, load_config, load_strategy
 from harness.planner.estimate import Estimate, estimate, resolve_vocab, specs_for, walk
-from harness.planner.lora import lora_plan
 from harness.planner.model_states import BYTES, engine_model, fsdp_local_numel
 from harness.planner.report import CUDA_CONTEXT, FRAGMENTATION, LIBRARY_WORKSPACES, NCCL_BUFFERS, gib, verdict
 from harness.planner.trace import ParamInfo, TraceResult, build_fake_model, param_info
@@ -265,40 +264,32 @@ def evaluate_lora(
     cpu_mem: int | None = None,
     per_node: int = 1,
 ) -> Evaluated:
-    """A LoRA/QLoRA candidate: model state by formula, activations from the traced full fine-tune
-    at the same precision, recomputation and micro-batch (`harness.planner.lora`)."""
-    full = estimate(with_candidate(cfg, replace(c, lora="none", strategy="ddp")), world, target=target, vocab_size=vocab)
-    plan = lora_plan(
-        info,
-        full,
-        mode=c.lora,
-        strategy=c.strategy,
-        world=world,
-        r=cfg.lora.r,
-        targets=cfg.lora.target_modules,
-        dtype_bytes=BYTES[c.precision],
-    )
-    need = plan.total + (gpu_allowance_for(plan.total, world) if target == "cuda" else 0)
+    """A LoRA/QLoRA candidate, estimated like any config: the LoRA model itself is traced
+    (`harness.planner.lora`); QLoRA's quantized base is a formula over that trace."""
     cost = c.cost(cfg.micro_batch_size)
-    adapters = f"{plan.adapters / 1e6:.2f}M adapter parameters (r={cfg.lora.r})"
+    run = with_candidate(cfg, c)
     if c.lora != "lora" and target != "cuda":
-        return Evaluated(c, cost, False, need, f"QLoRA needs a CUDA GPU (bitsandbytes kernels); {gib(need)} on one would hold it")
-    if need > gpu_mem:
-        return Evaluated(c, cost, False, need, f"needs {gib(need)} > {gib(gpu_mem)} ({adapters})")
+        est = estimate(with_candidate(cfg, replace(c, lora="lora")), world, target=target, vocab_size=vocab)
+        return Evaluated(c, cost, False, est.total, "QLoRA needs a CUDA GPU (bitsandbytes kernels)", est)
+    est = estimate(run, world, target=target, vocab_size=vocab)
+    v = verdict(est, gpu_mem, None, per_node)
+    adapters = f"{est.params_total / 1e6:.2f}M adapter parameters (r={cfg.lora.r})"
+    if not v.fits:
+        return Evaluated(c, cost, False, v.device_need, f"{v.reason} ({adapters})", est)
     # Unquantized LoRA under torch's engines is built on the meta device and filled a tensor at a
-    # time (like a full fine-tune); QLoRA (bitsandbytes quantizes on load) and DeepSpeed's LoRA
-    # path build the frozen base whole in fp32 on the host.
-    meta_built = c.lora == "lora" and not c.strategy.startswith("zero")
-    host = (info.largest if meta_built else info.total) * 4 * per_node
+    # time (like a full fine-tune); QLoRA (bitsandbytes quantizes on load) builds the frozen base
+    # whole in fp32 on the host.
+    host = (info.whole_largest if c.lora == "lora" else info.total + info.frozen) * 4 * per_node
     if cpu_mem is not None and host > cpu_mem:
-        return Evaluated(c, cost, False, need, f"needs {gib(host)} host memory per node to build the model > {gib(cpu_mem)}")
+        return Evaluated(c, cost, False, v.device_need, f"needs {gib(host)} host memory per node to build the model > {gib(cpu_mem)}", est)
     return Evaluated(
         c,
         cost,
         True,
-        need,
-        f"fits: {gib(need)} of {gib(gpu_mem)} per {'GPU' if target == 'cuda' else 'rank'} "
-        f"({adapters}; parameters incl. the frozen base {gib(plan.categories['parameters'])})",
+        v.device_need,
+        f"fits: {gib(v.device_need)} of {gib(gpu_mem)} per {'GPU' if target == 'cuda' else 'rank'} "
+        f"({adapters}; parameters incl. the frozen base {gib(est.peak.categories['parameters'])})",
+        est,
     )
 
 
@@ -368,9 +359,9 @@ def _param_info(cfg: RunConfig, vocab: int | None) -> ParamInfo:
     return param_info(build_fake_model(cfg.model.name, vocab, FakeTensorMode()))
 
 
-def recommended_config(raw: dict[str, Any], overrides: list[str], c: Candidate) -> dict[str, Any]:
-    """The user's config file contents + their overrides + the candidate's settings, as a config mapping."""
-    data = apply_overrides(copy.deepcopy(raw), list(overrides) + c.overrides())
+def recommended_config(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """The user's config file contents + their overrides + the chosen settings' (after them), as a config mapping."""
+    data = apply_overrides(copy.deepcopy(raw), list(overrides))
     data.pop("global_batch_size", None)  # implied by micro * accum * world; a stale value would contradict
     return data
 
