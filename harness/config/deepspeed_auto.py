@@ -260,9 +260,10 @@ def resolve_deepspeed_config(
                 problems.append(
                     f"zero_optimization.{off}.nvme_path={nvme!r} is missing or not writable; set it to a writable NVMe directory"
                 )
-    for where, value in _find_autos(ds):
-        if any(f"'{where}'" in p or p.startswith(f"{where} ") for p in problems):
-            continue
+    unknown = {key for key in ds if any(f"unknown DeepSpeed key '{key}'" in p for p in bad_keys)}
+    for where, _ in _find_autos(ds):
+        if where.split(".")[0] in unknown or any(f"'{where}'" in p or p.startswith(f"{where} ") for p in problems):
+            continue  # inside a key already named as unknown, or named by a problem of its own
         problems.append(f"'{where}' is 'auto' but harness cannot fill it; give a value")
     for line in deepspeed_problems(ds, world_size, cross_checks=not problems):
         head = line.split(" (")[0]
