@@ -153,7 +153,7 @@ class DeepSpeedEngine(Engine):
         lr_scheduler = deepspeed_lr_scheduler(ds_config, cfg)
         used = "" if lr_scheduler else f"; the file's scheduler {ds_config['scheduler']['type']} drives the LR, not optim.schedule"
         log.info(f"DeepSpeed config {strategy.path}: filled from the run config: {', '.join(filled) or 'nothing'}{used}")
-        for line in plan.deepspeed_ignored:
+        for line in plan.deepspeed_ignored if info.is_main else ():
             log.warning(f"DeepSpeed config {strategy.path}: {line}")
         engine, _, _, _ = deepspeed.initialize(
             model=model,

@@ -26,42 +26,43 @@ from harness.config import load_config, load_strategy, resolve_deepspeed_config
 from harness.engine import plan_engine
 from harness.errors import ConfigError
 
-DROPIN = Path(__file__).resolve().parents[1] / "data" / "dropin"
+REPO = Path(__file__).resolve().parents[2]
+DROPIN = REPO / "tests" / "data" / "dropin"
 HIDDEN = 64  # tiny-llama's width: fills the files' "auto" bucket sizes
 FP16_CPU = "under DeepSpeed needs a GPU (DeepSpeed's fp16 optimizer and loss scaler run on CUDA) and this machine has none"
 
 # file -> None (accepted) or the problem lines of its refusal, in order (a substring each)
 VERDICTS: dict[str, list[str] | None] = {
-    "accelerate/zero_stage1_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
-    "accelerate/zero_stage2_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
-    "accelerate/zero_stage3_offload_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
-    "accelerate/deepspeed.yaml": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
-    "axolotl/zero1.json": None,
-    "axolotl/zero1_torch_compile.json": [
+    "tests/data/dropin/accelerate/zero_stage1_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
+    "tests/data/dropin/accelerate/zero_stage2_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
+    "tests/data/dropin/accelerate/zero_stage3_offload_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
+    "tests/data/dropin/accelerate/deepspeed.yaml": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
+    "tests/data/dropin/axolotl/zero1.json": None,
+    "tests/data/dropin/axolotl/zero1_torch_compile.json": [
         "unknown DeepSpeed key 'compile.disable' (DeepSpeed's CompileConfig has no such field)",
         "unknown DeepSpeed key 'compile.backend' (DeepSpeed's CompileConfig has no such field)",
     ],
-    "axolotl/zero2.json": None,
-    "axolotl/zero3_bf16.json": None,
-    "axolotl/zero3_bf16_cpuoffload_all.json": None,
-    "deepspeedexamples/autotuning_ds_config_z1.json": None,
-    "deepspeedexamples/cifar_ds_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
-    "deepspeedexamples/megatron_ds_zero2_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
-    "llama-factory/ds_z0_config.json": None,
-    "llama-factory/ds_z2_config.json": None,
-    "llama-factory/ds_z3_offload_config.json": None,
-    "llama-factory/ds_z2_autotp_config.json": ["tensor_parallel (AutoTP, size 2) splits each layer across ranks"],
-    "llama-factory/deepspeed_zero2_dpo.yaml": None,
-    "transformers/ds_config_zero2.json": None,
-    "transformers/ds_config_zero3.json": [
+    "tests/data/dropin/axolotl/zero2.json": None,
+    "tests/data/dropin/axolotl/zero3_bf16.json": None,
+    "tests/data/dropin/axolotl/zero3_bf16_cpuoffload_all.json": None,
+    "tests/data/dropin/deepspeedexamples/autotuning_ds_config_z1.json": None,
+    "tests/data/dropin/deepspeedexamples/cifar_ds_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
+    "tests/data/dropin/deepspeedexamples/megatron_ds_zero2_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
+    "tests/data/dropin/llama-factory/ds_z0_config.json": None,
+    "tests/data/dropin/llama-factory/ds_z2_config.json": None,
+    "tests/data/dropin/llama-factory/ds_z3_offload_config.json": None,
+    "tests/data/dropin/llama-factory/ds_z2_autotp_config.json": ["tensor_parallel (AutoTP, size 2) splits each layer across ranks"],
+    "tests/data/dropin/llama-factory/deepspeed_zero2_dpo.yaml": None,
+    "tests/data/dropin/transformers/ds_config_zero2.json": None,
+    "tests/data/dropin/transformers/ds_config_zero3.json": [
         f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}",
         "zero_optimization.reduce_bucket_size=0: Input should be greater than 0 (DeepSpeed's DeepSpeedZeroConfig)",
     ],
-    "trl/deepspeed_zero1.yaml": None,
-    "trl/deepspeed_zero2.yaml": None,
-    "trl/deepspeed_zero3.yaml": [f"precision=fp16 (from accelerate launch --mixed_precision fp16) {FP16_CPU}"],
-    "alignment-handbook/deepspeed_zero2.yaml": None,
-    "alignment-handbook/deepspeed_zero3.yaml": None,
+    "tests/data/dropin/trl/deepspeed_zero1.yaml": None,
+    "tests/data/dropin/trl/deepspeed_zero2.yaml": None,
+    "tests/data/dropin/trl/deepspeed_zero3.yaml": [f"precision=fp16 (from accelerate launch --mixed_precision fp16) {FP16_CPU}"],
+    "tests/data/dropin/alignment-handbook/deepspeed_zero2.yaml": None,
+    "tests/data/dropin/alignment-handbook/deepspeed_zero3.yaml": None,
 }
 
 
@@ -104,7 +105,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def _verdict(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """(plan or the ConfigError, the DeepSpeed file's path and dict, the run config, the launcher env)."""
-    path = DROPIN / name
+    path = REPO / name
     env: dict[str, str] = {}
     world = 2
     if path.suffix == ".yaml":
@@ -154,7 +155,7 @@ def test_real_file_runs_as_written_or_is_refused_one_line_each(name, tmp_path, m
         if isinstance(opt.get("lr"), float):  # the file's own lr is the run's (optim.lr was not given)
             assert cfg.optim.lr == opt["lr"]
     else:  # an accelerate file without a DeepSpeed file: its settings chose and filled a shipped one
-        y = yaml.safe_load((DROPIN / name).read_text())["deepspeed_config"]
+        y = yaml.safe_load((REPO / name).read_text())["deepspeed_config"]
         assert plan.zero_stage == y["zero_stage"]
         for what in ("offload_optimizer", "offload_param"):
             device = y.get(f"{what}_device", "none")
@@ -171,7 +172,7 @@ def test_real_file_runs_as_written_or_is_refused_one_line_each(name, tmp_path, m
 
 def test_every_collected_file_has_a_verdict_and_a_source():
     files = sorted(str(p.relative_to(DROPIN)) for p in DROPIN.glob("*/*") if p.suffix in (".json", ".yaml"))
-    assert files == sorted(VERDICTS)
+    assert files == sorted(name.removeprefix("tests/data/dropin/") for name in VERDICTS)
     sources = (DROPIN / "SOURCES.md").read_text()
     assert all(f"| {f} |" in sources for f in files)
     projects = {f.split("/")[0] for f in files}
