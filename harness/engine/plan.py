@@ -76,15 +76,18 @@ def plan_engine(
     device: torch.device,
     hidden_size: int | None,
     env: dict[str, str] | None = None,
+    has_accelerator: bool | None = None,
 ) -> EnginePlan:
     """The plan for `strategy` at `world_size` on `device`. First the run config takes what the
     launcher (`env`, default the process's) and a DeepSpeed file set and it leaves to defaults
     (`adopt_settings`: this writes into `cfg`, once, before anything reads it); then the file is
     resolved. Every problem found on the way is one ConfigError, one line each.
-    `hidden_size` fills DeepSpeed's "auto" bucket sizes."""
+    `hidden_size` fills DeepSpeed's "auto" bucket sizes; `has_accelerator` (default: `device` is
+    not the CPU) is whether the run's machine has a GPU, which fp16 under DeepSpeed needs."""
     env = dict(os.environ) if env is None else env
+    accelerator = device.type != "cpu" if has_accelerator is None else has_accelerator
     kind = engine_kind(strategy.kind, world_size)
-    taken, problems = adopt_settings(cfg, strategy, world_size, device.type != "cpu", env)
+    taken, problems = adopt_settings(cfg, strategy, world_size, accelerator, env)
     filled: list[str] = []
     ignored: list[str] = []
     ds = None
@@ -95,7 +98,7 @@ def plan_engine(
             world_size,
             hidden_size,
             filled=filled,
-            has_accelerator=device.type != "cpu",
+            has_accelerator=accelerator,
             env=env,
             problems=problems,
             warnings=ignored,

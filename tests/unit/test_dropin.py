@@ -259,6 +259,9 @@ def test_fp16_contradiction_on_cpu_points_away_from_fp16(tmp_path):
         _plan("zero2", ["precision=fp16"])
     plan, cfg = _plan(path, accelerator=True)  # on a GPU the file's fp16 is the run's
     assert cfg.precision == "fp16" and plan.deepspeed["fp16"]["enabled"] is True
+    from harness.planner.estimate import plan_for  # the planner plans for a GPU machine from this CPU one
+
+    assert plan_for(load_config(None, ["precision=fp16"]), load_strategy("zero2", env={}), 2, HIDDEN).precision.mode == "fp16"
 
 
 def test_launcher_settings_honoured_or_refused():
