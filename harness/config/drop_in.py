@@ -183,7 +183,11 @@ def adopt_settings(
             notes.append(f"{key}={value} (from {source})")
             _set(cfg, key, value)
         if cfg.precision == "fp16" and not has_accelerator:
-            source = from_file.get("precision", launcher.get("precision", (None, "the run config's precision")))[1]
+            source = (
+                "the run config's precision"
+                if is_given(cfg, "precision")
+                else from_file.get("precision", launcher.get("precision", (None, "the run config's precision")))[1]
+            )
             if "fp16.enabled" in source:
                 way_out = 'set fp16.enabled to false or "auto" in the file (then precision decides: fp32 or bf16)'
             elif source.startswith("accelerate"):

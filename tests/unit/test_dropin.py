@@ -314,3 +314,9 @@ def test_zero_save_16bit_auto_takes_deepspeeds_default_without_a_launcher(tmp_pa
     env = {"ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true"}
     ds = resolve_deepspeed_config(load_strategy(path, env={}), load_config(None, []), 1, HIDDEN, env=env)
     assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+def test_deepspeed_checks_across_blocks_run_on_the_resolved_dict(tmp_path):
+    path = _file(tmp_path, {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
+    with pytest.raises(ConfigError, match=r"DeepSpeed refuses the config: Bf16_master_weights_and_grads is only supported with ZeRO"):
+        _plan(path)
