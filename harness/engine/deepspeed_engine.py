@@ -153,6 +153,8 @@ class DeepSpeedEngine(Engine):
         lr_scheduler = deepspeed_lr_scheduler(ds_config, cfg)
         used = "" if lr_scheduler else f"; the file's scheduler {ds_config['scheduler']['type']} drives the LR, not optim.schedule"
         log.info(f"DeepSpeed config {strategy.path}: filled from the run config: {', '.join(filled) or 'nothing'}{used}")
+        for line in plan.deepspeed_ignored if info.is_main else ():
+            log.warning(f"DeepSpeed config {strategy.path}: {line}")
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -301,9 +303,10 @@ def deepspeed_state_bytes(ds_engine: Any) -> dict[str, int]:
     counter.add("params", [getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p for p in params])
     counter.add("grads", [p.grad for p in params if p.grad is not None])
     zero_opt = ds_engine.optimizer
-    base = getattr(zero_opt, "optimizer", None)
-    if base is not None:
-        counter.add("optim_state", optimizer_state_tensors(base))
+    # ZeRO 1-3 and DeepSpeed's bf16/fp16 wrappers hold the torch optimizer as `.optimizer`; at
+    # stage 0 without a wrapper the engine's optimizer is the torch optimizer itself.
+    base = getattr(zero_opt, "optimizer", None) or zero_opt
+    counter.add("optim_state", optimizer_state_tensors(base))
     # Gradients first (buffers whose names say so), then master copies, then flat params.
     attrs = {}
     for name, value in vars(zero_opt).items():

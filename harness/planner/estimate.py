@@ -105,8 +105,9 @@ def _plannable_strategy(strategy: Strategy) -> Strategy:
 
 def plan_for(cfg: RunConfig, strategy: Strategy, world: int, hidden: int) -> EnginePlan:
     """The engine plan the trainer's pre-flight makes (`harness.engine.plan_engine`: the same kind
-    rule, DeepSpeed dict and precision policy), for a machine that need not exist here."""
-    return plan_engine(cfg, _plannable_strategy(strategy), world, torch.device("cpu"), hidden)
+    rule, DeepSpeed dict and precision policy), for a machine that need not exist here: one with
+    GPUs, so a DeepSpeed fp16 run plans as it would run there."""
+    return plan_engine(cfg, _plannable_strategy(strategy), world, torch.device("cpu"), hidden, has_accelerator=True)
 
 
 def deepspeed_zero(plan: EnginePlan) -> Any:
