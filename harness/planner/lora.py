@@ -14,9 +14,10 @@ What changes is model state only:
   and micro-batch (`estimate`). A frozen linear no longer saves its input for a weight
   gradient, but its adapter does, so the traced value is an upper bound.
 
-QLoRA runs under DDP only here (the trainer refuses sharding a bitsandbytes base); LoRA
-may shard its frozen base with FSDP2 at world > 1, which divides parameters by the world
-size and adds the all-gather buffers of one decoder block.
+LoRA and NF4 QLoRA may shard the frozen base with FSDP2 at world > 1, which divides the
+parameters by the world size (NF4: the codes; their scales stay whole on every rank,
+`nf4_matrix_bytes`) and adds the all-gather buffers of one decoder block. Int8 QLoRA runs
+under DDP (or one process) only.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from harness.planner.estimate import Estimate
 from harness.planner.trace import ParamInfo
 
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weight, 8-bit absmax per 64, fp32 per 256 absmax blocks
+BLOCKSIZE = 64  # bitsandbytes' 4-bit block (one 8-bit absmax each); its absmax are quantized again in blocks of 256
+NF4_MODULE_BYTES = 4 + 16 * 4 + 256 * 4  # per quantized matrix: the absmax offset, the NF4 code book, the absmax code book (fp32)
 INT8_BYTES = 1.0  # plus one fp32 scale per output row (added per matrix)
 ADAPTER_STATE_BYTES = 16  # fp32 parameter + gradient + Adam's two states
 
@@ -63,16 +66,31 @@ def adapter_numel(info: ParamInfo, targets: list[str] | None, r: int) -> int:
     return sum(r * (shape[0] + shape[1]) for _, shape in adapted(info, targets))
 
 
-def base_bytes(info: ParamInfo, targets: list[str] | None, mode: str, dtype_bytes: int = 2) -> int:
-    """The frozen base: quantized adapted linears for QLoRA (every block linear: bitsandbytes
-    quantizes all of them, whatever is adapted), the rest in the compute dtype."""
+def nf4_matrix_bytes(numel: int, world: int = 1, storage_bytes: int = 4) -> tuple[int, int]:
+    """(codes, quantization state) bytes one rank holds of one NF4 matrix (bitsandbytes, double
+    quantization). The codes (half a byte a weight, packed into elements of the compute dtype,
+    `storage_bytes` each) are a tensor FSDP2 shards by rows, padded to a whole row per rank; the
+    state (an 8-bit absmax per 64 weights, an fp32 absmax per 256 of those, the code books and
+    offset) is held whole by every rank."""
+    rows = (numel + 1) // (2 * storage_bytes)  # bitsandbytes' packed length, one code pair per byte
+    codes = -(-rows // world) * storage_bytes
+    blocks = -(-numel // BLOCKSIZE)
+    state = blocks + 4 * -(-blocks // 256) + NF4_MODULE_BYTES
+    return codes, state
+
+
+def base_bytes(info: ParamInfo, targets: list[str] | None, mode: str, dtype_bytes: int = 2, world: int = 1) -> int:
+    """One rank's frozen base at FSDP2 `world` (1: replicated): quantized linears for QLoRA (every
+    block linear: bitsandbytes quantizes all of them, whatever is adapted), the rest in the
+    compute dtype (sharded by rows under FSDP2, as every parameter)."""
     if mode == "lora":
-        return info.total * dtype_bytes
+        return info.total * dtype_bytes // world
     quantized = adapted(info, None)
     q_numel = sum(s[0] * s[1] for _, s in quantized)
-    per = NF4_BYTES if mode == "nf4" else INT8_BYTES
-    scales = 0 if mode == "nf4" else sum(4 * s[0] for _, s in quantized)
-    return int(q_numel * per) + scales + (info.total - q_numel) * dtype_bytes
+    rest = (info.total - q_numel) * dtype_bytes // world
+    if mode == "nf4":
+        return rest + sum(sum(nf4_matrix_bytes(s[0] * s[1], world, dtype_bytes)) for _, s in quantized)
+    return rest + int(q_numel * INT8_BYTES) + sum(4 * s[0] for _, s in quantized)  # int8 is never sharded
 
 
 def _block_bytes(info: ParamInfo, dtype_bytes: int) -> int:
@@ -93,12 +111,12 @@ def lora_plan(
     activations of `full`, the traced full fine-tune at the same precision, AC and micro-batch."""
     shard = world if strategy == "fsdp" else 1
     adapters = adapter_numel(info, targets, r)
-    base = base_bytes(info, targets, mode, dtype_bytes)
+    base = base_bytes(info, targets, mode, dtype_bytes, world=shard)
     acts = max((m.categories.get("activations", 0) + m.categories.get("temporaries", 0) for m in full.moments), default=0)
     other = max((m.categories.get("other", 0) for m in full.moments), default=0)
     comm = 2 * _block_bytes(info, dtype_bytes) if strategy == "fsdp" and world > 1 else 0
     categories = {
-        "parameters": base // shard + 4 * adapters // shard,
+        "parameters": base + 4 * adapters // shard,
         "gradients": 4 * adapters // shard,
         "optimizer_state": 8 * adapters // shard,
         "activations": acts,
@@ -108,4 +126,4 @@ def lora_plan(
     return LoraPlan(mode, strategy, world, adapters, categories)
 
 
-__all__ = ["ADAPTER_STATE_BYTES", "LoraPlan", "NF4_BYTES", "adapted", "adapter_numel", "base_bytes", "lora_plan"]
+__all__ = ["ADAPTER_STATE_BYTES", "LoraPlan", "NF4_BYTES", "adapted", "nf4_matrix_bytes", "adapter_numel", "base_bytes", "lora_plan"]

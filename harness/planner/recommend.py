@@ -18,8 +18,8 @@ trace; the others are estimated (traces are cached and shared by every strategy 
 the bare module), until ``max_fits`` fitting configurations are found.
 
 When no full fine-tune fits, the tree's last two steps follow, in order: LoRA (frozen bf16
-base, adapters trained; `harness.planner.lora`) and QLoRA (NF4 base, which needs a CUDA GPU
-with bitsandbytes). They change what is trained, not only how, so they are never chosen for
+base, adapters trained; `harness.planner.lora`) and QLoRA (NF4 base, bitsandbytes; sharded by
+FSDP2 at world > 1). They change what is trained, not only how, so they are never chosen for
 speed over a full fine-tune that fits; the first that fits is named.
 """
 
@@ -100,7 +100,7 @@ class Candidate:
 
     def label(self) -> str:
         ac = f"AC {self.ac}" if self.ac != "none" else "no AC"
-        tuned = {"none": "", "lora": ", LoRA (base frozen)", "nf4": ", QLoRA (NF4 base; needs a CUDA GPU with bitsandbytes)"}
+        tuned = {"none": "", "lora": ", LoRA (base frozen)", "nf4": ", QLoRA (NF4 base, bitsandbytes)"}
         return f"{self.strategy}, {self.precision}, {ac}, micro-batch {self.micro_batch} x accum {self.grad_accum}{tuned[self.lora]}"
 
 
@@ -249,7 +249,7 @@ def lora_candidates(cfg: RunConfig, world: int) -> list[Candidate]:
     for mode in LORA_STEPS:
         for ac, micro in (("none", cfg.micro_batch_size), ("full", 1)):
             accum = max(1, math.ceil(cfg.micro_batch_size * cfg.grad_accum / micro))
-            for strategy in ("ddp", "fsdp") if world > 1 and mode == "lora" else ("ddp",):
+            for strategy in ("ddp", "fsdp") if world > 1 else ("ddp",):
                 out.append(Candidate("bf16", ac, micro, accum, strategy, lora=mode))
     return out
 
@@ -281,14 +281,12 @@ def evaluate_lora(
     need = plan.total + (gpu_allowance_for(plan.total, world) if target == "cuda" else 0)
     cost = c.cost(cfg.micro_batch_size)
     adapters = f"{plan.adapters / 1e6:.2f}M adapter parameters (r={cfg.lora.r})"
-    if c.lora != "lora" and target != "cuda":
-        return Evaluated(c, cost, False, need, f"QLoRA needs a CUDA GPU (bitsandbytes kernels); {gib(need)} on one would hold it")
     if need > gpu_mem:
         return Evaluated(c, cost, False, need, f"needs {gib(need)} > {gib(gpu_mem)} ({adapters})")
-    # Unquantized LoRA under torch's engines is built on the meta device and filled a tensor at a
-    # time (like a full fine-tune); QLoRA (bitsandbytes quantizes on load) and DeepSpeed's LoRA
-    # path build the frozen base whole in fp32 on the host.
-    meta_built = c.lora == "lora" and not c.strategy.startswith("zero")
+    # LoRA and QLoRA under torch's engines are built on the meta device and filled (QLoRA: quantized)
+    # a tensor at a time, like a full fine-tune; DeepSpeed's LoRA path builds the frozen base whole
+    # in fp32 on the host.
+    meta_built = not c.strategy.startswith("zero")
     host = (info.largest if meta_built else info.total) * 4 * per_node
     if cpu_mem is not None and host > cpu_mem:
         return Evaluated(c, cost, False, need, f"needs {gib(host)} host memory per node to build the model > {gib(cpu_mem)}")

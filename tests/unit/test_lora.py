@@ -122,8 +122,8 @@ def test_lora_freezes_the_base_and_defaults_to_the_block_linears():
 @pytest.mark.parametrize(
     "overrides, accelerator, strategy, message",
     [
-        (["lora.enabled=true", "lora.quantize=nf4"], False, "ddp", "lora.quantize=nf4 needs a CUDA GPU"),
-        (["lora.enabled=true", "lora.quantize=int8"], True, "fsdp", "runs under ddp"),
+        (["lora.enabled=true", "lora.quantize=nf4"], False, "zero3", "use strategy=fsdp for a sharded QLoRA base"),
+        (["lora.enabled=true", "lora.quantize=int8"], False, "fsdp", "use lora.quantize=nf4 under fsdp"),
         (["lora.enabled=true", "prune.method=magnitude"], False, "ddp", "prune first"),
     ],
 )
