@@ -168,3 +168,32 @@ def test_a_tied_models_lora_checkpoint_holds_the_adapters_only(tmp_path):
     assert model_keys and all(".lora_" in k for k in model_keys), [k for k in model_keys if ".lora_" not in k]
     assert sum(int(torch.Size(saved[k].size).numel()) for k in model_keys) == trainable
     engine.load_state(str(tmp_path / "ckpt"), 1, True)  # and it loads back (the base is rebuilt, not read)
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_qlora_trains_on_cpu_with_the_adapters_only(quantize):
+    """bitsandbytes' NF4 and LLM.int8 linears train under peft on CPU: the base's block linears are
+    quantized, only the adapters take gradients, and the loss falls on a repeated batch."""
+    from harness.models import build_run_model, quant_state_tensors, quantized_codes
+
+    cfg = load_config(None, ["lora.enabled=true", "lora.r=4", f"lora.quantize={quantize}"])
+    model = build_run_model(cfg, 64)
+    quantized = {type(m).__name__ for m in model.modules() if type(m).__module__.startswith("bitsandbytes")}
+    assert quantized == {"Linear4bit" if quantize == "nf4" else "Linear8bitLt"}
+    assert len(quantized_codes(model)) == 14 and quant_state_tensors(model)  # 7 linears x 2 blocks, each with its scales
+    plain = apply_lora(build_model("tiny-llama", vocab_size=64), cfg.lora, 0)
+    assert trainable_counts(model) == trainable_counts(plain)  # the same adapters; a quantized weight counts what it encodes
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert all(".lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = torch.stack([ids, ids], dim=1)
+    assert float(labelled_lm_loss(model, batch)) == pytest.approx(float(labelled_lm_loss(plain, batch)), rel=0.02)  # ~ the fp32 model
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    losses = []
+    for _ in range(4):
+        loss = labelled_lm_loss(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0] - 0.05, losses
