@@ -78,7 +78,7 @@ def empty_model_to_train(spec: ModelSpec, cfg: RunConfig, policy: PrecisionPolic
     """The model a run trains, on the meta device in the policy's parameter dtype: the spec's,
     its linears made bitsandbytes' quantized ones (`lora.quantize`: codes stored in the compute
     dtype, which FSDP2 never casts), with LoRA adapters injected (`lora.enabled`) before anything
-    is allocated. Fill it with `WeightsToLoad(spec, model)` once materialized (sharded or not)."""
+    is allocated. Fill it with `WeightsToLoad(spec, cfg.lora.enabled, model)` once materialized (sharded or not)."""
     model = empty_model(spec.config)
     if cfg.lora.quantize != "none":
         model.to(dtype=policy.param_dtype)
