@@ -149,8 +149,8 @@ def check_lora(cfg: RunConfig, strategy_kind: str) -> None:
         raise ConfigError(f"lora.quantize={lo.quantize} needs the bitsandbytes package: pip install 'harness[qlora]'")
     if strategy_kind == "deepspeed":
         raise ConfigError(
-            f"lora.quantize={lo.quantize} does not run under DeepSpeed here (its ZeRO-3 cannot partition a "
-            "bitsandbytes base on CPU); use strategy=fsdp for a sharded QLoRA base, or ddp"
+            f"lora.quantize={lo.quantize} does not run under DeepSpeed here (its checkpoints would keep bitsandbytes' "
+            "quantization state and every rank would build the whole base); use strategy=fsdp for a sharded QLoRA base, or ddp"
         )
     if lo.quantize == "int8" and strategy_kind == "fsdp":
         raise ConfigError(

@@ -93,7 +93,8 @@ def lora_base(spec: ModelSpec, cfg: RunConfig, info: DistInfo, dtype: torch.dtyp
     """The frozen base built whole with its adapters, on the device in `dtype`, AC and compile
     applied: DeepSpeed's LoRA path (its engine partitions a built model)."""
     model = build_run_model(cfg, spec.config.vocab_size)
-    model.to(device=info.device, dtype=dtype)
+    model.to(device=info.device)
+    cast_except_quantized(model, dtype)
     apply_memory_techniques(model, cfg)
     return model
 
