@@ -220,6 +220,9 @@ class QuantizedWeights:
                 raise ConfigError("lora.quantize=int8 cannot be sharded (its row scales are not); use lora.quantize=nf4")
             else:
                 module.weight = bnb.nn.Int8Params(weight.data, requires_grad=False, has_fp16_weights=False, CB=weight.data, SCB=state)
+                # its state dict adds `<module>.SCB` and `.weight_format`, which torch's distributed
+                # state-dict helpers resolve as attributes of the module (a checkpoint drops them again)
+                module.SCB, module.weight_format = state, torch.tensor(0, dtype=torch.uint8)
 
 
 def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
