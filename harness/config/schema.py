@@ -196,7 +196,7 @@ class LoraConfig:
     alpha: float = 16.0  # scaling alpha / r
     dropout: float = 0.0  # on the adapter input
     target_modules: list[str] | None = None  # module names; None: every linear layer inside the decoder blocks
-    quantize: LoraQuantize = "none"  # int8 | nf4: QLoRA (the base is quantized by bitsandbytes: needs a CUDA GPU)
+    quantize: LoraQuantize = "none"  # int8 | nf4: QLoRA (the base quantized by bitsandbytes; nf4 also under FSDP2)
 
 
 @dataclass

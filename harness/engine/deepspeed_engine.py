@@ -30,7 +30,7 @@ from harness.engine.plan import EnginePlan
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
 from harness.errors import CheckpointError
 from harness.log import get_logger
-from harness.models import ModelSpec, clean_name, construct_model, empty_model, materialize
+from harness.models import ModelSpec, clean_name, construct_model, empty_model, materialize, quantized_codes
 from harness.training import build_optimizer, lr_lambda
 
 DS_TAG = "state"  # DeepSpeed's tag: <step dir>/ds/state/...
@@ -51,7 +51,10 @@ class DeepSpeedEngine(Engine):
 
     def local_parameters(self) -> list[torch.Tensor]:
         out = []
+        codes = quantized_codes(self.module)  # a quantized base's packed codes: bit patterns, not numbers
         for p in self.module.parameters():
+            if id(p) in codes:
+                continue
             t = getattr(p, "ds_tensor", None)  # ZeRO-3: this rank's partition
             t = p if t is None else t
             if t.numel():

@@ -332,7 +332,9 @@ def estimate(
     for rank in ranks:
         em = engine_model(espec, info, rank)
         if cfg.lora.enabled and cfg.lora.quantize != "none":
-            em = quantized_base(em, info, cfg.lora.quantize, espec.world if espec.kind == "fsdp" else 1)
+            # the rest of the base: FSDP2's fp32 master shards, else the working dtype
+            rest = 4 if espec.kind == "fsdp" or cfg.precision == "fp32" else 2
+            em = quantized_base(em, info, cfg.lora.quantize, espec.world if espec.kind == "fsdp" else 1, rest)
         moments = walk(trace, em, cpu_run=target == "cpu")
         peak = max(moments, key=lambda m: m.total)
         if best is None or peak.total > best[0].total:

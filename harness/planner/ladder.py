@@ -52,7 +52,7 @@ RUNGS: tuple[Rung, ...] = (
     ),
     Rung("ZeRO-3 offload: parameters too", ("strategy=zero3_offload",)),
     Rung("LoRA: bf16 base frozen, adapters trained", ("strategy={shard}", "lora.enabled=true", "memory.optimizer_in_backward=false")),
-    Rung("QLoRA: NF4 base (CUDA + bitsandbytes)", ("strategy=ddp", "lora.quantize=nf4")),
+    Rung("QLoRA: NF4 base (bitsandbytes), sharded by FSDP2 on several ranks", ("strategy={shard}", "lora.quantize=nf4")),
 )
 
 # Host-side cost of the offload rungs (stated assumptions, not measured on a GPU here):

@@ -9,15 +9,15 @@ saved), which at Llama-3-8B, seq 2048, is ~13 GiB less than a full fine-tune's. 
 gradients and optimizer state follow from the same trace: `ParamInfo` lists the trainable
 parameters (the adapters) for the engine's formulas, and the frozen base separately.
 
-QLoRA cannot be traced (bitsandbytes' kernels need a CUDA GPU, fake tensors have no
-quantized storage), so its step is the traced LoRA step with the parameter bytes replaced
-(:func:`quantized_base`): every linear of the decoder blocks in NF4 (4 bits, plus one 8-bit
-absmax per 64 weights and one fp32 scale per 256 of those: double quantization) or int8
-(one byte plus an fp32 scale per output row); the rest of the base in fp32, as
-`peft.prepare_model_for_kbit_training` casts it; the adapters in fp32 (peft's
-`autocast_adapter_dtype`; the trainer never casts a quantized model). Activations are the
-traced bf16 LoRA model's, plus one linear's weight dequantized to bf16 in flight (an upper
-bound: bitsandbytes frees it after each matmul).
+QLoRA cannot be traced (fake tensors have no quantized storage), so its step is the traced
+LoRA step with the parameter bytes replaced (:func:`quantized_base`), as the trainer holds
+them (`harness.models.qlora`): every linear of the decoder blocks in NF4 (4-bit codes packed
+into a tensor of the compute dtype, which FSDP2 shards by rows; the scales - one 8-bit absmax
+per 64 weights, one fp32 per 256 of those, the code books - whole on every rank:
+:func:`nf4_matrix_bytes`) or int8 (one byte plus an fp32 scale per output row, never sharded);
+the rest of the base in the working dtype (fp32 under FSDP2's master weights), sharded like any
+parameter; the adapters in fp32. Activations are the traced LoRA model's, plus one linear's
+weight dequantized in flight (an upper bound: bitsandbytes frees it after each matmul).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ from harness.planner.model_states import EngineModel
 from harness.planner.trace import ParamInfo
 
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weight, 8-bit absmax per 64, fp32 per 256 absmax blocks
+BLOCKSIZE = 64  # bitsandbytes' 4-bit block (one 8-bit absmax each); its absmax are quantized again in blocks of 256
+NF4_MODULE_BYTES = 4 + 16 * 4 + 256 * 4  # per quantized matrix: the absmax offset, the NF4 code book, the absmax code book (fp32)
+BLOCKSIZE = 64  # bitsandbytes' 4-bit block (one 8-bit absmax each); its absmax are quantized again in blocks of 256
+NF4_MODULE_BYTES = 4 + 16 * 4 + 256 * 4  # per quantized matrix: the absmax offset, the NF4 code book, the absmax code book (fp32)
 INT8_BYTES = 1.0  # plus one fp32 scale per output row (added per matrix)
 
 
@@ -41,24 +45,41 @@ def quantized_linears(info: ParamInfo) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
-def quantized_base_bytes(info: ParamInfo, mode: str) -> int:
-    """The frozen base of a QLoRA run: quantized block linears, the rest in fp32."""
+def nf4_matrix_bytes(numel: int, world: int = 1, storage_bytes: int = 4) -> tuple[int, int]:
+    """(codes, quantization state) bytes one rank holds of one NF4 matrix (bitsandbytes, double
+    quantization). The codes (half a byte a weight, packed into elements of the compute dtype,
+    `storage_bytes` each) are a tensor FSDP2 shards by rows, padded to a whole row per rank; the
+    state (an 8-bit absmax per 64 weights, an fp32 absmax per 256 of those, the code books and
+    offset) is held whole by every rank."""
+    rows = (numel + 1) // (2 * storage_bytes)  # bitsandbytes' packed length, one code pair per byte
+    codes = -(-rows // world) * storage_bytes
+    blocks = -(-numel // BLOCKSIZE)
+    state = blocks + 4 * -(-blocks // 256) + NF4_MODULE_BYTES
+    return codes, state
+
+
+def quantized_base_bytes(info: ParamInfo, mode: str, dtype_bytes: int = 4, world: int = 1) -> int:
+    """One rank's frozen base of a QLoRA run at FSDP2 `world` (1: replicated): the quantized block
+    linears, the rest in `dtype_bytes` (sharded by rows under FSDP2, as every parameter)."""
     quantized = quantized_linears(info)
     q_numel = sum(s[0] * s[1] for _, s in quantized)
-    per = NF4_BYTES if mode == "nf4" else INT8_BYTES
-    scales = 0 if mode == "nf4" else sum(4 * s[0] for _, s in quantized)
-    return int(q_numel * per) + scales + (info.frozen - q_numel) * 4
+    rest = (info.frozen - q_numel) * dtype_bytes // world
+    if mode == "nf4":
+        return rest + sum(sum(nf4_matrix_bytes(s[0] * s[1], world, dtype_bytes)) for _, s in quantized)
+    return rest + int(q_numel * INT8_BYTES) + sum(4 * s[0] for _, s in quantized)  # int8 is never sharded
 
 
-def quantized_base(em: EngineModel, info: ParamInfo, mode: str, shard: int = 1) -> EngineModel:
+def quantized_base(em: EngineModel, info: ParamInfo, mode: str, shard: int = 1, dtype_bytes: int = 4) -> EngineModel:
     """The engine model of a traced LoRA step with QLoRA's parameter bytes (`shard`: ranks the
-    base is divided over; 1 under DDP) and one dequantized bf16 linear in flight."""
-    params = (quantized_base_bytes(info, mode) + 4 * info.total) // shard
+    base is divided over, 1 under DDP; `dtype_bytes`: what the rest of the base is held in) and
+    one dequantized bf16 linear in flight."""
+    params = quantized_base_bytes(info, mode, dtype_bytes, shard) + 4 * info.total // shard
     largest = max((s[0] * s[1] for _, s in quantized_linears(info)), default=0)
     resident = dict(em.resident)
     resident["temporaries"] = resident.get("temporaries", 0) + 2 * largest
-    note = f"QLoRA ({mode}): base {quantized_base_bytes(info, mode):,} B quantized by formula, activations of the traced bf16 LoRA model"
+    base = quantized_base_bytes(info, mode, dtype_bytes, shard)
+    note = f"QLoRA ({mode}): base {base:,} B per rank by formula, activations of the traced LoRA model"
     return dataclasses.replace(em, params=params, end_params=params, resident=resident, notes=[*em.notes, note])
 
 
-__all__ = ["INT8_BYTES", "NF4_BYTES", "quantized_base", "quantized_base_bytes", "quantized_linears"]
+__all__ = ["INT8_BYTES", "NF4_BYTES", "nf4_matrix_bytes", "quantized_base", "quantized_base_bytes", "quantized_linears"]

@@ -18,8 +18,8 @@ trace; the others are estimated (traces are cached and shared by every strategy 
 the bare module), until ``max_fits`` fitting configurations are found.
 
 When no full fine-tune fits, the tree's last two steps follow, in order: LoRA (frozen bf16
-base, adapters trained; `harness.planner.lora`) and QLoRA (NF4 base, which needs a CUDA GPU
-with bitsandbytes). They change what is trained, not only how, so they are never chosen for
+base, adapters trained; `harness.planner.lora`) and QLoRA (NF4 base, bitsandbytes; sharded by
+FSDP2 at world > 1). They change what is trained, not only how, so they are never chosen for
 speed over a full fine-tune that fits; the first that fits is named.
 """
 
@@ -99,7 +99,7 @@ class Candidate:
 
     def label(self) -> str:
         ac = f"AC {self.ac}" if self.ac != "none" else "no AC"
-        tuned = {"none": "", "lora": ", LoRA (base frozen)", "nf4": ", QLoRA (NF4 base; needs a CUDA GPU with bitsandbytes)"}
+        tuned = {"none": "", "lora": ", LoRA (base frozen)", "nf4": ", QLoRA (NF4 base, bitsandbytes)"}
         return f"{self.strategy}, {self.precision}, {ac}, micro-batch {self.micro_batch} x accum {self.grad_accum}{tuned[self.lora]}"
 
 
@@ -248,7 +248,7 @@ def lora_candidates(cfg: RunConfig, world: int) -> list[Candidate]:
     for mode in LORA_STEPS:
         for ac, micro in (("none", cfg.micro_batch_size), ("full", 1)):
             accum = max(1, math.ceil(cfg.micro_batch_size * cfg.grad_accum / micro))
-            for strategy in ("ddp", "fsdp") if world > 1 and mode == "lora" else ("ddp",):
+            for strategy in ("ddp", "fsdp") if world > 1 else ("ddp",):
                 out.append(Candidate("bf16", ac, micro, accum, strategy, lora=mode))
     return out
 
@@ -268,18 +268,16 @@ def evaluate_lora(
     (`harness.planner.lora`); QLoRA's quantized base is a formula over that trace."""
     cost = c.cost(cfg.micro_batch_size)
     run = with_candidate(cfg, c)
-    if c.lora != "lora" and target != "cuda":
-        est = estimate(with_candidate(cfg, replace(c, lora="lora")), world, target=target, vocab_size=vocab)
-        return Evaluated(c, cost, False, est.total, "QLoRA needs a CUDA GPU (bitsandbytes kernels)", est)
     est = estimate(run, world, target=target, vocab_size=vocab)
     v = verdict(est, gpu_mem, None, per_node)
     adapters = f"{est.params_total / 1e6:.2f}M adapter parameters (r={cfg.lora.r})"
     if not v.fits:
         return Evaluated(c, cost, False, v.device_need, f"{v.reason} ({adapters})", est)
-    # Unquantized LoRA under torch's engines is built on the meta device and filled a tensor at a
-    # time (like a full fine-tune); QLoRA (bitsandbytes quantizes on load) builds the frozen base
-    # whole in fp32 on the host.
-    host = (info.whole_largest if c.lora == "lora" else info.total + info.frozen) * 4 * per_node
+    # LoRA and QLoRA under torch's engines are built on the meta device and filled (QLoRA: quantized)
+    # a tensor at a time, like a full fine-tune; DeepSpeed's LoRA path builds the frozen base whole
+    # in fp32 on the host.
+    meta_built = not c.strategy.startswith("zero")
+    host = (info.whole_largest if meta_built else info.total + info.frozen) * 4 * per_node
     if cpu_mem is not None and host > cpu_mem:
         return Evaluated(c, cost, False, v.device_need, f"needs {gib(host)} host memory per node to build the model > {gib(cpu_mem)}", est)
     return Evaluated(

@@ -91,8 +91,9 @@ CASES = [
     ("optimizer_in_backward_deepspeed", {}, ["strategy=zero2", "memory.optimizer_in_backward=true"], "cannot run under DeepSpeed"),
     pytest.param("cuda_without_gpu", {}, ["device=cuda"], "no GPU is visible", marks=CPU_ONLY),
     ("model_path_missing", {}, ["model.name=./no/such/model"], "does not exist"),
-    # was test_lora_runs.py::test_quantized_base_is_refused_on_cpu_in_one_line (a process of its own)
-    ("qlora_without_gpu", {}, ["lora.enabled=true", "lora.quantize=nf4"], "lora.quantize=nf4 needs a CUDA GPU"),
+    # QLoRA runs on CPU (bitsandbytes); what it cannot run under is refused here
+    ("qlora_under_zero3", {}, ["lora.enabled=true", "lora.quantize=nf4", "strategy=zero3"], "quantize=nf4 does not run under DeepSpeed"),
+    ("qlora_int8_sharded", {}, ["lora.enabled=true", "lora.quantize=int8", "strategy=fsdp"], "quantize=int8 cannot be sharded by FSDP2"),
     ("model_id_offline", {}, ["model.name=nobody-xyz/no-such-model"], "HF_HUB_OFFLINE=1"),
     ("dataset_missing", {}, ["data.source=/no/such/corpus"], "does not exist"),
     ("dataset_empty_dir", {}, ["data.source={root}/empty_dir"], "is an empty directory"),
