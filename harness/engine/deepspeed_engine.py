@@ -30,7 +30,16 @@ from harness.engine.plan import EnginePlan
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
 from harness.errors import CheckpointError
 from harness.log import get_logger
-from harness.models import ModelSpec, clean_name, construct_model, empty_model, materialize, quantized_codes
+from harness.models import (
+    ModelSpec,
+    apply_lora,
+    clean_name,
+    construct_model,
+    empty_model,
+    init_adapters,
+    materialize,
+    quantized_codes,
+)
 from harness.training import build_optimizer, lr_lambda
 
 DS_TAG = "state"  # DeepSpeed's tag: <step dir>/ds/state/...
@@ -109,13 +118,16 @@ class DeepSpeedEngine(Engine):
     @classmethod
     def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
         """ZeRO-3: built under `zero.Init`, which partitions each parameter as its module is created,
-        then each rank fills its partitions. ZeRO-0/1/2 keep the working weights whole on every rank:
-        built on the device directly in DeepSpeed's working dtype (no fp32 copy to cast from)."""
+        then each rank fills its partitions; LoRA's adapters (a fraction of a percent of the model)
+        are then injected whole outside `zero.Init` and partitioned by `deepspeed.initialize`, as
+        under HF Trainer + peft. ZeRO-0/1/2 keep the working weights whole on every rank: built on
+        the device directly in DeepSpeed's working dtype (no fp32 copy to cast from), LoRA's base too."""
         import deepspeed
 
         ds_config = plan.deepspeed_config()
-        if cfg.lora.enabled:  # adapters need a built model: the frozen base whole, partitioned by deepspeed.initialize
-            return lora_base(spec, cfg, info, _deepspeed_dtype(ds_config))
+        dtype = _deepspeed_dtype(ds_config)
+        if cfg.lora.enabled and plan.zero_stage != 3:  # the working weights are whole on every rank anyway
+            return lora_base(spec, cfg, info, dtype)
         weights = WeightsToLoad(spec)
         if plan.zero_stage == 3:
             # zero.Init reads the world size from DeepSpeed's communicator: wrap our process group first
@@ -126,6 +138,12 @@ class DeepSpeedEngine(Engine):
                 _fill_gathered(weights, model, info.rank)
             else:
                 weights.fill(model)
+            if cfg.lora.enabled:
+                model = apply_lora(model, cfg.lora, seed=cfg.model.seed)
+                init_adapters(model, cfg.model.seed)  # the values every other build of this run starts from
+                for name, p in model.named_parameters():
+                    if p.requires_grad:  # the adapters; the base's partitions are already in `dtype` on the device
+                        p.data = p.data.to(device=info.device, dtype=dtype)
         else:
             model = materialize(empty_model(spec.config).to(dtype=_deepspeed_dtype(ds_config)), info.device)
             weights.fill(model)

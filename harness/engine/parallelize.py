@@ -91,7 +91,8 @@ def empty_model_to_train(spec: ModelSpec, cfg: RunConfig, policy: PrecisionPolic
 
 def lora_base(spec: ModelSpec, cfg: RunConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
     """The frozen base built whole with its adapters, on the device in `dtype`, AC and compile
-    applied: DeepSpeed's LoRA path (its engine partitions a built model)."""
+    applied: DeepSpeed's LoRA path at ZeRO-0/1/2, which keep the working weights whole anyway
+    (ZeRO-3 builds its base partitioned, `DeepSpeedEngine.load_model`)."""
     model = build_run_model(cfg, spec.config.vocab_size)
     model.to(device=info.device)
     cast_except_quantized(model, dtype)

@@ -143,7 +143,7 @@ class LoraWeights:
 def build_run_model(cfg: RunConfig, vocab_size: int) -> nn.Module:
     """The model a run trains, built whole in one process: the preset or pretrained model (its
     linears quantized for QLoRA, computing in fp32), with LoRA adapters on a frozen base when
-    `lora.enabled` (DeepSpeed's LoRA path, and the tests' world-1 reference; the torch engines
+    `lora.enabled` (DeepSpeed's LoRA path at ZeRO-0/1/2, and the tests' world-1 reference; the torch engines
     build on the meta device instead). Resume rebuilds the same base, which is why a LoRA
     checkpoint needs only the adapters."""
     model = build_model(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed, quantize=cfg.lora.quantize)

@@ -274,9 +274,9 @@ def evaluate_lora(
     if not v.fits:
         return Evaluated(c, cost, False, v.device_need, f"{v.reason} ({adapters})", est)
     # LoRA and QLoRA under torch's engines are built on the meta device and filled (QLoRA: quantized)
-    # a tensor at a time, like a full fine-tune; DeepSpeed's LoRA path builds the frozen base whole
-    # in fp32 on the host.
-    meta_built = not c.strategy.startswith("zero")
+    # a tensor at a time, like a full fine-tune, and so is ZeRO-3's base (under zero.Init); ZeRO-1/2
+    # build the frozen base whole in fp32 on the host.
+    meta_built = not c.strategy.startswith("zero") or c.strategy.startswith("zero3")
     host = (info.whole_largest if meta_built else info.total + info.frozen) * 4 * per_node
     if cpu_mem is not None and host > cpu_mem:
         return Evaluated(c, cost, False, v.device_need, f"needs {gib(host)} host memory per node to build the model > {gib(cpu_mem)}", est)

@@ -28,9 +28,10 @@ from model_families import VOCAB, save_families
 FAMILIES = ("llama", "qwen2", "opt", "gpt_neox", "gpt2")
 STRATEGIES = ("fsdp", "zero3")
 # LoRA (adapters injected on the meta device, then sharded and filled like any model): under
-# FSDP2, on an untied and a tied model. (DeepSpeed's LoRA path still builds the base whole.)
+# FSDP2, on an untied and a tied model; under ZeRO-3 the base is built partitioned under zero.Init
+# and filled, the adapters injected whole after (deepspeed.initialize partitions them).
 # QLoRA: the same, with the linears bitsandbytes' NF4 (each weight quantized whole, this rank's codes kept).
-LORA_CASES = ["tiny-llama+lora/fsdp", "qwen2+lora/fsdp", "tiny-llama+qlora/fsdp"]
+LORA_CASES = ["tiny-llama+lora/fsdp", "qwen2+lora/fsdp", "tiny-llama+lora/zero3", "tiny-llama+qlora/fsdp"]
 CASES = [f"{family}/{strategy}" for family in ["tiny-llama", *FAMILIES] for strategy in STRATEGIES] + LORA_CASES
 
 
