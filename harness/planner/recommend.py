@@ -43,7 +43,7 @@ from harness.planner.trace import ParamInfo, TraceResult, build_fake_model, para
 
 # Relative step time (lower is faster); see the module docstring for where each comes from.
 SPEED: dict[str, dict[str, float]] = {
-    "precision": {"bf16": 1.0, "fp16": 1.05, "fp32": 2.7},
+    "precision": {"bf16": 1.0, "bf16_pure": 1.0, "fp16": 1.05, "fp32": 2.7},
     "ac": {"none": 1.0, "op": 1.08, "selective": 1.15, "full": 1.33},
     "strategy": {
         "ddp": 1.0,

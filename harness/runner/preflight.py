@@ -331,14 +331,14 @@ def preflight(cfg: RunConfig, strategy: Strategy) -> EnginePlan:
     _, world, _ = launch_env()
     check_run(cfg, strategy, world, has_accelerator(cfg))
     amp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if amp in ("bf16", "fp16") and amp != cfg.precision:
+    if amp in ("bf16", "fp16") and amp != cfg.precision.removesuffix("_pure"):
         raise ConfigError(
             f"accelerate launch --mixed_precision {amp} contradicts the run config's precision={cfg.precision}; set precision={amp}"
         )
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no GPU is visible; use device=auto or device=cpu")
-    if cfg.precision == "bf16" and has_accelerator(cfg) and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
+    if cfg.precision in ("bf16", "bf16_pure") and has_accelerator(cfg) and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"precision={cfg.precision} but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
     # DeepSpeed's "auto" bucket sizes need the model's width (its contradictions and 'auto' holes are refused here)
     hidden = hidden_size_of(model_shape(cfg) or {}) if strategy.kind == "deepspeed" else None
     plan = plan_engine(cfg, strategy, world, torch.device("cuda" if has_accelerator(cfg) else "cpu"), hidden)
