@@ -230,22 +230,28 @@ def check_optimizer_engine(cfg: RunConfig, strategy_kind: str, strategy_name: st
             "(torchao: stochastic rounding), or precision=bf16 (fp32 master)"
         )
     if strategy_kind == "deepspeed":
+        if cfg.precision == "bf16_pure":
+            raise ConfigError(
+                f"precision=bf16_pure cannot run under DeepSpeed{named}: its bf16 mode always keeps fp32 master "
+                "partitions; use precision=bf16 there, or an fsdp/ddp strategy for bf16 weights without a master"
+            )
         if OPTIMIZER_LIBRARY[name] != "torch":
             raise ConfigError(
                 f"optim.name={name} cannot run under DeepSpeed{named}: ZeRO steps its own flat fp32 partitions with its "
                 "own optimizers (Adam, AdamW, SGD, ... in its config), which have no 8-bit/4-bit/bf16 states; use an "
                 "fsdp or ddp strategy, or optim.name=adamw"
             )
-        if cfg.precision == "bf16_pure":
-            raise ConfigError(
-                f"precision=bf16_pure cannot run under DeepSpeed{named}: its bf16 mode always keeps fp32 master "
-                "partitions; use precision=bf16 there, or an fsdp/ddp strategy for bf16 weights without a master"
-            )
         if cfg.optim.cpu_offload:
             raise ConfigError(
                 f"optim.cpu_offload=true is torchao's offload for torch engines; under DeepSpeed{named} use its own "
                 "offload_optimizer (zero2_offload.json, zero3_offload.json)"
             )
+    if cfg.precision == "bf16_pure" and strategy_kind == "fsdp" and name in ("adamw_8bit", "adamw_4bit"):
+        raise ConfigError(
+            f"precision=bf16_pure with optim.name={name} cannot run under FSDP2{named}: torchao's quantized state over bf16 "
+            "DTensor shards fails in its step (eager and compiled, torch 2.13); use optim.name=adamw_bf16 under FSDP2, "
+            f"or {name} with precision=bf16 (fp32 shards) or under ddp"
+        )
     if name == "paged_adamw_8bit" and strategy_kind == "fsdp":
         raise ConfigError(
             f"optim.name=paged_adamw_8bit cannot run under FSDP2{named}: bitsandbytes' 8-bit step takes plain tensors, "

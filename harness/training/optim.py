@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from harness.config import OPTIMIZER_LIBRARY, OPTIMIZER_NAMES, OptimConfig
+from harness.distributed import local_tensor
 from harness.log import get_logger
 
 log = get_logger(__name__)
@@ -123,9 +124,20 @@ def _torchao_class(name: str) -> Callable[..., torch.optim.Optimizer]:
         opt = ao._AdamW(params, bf16_stochastic_round=True, **kw)
         opt.block_size = 1
         opt._subclass_zeros = lambda p, signed, block: torch.zeros_like(p, dtype=torch.bfloat16)
+        # torch's load_state_dict casts every state to its parameter's dtype; the saved moments were
+        # bf16, so casting them back after a load is exact (a resume continues bit for bit).
+        opt.register_load_state_dict_post_hook(_moments_back_to_bf16)
         return opt
 
     return bf16_moments
+
+
+def _moments_back_to_bf16(optimizer: torch.optim.Optimizer) -> None:
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = state.get(key)
+            if isinstance(value, torch.Tensor) and local_tensor(value).numel() >= _TORCHAO_MIN_QUANT and value.dtype != torch.bfloat16:
+                state[key] = value.to(torch.bfloat16)
 
 
 def _cpu_offload(params: list[torch.nn.Parameter], cfg: OptimConfig, kwargs: dict) -> torch.optim.Optimizer:

@@ -94,6 +94,14 @@ CASES = [
     # was test_lora_runs.py::test_quantized_base_is_refused_on_cpu_in_one_line (a process of its own)
     ("qlora_without_gpu", {}, ["lora.enabled=true", "lora.quantize=nf4"], "lora.quantize=nf4 needs a CUDA GPU"),
     ("model_id_offline", {}, ["model.name=nobody-xyz/no-such-model"], "HF_HUB_OFFLINE=1"),
+    # the optimizer rungs (harness.training.optim): what an engine or precision cannot run
+    ("bf16_pure_round_to_nearest", {}, ["precision=bf16_pure"], "precision=bf16_pure with optim.name=adamw: without an fp32 master"),
+    ("bf16_pure_bnb", {}, ["precision=bf16_pure", "optim.name=paged_adamw_8bit"], "use optim.name=adamw_bf16|adamw_8bit|adamw_4bit"),
+    ("low_bit_under_deepspeed", {}, ["strategy=zero2", "optim.name=adamw_8bit"], "optim.name=adamw_8bit cannot run under DeepSpeed"),
+    ("bf16_pure_under_deepspeed", {}, ["strategy=zero3", "precision=bf16_pure", "optim.name=adamw_bf16"], "keeps fp32 master"),
+    ("bnb_under_fsdp", {}, ["strategy=fsdp", "optim.name=paged_adamw_8bit"], "bitsandbytes' 8-bit step takes plain tensors"),
+    ("bf16_pure_quantized_fsdp", {}, ["strategy=fsdp", "precision=bf16_pure", "optim.name=adamw_4bit"], "quantized state over bf16"),
+    pytest.param("cpu_offload_without_gpu", {}, ["optim.cpu_offload=true"], "optim.cpu_offload=true needs a CUDA GPU", marks=CPU_ONLY),
     ("dataset_missing", {}, ["data.source=/no/such/corpus"], "does not exist"),
     ("dataset_empty_dir", {}, ["data.source={root}/empty_dir"], "is an empty directory"),
     ("dataset_no_text_field", {}, ["data.source={root}/notext.jsonl"], "has no field 'text'"),
