@@ -17,19 +17,21 @@ import json
 import pytest
 from launching import TESTS, finish, start
 
+from harness.config import OPTIMIZER_NAMES
+
 pytestmark = pytest.mark.integration
 
 WORKER = str(TESTS / "integration" / "optimizer_worker.py")
-ALL = ["adamw", "adam", "sgd", "adamw_bf16", "adamw_8bit", "adamw_4bit", "paged_adamw_8bit"]
+ALL = list(OPTIMIZER_NAMES)  # every name the config accepts
 # (optimizer, precision, grad_accum, optimizer_in_backward)
 # sgd with optimizer-in-backward is left out: its stateless per-parameter optimizers do not load back
 # through DCP ("different number of parameter groups"), a limitation older than these optimizers.
 SINGLE = [[n, "fp32", 2, False] for n in ALL] + [[n, "fp32", 1, True] for n in ALL if n != "sgd"]
 SINGLE += [[n, "bf16_pure", 2, False] for n in ("adamw_bf16", "adamw_8bit", "adamw_4bit")]
-FSDP = [[n, "fp32", 2, False] for n in ALL if n != "paged_adamw_8bit"] + [
-    [n, "fp32", 1, True] for n in ("adamw_bf16", "adamw_8bit", "adamw_4bit")
-]
-FSDP += [["adamw_bf16", "bf16_pure", 2, False], ["adamw_8bit", "bf16", 2, False]]
+# FSDP2: the rungs and adamw as their reference (adam/sgd under FSDP2 are torch's own, as before)
+TORCHAO = ["adamw_bf16", "adamw_8bit", "adamw_4bit"]
+FSDP = [[n, "fp32", 2, False] for n in ["adamw", *TORCHAO]] + [[n, "fp32", 1, True] for n in TORCHAO]
+FSDP += [["adamw_bf16", "bf16_pure", 2, False]]
 
 
 def _results(output: str) -> list[dict]:
