@@ -101,7 +101,7 @@ def _frugal_fits(
 ) -> bool:
     """Does the most frugal configuration (bf16, full AC, micro-batch 1, everything offloaded) fit?"""
 
-    est = estimate(with_candidate(cfg, most_frugal(cfg, world, nvme)), world, target=target, vocab_size=vocab)
+    est = estimate(with_candidate(cfg, most_frugal(cfg, world, nvme, target)), world, target=target, vocab_size=vocab)
     return verdict(est, gpu_mem, cpu_mem, per_node).fits
 
 
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_PLAN_NOTHING_FITS
     title = (
-        f"Plan: {cfg.model.name} x {args.gpus} rank(s), strategy {cfg.strategy or 'ddp'}, {cfg.precision}, "
+        f"Plan: {cfg.model.name} x {args.gpus} rank(s), strategy {cfg.strategy or 'ddp'}, {cfg.precision}"
+        f"{' (bf16 weights, no fp32 master)' if cfg.precision == 'bf16_pure' else ''}, optim {cfg.optim.name}, "
         f"micro-batch {cfg.micro_batch_size} x seq {cfg.data.seq_len}, AC {cfg.memory.activation_checkpointing}"
     )
     print(format_estimate(est, gpu_mem, cpu_mem, per_node, title))

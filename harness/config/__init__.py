@@ -16,10 +16,13 @@ from harness.config.presets import PRESETS, Preset, is_preset
 from harness.config.prune_modes import check_original, is_original, resolve_prune
 from harness.config.schema import (
     AC_MODES,
+    BF16_WEIGHT_OPTIMIZERS,
     COMPILE_MODES,
     DATA_FORMATS,
     EMBEDDED_CORPORA,
     LORA_QUANTIZE,
+    OPTIMIZER_LIBRARY,
+    OPTIMIZER_NAMES,
     PRECISIONS,
     PRUNE_BASES,
     CheckpointConfig,
@@ -54,6 +57,9 @@ __all__ = [
     "EMBEDDED_CORPORA",
     "ENGINE_KINDS",
     "LORA_QUANTIZE",
+    "BF16_WEIGHT_OPTIMIZERS",
+    "OPTIMIZER_LIBRARY",
+    "OPTIMIZER_NAMES",
     "PRECISIONS",
     "PRESETS",
     "PRUNE_BASES",

@@ -11,7 +11,7 @@ import functools
 import importlib.util
 
 from harness.config.prune_modes import check_prune_mode
-from harness.config.schema import EMBEDDED_CORPORA, RunConfig, choice_fields
+from harness.config.schema import BF16_WEIGHT_OPTIMIZERS, EMBEDDED_CORPORA, OPTIMIZER_LIBRARY, RunConfig, choice_fields
 from harness.config.strategies import Strategy
 from harness.errors import ConfigError, did_you_mean
 
@@ -146,7 +146,7 @@ def check_lora(cfg: RunConfig, strategy_kind: str) -> None:
     if lo.quantize == "none":
         return
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError(f"lora.quantize={lo.quantize} needs the bitsandbytes package: pip install 'harness[qlora]'")
+        raise ConfigError(f"lora.quantize={lo.quantize} needs the bitsandbytes package: pip install bitsandbytes (a dependency of harness)")
     if strategy_kind == "deepspeed":
         raise ConfigError(
             f"lora.quantize={lo.quantize} does not run under DeepSpeed here (its checkpoints would keep bitsandbytes' "
@@ -218,8 +218,70 @@ def check_strategy_against_run(strategy: Strategy, cfg: RunConfig, has_accelerat
             "accelerator); on a CPU-only machine use fsdp.json or zero3_offload.json"
         )
     check_optimizer_in_backward_engine(cfg, strategy.kind, strategy.name)
+    check_optimizer_engine(cfg, strategy.kind, strategy.name, has_accelerator)
     if cfg.precision == "fp16" and strategy.kind == "fsdp" and not has_accelerator:
         raise ConfigError("precision=fp16 with FSDP2 needs a GPU (its gradient scaler is CUDA-only); use bf16 or fp32 on CPU")
+
+
+def check_optimizer_engine(cfg: RunConfig, strategy_kind: str, strategy_name: str, has_accelerator: bool) -> None:
+    """The optimizer and precision rules that depend on the engine, each refused in one line."""
+    name, named = cfg.optim.name, f" ({strategy_name})" if strategy_name else ""
+    if cfg.precision == "bf16_pure" and name not in BF16_WEIGHT_OPTIMIZERS:
+        raise ConfigError(
+            f"precision=bf16_pure with optim.name={name}: without an fp32 master, an update smaller than half a bf16 step "
+            f"of its weight rounds away (most of them, late in training); use optim.name={'|'.join(BF16_WEIGHT_OPTIMIZERS)} "
+            "(torchao: stochastic rounding), or precision=bf16 (fp32 master)"
+        )
+    if strategy_kind == "deepspeed":
+        if cfg.precision == "bf16_pure":
+            raise ConfigError(
+                f"precision=bf16_pure cannot run under DeepSpeed{named}: its bf16 mode always keeps fp32 master "
+                "partitions; use precision=bf16 there, or an fsdp/ddp strategy for bf16 weights without a master"
+            )
+        if OPTIMIZER_LIBRARY[name] != "torch":
+            raise ConfigError(
+                f"optim.name={name} cannot run under DeepSpeed{named}: ZeRO steps its own flat fp32 partitions with its "
+                "own optimizers (Adam, AdamW, SGD, ... in its config), which have no 8-bit/4-bit/bf16 states; use an "
+                "fsdp or ddp strategy, or optim.name=adamw"
+            )
+        if cfg.optim.cpu_offload:
+            raise ConfigError(
+                f"optim.cpu_offload=true is torchao's offload for torch engines; under DeepSpeed{named} use its own "
+                "offload_optimizer (zero2_offload.json, zero3_offload.json)"
+            )
+    if cfg.precision == "bf16_pure" and strategy_kind == "fsdp" and name in ("adamw_8bit", "adamw_4bit"):
+        raise ConfigError(
+            f"precision=bf16_pure with optim.name={name} cannot run under FSDP2{named}: torchao's quantized state over bf16 "
+            "DTensor shards fails in its step (eager and compiled, torch 2.13); use optim.name=adamw_bf16 under FSDP2, "
+            f"or {name} with precision=bf16 (fp32 shards) or under ddp"
+        )
+    if name == "paged_adamw_8bit" and strategy_kind == "fsdp":
+        raise ConfigError(
+            f"optim.name=paged_adamw_8bit cannot run under FSDP2{named}: bitsandbytes' 8-bit step takes plain tensors, "
+            "not FSDP2's DTensor shards; use optim.name=adamw_8bit (torchao, shards its state with FSDP2)"
+        )
+    if cfg.optim.cpu_offload:
+        if not has_accelerator:
+            raise ConfigError(
+                "optim.cpu_offload=true needs a CUDA GPU (torchao's CPUOffloadOptimizer moves state and gradients "
+                "between the GPU and the host); on a CPU-only machine the state is in host memory already: turn it off"
+            )
+        if strategy_kind == "fsdp" or name == "paged_adamw_8bit" or cfg.memory.optimizer_in_backward:
+            why = "FSDP2" if strategy_kind == "fsdp" else "memory.optimizer_in_backward"
+            why = f"optim.name={name}" if name == "paged_adamw_8bit" else why
+            raise ConfigError(
+                f"optim.cpu_offload=true cannot run with {why}: torchao's CPUOffloadOptimizer is for one GPU's whole "
+                "parameters stepped after backward; use fsdp_offload.json (FSDP2) or turn one of them off"
+            )
+
+
+def check_cpu_offload_world(cfg: RunConfig, strategy_kind: str, world: int) -> None:
+    """torchao's CPUOffloadOptimizer is written for one GPU (its state dict is its own, per process)."""
+    if cfg.optim.cpu_offload and world > 1:
+        raise ConfigError(
+            f"optim.cpu_offload=true runs on one GPU (torchao's CPUOffloadOptimizer), not {strategy_kind} x{world}; "
+            "use fsdp_offload.json or zero2_offload.json for several"
+        )
 
 
 def check_batch(cfg: RunConfig, world: int) -> None:
@@ -244,6 +306,7 @@ def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: b
     """Every config-only rule for this strategy at this world size (values were checked on load)."""
     check_strategy_against_run(strategy, cfg, has_accelerator)
     check_optimizer_in_backward(cfg, strategy.kind, world)
+    check_cpu_offload_world(cfg, strategy.kind, world)
     check_batch(cfg, world)
     check_prune_config(cfg, world)
     check_lora(cfg, strategy.kind)

@@ -167,7 +167,10 @@ def adopt_settings(
         if is_given(cfg, key):
             fixed.add(key)
             for value, source in sources:
-                if source.startswith("accelerate") and not _equal(value, _get(cfg, key)):
+                current = _get(cfg, key)
+                if key == "precision":  # --mixed_precision bf16 is what precision=bf16_pure computes in
+                    current = str(current).removesuffix("_pure")
+                if source.startswith("accelerate") and not _equal(value, current):
                     problems.append(f"{source} contradicts the run config's {key}={_get(cfg, key)!r}; drop one of the two")
             continue  # a file's number that differs is named where the file is resolved
         if len(sources) == 2 and not _equal(sources[0][0], sources[1][0]):

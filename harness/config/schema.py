@@ -14,14 +14,18 @@ from harness.config.presets import is_preset
 # The choices of the enumerated keys, one definition each: a `Literal` type is the field's type,
 # and the tuple of its values (`get_args`) is what the checks and the techniques read, so a new
 # choice is added in one place and is checked everywhere.
-Precision = Literal["fp32", "bf16", "fp16"]
+# bf16_pure: bf16 weights with no fp32 master copy (only with an optimizer that keeps bf16 weights moving)
+Precision = Literal["fp32", "bf16", "fp16", "bf16_pure"]
 AcMode = Literal["none", "full", "selective", "op"]
 CompileMode = Literal["none", "block", "model"]
 LoraQuantize = Literal["none", "int8", "nf4"]
 DataFormat = Literal["text", "instruction"]
 TokenDtype = Literal["uint16", "uint32"]  # element type of a raw .bin token file
 Device = Literal["auto", "cpu", "cuda"]
-OptimName = Literal["adamw", "adam", "sgd"]
+# adamw/adam/sgd: torch, fp32 (parameter-dtype) state; adamw_bf16/_8bit/_4bit: torchao's optimizers
+# (bf16 moments with stochastic rounding of bf16 weights; 8-/4-bit block-quantized moments);
+# paged_adamw_8bit: bitsandbytes (paged through CUDA unified memory on a GPU, plain 8-bit on CPU)
+OptimName = Literal["adamw", "adam", "sgd", "adamw_bf16", "adamw_8bit", "adamw_4bit", "paged_adamw_8bit"]
 Schedule = Literal["cosine", "linear", "constant"]
 OnNonfinite = Literal["skip", "stop"]
 PruneMethod = Literal["none", "magnitude", "wanda", "sparsegpt", "gradprobe"]
@@ -36,6 +40,19 @@ StatDtype = Literal["bf16", "fp16", "fp32"]  # storage of GradProbe's gradient s
 EmbeddedCorpus = Literal["embedded", "stdlib"]  # data.source names of corpora shipped with Python (harness.data.documents)
 
 PRECISIONS = get_args(Precision)
+OPTIMIZER_NAMES = get_args(OptimName)
+# The library each optimizer comes from, and which of them round the update into bf16 weights
+# stochastically (the only ones that can train precision=bf16_pure: see harness.training.optim).
+OPTIMIZER_LIBRARY = {
+    "adamw": "torch",
+    "adam": "torch",
+    "sgd": "torch",
+    "adamw_bf16": "torchao",
+    "adamw_8bit": "torchao",
+    "adamw_4bit": "torchao",
+    "paged_adamw_8bit": "bitsandbytes",
+}
+BF16_WEIGHT_OPTIMIZERS = tuple(n for n in OPTIMIZER_NAMES if OPTIMIZER_LIBRARY[n] == "torchao")
 AC_MODES = get_args(AcMode)
 COMPILE_MODES = get_args(CompileMode)
 LORA_QUANTIZE = get_args(LoraQuantize)
@@ -114,6 +131,7 @@ class OptimConfig:
     warmup_steps: int = 5
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
+    cpu_offload: bool = False  # torchao's CPUOffloadOptimizer: state and step on the host (CUDA only)
 
 
 @dataclass

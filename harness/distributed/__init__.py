@@ -1,7 +1,9 @@
 """The process group, independent of the launcher: who we are (rank, world, device), the one
-object every collective goes through (`Collectives`), a clean teardown and exit; and
-`FileLock`, coordination through a (possibly shared) file system that survives a crash."""
+object every collective goes through (`Collectives`), a clean teardown and exit; the CUDA
+allocator's setting (made before CUDA starts); and `FileLock`, coordination through a
+(possibly shared) file system that survives a crash."""
 
+from harness.distributed.allocator import configure_cuda_allocator
 from harness.distributed.collectives import Collectives
 from harness.distributed.filelock import FileLock
 from harness.distributed.process_group import (
@@ -29,5 +31,6 @@ __all__ = [
     "local_tensor",
     "pick_device",
     "record_exit",
+    "configure_cuda_allocator",
     "teardown",
 ]

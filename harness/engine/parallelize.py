@@ -57,9 +57,13 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
     """
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
+    reduce = torch.float32 if strategy.reduce_dtype == "fp32" else torch.bfloat16
     if policy.mode == "bf16":
-        reduce = torch.float32 if strategy.reduce_dtype == "fp32" else torch.bfloat16
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+    elif policy.mode == "bf16_pure":
+        # The sharded parameters are bf16 themselves (no fp32 master); only the gradient reduction may
+        # run in fp32, each shard's gradient then stored in bf16 like its parameter.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce)
     if strategy.offload_params != "none":
         kwargs["offload_policy"] = CPUOffloadPolicy()
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()

@@ -3,7 +3,9 @@
 Sharding is proven by these numbers, never by a flag: each tensor storage an engine keeps
 is found and counted once. For DeepSpeed the storages live inside its optimizer object
 (flat partitions, gradient buffers, fp32 master copies), so we walk that object's tensor
-attributes and classify them by what they hold.
+attributes and classify them by what they hold. A quantized optimizer state (torchao's 8-/4-bit
+moments) is a tensor subclass with no storage of its own: its inner tensors (codes, block scales,
+code book) are what it holds, found through the subclass protocol's ``__tensor_flatten__``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class StateCounter:
             if not isinstance(t, torch.Tensor):
                 continue
             t = local_tensor(t)
+            if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+                self.add(category, [getattr(t, name) for name in t.__tensor_flatten__()[0]])
+                continue
             if t.device.type == "meta":
                 continue
             storage = t.untyped_storage()

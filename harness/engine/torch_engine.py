@@ -76,7 +76,9 @@ class TorchEngine(Engine):
         counter.add("params", params)
         counter.add("params", quant_state_tensors(self.model))  # a quantized base's scales, held whole by every rank
         counter.add("grads", [p.grad for p in params if p.grad is not None])
-        optimizers = getattr(self._optimizer, "optimizers", None) or [self._optimizer]  # optimizer-in-backward holds many
+        # optimizer-in-backward holds one optimizer per parameter, in a dict keyed by the parameter
+        per_param = getattr(self._optimizer, "optimizers", None)
+        optimizers = list(per_param.values()) if isinstance(per_param, dict) else [self._optimizer]
         for opt in optimizers:
             if opt is not None:
                 counter.add("optim_state", optimizer_state_tensors(opt))

@@ -62,7 +62,7 @@ def bitsandbytes() -> Any:
         with _quiet_import():
             import bitsandbytes as bnb
     except ImportError:
-        raise ConfigError("lora.quantize needs the bitsandbytes package: pip install 'harness[qlora]'") from None
+        raise ConfigError("lora.quantize needs the bitsandbytes package: pip install bitsandbytes (a dependency of harness)") from None
     return bnb
 
 

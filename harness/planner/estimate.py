@@ -139,7 +139,7 @@ def specs_for(
         seq_len=cfg.data.seq_len,
         precision=cfg.precision,
         wrap="fsdp" if kind == "fsdp" else "plain",
-        module_dtype=module_dtype if kind != "fsdp" else "fp32",
+        module_dtype=module_dtype if kind != "fsdp" else param_dtype,
         reshard_after_forward=strategy.reshard_after_forward,
         fsdp_reduce_dtype=strategy.reduce_dtype,
         ac_mode=cfg.memory.activation_checkpointing,
@@ -395,11 +395,11 @@ def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:
     whole = info.total + info.frozen  # a LoRA model's frozen base is loaded like the rest
     # the working weights' dtype: DeepSpeed's half precision, bf16 module under single/DDP, FSDP2's fp32 shards
     half = ("bf16", "fp16") if espec.kind == "deepspeed" else ("bf16",) if espec.kind in ("single", "ddp") else ()
-    working = 2 if espec.precision in half else 4
+    working = 2 if espec.precision in half or espec.precision == "bf16_pure" else 4
     if espec.kind == "deepspeed" and espec.stage == 3:
         part, in_flight_device = whole * working // espec.world, one_tensor
     elif espec.kind == "fsdp":
-        part, in_flight_device = whole * 4 // espec.world, one_tensor // espec.world
+        part, in_flight_device = whole * working // espec.world, one_tensor // espec.world
     else:
         part, in_flight_device = whole * working, 0
     if espec.offload_params != "none":

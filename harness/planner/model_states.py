@@ -14,8 +14,11 @@ written down here, each term named after the buffer of the engine that allocates
   parameters kept whole, a gradient-partition buffer and a reduce bucket allocated at
   init, gathered parameters up to ``stage3_max_live_parameters``, and per optimizer
   sub-group an fp32 gradient copy at the step;
-- the optimizer: Adam/AdamW keep two states per element (the dtype of what they step:
-  the parameter for torch, fp32 master partitions for DeepSpeed); the step's transient
+- the optimizer: per tensor, ``harness.training.optimizer_state_bytes`` (the one account of what
+  each optimizer keeps: Adam/AdamW two states in the dtype of what they step, the parameter for
+  torch, fp32 master partitions for DeepSpeed; torchao's bf16/8-bit/4-bit moments with their
+  block scales and code books; bitsandbytes' 8-bit moments, absmax and shared code books), of
+  each rank's local numel (FSDP2: its shard of each tensor); the step's transient
   memory is what the trainer's ``foreach=False`` single-tensor loop allocates, two
   temporaries the size of the largest tensor stepped (``sqrt`` and the division).
 
@@ -28,8 +31,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from harness.config import EngineKind
+import torch
+
+from harness.config import OPTIMIZER_LIBRARY, EngineKind
 from harness.planner.trace import ParamInfo
+from harness.training import optimizer_shared_bytes, optimizer_state_bytes, optimizer_step_bytes
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -44,7 +50,7 @@ class EngineSpec:
     stage: int = 0  # ZeRO stage (zero only)
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_params: str = "none"
-    optimizer: str = "adamw"  # adamw | adam | sgd
+    optimizer: str = "adamw"  # harness.config.OPTIMIZER_NAMES
     weight_decay: float = 0.0
     optimizer_in_backward: bool = False
     reduce_bucket: int = 500_000_000  # elements (DeepSpeed default 5e8)
@@ -98,11 +104,25 @@ class EngineModel:
 
 
 def adam_states(optimizer: str) -> int:
+    """fp32 states per element of DeepSpeed's own optimizers (the only ones it runs)."""
     return 2 if optimizer in ("adam", "adamw") else 0
 
 
+def torch_optimizer_bytes(spec: EngineSpec, numels: list[int]) -> int:
+    """What a torch engine's optimizer holds for tensors of these local numels, in the dtype the
+    engine steps (``torch_param_bytes``): the states, bitsandbytes' code books once per optimizer
+    object (one per parameter under optimizer-in-backward), and on CPU the per-tensor step counters
+    (on a GPU machine they are host scalars, not device memory)."""
+    dtype = torch.bfloat16 if spec.torch_param_bytes == 2 else torch.float32
+    states = sum(optimizer_state_bytes(spec.optimizer, n, dtype) for n in numels)
+    groups = [[n] for n in numels] if spec.optimizer_in_backward else [numels]
+    shared = sum(optimizer_shared_bytes(spec.optimizer, group) for group in groups)
+    return states + shared + step_scalar_bytes(spec, len(numels))
+
+
 def step_transient_multiple(optimizer: str, weight_decay: float) -> int:
-    """Temporaries of the single-tensor step, in units of the largest tensor stepped."""
+    """Temporaries of the single-tensor step, in units of the largest tensor stepped (in its dtype;
+    the torch engines' figure is ``torch_step_transient``)."""
     if optimizer in ("adam", "adamw"):
         # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt): two live at the division;
         # Adam (not W) with weight decay first makes grad + wd * param (one more).
@@ -110,9 +130,22 @@ def step_transient_multiple(optimizer: str, weight_decay: float) -> int:
     return 1 if weight_decay else 0  # SGD: grad.add(param, alpha=wd)
 
 
+def torch_step_transient(spec: EngineSpec, largest: int) -> int:
+    """Temporaries of a torch engine's step for its largest (local) tensor. torchao's step works in
+    fp32 whatever the weights' dtype: the weight, gradient and both moments dequantized to fp32 and
+    the denominator (5 fp32 copies; an estimate from its code, not measured: inductor may fuse some
+    away on a GPU). bitsandbytes updates in place (none counted; not measured on CPU either)."""
+    library = OPTIMIZER_LIBRARY[spec.optimizer]
+    if library == "torchao":
+        return 5 * largest * 4
+    if library == "bitsandbytes":
+        return 0
+    return step_transient_multiple(spec.optimizer, spec.weight_decay) * largest * spec.torch_param_bytes
+
+
 def step_scalar_bytes(spec: EngineSpec, tensors: int) -> int:
     """torch Adam's per-tensor ``step`` counters: 4-byte CPU scalars (host memory on a GPU)."""
-    return 4 * tensors if adam_states(spec.optimizer) and spec.target == "cpu" else 0
+    return optimizer_step_bytes(spec.optimizer) * tensors if spec.target == "cpu" else 0
 
 
 def cpu_adam(spec: EngineSpec) -> bool:
@@ -177,8 +210,8 @@ def torch_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     """Single process and DDP: full parameters and gradients on every rank, a torch optimizer."""
     pb = spec.torch_param_bytes
     total = info.total * pb
-    opt = {"optimizer_state": adam_states(spec.optimizer) * total + step_scalar_bytes(spec, len(info.numels))}
-    transient = step_transient_multiple(spec.optimizer, spec.weight_decay) * info.largest * pb
+    opt = {"optimizer_state": torch_optimizer_bytes(spec, info.numels)}
+    transient = torch_step_transient(spec, info.largest)
     ddp = spec.kind == "ddp" and spec.world > 1
     name = "ddp" if ddp else "single"
     if spec.optimizer_in_backward:
@@ -208,8 +241,8 @@ def torch_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
 def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     """FSDP2: sharded fp32 parameters and gradients are traced; the optimizer is added here."""
     local = [fsdp_local_numel(s, spec.world, 0) for s in info.shapes]
-    states = adam_states(spec.optimizer) * sum(local) * 4 + step_scalar_bytes(spec, len(local))
-    transient = step_transient_multiple(spec.optimizer, spec.weight_decay) * max(local, default=0) * 4
+    states = torch_optimizer_bytes(spec, local)
+    transient = torch_step_transient(spec, max(local, default=0))
     if spec.offload_params != "none":
         # CPUOffloadPolicy: sharded parameters, gradients and the optimizer live on the host.
         return EngineModel(

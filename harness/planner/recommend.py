@@ -34,7 +34,8 @@ from typing import Any
 import yaml
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness.config import RunConfig, apply_overrides, check_values, load_config, load_strategy
+from harness.config import RunConfig, apply_overrides, check_strategy_against_run, check_values, load_config, load_strategy
+from harness.errors import ConfigError
 from harness.planner.estimate import Estimate, estimate, resolve_vocab, specs_for, walk
 from harness.planner.model_states import BYTES, engine_model, fsdp_local_numel
 from harness.planner.report import CUDA_CONTEXT, FRAGMENTATION, LIBRARY_WORKSPACES, NCCL_BUFFERS, gib, verdict
@@ -42,7 +43,7 @@ from harness.planner.trace import ParamInfo, TraceResult, build_fake_model, para
 
 # Relative step time (lower is faster); see the module docstring for where each comes from.
 SPEED: dict[str, dict[str, float]] = {
-    "precision": {"bf16": 1.0, "fp16": 1.05, "fp32": 2.7},
+    "precision": {"bf16": 1.0, "bf16_pure": 1.0, "fp16": 1.05, "fp32": 2.7},
     "ac": {"none": 1.0, "op": 1.08, "selective": 1.15, "full": 1.33},
     "strategy": {
         "ddp": 1.0,
@@ -137,6 +138,16 @@ def strategies_for(world: int, nvme: bool, target: str) -> list[str]:
     return names
 
 
+def runs_with(cfg: RunConfig, strategy_name: str, target: str) -> bool:
+    """Whether the run's optimizer and precision may run under this strategy (the config checks'
+    rule: DeepSpeed runs only its own optimizers, bitsandbytes cannot step FSDP2 shards, ...)."""
+    try:
+        check_strategy_against_run(load_strategy(strategy_name), cfg, has_accelerator=target == "cuda")
+    except ConfigError:
+        return False
+    return True
+
+
 def candidates(cfg: RunConfig, world: int, nvme: bool, target: str) -> list[Candidate]:
     precisions = sorted({cfg.precision, "bf16"}, key=lambda p: SPEED["precision"][p])
     acs = ["none", "op", "selective", "full"]
@@ -147,7 +158,7 @@ def candidates(cfg: RunConfig, world: int, nvme: bool, target: str) -> list[Cand
         for ac in acs:
             for m in micros:
                 new_accum = max(1, math.ceil(micro * accum / m))
-                for s in strategies_for(world, nvme, target):
+                for s in [s for s in strategies_for(world, nvme, target) if runs_with(cfg, s, target)]:
                     out.append(Candidate(p, ac, m, new_accum, s))
     return sorted(out, key=lambda c: c.cost(micro))
 
@@ -221,7 +232,7 @@ def recommend(
             fits.append(ev)
     if not fits:
         # The trace budget may end before the slowest, most frugal corner: settle "nothing fits" there.
-        frugal = evaluate(most_frugal(cfg, world, nvme))
+        frugal = evaluate(most_frugal(cfg, world, nvme, target))
         if frugal.fits:
             fits.append(frugal)
     full_fits = bool(fits)
@@ -291,9 +302,12 @@ def evaluate_lora(
     )
 
 
-def most_frugal(cfg: RunConfig, world: int, nvme: bool) -> Candidate:
-    """bf16, full recomputation, micro-batch 1 (same global batch), everything offloaded."""
-    return Candidate("bf16", "full", 1, max(1, cfg.micro_batch_size * cfg.grad_accum), "zero3_nvme" if nvme else "zero3_offload")
+def most_frugal(cfg: RunConfig, world: int, nvme: bool, target: str = "cuda") -> Candidate:
+    """bf16, full recomputation, micro-batch 1 (same global batch), everything offloaded: ZeRO-3's
+    offload, or where the run's optimizer cannot run under DeepSpeed, FSDP2's (then plain FSDP2, DDP)."""
+    corners = ["zero3_nvme" if nvme else "zero3_offload", "fsdp_offload" if target == "cuda" else "fsdp", "fsdp", "ddp"]
+    strategy = next((s for s in corners if runs_with(cfg, s, target)), "ddp")
+    return Candidate("bf16", "full", 1, max(1, cfg.micro_batch_size * cfg.grad_accum), strategy)
 
 
 def gpu_allowance_for(peak: int, world: int) -> int:

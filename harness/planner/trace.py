@@ -360,7 +360,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         raise PlanError(f"world size must be >= 1, got {spec.world_size}")
     start = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    dtype = _dtype(spec.module_dtype) if spec.wrap == "plain" else torch.float32
+    dtype = _dtype(spec.module_dtype)  # FSDP2: fp32 sharded masters, or bf16 shards under bf16_pure
     lora = None
     if spec.lora is not None:
         r, alpha, dropout, targets = spec.lora

@@ -4,16 +4,19 @@ the body under the supervisor and tear the group down."""
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from harness.config import RunConfig
-from harness.distributed import init_distributed, teardown
+from harness.distributed import configure_cuda_allocator, init_distributed, teardown
 from harness.engine import EnginePlan
 from harness.errors import EXIT_OK, command_errors
-from harness.log import set_rank
+from harness.log import get_logger, set_rank
 from harness.reliability import Supervisor, collective_timeout_s
 from harness.runner import run_dir
+
+log = get_logger(__name__)
 
 
 def parse_command_line(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -33,9 +36,11 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
 
     @command_errors(prog)
     def run() -> int:
+        allocator = configure_cuda_allocator()  # before anything can initialise CUDA
         cfg, plan = load()
         info = init_distributed(cfg.device, collective_timeout_s(), force_group=plan.strategy.needs_process_group)
         set_rank(info.rank)
+        log.log(logging.INFO if info.device.type == "cuda" else logging.DEBUG, allocator)
         lock = None
         try:
             lock = run_dir.acquire(cfg, info)

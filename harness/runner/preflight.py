@@ -338,8 +338,8 @@ def preflight(cfg: RunConfig, strategy: Strategy, world: int | None = None) -> E
     hidden = hidden_size_of(model_shape(cfg) or {}) if strategy.kind == "deepspeed" else None
     plan = plan_engine(cfg, strategy, world, torch.device("cuda" if has_accelerator(cfg) else "cpu"), hidden)
     check_run(cfg, strategy, world, has_accelerator(cfg))
-    if cfg.precision == "bf16" and has_accelerator(cfg) and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
+    if cfg.precision in ("bf16", "bf16_pure") and has_accelerator(cfg) and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"precision={cfg.precision} but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
     check_model(cfg)
     check_architecture(cfg, strategy)
     check_data(cfg)

@@ -1,6 +1,7 @@
 """The arithmetic of a training step, engine-agnostic: the fp32 causal-LM loss, optimizers and
 LR schedules, precision policies."""
 
+from harness.config import BF16_WEIGHT_OPTIMIZERS, OPTIMIZER_NAMES
 from harness.training.loss import (
     causal_lm_loss,
     chunked_ce_sum,
@@ -10,11 +11,20 @@ from harness.training.loss import (
     shift_targets,
     unwrap_model,
 )
-from harness.training.optim import build_optimizer, build_scheduler, lr_lambda
+from harness.training.optim import (
+    build_optimizer,
+    build_scheduler,
+    lr_lambda,
+    optimizer_shared_bytes,
+    optimizer_state_bytes,
+    optimizer_step_bytes,
+)
 from harness.training.precision import DTYPES, PrecisionPolicy, bf16_supported, precision_policy
 
 __all__ = [
+    "BF16_WEIGHT_OPTIMIZERS",
     "DTYPES",
+    "OPTIMIZER_NAMES",
     "PrecisionPolicy",
     "bf16_supported",
     "build_optimizer",
@@ -25,6 +35,9 @@ __all__ = [
     "install_loss_forward",
     "labelled_lm_loss",
     "lr_lambda",
+    "optimizer_shared_bytes",
+    "optimizer_state_bytes",
+    "optimizer_step_bytes",
     "precision_policy",
     "shift_targets",
     "unwrap_model",
