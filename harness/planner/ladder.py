@@ -35,6 +35,7 @@ class Rung:
     name: str
     overrides: tuple[str, ...]  # added to every rung's above it (a later one may undo an earlier one's)
     min_world: int = 1  # sharding means nothing on one rank
+    max_world: int | None = None  # torchao's low-bit states on bf16 weights do not step under FSDP2 (refused)
 
 
 LOSS_CHUNK = 1024  # tokens per chunk of the chunked loss: logits of 1024 positions at a time
@@ -46,9 +47,19 @@ RUNGS: tuple[Rung, ...] = (
     Rung("activation checkpointing (every block)", ("memory.activation_checkpointing=full",)),
     Rung("chunked loss (no full logits)", (f"memory.loss_chunk_size={LOSS_CHUNK}",)),
     Rung("optimizer step inside backward (no gradient clipping)", ("memory.optimizer_in_backward=true", "optim.grad_clip=0")),
+    Rung("bf16 optimizer states (torchao, stochastic rounding)", ("optim.name=adamw_bf16",)),
+    Rung("pure bf16 weights: no fp32 master (stochastic rounding)", ("precision=bf16_pure",)),
+    Rung("8-bit optimizer states (torchao)", ("optim.name=adamw_8bit",), max_world=1),
+    Rung("4-bit optimizer states (torchao)", ("optim.name=adamw_4bit",), max_world=1),
     Rung(
         "ZeRO-Offload: optimizer state and step on the host",
-        ("strategy=zero2_offload", "memory.optimizer_in_backward=false", "optim.grad_clip={grad_clip}"),
+        (
+            "strategy=zero2_offload",
+            "optim.name=adamw",  # DeepSpeed's own CPU Adam (fp32 states, on the host)
+            "precision=bf16",  # DeepSpeed keeps fp32 masters
+            "memory.optimizer_in_backward=false",
+            "optim.grad_clip={grad_clip}",
+        ),
     ),
     Rung("ZeRO-3 offload: parameters too", ("strategy=zero3_offload",)),
     Rung("LoRA: bf16 base frozen, adapters trained", ("strategy={shard}", "lora.enabled=true", "memory.optimizer_in_backward=false")),
@@ -90,7 +101,7 @@ def rung_overrides(world: int, grad_clip: float = 1.0) -> list[tuple[Rung, list[
     values = {"shard": "fsdp" if world > 1 else "ddp", "grad_clip": f"{grad_clip:g}"}
     out, applied = [], []
     for rung in RUNGS:
-        if world < rung.min_world:
+        if world < rung.min_world or (rung.max_world is not None and world > rung.max_world):
             continue
         applied = applied + [o.format(**values) for o in rung.overrides]
         out.append((rung, net(applied)))
