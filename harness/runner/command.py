@@ -10,7 +10,7 @@ from typing import Any
 from harness.config import RunConfig
 from harness.distributed import init_distributed, teardown
 from harness.engine import EnginePlan
-from harness.errors import EXIT_OK, command_errors
+from harness.errors import EXIT_CHECKPOINT, EXIT_OK, CheckpointError, command_errors
 from harness.log import set_rank
 from harness.reliability import Supervisor, collective_timeout_s
 from harness.runner import run_dir
@@ -31,6 +31,7 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
     A ConfigError found after the group started is still one line and the same code on every
     rank (an agreed refusal carries its message on rank 0 only: the others print nothing)."""
 
+    @command_errors(prog, (CheckpointError,), EXIT_CHECKPOINT)  # a checkpoint to resume that is corrupt or incomplete
     @command_errors(prog)
     def run() -> int:
         cfg, plan = load()

@@ -28,7 +28,15 @@ from safetensors import safe_open
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from harness.checkpoint import check_compatible, checkpoint_root, read_meta, resume_path
+from harness.checkpoint import (
+    adapter_dir,
+    check_compatible,
+    checkpoint_root,
+    export_target_refusal,
+    later_checkpoints,
+    resume_path,
+    verified_meta,
+)
 from harness.config import RunConfig, Strategy, check_run
 from harness.data import EMBEDDED_SOURCES, read_records
 from harness.distributed import launch_env
@@ -283,6 +291,17 @@ def check_token_file(path: str, cfg: RunConfig) -> None:
 # ------------------------------------------------------------------ output directory and resume
 
 
+def check_run_exports(cfg: RunConfig) -> None:
+    """The directories a run exports into at its end (`hf/`, `adapter/`) may only replace an earlier
+    harness export, and only when this run continues (resume) or overwrites its directory."""
+    c = cfg.checkpoint
+    allowed = c.overwrite or c.resume != "none"
+    for target, used in ((os.path.join(cfg.output_dir, "hf"), c.export_hf), (adapter_dir(cfg.output_dir), cfg.lora.enabled)):
+        why = export_target_refusal(target, None, allowed, flag="checkpoint.overwrite=true (or checkpoint.resume=auto)") if used else ""
+        if why:
+            raise ConfigError(f"this run exports its model at the end, but {why}")
+
+
 def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> None:
     """Never overwrite silently, never share a live run's directory; a resume must continue the same run."""
     c = cfg.checkpoint
@@ -301,6 +320,7 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"output_dir '{out}' is not writable ({parent} is read-only for this user)")
     check_not_in_use(cfg)
+    check_run_exports(cfg)
     root = checkpoint_root(out)
     existing = sorted(n for n in os.listdir(root) if n.startswith("step_")) if os.path.isdir(root) else []
     try:
@@ -313,12 +333,24 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
             f"output_dir '{out}' already holds checkpoints of another run ({existing[-1]}); set checkpoint.resume=auto to "
             "continue it, checkpoint.overwrite=true to replace them, or choose another output_dir"
         )
-    if path is not None:
-        try:
-            meta = read_meta(path)
-        except CheckpointError as exc:
-            raise ConfigError(str(exc)) from None
-        check_compatible(meta, path, cfg, strategy, world)
+    if path is None:
+        return
+    meta = verified_meta(path)  # a checkpoint lost or truncated since it was written: CheckpointError (exit 6), naming the file
+    check_compatible(meta, path, cfg, strategy, world, model_shape(cfg))
+    last = cfg.steps + (cfg.prune.finetune_steps if cfg.prune.method != "none" else 0)
+    if meta.step > last:
+        raise ConfigError(
+            f"checkpoint '{path}' is at step {meta.step} but this run ends at step {last} (steps={cfg.steps}); its later "
+            f"weights would be saved under an earlier step's name: set steps >= {meta.step} to continue it, or resume from "
+            "an earlier checkpoint"
+        )
+    later = later_checkpoints(root, meta.step, path)
+    if later and not c.overwrite:
+        names = ", ".join(os.path.basename(p) for p in later)
+        raise ConfigError(
+            f"resuming from '{path}' (step {meta.step}) would abandon this run's later checkpoints ({names}); resume from the "
+            f"latest (checkpoint.resume=auto), or set checkpoint.overwrite=true to delete {names} and continue from step {meta.step}"
+        )
 
 
 # ------------------------------------------------------------------ the entry point
