@@ -214,7 +214,7 @@ class CheckpointManager:
         if stop:
             self.save(step, counters)
             self.preempted = True
-            log.info(f"stop requested (SIGTERM/SIGUSR1): saved {self.last_path}; exiting so the job can requeue")
+            log.info(f"stop requested (SIGTERM/SIGUSR1/Ctrl-C): saved {self.last_path}; exiting so the job can requeue")
             return True
         if self.every > 0 and step % self.every == 0:
             self.save(step, counters)

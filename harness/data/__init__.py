@@ -5,7 +5,7 @@ sampled identically at any world size; or streamed and tokenized on the fly.
     python -m harness.data --config run.yaml     # prepare the cache ahead of a job
 """
 
-from harness.data.cache import PackedData, cache_dir_for, is_complete, load_packed, prepare_data
+from harness.data.cache import PackedData, cache_dir_for, is_complete, load_packed, prepare_data, stop_preparation_when
 from harness.data.documents import EMBEDDED_SOURCES, EOS, SPLITS, embedded_documents, open_documents, split_of
 from harness.data.instructions import read_records
 from harness.data.sampling import BatchSampler, StreamSampler, describe_consumption, split_batches
@@ -19,6 +19,7 @@ __all__ = [
     "PackedData",
     "StreamSampler",
     "cache_dir_for",
+    "stop_preparation_when",
     "describe_consumption",
     "embedded_documents",
     "eos_id",

@@ -28,11 +28,12 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,7 @@ from harness.data.documents import SPLITS, is_token_file, open_documents, open_s
 from harness.data.instructions import EXAMPLES, LAYOUT_VERSION, load_examples, prepare_instructions
 from harness.data.tokenizer import eos_id, given_tokenizer, train_bpe_tokenizer
 from harness.distributed import FileLock
-from harness.errors import ConfigError
+from harness.errors import ConfigError, StopRequested
 from harness.log import ALL_RANKS, get_logger
 
 if TYPE_CHECKING:
@@ -122,6 +123,7 @@ def prepare_data(model_name: str, cfg: DataConfig, progress: bool = True) -> str
                 log.warning(f"data cache {cache}: its preparer ({lock.describe(dead)}) stopped; preparing it again")
             continue
         now = time.monotonic()
+        check_stop("waiting for another process preparing")
         if now - said >= 60.0 and os.environ.get("LOCAL_RANK", "0") == "0":
             log.info(
                 f"waiting for {lock.describe()} to finish preparing the data cache {cache} ({now - waited_since:.0f} s so far)",
@@ -285,19 +287,44 @@ def _run(
         for start, end in tasks:
             for step in range(start, end, DOCS_PER_STEP_IN_PROCESS):
                 yield tokenization.encode(work, (step, min(step + DOCS_PER_STEP_IN_PROCESS, end)), writer.train_full)
+                check_stop("tokenizing")
         return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one tokenizer thread per process; the processes are the parallelism
     tokenization.WORK = work  # inherited by the forked workers
     ctx = mp.get_context("fork")
-    with ctx.Pool(num_proc) as pool:
+    with ctx.Pool(num_proc, initializer=_worker_signals) as pool:
         pending: deque = deque()
         for task in tasks:
             pending.append(pool.apply_async(tokenization.encode_inherited, (task, writer.train_full)))
             while len(pending) >= 2 * num_proc:
                 yield pending.popleft().get()
+                check_stop("tokenizing")
         while pending:
             yield pending.popleft().get()
+            check_stop("tokenizing")
     tokenization.WORK = None
+
+
+def _worker_signals() -> None:
+    """A tokenizer worker does not inherit the run's stop handlers (which only set a flag): SIGTERM
+    ends it (the pool's terminate), Ctrl-C is the parent's to act on, not every worker's."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+_STOP: list[Callable[[], bool]] = []  # the run's "a stop was requested" predicate (`stop_preparation_when`)
+
+
+def stop_preparation_when(requested: Callable[[], bool]) -> None:
+    """Make a preparation (or a wait for another's) stop when `requested()` turns true: a stop
+    signal during data preparation ends it within a batch, its temporary directory removed."""
+    _STOP[:] = [requested]
+
+
+def check_stop(doing: str) -> None:
+    if _STOP and _STOP[0]():
+        raise StopRequested(f"stop requested while {doing} the data cache; nothing was written and there is no step to save yet")
 
 
 # ----------------------------------------------------------------------------- loading

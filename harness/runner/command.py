@@ -10,10 +10,12 @@ from typing import Any
 from harness.config import RunConfig
 from harness.distributed import init_distributed, teardown
 from harness.engine import EnginePlan
-from harness.errors import EXIT_CHECKPOINT, EXIT_OK, CheckpointError, command_errors
-from harness.log import set_rank
+from harness.errors import EXIT_CHECKPOINT, EXIT_OK, CheckpointError, StopRequested, command_errors
+from harness.log import ALL_RANKS, get_logger, set_rank
 from harness.reliability import Supervisor, collective_timeout_s
 from harness.runner import run_dir
+
+log = get_logger(__name__)
 
 
 def parse_command_line(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -42,6 +44,8 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
             lock = run_dir.acquire(cfg, info)
             with Supervisor(cfg, info):
                 body(cfg, plan, info)
+        except StopRequested as stop:  # before the first step: nothing to save; exit 0 so the job may requeue
+            log.info(f"{stop}; exiting", extra=ALL_RANKS if info.local_rank == 0 else {})
         finally:
             if lock is not None:
                 lock.release()

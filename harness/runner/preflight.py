@@ -41,8 +41,9 @@ from harness.config import RunConfig, Strategy, check_run
 from harness.data import EMBEDDED_SOURCES, read_records
 from harness.distributed import launch_env
 from harness.engine import EnginePlan, hidden_size_of, plan_engine
-from harness.errors import CheckpointError, ConfigError
-from harness.log import get_logger
+from harness.errors import CheckpointError, ConfigError, env_seconds
+from harness.faults import check_faults
+from harness.log import LEVELS, get_logger
 from harness.models import PRESETS, BlocksNotFound, CheckpointWeights, decoder_block_list, empty_model, is_preset, model_config
 from harness.runner.run_dir import check_not_in_use
 
@@ -356,11 +357,36 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
 # ------------------------------------------------------------------ the entry point
 
 
+def check_environment() -> int:
+    """The launcher's variables and harness's own `HARNESS_*` knobs; returns the world size.
+    Garbage in any of them is one line here, not a traceback or an unbounded wait later."""
+    _, world, _ = launch_env()
+    for knob, default in SECONDS_KNOBS.items():
+        env_seconds(knob, default)
+    level = os.environ.get("HARNESS_LOG_LEVEL")
+    if level is not None and level.strip().upper() not in LEVELS:
+        raise ConfigError(f"HARNESS_LOG_LEVEL={level!r} is not one of {', '.join(LEVELS)}")
+    if os.environ.get("HARNESS_DS_CPU_ADAM", "1") not in ("0", "1"):
+        raise ConfigError(f"HARNESS_DS_CPU_ADAM={os.environ['HARNESS_DS_CPU_ADAM']!r} must be 0 or 1")
+    check_faults()
+    return world
+
+
+# Every `HARNESS_*` knob that is a number of seconds, and its default.
+SECONDS_KNOBS = {
+    "HARNESS_COLLECTIVE_TIMEOUT_S": 600.0,
+    "HARNESS_PEER_TIMEOUT_S": 30.0,
+    "HARNESS_LOCK_STALE_S": 120.0,
+    "HARNESS_BUILD_LOCK_STALE_S": 300.0,
+    "HARNESS_BUILD_LOCK_WAIT_S": 900.0,
+}
+
+
 def preflight(cfg: RunConfig, strategy: Strategy) -> EnginePlan:
     """Every check that can fail before a process group starts; ConfigError (one line) on the first
     failure. Returns the engine plan (kind, resolved DeepSpeed dict, precision policy), made here once
     and handed to the engine builder."""
-    _, world, _ = launch_env()
+    world = check_environment()
     check_run(cfg, strategy, world, has_accelerator(cfg))
     amp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if amp in ("bf16", "fp16") and amp != cfg.precision:
