@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
+import os
 import sys
 from collections.abc import Callable
 from typing import ParamSpec
@@ -62,9 +64,6 @@ def env_seconds(name: str, default: float) -> float:
     """A positive number of seconds from environment knob `name` (`default` when unset); ConfigError
     naming the knob when it is not one (a timeout of 'abc' or -1 would otherwise be a traceback
     mid-run, or a wait with no bound)."""
-    import math
-    import os
-
     value = os.environ.get(name)
     if value is None or not value.strip():
         return default

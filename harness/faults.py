@@ -16,12 +16,10 @@ from __future__ import annotations
 import os
 import time
 
-from harness.errors import ConfigError
-
 
 def _faults() -> list[tuple[str, str, int | None, int | None]]:
     """(name, value, step, rank) of each `name@STEP[:RANK]` or `name=VALUE[@STEP]` in HARNESS_FAULT;
-    ConfigError naming the item that is neither."""
+    ValueError naming the item that is neither (pre-flight's `check_faults` turns it into one line)."""
     out = []
     for item in filter(None, (s.strip() for s in os.environ.get("HARNESS_FAULT", "").split(","))):
         name, eq, rest = item.partition("=")
@@ -35,12 +33,12 @@ def _faults() -> list[tuple[str, str, int | None, int | None]]:
                 step, _, rank = where.partition(":")
                 out.append((name, "", int(step), int(rank) if rank else None))
         except ValueError:
-            raise ConfigError(f"HARNESS_FAULT item {item!r} is not name@STEP[:RANK] or name=SECONDS[@STEP]; unset HARNESS_FAULT") from None
+            raise ValueError(f"HARNESS_FAULT item {item!r} is not name@STEP[:RANK] or name=SECONDS[@STEP]; unset HARNESS_FAULT") from None
     return out
 
 
 def check_faults() -> None:
-    """Pre-flight: HARNESS_FAULT parses (a typo in a drill is one line before launch, not mid-run)."""
+    """Pre-flight: HARNESS_FAULT parses (a typo in a drill is a ValueError before launch, not mid-run)."""
     _faults()
 
 

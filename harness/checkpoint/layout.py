@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from harness.config import LoraConfig, RunConfig, Strategy, checkpoint_format
 from harness.errors import CheckpointError, ConfigError
 
@@ -239,7 +241,7 @@ ARCHITECTURE_KEYS = (
 
 def check_same_architecture(meta: CheckpointMeta, path: str, model_shape: dict[str, Any] | None) -> None:
     """The model directory's config.json (`model_shape`) must describe the architecture the
-    checkpoint was trained as (its `hf_config/config.json`): a directory edited in place
+    checkpoint was trained as (the config.json in its `hf_config`): a directory edited in place
     would otherwise fail to load on every rank, or load into another shape."""
     saved_file = os.path.join(path, "hf_config", "config.json")
     if not model_shape or not os.path.isfile(saved_file):
@@ -294,3 +296,16 @@ def remove_tree(path: str) -> None:
     trash = os.path.join(parent, f".trash-{name}-{os.getpid()}-{time.monotonic_ns()}")
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def read_file(file: str, weights_only: bool = False) -> Any:
+    """torch.load of one file of a checkpoint; unreadable bytes are a CheckpointError naming the file."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
+    except Exception as exc:  # the unpickler and zip reader raise anything from EOFError to RuntimeError
+        raise CheckpointError(
+            f"checkpoint file '{file}' is corrupt ({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}); {_ANOTHER}"
+        ) from None
+
+
+# ------------------------------------------------------------------ the manager

@@ -56,6 +56,7 @@ from harness.checkpoint.layout import (
     file_sizes,
     fsync_dir,
     later_checkpoints,
+    read_file,
     remove_tree,
     resume_path,
     step_name,
@@ -103,20 +104,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def read_file(file: str, weights_only: bool = False) -> Any:
-    """torch.load of one file of a checkpoint; unreadable bytes are a CheckpointError naming the file."""
-    try:
-        return torch.load(file, map_location="cpu", weights_only=weights_only)
-    except Exception as exc:  # the unpickler and zip reader raise anything from EOFError to RuntimeError
-        raise CheckpointError(
-            f"checkpoint file '{file}' is corrupt ({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}); "
-            "resume from (or export) another checkpoint (python -m harness.checkpoint <run dir> lists them)"
-        ) from None
-
-
-# ------------------------------------------------------------------ the manager
-
-
 class CheckpointManager:
     """Saves and restores one run's checkpoints; every method is called on every rank.
 
@@ -148,6 +135,7 @@ class CheckpointManager:
         self.last_path: str | None = None  # the newest complete checkpoint of this run
         self.last_step: int | None = None
         self.preempted = False
+        self._rebased: bool | None = None  # optim.lr changed on resume: rebased (True) or kept by the file's scheduler (False)
         if info.is_main:
             self._clean_root()
         self._barrier()
@@ -173,6 +161,7 @@ class CheckpointManager:
             trainer = self._load_states(path, meta)
             masks = self._load_masks(path, meta)
         self.last_path, self.last_step = path, meta.step
+        self._rebased = self._rebase_lr(meta)
         if self.info.is_main:
             self._drop_later_than(meta.step, path)
         self._barrier()
@@ -183,12 +172,34 @@ class CheckpointManager:
                 else f" (saved at world size {meta.world_size}, resharded to {self.info.world_size})"
             )
             log.info(f"resumed from {path} at step {meta.step}{how} in {time.perf_counter() - t0:.1f}s")
+            self._announce_lr(meta)
             if meta.config.get("steps") != self.cfg.steps:
                 log.info(
                     f"note: steps changed from {meta.config.get('steps')} to {self.cfg.steps}; the LR schedule "
                     "follows the new total from the next step"
                 )
         return ResumeState(step=meta.step, counters=dict(trainer.get("counters", {})), masks=masks, path=path)
+
+    def _rebase_lr(self, meta: CheckpointMeta) -> bool | None:
+        """optim.lr changed since the checkpoint (what the non-finite stop advises): the schedule's
+        restored state holds the old rate; honour the new one. None: unchanged."""
+        saved = meta.config.get("optim", {}).get("lr")
+        if saved is None or float(saved) == float(self.cfg.optim.lr):
+            return None
+        return self.engine.rebase_lr(self.cfg.optim.lr)
+
+    def _announce_lr(self, meta: CheckpointMeta) -> None:
+        saved = meta.config.get("optim", {}).get("lr")
+        if self._rebased:
+            log.warning(
+                f"optim.lr changed from {saved} to {self.cfg.optim.lr}: the schedule continues from step {meta.step} at the new "
+                f"rate (lr now {self.engine.lr:.3g})"
+            )
+        elif self._rebased is False:
+            log.warning(
+                f"optim.lr changed from {saved} to {self.cfg.optim.lr}, but the strategy file's own scheduler keeps its rate "
+                "(set its warmup_max_lr to change it)"
+            )
 
     def _load_states(self, path: str, meta: CheckpointMeta) -> dict[str, Any]:
         """The engine's state, the trainer state, this rank's RNG and per-rank objects from `path`."""

@@ -42,8 +42,9 @@ from tqdm import tqdm
 
 from harness.config import DataConfig, is_preset
 from harness.data import tokens as tokenization
-from harness.data.documents import SPLITS, is_token_file, open_documents, open_stream, pretokenized
+from harness.data.documents import EMBEDDED_SOURCES, SPLITS, is_token_file, open_documents, open_stream, pretokenized
 from harness.data.instructions import EXAMPLES, LAYOUT_VERSION, load_examples, prepare_instructions
+from harness.data.integrity import cache_problem, check_cache_root, source_fingerprint
 from harness.data.tokenizer import eos_id, given_tokenizer, train_bpe_tokenizer
 from harness.distributed import FileLock
 from harness.errors import ConfigError, StopRequested
@@ -79,6 +80,8 @@ def cache_dir_for(model_name: str, cfg: DataConfig) -> str:
             content["specials"] = "leading"
     else:
         content["layout"] = LAYOUT_VERSION
+    if cfg.source not in EMBEDDED_SOURCES and os.path.exists(cfg.source):
+        content["source_files"] = source_fingerprint(cfg.source)  # a corpus edited in place is read again
     key = json.dumps(
         {
             "format": FORMAT,
@@ -93,7 +96,8 @@ def cache_dir_for(model_name: str, cfg: DataConfig) -> str:
 
 
 def is_complete(cache: str) -> bool:
-    return os.path.isfile(os.path.join(cache, "meta.json"))
+    """meta.json (written last) is there and every file it lists has the size it was written with."""
+    return os.path.isfile(os.path.join(cache, "meta.json")) and not cache_problem(cache)
 
 
 def default_num_proc() -> int:
@@ -108,7 +112,9 @@ def prepare_data(model_name: str, cfg: DataConfig, progress: bool = True) -> str
     cache = cache_dir_for(model_name, cfg)
     lock = FileLock(cache + ".lock", what="preparing a data cache")
     waited_since, said = time.monotonic(), 0.0
-    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    if is_complete(cache):  # a prepared cache is read, even from a read-only directory
+        return cache
+    check_cache_root(cache)
     while not is_complete(cache):
         if lock.try_acquire():
             try:
@@ -142,12 +148,25 @@ def _prepare_locked(model_name: str, cfg: DataConfig, cache: str, progress: bool
     for leftover in os.listdir(parent):  # a dead preparer's half-written directory: never trusted
         if leftover.startswith(name + ".tmp-"):
             shutil.rmtree(os.path.join(parent, leftover), ignore_errors=True)
-    if os.path.exists(cache):  # incomplete (no meta.json): from before atomic preparation
+    if os.path.exists(cache):  # incomplete (no meta.json, from before atomic preparation) or damaged since
+        problem = cache_problem(cache) if os.path.isfile(os.path.join(cache, "meta.json")) else ""
+        if problem:
+            log.warning(f"data cache {cache} is damaged ({problem}); preparing it again")
         shutil.rmtree(cache)
     tmp = f"{cache}.tmp-{socket.gethostname()}-{os.getpid()}"
     os.makedirs(tmp)
     try:
         done = _build(model_name, cfg, tmp, progress)
+    except UnicodeDecodeError as exc:  # bytes past pre-flight's sample (the loaders defer decoding)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(
+            f"data.source '{cfg.source}' is not UTF-8 text ({exc.reason} at byte {exc.start} of a record); convert it to UTF-8"
+        ) from None
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(
+            f"the data cache {cache} could not be written ({exc.strerror or exc}); free space or set data.cache_dir to a writable directory"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed preparation leaves nothing behind
         raise
@@ -194,6 +213,9 @@ def _build(model_name: str, cfg: DataConfig, tmp: str, progress: bool) -> str:
     }
     if "layout" in stats:  # instruction blocks: <split>.examples.npy, and how many tokens carry a label
         meta.update(layout=stats["layout"], labelled=stats["labelled"])
+    meta["files"] = {
+        os.path.relpath(os.path.join(d, n), tmp): os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(tmp) for n in names
+    }  # the manifest `cache_problem` checks: a truncated file is prepared again, not read as garbage
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return (

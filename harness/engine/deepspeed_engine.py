@@ -170,6 +170,9 @@ class DeepSpeedEngine(Engine):
     def optimizer(self) -> Any:
         return self.ds.optimizer
 
+    def lr_schedulers(self) -> list[Any]:
+        return [self.ds.lr_scheduler] if self.ds.lr_scheduler is not None else []
+
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         # DeepSpeed divides by gradient_accumulation_steps itself and knows the boundary.
         self.ds.backward(loss)

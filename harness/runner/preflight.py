@@ -38,13 +38,12 @@ from harness.checkpoint import (
     verified_meta,
 )
 from harness.config import RunConfig, Strategy, check_run
-from harness.data import EMBEDDED_SOURCES, read_records
-from harness.distributed import launch_env
+from harness.data import EMBEDDED_SOURCES, cache_dir_for, check_cache_root, data_files, is_complete, read_records
 from harness.engine import EnginePlan, hidden_size_of, plan_engine
-from harness.errors import CheckpointError, ConfigError, env_seconds
-from harness.faults import check_faults
-from harness.log import LEVELS, get_logger
+from harness.errors import CheckpointError, ConfigError
+from harness.log import get_logger
 from harness.models import PRESETS, BlocksNotFound, CheckpointWeights, decoder_block_list, empty_model, is_preset, model_config
+from harness.runner.inputs import check_environment, check_index, check_tokenizer_dir
 from harness.runner.run_dir import check_not_in_use
 
 log = get_logger(__name__)
@@ -113,6 +112,8 @@ def check_weights(model_dir: str) -> None:
             f"model.name '{model_dir}' has config.json but no weights (model.safetensors, shards with an index, "
             "or pytorch_model.bin); copy them in, or give a preset name to start from random weights"
         )
+    for index in sorted(glob.glob(os.path.join(model_dir, "*.index.json"))):
+        check_index(model_dir, index)
     for path in files:
         try:
             with safe_open(path, framework="pt") as f:
@@ -209,8 +210,15 @@ def check_model(cfg: RunConfig) -> None:
 
 def check_data(cfg: RunConfig) -> None:
     source = cfg.data.source
+    cache = cache_dir_for(cfg.model.name, cfg.data)
+    if not is_complete(cache):  # a prepared cache is read even where nothing can be written
+        check_cache_root(cache, create=False)
     if cfg.data.tokenizer and not os.path.exists(cfg.data.tokenizer):
         raise ConfigError(f"data.tokenizer '{cfg.data.tokenizer}' does not exist; give a tokenizer directory or leave it unset")
+    if cfg.data.tokenizer and os.path.isdir(cfg.data.tokenizer):
+        check_tokenizer_dir(cfg.data.tokenizer, "data.tokenizer")
+    elif not cfg.data.tokenizer and os.path.isfile(os.path.join(cfg.model.name, "tokenizer.json")):
+        check_tokenizer_dir(cfg.model.name, f"the tokenizer of model.name '{cfg.model.name}'")
     if cfg.data.format == "instruction":
         read_records(source)  # every record must be prompt/response or messages: one line naming the first that is not
         return
@@ -220,6 +228,7 @@ def check_data(cfg: RunConfig) -> None:
         files = [os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs] if os.path.isdir(source) else [source]
         if not files:
             raise ConfigError(f"data.source '{source}' is an empty directory; put text/jsonl/json/parquet files in it")
+        files = data_files(source)  # one kind of file (a README beside them is left out)
         if all(os.path.getsize(f) == 0 for f in files):
             raise ConfigError(f"data.source '{source}' holds only empty files")
         check_decodable(files)
@@ -308,6 +317,8 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
     c = cfg.checkpoint
     if c.keep < 1:
         raise ConfigError(f"checkpoint.keep={c.keep} must be >= 1 (the newest checkpoint is always kept)")
+    if c.max_consecutive_skips < 1:
+        raise ConfigError(f"checkpoint.max_consecutive_skips={c.max_consecutive_skips} must be >= 1")
     if c.every < 0:
         raise ConfigError(f"checkpoint.every={c.every} must be >= 0 (0: only at the end)")
     out = cfg.output_dir
@@ -355,31 +366,6 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
 
 
 # ------------------------------------------------------------------ the entry point
-
-
-def check_environment() -> int:
-    """The launcher's variables and harness's own `HARNESS_*` knobs; returns the world size.
-    Garbage in any of them is one line here, not a traceback or an unbounded wait later."""
-    _, world, _ = launch_env()
-    for knob, default in SECONDS_KNOBS.items():
-        env_seconds(knob, default)
-    level = os.environ.get("HARNESS_LOG_LEVEL")
-    if level is not None and level.strip().upper() not in LEVELS:
-        raise ConfigError(f"HARNESS_LOG_LEVEL={level!r} is not one of {', '.join(LEVELS)}")
-    if os.environ.get("HARNESS_DS_CPU_ADAM", "1") not in ("0", "1"):
-        raise ConfigError(f"HARNESS_DS_CPU_ADAM={os.environ['HARNESS_DS_CPU_ADAM']!r} must be 0 or 1")
-    check_faults()
-    return world
-
-
-# Every `HARNESS_*` knob that is a number of seconds, and its default.
-SECONDS_KNOBS = {
-    "HARNESS_COLLECTIVE_TIMEOUT_S": 600.0,
-    "HARNESS_PEER_TIMEOUT_S": 30.0,
-    "HARNESS_LOCK_STALE_S": 120.0,
-    "HARNESS_BUILD_LOCK_STALE_S": 300.0,
-    "HARNESS_BUILD_LOCK_WAIT_S": 900.0,
-}
 
 
 def preflight(cfg: RunConfig, strategy: Strategy) -> EnginePlan:
