@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from harness.config import LoraConfig, RunConfig, Strategy, checkpoint_format
 from harness.errors import CheckpointError, ConfigError
@@ -113,10 +114,11 @@ def unreadable_as_checkpoint_error(path: str) -> Iterator[None]:
         yield
     except (CheckpointError, ConfigError):
         raise
-    except Exception as exc:  # the readers raise everything from EOFError to KeyError on corrupt bytes
+    except (Exception, CheckpointException) as exc:  # the readers raise anything from EOFError to KeyError (DCP: a BaseException)
         where = getattr(exc, "filename", None)
         what = f"'{where}'" if where else "a file of it"
-        detail = (str(exc).strip().splitlines() or [""])[0][:200]
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        detail = next((ln for ln in reversed(lines) if "Error" in ln), lines[0] if lines else "")[:200]  # DCP: the rank's last error line
         raise CheckpointError(
             f"checkpoint '{path}' is corrupt: {what} could not be read ({type(exc).__name__}: {detail}); {_ANOTHER}"
         ) from None
@@ -178,7 +180,7 @@ def resume_path(cfg: RunConfig) -> str | None:
     if resume == "auto":
         return latest_checkpoint(checkpoint_root(cfg.output_dir))
     if not os.path.exists(resume):
-        raise CheckpointError(f"checkpoint.resume='{resume}' does not exist; use auto, none or a checkpoint directory")
+        raise ConfigError(f"checkpoint.resume='{resume}' does not exist; use auto, none or a checkpoint directory")
     return resolve_checkpoint_path(resume)
 
 

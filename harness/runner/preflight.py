@@ -40,7 +40,7 @@ from harness.checkpoint import (
 from harness.config import RunConfig, Strategy, check_run
 from harness.data import EMBEDDED_SOURCES, cache_dir_for, check_cache_root, data_files, is_complete, read_records
 from harness.engine import EnginePlan, hidden_size_of, plan_engine
-from harness.errors import CheckpointError, ConfigError
+from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.models import PRESETS, BlocksNotFound, CheckpointWeights, decoder_block_list, empty_model, is_preset, model_config
 from harness.runner.inputs import check_environment, check_index, check_tokenizer_dir
@@ -335,10 +335,7 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
     check_run_exports(cfg)
     root = checkpoint_root(out)
     existing = sorted(n for n in os.listdir(root) if n.startswith("step_")) if os.path.isdir(root) else []
-    try:
-        path = resume_path(cfg)
-    except CheckpointError as exc:
-        raise ConfigError(str(exc)) from None
+    path = resume_path(cfg)  # a path that exists but holds no complete checkpoint: CheckpointError (exit 6)
     ours = path is not None and os.path.abspath(path).startswith(os.path.abspath(root) + os.sep)
     if existing and c.resume != "auto" and not ours and not c.overwrite:
         raise ConfigError(
