@@ -195,6 +195,7 @@ EXPORT_TARGETS = [  # (id, --out, flags, expected)
     ("earlier_export_without_flag", "{export}", [], "holds an earlier harness export; set --overwrite"),
     ("earlier_export_plus_user_file", "{export_user}", ["--overwrite"], "is not an export written by harness"),
     ("symlink_to_user_directory", "{link}", ["--overwrite"], "exists and is not a directory"),
+    ("user_notes_subdirectory", "{user}/notes", ["--overwrite"], "(1 entries: a.txt)"),
 ]
 
 
@@ -438,6 +439,8 @@ CONFIG_FILES = [  # (id, file name, bytes, expected)
     ("yaml_latin1", "c.yaml", "logging:\n  run_name: caf\u00e9\n".encode("latin-1"), "not UTF-8 text (line 2"),
     ("json_utf16", "c.json", '{"steps": 3}'.encode("utf-16"), "not UTF-8 text (line 1"),
     ("config_is_a_directory", "adir", None, "not found"),
+    ("yaml_section_given_twice", "c.yaml", b"optim:\n  lr: 0.1\noptim:\n  eps: 1.0e-8\n", "key 'optim' is given twice"),
+    ("json_latin1", "c.json", '{"logging": {"run_name": "caf\u00e9"}}'.encode("latin-1"), "not UTF-8 text (line 1"),
 ]
 
 
@@ -485,6 +488,14 @@ LAUNCH = [  # (id, class, variables, expected)
     ("fault_seconds_word", 3, {"HARNESS_FAULT": "save_pause=abc@2"}, "HARNESS_FAULT item 'save_pause=abc@2'"),
     ("fault_rank_word", 3, {"HARNESS_FAULT": "signal@3:one"}, "HARNESS_FAULT item 'signal@3:one'"),
     ("ds_cpu_adam_word", 3, {"HARNESS_DS_CPU_ADAM": "yes"}, "HARNESS_DS_CPU_ADAM='yes' must be 0 or 1"),
+    ("ds_cpu_adam_two", 3, {"HARNESS_DS_CPU_ADAM": "2"}, "HARNESS_DS_CPU_ADAM='2' must be 0 or 1"),
+    ("rank_float", 3, {"RANK": "0.0", "WORLD_SIZE": "2"}, "RANK='0.0' is not an integer"),
+    ("world_negative", 3, {"RANK": "0", "WORLD_SIZE": "-2"}, "WORLD_SIZE=-2 must be >= 1"),
+    ("master_port_negative", 3, {"MASTER_PORT": "-1"}, "MASTER_PORT=-1 must be between 1 and 65535"),
+    ("local_rank_float", 3, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1.5"}, "LOCAL_RANK='1.5' is not an integer"),
+    ("lock_stale_with_unit", 3, {"HARNESS_LOCK_STALE_S": "2m"}, "HARNESS_LOCK_STALE_S='2m' is not a number of seconds"),
+    ("peer_timeout_inf", 3, {"HARNESS_PEER_TIMEOUT_S": "inf"}, "must be a positive, finite number"),
+    ("log_level_number", 3, {"HARNESS_LOG_LEVEL": "10"}, "HARNESS_LOG_LEVEL='10' is not one of"),
 ]
 
 
