@@ -85,7 +85,8 @@ class StepGuard:
                 f"skipped, the model is not training (checkpoint.max_consecutive_skips={self.max_consecutive}). Last good checkpoint: "
                 f"{last} (resume with checkpoint.resume=<it> and a lower optim.lr)"
             )
-        log.warning(f"step {step}: non-finite {what}; update skipped ({self.nonfinite_steps} so far, checkpoint.on_nonfinite=skip)")
+        if self.info.is_main:  # every rank skipped the same step (agreed): one warning
+            log.warning(f"step {step}: non-finite {what}; update skipped ({self.nonfinite_steps} so far, checkpoint.on_nonfinite=skip)")
 
     def finish(self, steps_run: int) -> None:
         """At the end of a run: a run none of whose steps updated the weights did not train (exit 3)."""

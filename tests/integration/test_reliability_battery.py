@@ -249,7 +249,7 @@ DAMAGE = [  # (id, damage, expected text: the file it names)
     ("dcp_metadata_emptied", ("truncate0", "dcp/.metadata"), ".metadata' has 0 bytes"),
     ("trainer_state_missing", ("delete", "trainer_state.pt"), "trainer_state.pt' is missing"),
     ("rng_state_truncated", ("truncate", "rng/rank00000.pt"), "rank00000.pt' has"),
-    ("tokenizer_file_missing", ("delete", "hf_config/tokenizer.json"), "tokenizer.json' is missing"),
+    ("tokenizer_file_missing", ("delete", os.path.join("hf_config", "tokenizer.json")), "tokenizer.json' is missing"),
     ("meta_json_garbage", ("write", "meta.json", b"{not json"), "meta.json' is unreadable"),
     ("meta_json_not_utf8", ("write", "meta.json", b'{"step": "\xff"}'), "meta.json' is unreadable"),
     ("meta_json_wrong_keys", ("write", "meta.json", b'{"stepp": 4}'), "meta.json' is unreadable"),

@@ -225,7 +225,7 @@ def test_class4_a_corpus_edited_in_place_is_read_again(tmp_path, tokenizer_dir, 
 DAMAGE = [
     ("train_stream_truncated", "train.bin"),
     ("eval_offsets_deleted", "eval.docs.npy"),
-    ("tokenizer_truncated", "tokenizer/tokenizer.json"),
+    ("tokenizer_truncated", os.path.join("tokenizer", "tokenizer.json")),
     ("meta_json_garbage", "meta.json"),
 ]
 
@@ -345,7 +345,7 @@ def guard_of(monkeypatch):
 
     def make(bound: int):
         cfg = SimpleNamespace(checkpoint=SimpleNamespace(on_nonfinite="skip", max_consecutive_skips=bound), precision="fp32")
-        return g.StepGuard(cfg, SimpleNamespace(rank=0), _Engine())
+        return g.StepGuard(cfg, SimpleNamespace(rank=0, is_main=True), _Engine())
 
     return make
 
