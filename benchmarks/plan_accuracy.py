@@ -1,6 +1,7 @@
 """Predicted vs measured per-rank peak, side by side with DeepSpeed's and accelerate's estimators.
 
     python benchmarks/plan_accuracy.py > table.md
+    python benchmarks/plan_accuracy.py --strategies ddp fsdp fsdp_grad_op --extra lora.enabled=true > lora.md
     python benchmarks/plan_accuracy.py --model runs/loading/llama-300m --worlds 2 --strategies ddp fsdp zero2 zero3 \
         --precisions fp32 --ac none --seq-len 64 --micro-batch 1 > table_300m.md   # at ~300M parameters
 
@@ -65,9 +66,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary of a preset (default: tiny-llama's 2048)")
+    parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every run, e.g. lora.enabled=true")
     args = parser.parse_args()
-    shape = [f"model.name={args.model}", f"micro_batch_size={args.micro_batch}", f"data.seq_len={args.seq_len}"]
-    vocab = VOCAB if args.model == "tiny-llama" else None
+    shape = [f"model.name={args.model}", f"micro_batch_size={args.micro_batch}", f"data.seq_len={args.seq_len}", *args.extra]
+    vocab = args.vocab_size or (VOCAB if args.model == "tiny-llama" else None)
     rows = []
     for world in args.worlds:
         for strategy in args.strategies:

@@ -8,6 +8,10 @@ No GPU is needed and no weights are loaded: the model is built from its config w
 storage and one training step is traced on rank 0 of a fake process group (see
 ``harness.planner``). Overrides are the trainer's ``key=value`` ones.
 
+--recommend walks the memory ladder (``harness.planner.ladder``: precision, sharding, recomputation,
+chunked loss, optimizer in backward, offload, LoRA, QLoRA), prints every rung and writes the first
+that fits.
+
 Exit status (the table in harness/errors.py): 0 the config fits (or --recommend wrote one
 that does); 10 it does not fit (something else would: see --recommend); 11 nothing fits
 even with full offload; 2 bad input; 1 a bug.
@@ -27,15 +31,8 @@ from harness.config import load_config, read_config_file
 from harness.errors import EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, EXIT_PLAN_NOTHING_FITS, ConfigError, command_errors
 from harness.planner import PlanError
 from harness.planner.estimate import estimate, resolve_vocab
-from harness.planner.recommend import (
-    Candidate,
-    evaluate_lora,
-    most_frugal,
-    recommend,
-    recommended_config,
-    with_candidate,
-    write_recommended,
-)
+from harness.planner.ladder import CPU_ADAM_PARAMS_PER_S, PCIE_BYTES_PER_S, first_fit, format_ladder, offload_seconds, walk_ladder
+from harness.planner.recommend import Candidate, evaluate_lora, most_frugal, recommended_config, with_candidate, write_recommended
 from harness.planner.report import format_estimate, gib, gpu_allowance, parse_size, verdict
 from harness.planner.trace import build_fake_model, param_info
 
@@ -48,7 +45,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--cpu-mem", help="host memory per node, e.g. 512GiB (checked for offload and model build)")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="ranks sharing one node's host memory (default: --gpus)")
     parser.add_argument("--nvme", action="store_true", help="NVMe offload is available (lets --recommend use zero3_nvme)")
-    parser.add_argument("--recommend", action="store_true", help="search for the fastest config that fits and write it")
+    parser.add_argument("--recommend", action="store_true", help="walk the memory ladder, print every rung, write the first that fits")
+    parser.add_argument(
+        "--cpu-adam-rate",
+        type=float,
+        default=CPU_ADAM_PARAMS_PER_S,
+        help="parameters per second the host's CPU Adam steps (offload rungs' step time; default: a published server figure)",
+    )
     parser.add_argument("--out", help="where --recommend writes the config (default: <config>.recommended.yaml)")
     parser.add_argument("--json", help="also write the result as JSON here")
     parser.add_argument(
@@ -103,16 +106,22 @@ def _frugal_fits(
 
 
 def _plan_lora(cfg: Any, args: argparse.Namespace, gpu_mem: int, cpu_mem: int | None, per_node: int, vocab: int | None) -> int:
-    """A LoRA/QLoRA config: frozen base and adapter state by formula, activations from the traced
-    full fine-tune (`harness.planner.lora`); sharded strategies (FSDP2, ZeRO-3) shard the base."""
+    """A LoRA/QLoRA config, estimated with the LoRA model itself traced (`harness.planner.lora`).
+    DeepSpeed's LoRA is planned as the torch engine that shards alike (ZeRO-3 as FSDP2, else DDP), said so."""
     mode = "lora" if cfg.lora.quantize == "none" else cfg.lora.quantize
-    sharded = (cfg.strategy or "ddp").startswith(("fsdp", "zero3"))
-    c = Candidate(
-        cfg.precision, cfg.memory.activation_checkpointing, cfg.micro_batch_size, cfg.grad_accum, "fsdp" if sharded else "ddp", lora=mode
-    )
+    strategy = cfg.strategy or "ddp"
+    sharded = strategy.startswith(("fsdp", "zero3"))
+    planned = strategy if strategy in ("ddp", "fsdp", "fsdp_grad_op") else "fsdp" if sharded else "ddp"
+    c = Candidate(cfg.precision, cfg.memory.activation_checkpointing, cfg.micro_batch_size, cfg.grad_accum, planned, lora=mode)
     info = param_info(build_fake_model(cfg.model.name, vocab, FakeTensorMode()))
     ev = evaluate_lora(cfg, c, args.gpus, gpu_mem, args.target, vocab, info, cpu_mem=cpu_mem, per_node=per_node)
-    print(f"Plan: {cfg.model.name} x {args.gpus} rank(s), {c.label()}")
+    title = f"Plan: {cfg.model.name} x {args.gpus} rank(s), {c.label()}"
+    if planned != strategy:
+        title += f" (strategy {strategy} planned as {planned}: LoRA under DeepSpeed is not modelled)"
+    if ev.estimate is not None and (mode == "lora" or args.target == "cuda"):
+        print(format_estimate(ev.estimate, gpu_mem, cpu_mem, per_node, title))
+    else:
+        print(title)
     print(f"  {ev.reason}")
     return EXIT_OK if ev.fits else EXIT_PLAN_DOES_NOT_FIT
 
@@ -166,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         f"micro-batch {cfg.micro_batch_size} x seq {cfg.data.seq_len}, AC {cfg.memory.activation_checkpointing}"
     )
     print(format_estimate(est, gpu_mem, cpu_mem, per_node, title))
+    host_s = offload_seconds(cfg, est.params_total, args.gpus, per_node, args.cpu_adam_rate)
+    if host_s:
+        print(
+            f"host's part of a step (offloaded optimizer): +{host_s:.3f} s, unoverlapped: CPU Adam at {args.cpu_adam_rate / 1e9:.2f}G "
+            f"parameters/s per node (--cpu-adam-rate), PCIe {PCIE_BYTES_PER_S / 1e9:.0f} GB/s (assumed)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_estimate_json(est, gpu_mem, cpu_mem, per_node), f, indent=1)
@@ -178,54 +193,58 @@ def main(argv: list[str] | None = None) -> int:
 def _recommend(
     args: argparse.Namespace, overrides: list[str], cfg: Any, gpu_mem: int, cpu_mem: int | None, per_node: int, vocab: int | None
 ) -> int:
-    rec = recommend(cfg, args.gpus, gpu_mem, cpu_mem=cpu_mem, gpus_per_node=per_node, nvme=args.nvme, target=args.target, vocab_size=vocab)
-    print(
-        f"Searched precision x activation checkpointing x micro-batch x strategy x offload for {cfg.model.name} "
-        f"on {args.gpus} x {gib(gpu_mem)} ({len(rec.evaluated)} configurations evaluated, fastest first):"
+    """Walk the memory ladder (`harness.planner.ladder`), print every rung, write the first that fits."""
+    results = walk_ladder(
+        args.config,
+        overrides,
+        args.gpus,
+        gpu_mem,
+        cpu_mem=cpu_mem,
+        per_node=per_node,
+        target=args.target,
+        vocab_size=vocab,
+        cpu_adam_rate=args.cpu_adam_rate,
     )
-    for ev in sorted(rec.evaluated, key=lambda e: e.cost):
-        mark = "fits " if ev.fits else "     "
-        print(f"  {mark} x{ev.cost:5.2f}  {ev.candidate.label():<68}  {ev.reason}")
-    best = rec.best
+    print(format_ladder(results, gpu_mem, cpu_mem, args.gpus, args.target, args.cpu_adam_rate))
+    best = first_fit(results)
     if best is None:
         print(
-            f"harness.plan: error: nothing fits in {gib(gpu_mem)} per GPU x {args.gpus}, even with full offload"
-            + ("" if args.nvme else " (try --nvme)"),
+            f"harness.plan: error: no rung of the memory ladder fits in {gib(gpu_mem)} per GPU x {args.gpus} "
+            f"for {cfg.model.name}, not even QLoRA",
             file=sys.stderr,
         )
         return EXIT_PLAN_NOTHING_FITS
     print("")
-    print("Fitting configurations, fastest first (x = expected step time relative to bf16/DDP/no AC):")
-    for i, ev in enumerate(rec.fits, 1):
-        print(f"  {i}. x{ev.cost:.2f}  {ev.candidate.label()}  ->  {ev.reason}")
-    print("")
-    print(f"Best: {best.candidate.label()}")
-    for line in rec.why.get(best.candidate, []):
-        print(f"  why: {line}")
+    print(f"Best: {best.rung.name} ({' '.join(best.overrides[len(overrides) :]) or 'the config as written'})")
+    for r in results[: results.index(best)]:
+        print(f"  why: not '{r.rung.name}': {r.reason}")
     raw = read_config_file(args.config) if args.config else {}
-    data = recommended_config(raw, overrides, best.candidate)
+    data = recommended_config(raw, best.overrides)
     out = args.out or (os.path.splitext(os.path.basename(args.config))[0] + ".recommended.yaml" if args.config else "recommended.yaml")
     header = (
-        f"Written by harness.plan --recommend for {args.gpus} x {args.gpu_mem}: {best.candidate.label()}\n"
+        f"Written by harness.plan --recommend for {args.gpus} x {args.gpu_mem}: {best.rung.name}\n"
         f"{best.reason}\nLaunch: python -m harness.train --config {out}"
     )
     write_recommended(out, data, header)
     print(f"\nwrote {out}  (launch: python -m harness.train --config {out})")
     if best.estimate is not None:
         print("")
-        print(format_estimate(best.estimate, gpu_mem, cpu_mem, per_node, f"Plan of the best: {best.candidate.label()}"))
+        print(format_estimate(best.estimate, gpu_mem, cpu_mem, per_node, f"Plan of the best: {best.rung.name}"))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
+            rows = [
                 {
-                    "best": best.candidate.__dict__,
-                    "config": out,
-                    "fits": [dict(e.candidate.__dict__, cost=e.cost, need=e.need) for e in rec.fits],
-                    "why": rec.why.get(best.candidate, []),
-                },
-                f,
-                indent=1,
-            )
+                    "rung": r.rung.name,
+                    "fits": r.fits,
+                    "device_bytes": r.device,
+                    "host_bytes_per_node": r.host,
+                    "relative_time": r.relative_time,
+                    "offload_seconds": r.offload_s,
+                    "reason": r.reason,
+                }
+                for r in results
+            ]
+            json.dump({"best": best.rung.name, "overrides": best.overrides, "config": out, "ladder": rows}, f, indent=1)
     return EXIT_OK
 
 

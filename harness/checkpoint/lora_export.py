@@ -2,8 +2,9 @@
 
 A LoRA checkpoint holds the adapters only (`Engine.trainable_only`); the frozen base is
 rebuilt the way the run built it (`harness.models.build_run_model`: the preset's seeded
-init or the model directory), unquantized - merging a QLoRA adapter into the full-precision
-base is how its merged model is made. The adapters are read by the engine that wrote them
+init or the model directory); a QLoRA base is quantized as the run quantized it (bitsandbytes
+is deterministic) and dequantized, so a merged QLoRA model is the function the run trained:
+the 4-bit base's weights plus the adapters, as plain linears. The adapters are read by the engine that wrote them
 (`harness.engine.read_model_weights`), loaded into the rebuilt model, and then written by
 peft itself:
 
@@ -26,7 +27,7 @@ from harness.checkpoint.layout import CheckpointMeta
 from harness.config import LoraConfig, RunConfig
 from harness.engine import read_model_weights
 from harness.errors import CheckpointError
-from harness.models import build_model, resolve_target_modules, wrap_peft
+from harness.models import build_model, dequantize, resolve_target_modules, wrap_peft
 
 
 def is_lora_checkpoint(meta: CheckpointMeta) -> bool:
@@ -43,8 +44,12 @@ def export_lora(path: str, meta: CheckpointMeta, tmp: str, merged: bool) -> None
     with open(os.path.join(path, "hf_config", "config.json")) as f:
         vocab = int(json.load(f)["vocab_size"])
     model_cfg = meta.config.get("model", {})
-    lora = dataclasses.replace(lora_config_of(meta), quantize="none")
-    base = build_model(meta.model, vocab_size=vocab, seed=int(model_cfg.get("seed", RunConfig().model.seed)))
+    lora = lora_config_of(meta)
+    seed = int(model_cfg.get("seed", RunConfig().model.seed))
+    base = build_model(meta.model, vocab_size=vocab, seed=seed, quantize=lora.quantize)
+    if lora.quantize != "none":  # the quantized base the adapters were trained on, dequantized: plain linears
+        base = dequantize(base)
+        lora = dataclasses.replace(lora, quantize="none")
     peft_model = wrap_peft(base, lora, resolve_target_modules(base, lora), seed=int(model_cfg.get("seed", 0)))
     inner = peft_model.base_model.model
     weights = read_model_weights(path, meta.engine, meta.zero_stage, inner, trainable_only=True)

@@ -5,10 +5,12 @@ Modules by concern: `schema` (dataclasses, choice vocabularies, the defaults tha
 what is trained), `loading` (files and overrides), `presets` (the model presets' names and
 shapes), `strategies` (strategy files, the `EngineKind` vocabulary and its one rule
 `engine_kind`), `deepspeed_keys` (DeepSpeed's key schema), `deepspeed_auto` ("auto" filling of
-a DeepSpeed dict from the run config), `checks` (every rule on a config)."""
+a DeepSpeed dict from the run config), `drop_in` (what the launcher and a DeepSpeed file set
+and the run config leaves to defaults), `checks` (every rule on a config)."""
 
 from harness.config.checks import check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
 from harness.config.deepspeed_auto import resolve_deepspeed_config
+from harness.config.drop_in import adopt_settings
 from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
 from harness.config.presets import PRESETS, Preset, is_preset
 from harness.config.prune_modes import check_original, is_original, resolve_prune
@@ -30,6 +32,7 @@ from harness.config.schema import (
     PruneConfig,
     RunConfig,
     default_lr,
+    is_given,
 )
 from harness.config.strategies import (
     DS_CONFIG_DIR,
@@ -68,6 +71,7 @@ __all__ = [
     "PruneConfig",
     "RunConfig",
     "Strategy",
+    "adopt_settings",
     "all_keys",
     "apply_overrides",
     "check_optimizer_in_backward",
@@ -79,6 +83,7 @@ __all__ = [
     "config_to_dict",
     "default_lr",
     "engine_kind",
+    "is_given",
     "is_original",
     "is_preset",
     "load_config",

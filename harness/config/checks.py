@@ -8,6 +8,7 @@ look at the outside world (model and data files, the output directory, checkpoin
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 from harness.config.prune_modes import check_prune_mode
 from harness.config.schema import EMBEDDED_CORPORA, RunConfig, choice_fields
@@ -122,7 +123,7 @@ def check_lora_values(cfg: RunConfig) -> None:
         raise ConfigError(f"lora.quantize={lo.quantize} quantizes a frozen base for QLoRA; set lora.enabled=true as well")
 
 
-def check_lora(cfg: RunConfig, strategy_kind: str, has_accelerator: bool) -> None:
+def check_lora(cfg: RunConfig, strategy_kind: str) -> None:
     """What LoRA/QLoRA can run with, decided before any process group starts."""
     lo = cfg.lora
     if cfg.data.format == "instruction" and cfg.prune.method != "none":
@@ -144,15 +145,17 @@ def check_lora(cfg: RunConfig, strategy_kind: str, has_accelerator: bool) -> Non
         )
     if lo.quantize == "none":
         return
-    if not has_accelerator:
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"lora.quantize={lo.quantize} needs the bitsandbytes package: pip install 'harness[qlora]'")
+    if strategy_kind == "deepspeed":
         raise ConfigError(
-            f"lora.quantize={lo.quantize} needs a CUDA GPU (bitsandbytes' {lo.quantize} kernels); this machine has "
-            "none: use lora.quantize=none (plain LoRA) on CPU"
+            f"lora.quantize={lo.quantize} does not run under DeepSpeed here (its checkpoints would keep bitsandbytes' "
+            "quantization state and every rank would build the whole base); use strategy=fsdp for a sharded QLoRA base, or ddp"
         )
-    if strategy_kind not in ("ddp", "single"):
+    if lo.quantize == "int8" and strategy_kind == "fsdp":
         raise ConfigError(
-            f"lora.quantize={lo.quantize} runs under ddp (or one process), not {strategy_kind}: sharding a "
-            "bitsandbytes-quantized base is not implemented here"
+            "lora.quantize=int8 cannot be sharded by FSDP2 (LLM.int8's row scales live beside the weight, not in it); "
+            "use lora.quantize=nf4 under fsdp, or int8 under ddp"
         )
 
 
@@ -243,7 +246,7 @@ def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: b
     check_optimizer_in_backward(cfg, strategy.kind, world)
     check_batch(cfg, world)
     check_prune_config(cfg, world)
-    check_lora(cfg, strategy.kind, has_accelerator)
+    check_lora(cfg, strategy.kind)
     # A DeepSpeed file's contradictions and 'auto' holes are refused where its dict is resolved, once:
     # `harness.engine.plan_engine`, called by pre-flight.
 

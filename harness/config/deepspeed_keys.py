@@ -1,17 +1,23 @@
-"""DeepSpeed's own key schema: a key DeepSpeed does not read is an error naming the closest one.
+"""DeepSpeed's own schema: which keys it reads, what its config classes accept, what it ignores.
 
 Kept apart from strategy loading (`strategies`) and "auto" filling (`deepspeed_auto`) because
 it is the one part that asks DeepSpeed itself (its config parser and pydantic models), lazily.
+Every check here returns its findings as lines instead of raising at the first, so that a
+file with four mistakes is refused once, naming all four.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
-from harness.errors import ConfigError, did_you_mean
+from harness.errors import did_you_mean
 
 OUR_DEEPSPEED_KEYS = {"comment"}  # harness's own keys a DeepSpeed file may carry (DeepSpeed ignores them)
+# An unknown top-level key this close to one DeepSpeed reads is taken for a misspelling (refused:
+# `zero_optimisation` would silently train at stage 0); any other DeepSpeed ignores, and so do we (warned).
+MISSPELLING_CUTOFF = 0.8
 
 
 @functools.cache
@@ -83,40 +89,168 @@ def _nested_model(annotation: Any) -> Any:
 
 
 @functools.cache
-def _deepspeed_zero_schema() -> tuple[Any, frozenset[str]]:
-    """DeepSpeed's zero_optimization model and the ZeRO keys it rejects itself as removed."""
+def _deepspeed_config_classes() -> tuple[Any, Any, frozenset[str]]:
+    """DeepSpeed's config module, its zero_optimization model and the ZeRO keys it rejects itself as removed."""
     import deepspeed.runtime.config as ds_config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    return DeepSpeedZeroConfig, frozenset(getattr(ds_config, "_REMOVED_ZERO_CONFIG_KEYS", {}))
+    return ds_config, DeepSpeedZeroConfig, frozenset(getattr(ds_config, "_REMOVED_ZERO_CONFIG_KEYS", {}))
 
 
-def _unknown_key(path: str, where: str, key: str, known: set[str]) -> ConfigError:
+def _deepspeed_zero_schema() -> tuple[Any, frozenset[str]]:
+    _, model, removed = _deepspeed_config_classes()
+    return model, removed
+
+
+def zero_field_names(key: str) -> tuple[str, ...]:
+    """Every spelling DeepSpeed accepts for one zero_optimization field (`stage3_prefetch_bucket_size`
+    and its field name `prefetch_bucket_size`); the key alone when DeepSpeed has no such field."""
+    model, _ = _deepspeed_zero_schema()
+    for name, info in model.model_fields.items():
+        names = {n for n in (name, info.alias, info.validation_alias) if isinstance(n, str)}
+        if key in names:
+            return tuple(sorted(names))
+    return (key,)
+
+
+def zero_field_default(key: str) -> tuple[bool, Any]:
+    """(True, DeepSpeed's default) for a zero_optimization field harness does not own, else (False, None)."""
+    model, _ = _deepspeed_zero_schema()
+    for name, info in model.model_fields.items():
+        if key in (name, info.alias, info.validation_alias) and not info.is_required():
+            return True, info.get_default()
+    return False, None
+
+
+def _unknown_key(where: str, key: str, known: set[str]) -> str:
     hint = did_you_mean(key, sorted(known), cutoff=0.6) or " (DeepSpeed reads no such key; see https://www.deepspeed.ai/docs/config-json/)"
-    return ConfigError(f"{path}: unknown DeepSpeed key '{where}{key}'{hint}")
+    return f"unknown DeepSpeed key '{where}{key}'{hint}"
 
 
-def _check_model_keys(block: dict[str, Any], model: Any, also: frozenset[str], path: str, where: str) -> None:
-    """Every key of `block` must be one `model` (a DeepSpeed config model) declares; nested blocks likewise."""
+def _model_key_problems(block: dict[str, Any], model: Any, also: frozenset[str], where: str) -> list[str]:
+    """Every key of `block` that `model` (a DeepSpeed config model) does not declare; nested blocks likewise."""
     if model.model_config.get("extra") == "allow":  # a block DeepSpeed passes through as it is
-        return
+        return []
     fields = _model_fields(model)
+    problems = []
     for key, value in block.items():
         if key not in fields and key not in also:
-            raise _unknown_key(path, where, key, set(fields) | also)
-        if isinstance(value, dict) and fields.get(key) is not None:
-            _check_model_keys(value, fields[key], frozenset(), path, f"{where}{key}.")
+            problems.append(_unknown_key(where, key, set(fields) | also))
+        elif isinstance(value, dict) and fields.get(key) is not None:
+            problems += _model_key_problems(value, fields[key], frozenset(), f"{where}{key}.")
+    return problems
 
 
-def check_deepspeed_keys(raw: dict[str, Any], path: str) -> None:
-    """A key DeepSpeed does not read is a ConfigError naming the closest one it does: a misspelt
-    `zero_optimisation` would otherwise train silently at ZeRO stage 0. Checked: the top level,
-    and zero_optimization with its offload_* (and other nested) blocks, against DeepSpeed's own schema."""
+def key_problems(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(problems, warnings) about the file's keys. A top-level key DeepSpeed does not read is a
+    problem when it is a near miss of one it does (a misspelt `zero_optimisation` would train
+    silently at ZeRO stage 0), else a warning: DeepSpeed ignores it (`_comment`,
+    `cuda_visible_devices`), and so does harness. Inside zero_optimization every key must be one
+    DeepSpeed's own model declares (DeepSpeed itself refuses any other)."""
     top = set(deepspeed_top_level_keys()) | OUR_DEEPSPEED_KEYS
+    problems, warnings = [], []
     for key in raw:
-        if key not in top:
-            raise _unknown_key(path, "", key, top)
+        if key in top:
+            continue
+        if not key.startswith("_") and did_you_mean(key, sorted(top), cutoff=MISSPELLING_CUTOFF):
+            problems.append(_unknown_key("", key, top))
+        else:
+            warnings.append(f"'{key}' is not a key DeepSpeed reads; DeepSpeed ignores it, and so does harness")
     zero = raw.get("zero_optimization")
     if isinstance(zero, dict):
         model, removed = _deepspeed_zero_schema()
-        _check_model_keys(zero, model, removed, path, "zero_optimization.")
+        problems += _model_key_problems(zero, model, removed, "zero_optimization.")
+    return problems, warnings
+
+
+def layout_problems(raw: dict[str, Any]) -> list[str]:
+    """Settings that change how the model is laid out across ranks, which harness (data-parallel
+    ZeRO only) does not build: DeepSpeed would crash on them after the model is loaded."""
+    problems = []
+    tp = raw.get("tensor_parallel")
+    if isinstance(tp, dict):
+        inner = tp.get("tp", tp.get("tensor_parallel")) or {}
+        size = max(_int(tp.get("autotp_size")), _int(inner.get("tp_size")) if isinstance(inner, dict) else 0)
+        if size > 1:
+            problems.append(
+                f"tensor_parallel (AutoTP, size {size}) splits each layer across ranks, which harness does not "
+                "support (it trains data-parallel with ZeRO): remove the tensor_parallel block"
+            )
+    if "pipeline" in raw:
+        problems.append(
+            "pipeline (DeepSpeed pipeline parallelism) needs a PipelineModule, which harness does not build: remove the pipeline block"
+        )
+    if _int(raw.get("sequence_parallel_size")) > 1:
+        problems.append("sequence_parallel_size > 1 (Ulysses sequence parallelism) is not supported by harness: remove it")
+    return problems
+
+
+def _int(value: Any) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
+def _pydantic_lines(block: str, exc: Any) -> list[str]:
+    """One line per error of a pydantic ValidationError raised by DeepSpeed's model for `block`."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(p for p in [block, *(str(p) for p in err.get("loc", ()))] if p)
+        if err.get("type") == "extra_forbidden":
+            lines.append(f"unknown DeepSpeed key '{where}' (DeepSpeed's {exc.title} has no such field)")
+        else:
+            lines.append(f"{where}={err.get('input')!r}: {err.get('msg')} (DeepSpeed's {exc.title})")
+    return lines
+
+
+def deepspeed_problems(ds: dict[str, Any], world_size: int, cross_checks: bool = True) -> list[str]:
+    """What DeepSpeed's own config classes (`DeepSpeedConfig` and its pydantic models) refuse in the
+    resolved dict, found before launch instead of as a traceback after the model is built.
+
+    Each top-level block is parsed alone first, so that every faulty block is named (DeepSpeed
+    itself stops at the first); then the whole dict, for the checks across blocks (batch
+    arithmetic at this world size, fp16 with bf16, master weights without ZeRO), unless
+    `cross_checks` is off (the dict still holds problems of ours, such as an unfilled "auto")."""
+    ds_config = _deepspeed_config_classes()[0]
+
+    def parse(d: dict[str, Any], whole: bool) -> None:
+        probe = object.__new__(ds_config.DeepSpeedConfig)
+        probe.global_rank, probe.world_size = 0, world_size
+        probe._param_dict = d
+        if hasattr(ds_config, "_reject_removed_config_keys"):
+            ds_config._reject_removed_config_keys(d)
+        probe._initialize_params(copy.copy(d))
+        if whole:
+            probe._configure_train_batch_size()
+            probe._do_sanity_check()
+
+    problems: list[str] = []
+    for key, value in ds.items():
+        try:
+            parse({key: copy.deepcopy(value)}, whole=False)
+        except Exception as exc:  # pydantic's errors one line each; DeepSpeed's own asserts: their first line
+            problems += _pydantic_lines(key, exc) if _is_validation_error(exc) else [f"{key}: DeepSpeed refuses it: {_first_line(exc)}"]
+    if cross_checks and not problems:
+        try:
+            parse(copy.deepcopy(ds), whole=True)
+        except Exception as exc:
+            problems += _pydantic_lines("", exc) if _is_validation_error(exc) else [f"DeepSpeed refuses the config: {_first_line(exc)}"]
+    return problems
+
+
+def _is_validation_error(exc: BaseException) -> bool:
+    """A pydantic ValidationError, recognised without importing pydantic here (DeepSpeed brings it)."""
+    return callable(getattr(exc, "errors", None)) and isinstance(getattr(exc, "title", None), str)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:240]
+
+
+def parsed_zero_config(zero: dict[str, Any]) -> Any:
+    """DeepSpeed's own reading of a zero_optimization block (its deprecated spellings such as
+    `cpu_offload` mapped to today's), or None where DeepSpeed refuses it (reported by `deepspeed_problems`)."""
+    model, _ = _deepspeed_zero_schema()
+    try:
+        return model(**copy.deepcopy(zero))
+    except Exception:
+        return None

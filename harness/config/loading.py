@@ -207,9 +207,18 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     data = read_config_file(path) if path else {}
     data = apply_overrides(data, overrides or [])
     cfg = _build(RunConfig, data)
+    cfg.given_keys = frozenset(_dotted(data))  # what the user wrote (`is_given`): not a config key, so not a field
     check_values(cfg)
     check_dead_keys(data, cfg)
     return cfg
+
+
+def _dotted(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys of the leaves of a nested config dict."""
+    out = []
+    for key, value in data.items():
+        out += _dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key]
+    return out
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

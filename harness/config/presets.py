@@ -33,6 +33,8 @@ PRESETS: dict[str, Preset] = {
     "llama-1.6b": Preset(2048, 5632, 32, 16, 16, 2048, 32000),
     # Llama-3-8B shape, for the planner's benchmark (never trained here).
     "llama3-8b": Preset(4096, 14336, 32, 32, 8, 8192, 128256),
+    # Llama-3-70B shape, for the planner's memory ladder only (built on meta or fake storage, never trained here).
+    "llama3-70b": Preset(8192, 28672, 80, 64, 8, 8192, 128256),
 }
 
 

@@ -7,7 +7,7 @@ key, instead of a silently ignored typo.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
 from harness.config.presets import is_preset
 
@@ -197,7 +197,7 @@ class LoraConfig:
     alpha: float = 16.0  # scaling alpha / r
     dropout: float = 0.0  # on the adapter input
     target_modules: list[str] | None = None  # module names; None: every linear layer inside the decoder blocks
-    quantize: LoraQuantize = "none"  # int8 | nf4: QLoRA (the base is quantized by bitsandbytes: needs a CUDA GPU)
+    quantize: LoraQuantize = "none"  # int8 | nf4: QLoRA (the base quantized by bitsandbytes; nf4 also under FSDP2)
 
 
 @dataclass
@@ -221,10 +221,24 @@ class RunConfig:
     seed: int = 0
     output_dir: str = "runs/default"
     device: Device = "auto"
+    # The dotted keys the user wrote, set by `load_config` (a ClassVar, so not a config key); see `is_given`.
+    given_keys: ClassVar[frozenset[str] | None] = None
 
     def __post_init__(self) -> None:
         if self.optim.lr is None:  # not given: the default for what this run trains
             self.optim.lr = default_lr(self)[0]
+
+
+def is_given(cfg: RunConfig, key: str) -> bool:
+    """Whether the user wrote dotted `key` (in the config file or a `key=value` override).
+
+    A value the user did not write is a default, which a setting from outside the run config
+    (a DeepSpeed file's own number, an `accelerate launch` flag) may replace; a written one it
+    may only contradict. `load_config` records the written keys; a RunConfig built in code
+    records none, and then every key counts as written (contradictions are named, nothing is
+    replaced silently)."""
+    given = getattr(cfg, "given_keys", None)
+    return True if given is None else key in given
 
 
 # The learning rates used when `optim.lr` is not given, by what is trained: the values the

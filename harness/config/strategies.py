@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from harness.config.deepspeed_keys import check_deepspeed_keys
+from harness.config.deepspeed_keys import parsed_zero_config
 from harness.errors import ConfigError, did_you_mean
 
 DS_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_configs")  # package data: found from a wheel too
@@ -63,7 +63,9 @@ class Strategy:
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_params: str = "none"
     reduce_dtype: str = "fp32"
-    raw: dict[str, Any] = field(default_factory=dict)  # the file as written
+    raw: dict[str, Any] = field(default_factory=dict)  # the file as written (with the launcher's offload devices laid on)
+    # What the launcher asked that cannot be honoured: refused together with the file's own problems
+    problems: list[str] = field(default_factory=list)
 
     @property
     def needs_process_group(self) -> bool:
@@ -93,16 +95,20 @@ def strategy_from_launcher(env: dict[str, str] | None = None) -> str | None:
 
     accelerate passes its plugin choice to the script only as environment variables; we
     honour them (so accelerate users keep their habits) but apply the strategy ourselves,
-    because on CPU accelerate silently drops FSDP and miscounts DeepSpeed ranks.
+    because on CPU accelerate silently drops FSDP and miscounts DeepSpeed ranks. The offload
+    devices are laid onto the file chosen here by `launcher_deepspeed_settings`.
     """
     env = dict(os.environ) if env is None else env
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
             return env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
         stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-        offload = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")
-        if offload not in ("none", ""):
-            return "zero3_offload" if stage == "3" else "zero2_offload"
+        opt = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none") or "none"
+        par = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") or "none"
+        if (stage, opt, par) == ("2", "cpu", "none"):
+            return "zero2_offload"
+        if (stage, opt, par) == ("3", "cpu", "cpu"):
+            return "zero3_offload"
         return f"zero{stage}"
     if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         if env.get("FSDP_OFFLOAD_PARAMS", "").lower() == "true":
@@ -111,6 +117,52 @@ def strategy_from_launcher(env: dict[str, str] | None = None) -> str | None:
         reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower()
         return "fsdp_grad_op" if sharding in ("SHARD_GRAD_OP", "2") or reshard == "false" else "fsdp"
     return None
+
+
+def launcher_deepspeed_settings(raw: dict[str, Any], env: dict[str, str]) -> list[str]:
+    """Lay an `accelerate launch` command's ZeRO settings onto the DeepSpeed dict `raw` (in place):
+    `--offload_optimizer_device`/`--offload_param_device` set the file's offload blocks where it
+    leaves them out, `--zero_stage` must be the file's stage, `--zero3_init_flag false` is refused at
+    stage 3 (harness always builds ZeRO-3 models partitioned, under `zero.Init`). Returns one
+    problem line per setting it cannot honour; nothing is dropped silently."""
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        return []
+    problems = []
+    zero = raw.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        return []  # refused with its own line by _deepspeed_strategy
+    stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if stage and stage != str(zero.get("stage", 0)):
+        problems.append(
+            f"accelerate launch --zero_stage {stage} contradicts zero_optimization.stage={zero.get('stage', 0)}; drop one of the two"
+        )
+    for var, block, flag in (
+        ("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer", "--offload_optimizer_device"),
+        ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "offload_param", "--offload_param_device"),
+    ):
+        device = env.get(var, "").lower()
+        if not device:
+            continue
+        current = ((zero.get(block) or {}) if isinstance(zero.get(block), dict) else {}).get("device", "none") or "none"
+        if current == device:
+            continue
+        if current != "none" and zero.get(block):
+            problems.append(
+                f"accelerate launch {flag} {device} contradicts zero_optimization.{block}.device={current!r}; drop one of the two"
+            )
+        elif device == "nvme":
+            problems.append(
+                f"accelerate launch {flag} nvme needs an NVMe path, which only a DeepSpeed file gives: use --deepspeed_config_file"
+            )
+        elif device != "none":
+            zero[block] = {"device": device, "pin_memory": True}
+    init = env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "").lower()
+    if init == "false" and zero.get("stage") == 3:
+        problems.append(
+            "accelerate launch --zero3_init_flag false: harness always builds a ZeRO-3 model partitioned (zero.Init), "
+            "never whole on each rank first; set it true"
+        )
+    return problems
 
 
 def read_strategy_file(path: str) -> dict[str, Any]:
@@ -138,7 +190,10 @@ def load_strategy(name_or_path: str | None, env: dict[str, str] | None = None) -
     name = os.path.basename(path).removesuffix(".json")
     kind = raw.get("kind")
     if kind is None:
-        return _deepspeed_strategy(name, path, raw)
+        launcher_problems = launcher_deepspeed_settings(raw, dict(os.environ) if env is None else env)
+        strategy = _deepspeed_strategy(name, path, raw)
+        strategy.problems = launcher_problems
+        return strategy
     unknown = set(raw) - OUR_KEYS
     if unknown:
         key = sorted(unknown)[0]
@@ -168,18 +223,27 @@ def load_strategy(name_or_path: str | None, env: dict[str, str] | None = None) -
 
 
 def _deepspeed_strategy(name: str, path: str, raw: dict[str, Any]) -> Strategy:
+    """The engine facts of a DeepSpeed file (stage, offload devices), read as DeepSpeed reads them:
+    its own zero_optimization model maps deprecated spellings (`cpu_offload: true` is today's
+    `offload_optimizer.device: cpu`). Everything else in the file (unknown keys, values DeepSpeed
+    refuses, contradictions with the run config) is checked in one pass where the file is
+    resolved (`resolve_deepspeed_config`), so one refusal names every problem."""
     zero = raw.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"{path}: zero_optimization must be an object")
-    check_deepspeed_keys(raw, path)
     stage = zero.get("stage", 0)
     if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
         raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
-    off_opt = (zero.get("offload_optimizer") or {}).get("device", "none") or "none"
-    off_par = (zero.get("offload_param") or {}).get("device", "none") or "none"
-    for what, device in (("offload_optimizer", off_opt), ("offload_param", off_par)):
+    parsed = parsed_zero_config(zero)
+    devices = {}
+    for what in ("offload_optimizer", "offload_param"):
+        block = getattr(parsed, what, None) if parsed is not None else (zero.get(what) or None)
+        device = (block.get("device") if isinstance(block, dict) else getattr(block, "device", None)) if block else None
+        device = str(getattr(device, "value", device) or "none")
         if device not in ("none", "cpu", "nvme"):
             raise ConfigError(f"{path}: zero_optimization.{what}.device must be none, cpu or nvme, got {device!r}")
+        devices[what] = device
+    off_opt, off_par = devices["offload_optimizer"], devices["offload_param"]
     if off_par != "none" and stage != 3:
         raise ConfigError(f"{path}: offload_param needs zero_optimization.stage 3 (got stage {stage})")
     if off_opt != "none" and stage == 0:

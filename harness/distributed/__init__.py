@@ -5,18 +5,21 @@ object every collective goes through (`Collectives`), a clean teardown and exit;
 from harness.distributed.collectives import Collectives
 from harness.distributed.filelock import FileLock
 from harness.distributed.process_group import (
+    EXIT_RECORD_ENV,
     DistInfo,
     exit_process,
     free_port,
     init_distributed,
     launch_env,
     pick_device,
+    record_exit,
     teardown,
 )
 from harness.distributed.tensors import local_tensor
 
 __all__ = [
     "Collectives",
+    "EXIT_RECORD_ENV",
     "DistInfo",
     "FileLock",
     "exit_process",
@@ -25,5 +28,6 @@ __all__ = [
     "launch_env",
     "local_tensor",
     "pick_device",
+    "record_exit",
     "teardown",
 ]

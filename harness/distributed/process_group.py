@@ -140,14 +140,37 @@ def teardown() -> None:
             dist.destroy_process_group()
 
 
+EXIT_RECORD_ENV = "HARNESS_EXIT_RECORD"
+
+
+def record_exit(code: int) -> None:
+    """Write this rank's exit code to `$HARNESS_EXIT_RECORD/rank-<RANK>` when a launcher asked for it.
+
+    A launcher that runs ranks as threads of its own worker processes (Ray Train) cannot read
+    a process's exit status, and a hard exit (`os._exit`: a dead peer, out of memory) ends its
+    worker before any return value; the record carries the documented code to its driver."""
+    where = os.environ.get(EXIT_RECORD_ENV)
+    if not where:
+        return
+    try:
+        path = os.path.join(where, f"rank-{os.environ.get('RANK', '0')}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(code))
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # the launcher then reports the rank as died without a code: still an exit, never a hang
+
+
 def exit_process(code: int) -> None:
     """Leave without running C++ static destructors, after the process group is torn down.
 
     Seen on CPU: a rank that finished cleanly still aborted at interpreter exit ("terminate
     called without an active exception", SIGABRT) from a native thread (gloo / DeepSpeed /
     the rendezvous store client) destroyed while joinable. Everything the run writes is
-    already closed and flushed by now, so skipping those destructors loses nothing.
+    already closed and flushed by now, so skipping those destructors loses nothing. Also the
+    one way out of a rank that cannot wait for its peers (a dead peer, out of memory).
     """
+    record_exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -24,7 +24,7 @@ from harness.engine.plan import EnginePlan
 from harness.engine.shard_base import ParamShard
 from harness.engine.shards import memory_storage, shard_of
 from harness.memory import ActivationOffload, ModelStorage
-from harness.models import ModelSpec
+from harness.models import ModelSpec, count_parameters, quantized_codes
 
 LossFn = Callable[..., torch.Tensor]  # (model, batch, num_items=None) -> the micro-batch's loss
 
@@ -100,8 +100,8 @@ class Engine:
         self.model.train(mode)
 
     def num_parameters(self) -> int:
-        """Parameters of the whole model, however they are sharded."""
-        return sum(p.numel() for p in self.module.parameters())
+        """Parameters of the whole model, however they are sharded (a quantized weight: the weights it encodes)."""
+        return count_parameters(self.module)
 
     def shards(self) -> list[ParamShard]:
         """This rank's part of every parameter (name, range, working/master/gradient views, `write`),
@@ -114,8 +114,10 @@ class Engine:
         return memory_storage(self.model)
 
     def local_parameters(self) -> list[torch.Tensor]:
-        """The weights this rank holds (its shard where the engine shards), detached."""
-        return [p.detach() for p in self.model.parameters() if p.numel()]
+        """The weights this rank holds (its shard where the engine shards), detached; numbers only
+        (a quantized base's packed codes are bit patterns, which may read as NaN)."""
+        codes = quantized_codes(self.model)
+        return [p.detach() for p in self.model.parameters() if p.numel() and id(p) not in codes]
 
     # ------------------------------------------------------------------ engine-specific
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:

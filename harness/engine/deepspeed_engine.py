@@ -31,7 +31,16 @@ from harness.engine.plan import EnginePlan
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
 from harness.errors import CheckpointError
 from harness.log import get_logger
-from harness.models import ModelSpec, clean_name, construct_model, empty_model, materialize
+from harness.models import (
+    ModelSpec,
+    apply_lora,
+    clean_name,
+    construct_model,
+    empty_model,
+    init_adapters,
+    materialize,
+    quantized_codes,
+)
 from harness.training import build_optimizer, lr_lambda
 
 DS_TAG = "state"  # DeepSpeed's tag: <step dir>/ds/state/...
@@ -52,7 +61,10 @@ class DeepSpeedEngine(Engine):
 
     def local_parameters(self) -> list[torch.Tensor]:
         out = []
+        codes = quantized_codes(self.module)  # a quantized base's packed codes: bit patterns, not numbers
         for p in self.module.parameters():
+            if id(p) in codes:
+                continue
             t = getattr(p, "ds_tensor", None)  # ZeRO-3: this rank's partition
             t = p if t is None else t
             if t.numel():
@@ -107,13 +119,16 @@ class DeepSpeedEngine(Engine):
     @classmethod
     def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
         """ZeRO-3: built under `zero.Init`, which partitions each parameter as its module is created,
-        then each rank fills its partitions. ZeRO-0/1/2 keep the working weights whole on every rank:
-        built on the device directly in DeepSpeed's working dtype (no fp32 copy to cast from)."""
+        then each rank fills its partitions; LoRA's adapters (a fraction of a percent of the model)
+        are then injected whole outside `zero.Init` and partitioned by `deepspeed.initialize`, as
+        under HF Trainer + peft. ZeRO-0/1/2 keep the working weights whole on every rank: built on
+        the device directly in DeepSpeed's working dtype (no fp32 copy to cast from), LoRA's base too."""
         import deepspeed
 
         ds_config = plan.deepspeed_config()
-        if cfg.lora.enabled:  # adapters need a built model: the frozen base whole, partitioned by deepspeed.initialize
-            return lora_base(spec, cfg, info, _deepspeed_dtype(ds_config))
+        dtype = _deepspeed_dtype(ds_config)
+        if cfg.lora.enabled and plan.zero_stage != 3:  # the working weights are whole on every rank anyway
+            return lora_base(spec, cfg, info, dtype)
         weights = WeightsToLoad(spec)
         if plan.zero_stage == 3:
             # zero.Init reads the world size from DeepSpeed's communicator: wrap our process group first
@@ -124,6 +139,12 @@ class DeepSpeedEngine(Engine):
                 _fill_gathered(weights, model, info.rank)
             else:
                 weights.fill(model)
+            if cfg.lora.enabled:
+                model = apply_lora(model, cfg.lora, seed=cfg.model.seed)
+                init_adapters(model, cfg.model.seed)  # the values every other build of this run starts from
+                for name, p in model.named_parameters():
+                    if p.requires_grad:  # the adapters; the base's partitions are already in `dtype` on the device
+                        p.data = p.data.to(device=info.device, dtype=dtype)
         else:
             model = materialize(empty_model(spec.config).to(dtype=_deepspeed_dtype(ds_config)), info.device)
             weights.fill(model)
@@ -155,6 +176,8 @@ class DeepSpeedEngine(Engine):
         lr_scheduler = deepspeed_lr_scheduler(ds_config, cfg)
         used = "" if lr_scheduler else f"; the file's scheduler {ds_config['scheduler']['type']} drives the LR, not optim.schedule"
         log.info(f"DeepSpeed config {strategy.path}: filled from the run config: {', '.join(filled) or 'nothing'}{used}")
+        for line in plan.deepspeed_ignored if info.is_main else ():
+            log.warning(f"DeepSpeed config {strategy.path}: {line}")
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -306,9 +329,10 @@ def deepspeed_state_bytes(ds_engine: Any) -> dict[str, int]:
     counter.add("params", [getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p for p in params])
     counter.add("grads", [p.grad for p in params if p.grad is not None])
     zero_opt = ds_engine.optimizer
-    base = getattr(zero_opt, "optimizer", None)
-    if base is not None:
-        counter.add("optim_state", optimizer_state_tensors(base))
+    # ZeRO 1-3 and DeepSpeed's bf16/fp16 wrappers hold the torch optimizer as `.optimizer`; at
+    # stage 0 without a wrapper the engine's optimizer is the torch optimizer itself.
+    base = getattr(zero_opt, "optimizer", None) or zero_opt
+    counter.add("optim_state", optimizer_state_tensors(base))
     # Gradients first (buffers whose names say so), then master copies, then flat params.
     attrs = {}
     for name, value in vars(zero_opt).items():

@@ -20,7 +20,18 @@ from harness.config import RunConfig, Strategy
 from harness.distributed import DistInfo
 from harness.engine.storage import local_part
 from harness.memory import apply_activation_checkpointing, apply_compile
-from harness.models import LoraWeights, ModelSpec, build_run_model, decoder_blocks, empty_lora_model, empty_model, fill, is_quantized
+from harness.models import (
+    LoraWeights,
+    ModelSpec,
+    QuantizedWeights,
+    build_run_model,
+    cast_except_quantized,
+    decoder_blocks,
+    empty_lora_model,
+    empty_model,
+    fill,
+    quantize_empty,
+)
 from harness.training import PrecisionPolicy
 
 
@@ -63,22 +74,28 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
     return model
 
 
-def empty_model_to_train(spec: ModelSpec, cfg: RunConfig, dtype: torch.dtype) -> nn.Module:
-    """The model a run trains, on the meta device in `dtype`: the spec's, with LoRA adapters
-    injected (`lora.enabled`, unquantized) before anything is allocated. Fill it from
-    `WeightsToLoad(spec, lora=cfg.lora.enabled)` once materialized (sharded or not)."""
+def empty_model_to_train(spec: ModelSpec, cfg: RunConfig, policy: PrecisionPolicy) -> nn.Module:
+    """The model a run trains, on the meta device in the policy's parameter dtype: the spec's,
+    its linears made bitsandbytes' quantized ones (`lora.quantize`: codes stored in the compute
+    dtype, which FSDP2 never casts), with LoRA adapters injected (`lora.enabled`) before anything
+    is allocated. Fill it with `WeightsToLoad(spec, cfg.lora.enabled, model)` once materialized (sharded or not)."""
     model = empty_model(spec.config)
+    if cfg.lora.quantize != "none":
+        model.to(dtype=policy.param_dtype)
+        quantize_empty(model, cfg.lora.quantize, policy.compute_dtype)
     if cfg.lora.enabled:
         model = empty_lora_model(model, cfg.lora)
-    return model.to(dtype=dtype)
+    cast_except_quantized(model, policy.param_dtype)
+    return model
 
 
 def lora_base(spec: ModelSpec, cfg: RunConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
     """The frozen base built whole with its adapters, on the device in `dtype`, AC and compile
-    applied: a QLoRA base (bitsandbytes quantizes it on load) and DeepSpeed's LoRA path."""
-    model = build_run_model(cfg, spec.config.vocab_size, info.device.index or 0)
-    if not is_quantized(model):  # a QLoRA base was placed and typed by bitsandbytes on load
-        model.to(device=info.device, dtype=dtype)
+    applied: DeepSpeed's LoRA path at ZeRO-0/1/2, which keep the working weights whole anyway
+    (ZeRO-3 builds its base partitioned, `DeepSpeedEngine.load_model`)."""
+    model = build_run_model(cfg, spec.config.vocab_size)
+    model.to(device=info.device)
+    cast_except_quantized(model, dtype)
     apply_memory_techniques(model, cfg)
     return model
 
@@ -86,14 +103,22 @@ def lora_base(spec: ModelSpec, cfg: RunConfig, info: DistInfo, dtype: torch.dtyp
 class WeightsToLoad:
     """The spec's weights (a checkpoint or the seeded init) written into whatever part of each
     parameter this rank stores, read from a template of the model kept on the meta device.
-    `lora`: the model has adapters (`empty_lora_model`): the base's weights plus the adapters' seeded init."""
+    `lora`: the model has adapters (`empty_lora_model`): the base's weights plus the adapters'
+    seeded init. `model`: the skeleton to be filled, when its linears are quantized
+    (`quantize_empty`): each is quantized whole by bitsandbytes, this rank's part of its codes
+    kept and its quantization state attached."""
 
-    def __init__(self, spec: ModelSpec, lora: bool = False):
+    def __init__(self, spec: ModelSpec, lora: bool = False, model: nn.Module | None = None):
         self.template = empty_model(spec.config)
         self.source = spec.source(self.template)
         self.fallback = spec.fallback(self.template)
+        self.quantized: QuantizedWeights | None = None
+        if model is not None and hasattr(model, "hf_quantizer"):  # set by `quantize_empty`
+            self.quantized = self.source = QuantizedWeights(self.source, model, self.fallback)
         if lora:
             self.source, self.fallback = LoraWeights(self.source, spec.seed), LoraWeights(self.fallback, spec.seed)
 
     def fill(self, model: nn.Module) -> None:
         fill(model, self.source, part_of=local_part, fallback=self.fallback)
+        if self.quantized is not None:
+            self.quantized.attach(model)

@@ -10,6 +10,7 @@ different rules, and the DeepSpeed dict was resolved three times per run).
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +18,11 @@ import torch
 
 from harness.config import (
     CheckpointFormat,
+    ConfigError,
     EngineKind,
     RunConfig,
     Strategy,
+    adopt_settings,
     checkpoint_format,
     engine_kind,
     resolve_deepspeed_config,
@@ -39,6 +42,8 @@ class EnginePlan:
     # Read-only by convention: `deepspeed_config()` hands out a copy for DeepSpeed to mutate.
     deepspeed: dict[str, Any] | None = field(default=None, compare=False)
     deepspeed_filled: tuple[str, ...] = ()  # one entry per value filled, logged once when the engine starts
+    deepspeed_ignored: tuple[str, ...] = ()  # keys of the file DeepSpeed ignores, warned once when the engine starts
+    taken: tuple[str, ...] = ()  # run config values taken from the launcher or the DeepSpeed file (`adopt_settings`)
     optimizer_in_backward: bool = False  # the torch engine steps each parameter's optimizer inside backward
     activation_offload: bool = False  # saved activations go to host memory (memory.activation_offload)
     # Checkpoints keep the trainable parameters only (LoRA: the adapters); the frozen base is rebuilt
@@ -64,12 +69,42 @@ class EnginePlan:
         return copy.deepcopy(self.deepspeed)
 
 
-def plan_engine(cfg: RunConfig, strategy: Strategy, world_size: int, device: torch.device, hidden_size: int | None) -> EnginePlan:
-    """The plan for `strategy` at `world_size` on `device`; ConfigError (one line) where the run
-    config contradicts the strategy. `hidden_size` fills DeepSpeed's "auto" bucket sizes."""
+def plan_engine(
+    cfg: RunConfig,
+    strategy: Strategy,
+    world_size: int,
+    device: torch.device,
+    hidden_size: int | None,
+    env: dict[str, str] | None = None,
+    has_accelerator: bool | None = None,
+) -> EnginePlan:
+    """The plan for `strategy` at `world_size` on `device`. First the run config takes what the
+    launcher (`env`, default the process's) and a DeepSpeed file set and it leaves to defaults
+    (`adopt_settings`: this writes into `cfg`, once, before anything reads it); then the file is
+    resolved. Every problem found on the way is one ConfigError, one line each.
+    `hidden_size` fills DeepSpeed's "auto" bucket sizes; `has_accelerator` (default: `device` is
+    not the CPU) is whether the run's machine has a GPU, which fp16 under DeepSpeed needs."""
+    env = dict(os.environ) if env is None else env
+    accelerator = device.type != "cpu" if has_accelerator is None else has_accelerator
     kind = engine_kind(strategy.kind, world_size)
+    taken, problems = adopt_settings(cfg, strategy, world_size, accelerator, env)
     filled: list[str] = []
-    ds = resolve_deepspeed_config(strategy, cfg, world_size, hidden_size, filled=filled) if kind == "deepspeed" else None
+    ignored: list[str] = []
+    ds = None
+    if kind == "deepspeed":
+        ds = resolve_deepspeed_config(
+            strategy,
+            cfg,
+            world_size,
+            hidden_size,
+            filled=filled,
+            has_accelerator=accelerator,
+            env=env,
+            problems=problems,
+            warnings=ignored,
+        )
+    elif problems:
+        raise ConfigError(problems[0] if len(problems) == 1 else f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems))
     return EnginePlan(
         kind=kind,
         strategy=strategy,
@@ -77,6 +112,8 @@ def plan_engine(cfg: RunConfig, strategy: Strategy, world_size: int, device: tor
         precision=precision_policy(cfg.precision, device, kind),
         deepspeed=ds,
         deepspeed_filled=tuple(filled),
+        deepspeed_ignored=tuple(ignored),
+        taken=tuple(taken),
         optimizer_in_backward=cfg.memory.optimizer_in_backward,
         activation_offload=cfg.memory.activation_offload,
         trainable_only=cfg.lora.enabled,

@@ -31,11 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 from harness.config import RunConfig
 from harness.distributed import DistInfo, local_tensor
 from harness.engine.base import Engine, LossFn, StepResult
-from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, empty_model_to_train, fsdp_wrap, lora_base
+from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, empty_model_to_train, fsdp_wrap
 from harness.engine.plan import EnginePlan
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
 from harness.memory import OptimizerInBackward
-from harness.models import ModelSpec, materialize
+from harness.models import ModelSpec, materialize, quant_state_tensors, quantized_codes
 from harness.training import build_optimizer, build_scheduler
 
 
@@ -66,13 +66,15 @@ class TorchEngine(Engine):
                     module.reshard()
 
     def local_parameters(self) -> list[torch.Tensor]:
-        return [local_tensor(p).detach() for p in self.model.parameters() if local_tensor(p).numel()]
+        codes = quantized_codes(self.model)  # bit patterns, not numbers
+        return [local_tensor(p).detach() for p in self.model.parameters() if local_tensor(p).numel() and id(p) not in codes]
 
     def state_bytes(self) -> dict[str, int]:
         """Local shards of parameters, their gradients and optimizer state."""
         counter = StateCounter()
         params = list(self.model.parameters())
         counter.add("params", params)
+        counter.add("params", quant_state_tensors(self.model))  # a quantized base's scales, held whole by every rank
         counter.add("grads", [p.grad for p in params if p.grad is not None])
         optimizers = getattr(self._optimizer, "optimizers", None) or [self._optimizer]  # optimizer-in-backward holds many
         for opt in optimizers:
@@ -147,19 +149,15 @@ class TorchEngine(Engine):
 
     @classmethod
     def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
-        """Single, DDP: the model built directly on the device in its working dtype. FSDP2: built on
-        the meta device, AC and compile applied, sharded, then each rank allocates and fills only its
-        shards. LoRA: the adapters are injected into the meta model first, so a LoRA run loads like a
-        full fine-tune (each rank its part). QLoRA: bitsandbytes quantizes a base it loads whole on
-        each rank, which is then sharded like any model."""
+        """Single, DDP: the model built on the meta device, then allocated and filled on the device
+        in its working dtype. FSDP2: built on the meta device, AC and compile applied, sharded, then
+        each rank allocates and fills only its shards. LoRA: the adapters are injected into the meta
+        model first, so a LoRA run loads like a full fine-tune (each rank its part); QLoRA too: its
+        linears are bitsandbytes' quantized ones, each weight quantized whole from the checkpoint
+        and only this rank's part of its codes kept."""
         strategy, policy = plan.strategy, plan.precision
-        if cfg.lora.enabled and cfg.lora.quantize != "none":  # bitsandbytes quantizes a whole base on load
-            model = lora_base(spec, cfg, info, policy.param_dtype)
-            if plan.kind == "fsdp":
-                fsdp_wrap(model, strategy, policy, info)
-            return model
-        model = empty_model_to_train(spec, cfg, policy.param_dtype)
-        weights = WeightsToLoad(spec, lora=cfg.lora.enabled)
+        model = empty_model_to_train(spec, cfg, policy)
+        weights = WeightsToLoad(spec, lora=cfg.lora.enabled, model=model)
         if plan.kind == "fsdp":
             apply_memory_techniques(model, cfg)
             fsdp_wrap(model, strategy, policy, info)
@@ -253,17 +251,19 @@ class TorchEngine(Engine):
 
 
 def drop_frozen_aliases(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
-    """`state` without the entries that are a frozen parameter under a second name. torch drops
-    frozen parameters by `named_parameters()`, which lists a tied weight once: a tied model's
-    frozen `lm_head.weight` (the embedding's storage) stays, the largest tensor of a LoRA
-    checkpoint. Entries are matched to the frozen parameters by storage, not by name."""
-    frozen = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters() if not p.requires_grad and local_tensor(p).numel()}
+    """`state` with only the entries that are a trainable parameter. torch drops frozen
+    parameters by `named_parameters()`, which lists a tied weight once: a tied model's frozen
+    `lm_head.weight` (the embedding's storage) stays, the largest tensor of a LoRA checkpoint;
+    and a quantized linear adds its quantization state (bitsandbytes' `weight.absmax`, ...),
+    which is no parameter at all. Entries are matched to the trainable parameters by storage,
+    not by name."""
+    trainable = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters() if p.requires_grad and local_tensor(p).numel()}
 
-    def is_frozen(value: Any) -> bool:
+    def is_trainable(value: Any) -> bool:
         local = local_tensor(value) if isinstance(value, torch.Tensor) else None
-        return local is not None and local.numel() > 0 and local.untyped_storage().data_ptr() in frozen
+        return local is not None and (local.numel() == 0 or local.untyped_storage().data_ptr() in trainable)
 
-    return {k: v for k, v in state.items() if not is_frozen(v)}
+    return {k: v for k, v in state.items() if is_trainable(v)}
 
 
 def read_model_weights(directory: str, model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:

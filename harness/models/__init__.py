@@ -1,6 +1,6 @@
 """Models: presets built from a config, local or hub Hugging Face checkpoints, their weights read a
 piece at a time (`weights`), where their decoder blocks are (the one lookup every technique uses),
-and LoRA/QLoRA adapters (`lora`)."""
+and LoRA/QLoRA adapters (`lora`; QLoRA's quantized base: `qlora`)."""
 
 from harness.config import PRESETS, Preset, is_preset
 from harness.models.blocks import BlocksNotFound, block_class_names, decoder_block_list, decoder_blocks
@@ -22,16 +22,16 @@ from harness.models.lora import (
     default_target_modules,
     empty_lora_model,
     init_adapters,
-    is_quantized,
-    load_quantized_base,
     resolve_target_modules,
     trainable_counts,
     wrap_peft,
 )
+from harness.models.qlora import QuantizedWeights, cast_except_quantized, dequantize, quant_state_tensors, quantize_empty, quantized_codes
 from harness.models.weights import CheckpointWeights, InitWeights, Part, WeightSource, clean_name, fill, materialize, whole_part
 
 __all__ = [
     "PRESETS",
+    "QuantizedWeights",
     "LoraWeights",
     "BlocksNotFound",
     "CheckpointWeights",
@@ -44,10 +44,12 @@ __all__ = [
     "block_class_names",
     "build_model",
     "build_run_model",
+    "cast_except_quantized",
     "clean_name",
     "construct_model",
     "count_parameters",
     "decoder_block_list",
+    "dequantize",
     "decoder_blocks",
     "default_target_modules",
     "empty_lora_model",
@@ -55,8 +57,9 @@ __all__ = [
     "empty_model",
     "fill",
     "is_preset",
-    "is_quantized",
-    "load_quantized_base",
+    "quant_state_tensors",
+    "quantize_empty",
+    "quantized_codes",
     "materialize",
     "model_config",
     "model_directory",

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from harness.config import PRESETS, is_preset
+from harness.models.qlora import QuantizedWeights, quantize_empty, quantized_codes
 from harness.models.weights import CheckpointWeights, InitWeights, WeightSource, fill, materialize
 
 
@@ -134,16 +135,28 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     config_overrides: dict[str, Any] | None = None,
+    quantize: str = "none",
 ) -> nn.Module:
     """The whole model in one process (the planner's measurement, export, tests): presets get the
     world-invariant seeded init, checkpoints their weights, both as a sharded engine would fill them.
+    `quantize` (int8 | nf4): its linears quantized by bitsandbytes as a QLoRA run's are, computing
+    in `dtype`; `qlora.dequantize` turns them back into plain linears holding what they encode.
     """
     spec = model_spec(name_or_path, vocab_size=vocab_size, seed=seed, config_overrides=config_overrides)
     template = empty_model(spec.config)
-    model = materialize(template, "cpu", dtype)
-    fill(model, spec.source(template), fallback=spec.fallback(template))
+    if quantize == "none":
+        model = materialize(template, "cpu", dtype)
+        fill(model, spec.source(template), fallback=spec.fallback(template))
+        return model
+    model = empty_model(spec.config).to(dtype=dtype)
+    quantize_empty(model, quantize, dtype)
+    weights = QuantizedWeights(spec.source(template), model, spec.fallback(template))
+    fill(materialize(model, "cpu"), weights, fallback=spec.fallback(template))
+    weights.attach(model)
     return model
 
 
 def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """Elements of every parameter; a quantized linear's weight counts the weights it encodes, not its packed codes."""
+    codes = quantized_codes(model)
+    return sum(codes.get(id(p), p.numel()) for p in model.parameters())

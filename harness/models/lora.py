@@ -1,4 +1,4 @@
-"""LoRA and QLoRA with `peft`: adapters on a frozen base, and the base quantized where a GPU allows.
+"""LoRA and QLoRA with `peft`: adapters on a frozen base (quantized by bitsandbytes for QLoRA).
 
 The adapters are injected into the HF model *in place* (`peft.get_peft_model` keeps the
 original module as `base_model.model`), and the engines train that HF module: FSDP2 finds
@@ -10,9 +10,9 @@ adapter directory, `merge_and_unload` for a merged model).
 Only what requires gradients is trained, so gradients and optimizer state exist for the
 adapters alone; the engines already build their optimizers from trainable parameters.
 
-QLoRA (`lora.quantize: int8 | nf4`) loads the base through bitsandbytes
-(`BitsAndBytesConfig` via `from_pretrained`, then `prepare_model_for_kbit_training`). It
-needs a CUDA GPU; the run config's checks refuse it before launch on a machine without one.
+QLoRA (`lora.quantize: int8 | nf4`): the base's linears are bitsandbytes' quantized ones,
+built on the meta device and quantized a tensor at a time (`harness.models.qlora`); peft
+wraps them with its bitsandbytes LoRA layers.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.config import LoraConfig, RunConfig, is_preset
+from harness.config import LoraConfig, RunConfig
 from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.models.blocks import decoder_blocks
-from harness.models.build import build_model
+from harness.models.build import build_model, count_parameters
 from harness.models.weights import clean_name, module_seed
 
 log = get_logger(__name__)
@@ -100,65 +100,21 @@ def _log_adapters(inner: nn.Module, cfg: LoraConfig, targets: list[str]) -> None
 
 
 def trainable_counts(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter elements."""
-    params = list(model.parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+    """(trainable, total) parameter elements (a quantized weight counted as the weights it encodes)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), count_parameters(model)
 
 
-def is_quantized(model: nn.Module) -> bool:
-    """A bitsandbytes-quantized base: it stays where `from_pretrained` put it (no `.to(dtype)`)."""
-    return bool(
-        getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
-    )
-
-
-def quantization_config(quantize: str, compute_dtype: torch.dtype) -> Any:
-    """bitsandbytes' config for `from_pretrained`: 8-bit LLM.int8, or 4-bit NF4 with double
-    quantization (the QLoRA paper's choice), computing in `compute_dtype`."""
-    from transformers import BitsAndBytesConfig
-
-    if quantize == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype
-    )
-
-
-def load_quantized_base(name_or_path: str, quantize: str, compute_dtype: torch.dtype, device_index: int) -> nn.Module:
-    """QLoRA's base: a pretrained model quantized on load by bitsandbytes onto this rank's GPU,
-    prepared for k-bit training (norms in fp32, input gradients for checkpointing).
-
-    Written against the documented transformers/peft path; not run on the development
-    machine (no GPU) - see notes/lora.md."""
-    from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM
-
-    if is_preset(name_or_path):
-        raise ConfigError(
-            f"lora.quantize={quantize} quantizes pretrained weights on load; model.name={name_or_path} is a "
-            "random-init preset: save it (or give a model directory) first"
-        )
-    try:
-        import bitsandbytes  # noqa: F401  (the kernels; an actionable line when they are missing)
-    except ImportError:
-        raise ConfigError("lora.quantize needs the bitsandbytes package (pip install bitsandbytes) on the GPU machine") from None
-    model = AutoModelForCausalLM.from_pretrained(
-        name_or_path, quantization_config=quantization_config(quantize, compute_dtype), dtype=compute_dtype, device_map={"": device_index}
-    )
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    model.train()
-    return model
-
-
-def empty_lora_model(template: nn.Module, cfg: LoraConfig) -> nn.Module:
+def empty_lora_model(template: nn.Module, cfg: LoraConfig, quiet: bool = False) -> nn.Module:
     """`template` (a model on the meta device) with adapters injected, still on the meta device
     (peft's `low_cpu_mem_usage`): sharded and filled like any model, so no rank ever holds the
-    whole base. Returns the HF module the engines train; fill it from `LoraWeights`."""
+    whole base. Returns the HF module the engines train; fill it from `LoraWeights`. `quiet`: no
+    log line (the planner builds it to trace, not to train)."""
     import peft
 
-    targets = resolve_target_modules(template, cfg)
+    targets = default_target_modules(template) if quiet and cfg.target_modules is None else resolve_target_modules(template, cfg)
     inner = peft.get_peft_model(template, peft_config(cfg, targets), low_cpu_mem_usage=True).base_model.model
-    _log_adapters(inner, cfg, targets)
+    if not quiet:
+        _log_adapters(inner, cfg, targets)
     return inner
 
 
@@ -184,15 +140,13 @@ class LoraWeights:
         return full.reshape(-1)[start:end]
 
 
-def build_run_model(cfg: RunConfig, vocab_size: int, device_index: int = 0) -> nn.Module:
-    """The model a run trains: the preset or pretrained model (quantized on load for QLoRA), with
-    LoRA adapters on a frozen base when `lora.enabled`. Resume rebuilds the same base this way,
-    which is why a LoRA checkpoint needs only the adapters."""
-    if cfg.lora.enabled and cfg.lora.quantize != "none":
-        compute = torch.float16 if cfg.precision == "fp16" else torch.bfloat16
-        model = load_quantized_base(cfg.model.name, cfg.lora.quantize, compute, device_index)
-    else:
-        model = build_model(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
+def build_run_model(cfg: RunConfig, vocab_size: int) -> nn.Module:
+    """The model a run trains, built whole in one process: the preset or pretrained model (its
+    linears quantized for QLoRA, computing in fp32), with LoRA adapters on a frozen base when
+    `lora.enabled` (DeepSpeed's LoRA path at ZeRO-0/1/2, and the tests' world-1 reference; the torch engines
+    build on the meta device instead). Resume rebuilds the same base, which is why a LoRA
+    checkpoint needs only the adapters."""
+    model = build_model(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed, quantize=cfg.lora.quantize)
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora, seed=cfg.model.seed)
         init_adapters(model, cfg.model.seed)
@@ -216,10 +170,7 @@ __all__ = [
     "init_adapters",
     "build_run_model",
     "default_target_modules",
-    "is_quantized",
-    "load_quantized_base",
     "peft_config",
-    "quantization_config",
     "resolve_target_modules",
     "trainable_counts",
     "wrap_peft",

@@ -7,6 +7,8 @@
 - ``estimate``: the two combined into the worst rank's peak, by category, with its moment.
 - ``report``: the text the CLI prints, the GPU allowance and the per-dtype table.
 - ``recommend``: the fastest configuration that fits (the memory decision tree, walked by expected speed).
+- ``ladder``: the memory ladder ``--recommend`` walks: one rung per technique, in memory order, the first that fits.
+- ``lora``: LoRA traced as its own model; QLoRA's quantized base in formulas over that trace.
 - ``measure``: the ground truth - real CPU steps measured with MemTracker - for tests.
 
 The command line is ``python -m harness.plan`` (``harness/plan.py``).

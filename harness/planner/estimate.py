@@ -24,8 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from harness.config import (
     RunConfig,
     Strategy,
-    check_optimizer_in_backward,
-    check_strategy_against_run,
+    check_run,
     engine_kind,
     load_strategy,
 )
@@ -34,6 +33,7 @@ from harness.engine import EnginePlan, plan_engine
 from harness.errors import ConfigError
 from harness.memory import REPORTED
 from harness.models import is_preset
+from harness.planner.lora import quantized_base
 from harness.planner.model_states import BYTES, EngineModel, EngineSpec, engine_model, zero12_partition
 from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, build_fake_model, trace_step
 
@@ -105,8 +105,9 @@ def _plannable_strategy(strategy: Strategy) -> Strategy:
 
 def plan_for(cfg: RunConfig, strategy: Strategy, world: int, hidden: int) -> EnginePlan:
     """The engine plan the trainer's pre-flight makes (`harness.engine.plan_engine`: the same kind
-    rule, DeepSpeed dict and precision policy), for a machine that need not exist here."""
-    return plan_engine(cfg, _plannable_strategy(strategy), world, torch.device("cpu"), hidden)
+    rule, DeepSpeed dict and precision policy), for a machine that need not exist here: one with
+    GPUs, so a DeepSpeed fp16 run plans as it would run there."""
+    return plan_engine(cfg, _plannable_strategy(strategy), world, torch.device("cpu"), hidden, has_accelerator=True)
 
 
 def deepspeed_zero(plan: EnginePlan) -> Any:
@@ -123,6 +124,9 @@ def specs_for(
     kind = engine_kind(strategy.kind, world)
     if kind == "deepspeed" and strategy.zero_stage == 0:
         raise PlanError(f"{strategy.name}: DeepSpeed ZeRO stage 0 is not modelled by the planner; use ddp.json")
+    lora = cfg.lora
+    if lora.enabled and kind == "deepspeed":
+        raise PlanError(f"lora.enabled=true under {strategy.name}: LoRA is planned under ddp or fsdp (torch's engines) only")
     plan = plan_for(cfg, strategy, world, info_hidden)
     policy = plan.precision
     param_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[policy.param_dtype]
@@ -143,6 +147,7 @@ def specs_for(
         loss_chunk_size=cfg.memory.loss_chunk_size,
         micro_batches=2 if cfg.grad_accum > 1 else 1,
         autocast=policy.autocast and kind != "deepspeed",
+        lora=(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules) if lora.target_modules else None) if lora.enabled else None,
     )
     common = dict(
         kind=kind,
@@ -155,7 +160,8 @@ def specs_for(
         weight_decay=cfg.optim.weight_decay,
         optimizer_in_backward=cfg.memory.optimizer_in_backward,
         target=target,
-        torch_param_bytes=BYTES[param_dtype],
+        # QLoRA's adapters stay fp32 (peft's autocast_adapter_dtype; the quantized base is never cast)
+        torch_param_bytes=4 if lora.enabled and lora.quantize != "none" else BYTES[param_dtype],
     )
     if kind != "deepspeed":
         return trace, EngineSpec(**common)
@@ -310,9 +316,7 @@ def estimate(
         raise PlanError(f"world size must be >= 1, got {world_size}")
     try:
         strategy = strategy or load_strategy(cfg.strategy)
-        check_strategy_against_run(strategy, cfg, has_accelerator=target == "cuda")
-
-        check_optimizer_in_backward(cfg, strategy.kind, world_size)
+        check_run(cfg, strategy, world_size, has_accelerator=target == "cuda")  # the trainer's own gate
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
     vocab = vocab_size or resolve_vocab(cfg)
@@ -327,6 +331,10 @@ def estimate(
     best: tuple[Moment, list[Moment], EngineModel, int] | None = None
     for rank in ranks:
         em = engine_model(espec, info, rank)
+        if cfg.lora.enabled and cfg.lora.quantize != "none":
+            # the rest of the base: FSDP2's fp32 master shards, else the working dtype
+            rest = 4 if espec.kind == "fsdp" or cfg.precision == "fp32" else 2
+            em = quantized_base(em, info, cfg.lora.quantize, espec.world if espec.kind == "fsdp" else 1, rest)
         moments = walk(trace, em, cpu_run=target == "cpu")
         peak = max(moments, key=lambda m: m.total)
         if best is None or peak.total > best[0].total:
@@ -334,6 +342,9 @@ def estimate(
     assert best is not None
     peak, moments, em, rank = best
     load_device, load_host = load_phase_bytes(espec, info)
+    if cfg.lora.enabled and cfg.lora.quantize != "none":
+        # bitsandbytes quantizes on load, a tensor at a time onto the device: the quantized base and one bf16 tensor
+        load_device, load_host = (em.params or 0) + 2 * info.whole_largest, 4 * info.whole_largest
     race = collective_race_bytes(trace, target == "cpu")
     notes = list(em.notes)
     if race:
@@ -380,16 +391,17 @@ def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:
     partitions them; ZeRO-0/1/2, DDP and single build the whole model in the working dtype.
     Parameter offload keeps the part on the host instead.
     """
-    one_tensor = info.largest * 4
+    one_tensor = info.whole_largest * 4
+    whole = info.total + info.frozen  # a LoRA model's frozen base is loaded like the rest
     # the working weights' dtype: DeepSpeed's half precision, bf16 module under single/DDP, FSDP2's fp32 shards
     half = ("bf16", "fp16") if espec.kind == "deepspeed" else ("bf16",) if espec.kind in ("single", "ddp") else ()
     working = 2 if espec.precision in half else 4
     if espec.kind == "deepspeed" and espec.stage == 3:
-        part, in_flight_device = info.total * working // espec.world, one_tensor
+        part, in_flight_device = whole * working // espec.world, one_tensor
     elif espec.kind == "fsdp":
-        part, in_flight_device = info.total * 4 // espec.world, one_tensor // espec.world
+        part, in_flight_device = whole * 4 // espec.world, one_tensor // espec.world
     else:
-        part, in_flight_device = info.total * working, 0
+        part, in_flight_device = whole * working, 0
     if espec.offload_params != "none":
         return in_flight_device, part + one_tensor
     return part + in_flight_device, one_tensor

@@ -1,111 +1,85 @@
-"""LoRA and QLoRA in the planner: the decision tree's last two steps, in formulas.
+"""LoRA and QLoRA in the planner: the traced LoRA model, and the quantized base in formulas.
 
-When no full fine-tune fits - not with bf16, recomputation, a micro-batch of 1, ZeRO-3 or
-offload - the decision tree (`harness.planner.recommend`) ends with LoRA, then QLoRA (the base
-quantized to 8 or 4 bits).
-What changes is model state only:
+A LoRA run is planned like any run (`harness.planner.estimate`): the trace builds the model
+the trainer trains - peft's adapters injected into the fake model, base frozen, in the
+working dtype (`harness.planner.trace.build_fake_model`) - and runs its forward + backward
+under the trainer's wrapping, AC and loss. So its activations are its own: a frozen linear
+saves no input for a weight gradient (only its adapter's input and the rank-r product are
+saved), which at Llama-3-8B, seq 2048, is ~13 GiB less than a full fine-tune's. Parameters,
+gradients and optimizer state follow from the same trace: `ParamInfo` lists the trainable
+parameters (the adapters) for the engine's formulas, and the frozen base separately.
 
-- the base is frozen: its parameters are held (bf16, or NF4 for QLoRA: 4 bits plus one 8-bit
-  scale per 64 weights and one fp32 scale per 256 of those, double quantization) but it has
-  no gradients and no optimizer state;
-- the adapters (r x (in + out) per adapted linear) hold fp32 parameters, gradients and two
-  Adam states: 16 bytes each (counted in fp32 even under bf16: an upper bound);
-- activations are taken from the traced full fine-tune at the same precision, recomputation
-  and micro-batch (`estimate`). A frozen linear no longer saves its input for a weight
-  gradient, but its adapter does, so the traced value is an upper bound.
-
-QLoRA runs under DDP only here (the trainer refuses sharding a bitsandbytes base); LoRA
-may shard its frozen base with FSDP2 at world > 1, which divides parameters by the world
-size and adds the all-gather buffers of one decoder block.
+QLoRA cannot be traced (fake tensors have no quantized storage), so its step is the traced
+LoRA step with the parameter bytes replaced (:func:`quantized_base`), as the trainer holds
+them (`harness.models.qlora`): every linear of the decoder blocks in NF4 (4-bit codes packed
+into a tensor of the compute dtype, which FSDP2 shards by rows; the scales - one 8-bit absmax
+per 64 weights, one fp32 per 256 of those, the code books - whole on every rank:
+:func:`nf4_matrix_bytes`) or int8 (one byte plus an fp32 scale per output row, never sharded);
+the rest of the base in the working dtype (fp32 under FSDP2's master weights), sharded like any
+parameter; the adapters in fp32. Activations are the traced LoRA model's, plus one linear's
+weight dequantized in flight (an upper bound: bitsandbytes frees it after each matmul).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
-from harness.planner.estimate import Estimate
+from harness.planner.model_states import EngineModel
 from harness.planner.trace import ParamInfo
 
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weight, 8-bit absmax per 64, fp32 per 256 absmax blocks
+BLOCKSIZE = 64  # bitsandbytes' 4-bit block (one 8-bit absmax each); its absmax are quantized again in blocks of 256
+NF4_MODULE_BYTES = 4 + 16 * 4 + 256 * 4  # per quantized matrix: the absmax offset, the NF4 code book, the absmax code book (fp32)
+BLOCKSIZE = 64  # bitsandbytes' 4-bit block (one 8-bit absmax each); its absmax are quantized again in blocks of 256
+NF4_MODULE_BYTES = 4 + 16 * 4 + 256 * 4  # per quantized matrix: the absmax offset, the NF4 code book, the absmax code book (fp32)
 INT8_BYTES = 1.0  # plus one fp32 scale per output row (added per matrix)
-ADAPTER_STATE_BYTES = 16  # fp32 parameter + gradient + Adam's two states
 
 
-@dataclass
-class LoraPlan:
-    """One rank's predicted peak for a LoRA/QLoRA run."""
-
-    mode: str  # lora | nf4
-    strategy: str  # ddp | fsdp
-    world: int
-    adapters: int  # adapter parameters (whole model)
-    categories: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.categories.values())
+def quantized_linears(info: ParamInfo) -> list[tuple[str, tuple[int, ...]]]:
+    """The frozen weight matrices bitsandbytes quantizes: every linear of the decoder blocks
+    (transformers keeps the LM head in the compute dtype)."""
+    return [
+        (name, shape)
+        for name, shape in zip(info.frozen_names, info.frozen_shapes)
+        if len(shape) == 2 and name.endswith(".weight") and ".layers." in f".{name}"
+    ]
 
 
-def adapted(info: ParamInfo, targets: list[str] | None) -> list[tuple[str, tuple[int, ...]]]:
-    """The weight matrices LoRA adapts: the decoder blocks' linears (the trainer's default) or the named modules."""
-    out = []
-    for name, shape in zip(info.names, info.shapes):
-        parts = name.split(".")
-        if len(shape) != 2 or parts[-1] != "weight" or len(parts) < 2:
-            continue
-        module = parts[-2]
-        if (targets is None and ".layers." in f".{name}") or (targets is not None and module in targets):
-            out.append((name, shape))
-    return out
+def nf4_matrix_bytes(numel: int, world: int = 1, storage_bytes: int = 4) -> tuple[int, int]:
+    """(codes, quantization state) bytes one rank holds of one NF4 matrix (bitsandbytes, double
+    quantization). The codes (half a byte a weight, packed into elements of the compute dtype,
+    `storage_bytes` each) are a tensor FSDP2 shards by rows, padded to a whole row per rank; the
+    state (an 8-bit absmax per 64 weights, an fp32 absmax per 256 of those, the code books and
+    offset) is held whole by every rank."""
+    rows = (numel + 1) // (2 * storage_bytes)  # bitsandbytes' packed length, one code pair per byte
+    codes = -(-rows // world) * storage_bytes
+    blocks = -(-numel // BLOCKSIZE)
+    state = blocks + 4 * -(-blocks // 256) + NF4_MODULE_BYTES
+    return codes, state
 
 
-def adapter_numel(info: ParamInfo, targets: list[str] | None, r: int) -> int:
-    return sum(r * (shape[0] + shape[1]) for _, shape in adapted(info, targets))
-
-
-def base_bytes(info: ParamInfo, targets: list[str] | None, mode: str, dtype_bytes: int = 2) -> int:
-    """The frozen base: quantized adapted linears for QLoRA (every block linear: bitsandbytes
-    quantizes all of them, whatever is adapted), the rest in the compute dtype."""
-    if mode == "lora":
-        return info.total * dtype_bytes
-    quantized = adapted(info, None)
+def quantized_base_bytes(info: ParamInfo, mode: str, dtype_bytes: int = 4, world: int = 1) -> int:
+    """One rank's frozen base of a QLoRA run at FSDP2 `world` (1: replicated): the quantized block
+    linears, the rest in `dtype_bytes` (sharded by rows under FSDP2, as every parameter)."""
+    quantized = quantized_linears(info)
     q_numel = sum(s[0] * s[1] for _, s in quantized)
-    per = NF4_BYTES if mode == "nf4" else INT8_BYTES
-    scales = 0 if mode == "nf4" else sum(4 * s[0] for _, s in quantized)
-    return int(q_numel * per) + scales + (info.total - q_numel) * dtype_bytes
+    rest = (info.frozen - q_numel) * dtype_bytes // world
+    if mode == "nf4":
+        return rest + sum(sum(nf4_matrix_bytes(s[0] * s[1], world, dtype_bytes)) for _, s in quantized)
+    return rest + int(q_numel * INT8_BYTES) + sum(4 * s[0] for _, s in quantized)  # int8 is never sharded
 
 
-def _block_bytes(info: ParamInfo, dtype_bytes: int) -> int:
-    """The largest decoder block's parameter bytes (FSDP2 gathers one block at a time)."""
-    blocks: dict[str, int] = {}
-    for name, numel in zip(info.names, info.numels):
-        parts = name.split(".")
-        if "layers" in parts and parts.index("layers") + 1 < len(parts):
-            key = ".".join(parts[: parts.index("layers") + 2])
-            blocks[key] = blocks.get(key, 0) + numel
-    return max(blocks.values(), default=0) * dtype_bytes
+def quantized_base(em: EngineModel, info: ParamInfo, mode: str, shard: int = 1, dtype_bytes: int = 4) -> EngineModel:
+    """The engine model of a traced LoRA step with QLoRA's parameter bytes (`shard`: ranks the
+    base is divided over, 1 under DDP; `dtype_bytes`: what the rest of the base is held in) and
+    one dequantized bf16 linear in flight."""
+    params = quantized_base_bytes(info, mode, dtype_bytes, shard) + 4 * info.total // shard
+    largest = max((s[0] * s[1] for _, s in quantized_linears(info)), default=0)
+    resident = dict(em.resident)
+    resident["temporaries"] = resident.get("temporaries", 0) + 2 * largest
+    base = quantized_base_bytes(info, mode, dtype_bytes, shard)
+    note = f"QLoRA ({mode}): base {base:,} B per rank by formula, activations of the traced LoRA model"
+    return dataclasses.replace(em, params=params, end_params=params, resident=resident, notes=[*em.notes, note])
 
 
-def lora_plan(
-    info: ParamInfo, full: Estimate, *, mode: str, strategy: str, world: int, r: int, targets: list[str] | None = None, dtype_bytes: int = 2
-) -> LoraPlan:
-    """Per-rank peak of a LoRA (`mode="lora"`) or QLoRA (`"nf4"`, `"int8"`) run, with the
-    activations of `full`, the traced full fine-tune at the same precision, AC and micro-batch."""
-    shard = world if strategy == "fsdp" else 1
-    adapters = adapter_numel(info, targets, r)
-    base = base_bytes(info, targets, mode, dtype_bytes)
-    acts = max((m.categories.get("activations", 0) + m.categories.get("temporaries", 0) for m in full.moments), default=0)
-    other = max((m.categories.get("other", 0) for m in full.moments), default=0)
-    comm = 2 * _block_bytes(info, dtype_bytes) if strategy == "fsdp" and world > 1 else 0
-    categories = {
-        "parameters": base // shard + 4 * adapters // shard,
-        "gradients": 4 * adapters // shard,
-        "optimizer_state": 8 * adapters // shard,
-        "activations": acts,
-        "communication": comm,
-        "other": other,
-    }
-    return LoraPlan(mode, strategy, world, adapters, categories)
-
-
-__all__ = ["ADAPTER_STATE_BYTES", "LoraPlan", "NF4_BYTES", "adapted", "adapter_numel", "base_bytes", "lora_plan"]
+__all__ = ["INT8_BYTES", "NF4_BYTES", "nf4_matrix_bytes", "quantized_base", "quantized_base_bytes", "quantized_linears"]

@@ -2,7 +2,8 @@
 
 A real run of a config (real CPU tensors, a real gloo process group, the trainer's own
 engine from ``harness.engine.build_engine`` and its own loss) is measured with
-torch's ``MemTracker`` entered *before* the model is built. That way every storage the
+torch's ``MemTracker`` (``harness.memory.FrozenAwareMemTracker``: one that accepts a frozen
+LoRA base) entered *before* the model is built. That way every storage the
 process allocates is followed - module parameters, DDP buckets, DeepSpeed's flat
 buffers, master copies and gradient partitions - which is what ``max_memory_allocated``
 counts on a GPU. The peak is taken per step (the tracker's peak is re-armed at each
@@ -31,13 +32,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from harness.config import load_config, load_strategy
 from harness.distributed import init_distributed, teardown
 from harness.engine import build_engine, hidden_size_of, plan_engine
 from harness.memory import CATEGORIES as CATS
-from harness.memory import StepMemoryTracker, category_of
+from harness.memory import FrozenAwareMemTracker, StepMemoryTracker, category_of
 from harness.models import model_spec
 from harness.training import causal_lm_loss
 
@@ -61,7 +61,7 @@ def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None 
     strategy = load_strategy(cfg.strategy)
     info = init_distributed("cpu", force_group=strategy.needs_process_group)
     gen = torch.Generator().manual_seed(1000 + info.rank)
-    tracker = MemTracker()
+    tracker = FrozenAwareMemTracker()  # torch's MemTracker, which refuses a frozen parameter (a LoRA base)
     with tracker:
         spec = model_spec(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
         vocab = int(spec.config.vocab_size)

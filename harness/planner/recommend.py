@@ -18,8 +18,8 @@ trace; the others are estimated (traces are cached and shared by every strategy 
 the bare module), until ``max_fits`` fitting configurations are found.
 
 When no full fine-tune fits, the tree's last two steps follow, in order: LoRA (frozen bf16
-base, adapters trained; `harness.planner.lora`) and QLoRA (NF4 base, which needs a CUDA GPU
-with bitsandbytes). They change what is trained, not only how, so they are never chosen for
+base, adapters trained; `harness.planner.lora`) and QLoRA (NF4 base, bitsandbytes; sharded by
+FSDP2 at world > 1). They change what is trained, not only how, so they are never chosen for
 speed over a full fine-tune that fits; the first that fits is named.
 """
 
@@ -36,7 +36,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import RunConfig, apply_overrides, check_values, load_config, load_strategy
 from harness.planner.estimate import Estimate, estimate, resolve_vocab, specs_for, walk
-from harness.planner.lora import lora_plan
 from harness.planner.model_states import BYTES, engine_model, fsdp_local_numel
 from harness.planner.report import CUDA_CONTEXT, FRAGMENTATION, LIBRARY_WORKSPACES, NCCL_BUFFERS, gib, verdict
 from harness.planner.trace import ParamInfo, TraceResult, build_fake_model, param_info
@@ -100,7 +99,7 @@ class Candidate:
 
     def label(self) -> str:
         ac = f"AC {self.ac}" if self.ac != "none" else "no AC"
-        tuned = {"none": "", "lora": ", LoRA (base frozen)", "nf4": ", QLoRA (NF4 base; needs a CUDA GPU with bitsandbytes)"}
+        tuned = {"none": "", "lora": ", LoRA (base frozen)", "nf4": ", QLoRA (NF4 base, bitsandbytes)"}
         return f"{self.strategy}, {self.precision}, {ac}, micro-batch {self.micro_batch} x accum {self.grad_accum}{tuned[self.lora]}"
 
 
@@ -249,7 +248,7 @@ def lora_candidates(cfg: RunConfig, world: int) -> list[Candidate]:
     for mode in LORA_STEPS:
         for ac, micro in (("none", cfg.micro_batch_size), ("full", 1)):
             accum = max(1, math.ceil(cfg.micro_batch_size * cfg.grad_accum / micro))
-            for strategy in ("ddp", "fsdp") if world > 1 and mode == "lora" else ("ddp",):
+            for strategy in ("ddp", "fsdp") if world > 1 else ("ddp",):
                 out.append(Candidate("bf16", ac, micro, accum, strategy, lora=mode))
     return out
 
@@ -265,40 +264,30 @@ def evaluate_lora(
     cpu_mem: int | None = None,
     per_node: int = 1,
 ) -> Evaluated:
-    """A LoRA/QLoRA candidate: model state by formula, activations from the traced full fine-tune
-    at the same precision, recomputation and micro-batch (`harness.planner.lora`)."""
-    full = estimate(with_candidate(cfg, replace(c, lora="none", strategy="ddp")), world, target=target, vocab_size=vocab)
-    plan = lora_plan(
-        info,
-        full,
-        mode=c.lora,
-        strategy=c.strategy,
-        world=world,
-        r=cfg.lora.r,
-        targets=cfg.lora.target_modules,
-        dtype_bytes=BYTES[c.precision],
-    )
-    need = plan.total + (gpu_allowance_for(plan.total, world) if target == "cuda" else 0)
+    """A LoRA/QLoRA candidate, estimated like any config: the LoRA model itself is traced
+    (`harness.planner.lora`); QLoRA's quantized base is a formula over that trace."""
     cost = c.cost(cfg.micro_batch_size)
-    adapters = f"{plan.adapters / 1e6:.2f}M adapter parameters (r={cfg.lora.r})"
-    if c.lora != "lora" and target != "cuda":
-        return Evaluated(c, cost, False, need, f"QLoRA needs a CUDA GPU (bitsandbytes kernels); {gib(need)} on one would hold it")
-    if need > gpu_mem:
-        return Evaluated(c, cost, False, need, f"needs {gib(need)} > {gib(gpu_mem)} ({adapters})")
-    # Unquantized LoRA under torch's engines is built on the meta device and filled a tensor at a
-    # time (like a full fine-tune); QLoRA (bitsandbytes quantizes on load) and DeepSpeed's LoRA
-    # path build the frozen base whole in fp32 on the host.
-    meta_built = c.lora == "lora" and not c.strategy.startswith("zero")
-    host = (info.largest if meta_built else info.total) * 4 * per_node
+    run = with_candidate(cfg, c)
+    est = estimate(run, world, target=target, vocab_size=vocab)
+    v = verdict(est, gpu_mem, None, per_node)
+    adapters = f"{est.params_total / 1e6:.2f}M adapter parameters (r={cfg.lora.r})"
+    if not v.fits:
+        return Evaluated(c, cost, False, v.device_need, f"{v.reason} ({adapters})", est)
+    # LoRA and QLoRA under torch's engines are built on the meta device and filled (QLoRA: quantized)
+    # a tensor at a time, like a full fine-tune, and so is ZeRO-3's base (under zero.Init); ZeRO-1/2
+    # build the frozen base whole in fp32 on the host.
+    meta_built = not c.strategy.startswith("zero") or c.strategy.startswith("zero3")
+    host = (info.whole_largest if meta_built else info.total + info.frozen) * 4 * per_node
     if cpu_mem is not None and host > cpu_mem:
-        return Evaluated(c, cost, False, need, f"needs {gib(host)} host memory per node to build the model > {gib(cpu_mem)}")
+        return Evaluated(c, cost, False, v.device_need, f"needs {gib(host)} host memory per node to build the model > {gib(cpu_mem)}", est)
     return Evaluated(
         c,
         cost,
         True,
-        need,
-        f"fits: {gib(need)} of {gib(gpu_mem)} per {'GPU' if target == 'cuda' else 'rank'} "
-        f"({adapters}; parameters incl. the frozen base {gib(plan.categories['parameters'])})",
+        v.device_need,
+        f"fits: {gib(v.device_need)} of {gib(gpu_mem)} per {'GPU' if target == 'cuda' else 'rank'} "
+        f"({adapters}; parameters incl. the frozen base {gib(est.peak.categories['parameters'])})",
+        est,
     )
 
 
@@ -368,9 +357,9 @@ def _param_info(cfg: RunConfig, vocab: int | None) -> ParamInfo:
     return param_info(build_fake_model(cfg.model.name, vocab, FakeTensorMode()))
 
 
-def recommended_config(raw: dict[str, Any], overrides: list[str], c: Candidate) -> dict[str, Any]:
-    """The user's config file contents + their overrides + the candidate's settings, as a config mapping."""
-    data = apply_overrides(copy.deepcopy(raw), list(overrides) + c.overrides())
+def recommended_config(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """The user's config file contents + their overrides + the chosen settings' (after them), as a config mapping."""
+    data = apply_overrides(copy.deepcopy(raw), list(overrides))
     data.pop("global_batch_size", None)  # implied by micro * accum * world; a stale value would contradict
     return data
 

@@ -19,6 +19,7 @@ gradient and parameter handling is laid over the recorded per-op timeline afterw
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import warnings
@@ -31,14 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from harness.config import Strategy
+from harness.config import LoraConfig, Strategy
 from harness.distributed import DistInfo
 from harness.engine import fsdp_wrap
-from harness.memory import CATEGORIES, apply_activation_checkpointing, category_of
-from harness.models import PRESETS, is_preset, model_config
+from harness.memory import CATEGORIES, FrozenAwareMemTracker, apply_activation_checkpointing, category_of
+from harness.models import PRESETS, empty_lora_model, is_preset, model_config
 from harness.training import causal_lm_loss, precision_policy
 
 CATS = CATEGORIES  # one fixed order; every timeline row is a tuple in this order
@@ -68,6 +68,7 @@ class TraceSpec:
     loss_chunk_size: int = 0
     micro_batches: int = 1  # traced micro-batches: 2 when gradient accumulation keeps grads across them
     autocast: bool = False  # fp16 torch engines run under autocast with fp32 weights
+    lora: tuple[int, float, float, tuple[str, ...] | None] | None = None  # (r, alpha, dropout, targets): peft adapters, base frozen
 
 
 @dataclass
@@ -80,6 +81,17 @@ class ParamInfo:
     buffer_bytes: int
     hidden_size: int
     num_layers: int
+    frozen_shapes: list[tuple[int, ...]] = field(default_factory=list)  # parameters that take no gradient (LoRA's base)
+    frozen_names: list[str] = field(default_factory=list)
+
+    @property
+    def frozen(self) -> int:
+        return sum(math.prod(s) for s in self.frozen_shapes)
+
+    @property
+    def whole_largest(self) -> int:
+        """The largest parameter, frozen or not (a model is loaded a tensor at a time)."""
+        return max([self.largest, *(math.prod(s) for s in self.frozen_shapes)])
 
     @property
     def total(self) -> int:
@@ -169,11 +181,16 @@ def _dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def build_fake_model(model_name: str, vocab_size: int | None, fake_mode: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_fake_model(
+    model_name: str, vocab_size: int | None, fake_mode: Any, dtype: torch.dtype = torch.float32, lora: LoraConfig | None = None
+) -> nn.Module:
     """The model with fake storage: the config is read (a preset or a local dir), weights never are.
 
     Built directly in ``dtype`` (fake parameters cannot be converted in place by ``.to``),
-    with floating buffers cast as ``model.to(dtype)`` in the trainer casts them.
+    with floating buffers cast as ``model.to(dtype)`` in the trainer casts them. ``lora``:
+    peft's adapters injected into it, base frozen, every parameter in ``dtype`` - the module
+    the trainer builds (``harness.models.empty_lora_model``, then ``.to(dtype)``), so a LoRA
+    step's activations are its own (a frozen linear saves no input for a weight gradient).
     """
     from transformers import AutoModelForCausalLM
 
@@ -190,14 +207,21 @@ def build_fake_model(model_name: str, vocab_size: int | None, fake_mode: Any, dt
         ) from None
     if vocab_size and getattr(config, "vocab_size", vocab_size) != vocab_size:
         config.vocab_size = vocab_size  # an explicit --vocab-size wins over a local model's config
-    with fake_mode, warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            for module in model.modules():
-                for name, buf in list(module._buffers.items()):
-                    if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
-                        module._buffers[name] = buf.to(dtype)
+            with fake_mode:
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            if lora is not None:  # adapters made on the meta device, as the trainer makes them, then given fake storage
+                model = empty_lora_model(model, lora, quiet=True)
+            with fake_mode:
+                for module in model.modules():
+                    for name, buf in list(module._buffers.items()):
+                        if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                            module._buffers[name] = buf.to(dtype)
+                    for name, p in list(module._parameters.items()):
+                        if p is not None and (p.device.type == "meta" or (p.is_floating_point() and p.dtype != dtype)):
+                            module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad)
         except Exception as exc:
             raise PlanError(f"cannot build model '{model_name}' from its config: {type(exc).__name__}: {exc}".splitlines()[0]) from None
     return model
@@ -205,6 +229,7 @@ def build_fake_model(model_name: str, vocab_size: int | None, fake_mode: Any, dt
 
 def param_info(model: nn.Module) -> ParamInfo:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     config = getattr(model, "config", None)
     return ParamInfo(
         numels=[p.numel() for _, p in params],
@@ -213,6 +238,8 @@ def param_info(model: nn.Module) -> ParamInfo:
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         hidden_size=int(getattr(config, "hidden_size", 0) or 0),
         num_layers=int(getattr(config, "num_hidden_layers", 0) or 0),
+        frozen_shapes=[tuple(p.shape) for _, p in frozen],
+        frozen_names=[n for n, _ in frozen],
     )
 
 
@@ -300,7 +327,7 @@ class _Timeline:
 
 
 def _tracker_class() -> type:
-    class Timeline(_Timeline, MemTracker):
+    class Timeline(_Timeline, FrozenAwareMemTracker):
         def __init__(self) -> None:
             super().__init__()
             self._init_timeline()
@@ -334,7 +361,11 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     start = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     dtype = _dtype(spec.module_dtype) if spec.wrap == "plain" else torch.float32
-    model = build_fake_model(spec.model_name, spec.vocab_size, fake_mode, dtype)
+    lora = None
+    if spec.lora is not None:
+        r, alpha, dropout, targets = spec.lora
+        lora = LoraConfig(enabled=True, r=r, alpha=alpha, dropout=dropout, target_modules=list(targets) if targets else None)
+    model = build_fake_model(spec.model_name, spec.vocab_size, fake_mode, dtype, lora)
     info = param_info(model)
     vocab = int(model.config.vocab_size)
     Timeline = _tracker_class()

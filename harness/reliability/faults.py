@@ -1,4 +1,4 @@
-"""Fault injection's forward hook: the faults of a training step (`nan_loss`, `oom`, `signal`),
+"""Fault injection's forward hook: the faults of a training step (`nan_loss`, `oom`, `signal`, `kill`),
 as `HARNESS_FAULT` asks for them (the spec and its parsing: `harness.faults`)."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ def install_fault_hooks(module: torch.nn.Module, rank: int, steps_done: Callable
     """A forward hook on the LM head that injects the requested fault in one training step
     (`steps_done()`: the steps this run has finished, so the hook knows which step it is in)."""
     nan_step, oom_step, signal_step = fault_step("nan_loss", rank), fault_step("oom", rank), fault_step("signal", rank)
-    if nan_step is None and oom_step is None and signal_step is None:
+    kill_step = fault_step("kill", rank)
+    if nan_step is None and oom_step is None and signal_step is None and kill_step is None:
         return
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
     if head is None:
@@ -28,6 +29,8 @@ def install_fault_hooks(module: torch.nn.Module, rank: int, steps_done: Callable
         step = steps_done() + 1
         if not mod.training:
             return output
+        if step == kill_step:  # a worker lost as a node or the OOM killer would lose it: no handler runs
+            os.kill(os.getpid(), signal.SIGKILL)
         if step == signal_step and not signal_received():  # as SLURM would: a real SIGUSR1 to this process
             os.kill(os.getpid(), signal.SIGUSR1)
         if step == oom_step:

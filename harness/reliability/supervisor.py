@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from harness.config import RunConfig
-from harness.distributed import DistInfo
+from harness.distributed import DistInfo, exit_process
 from harness.errors import EXIT_CHECKPOINT, EXIT_NONFINITE, EXIT_OOM, EXIT_PEER_LOST, CheckpointError, NonFiniteError, env_seconds
 from harness.reliability.guard import active_guard
 from harness.reliability.oom import is_oom, oom_report
@@ -93,8 +93,7 @@ class PeerMonitor:
 
     def _exit(self, message: str) -> None:
         print(f"harness: error: rank {self.info.rank}: {message}; exiting", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(EXIT_PEER_LOST)
+        exit_process(EXIT_PEER_LOST)
 
     def _run(self) -> None:
         peer = (self.info.rank + 1) % self.info.world_size
@@ -182,6 +181,4 @@ class Supervisor:
     @staticmethod
     def _hard_exit(code: int) -> None:
         """Exit now: with a peer gone, process-group teardown and atexit handlers could block forever."""
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_process(code)

@@ -365,24 +365,23 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
 # ------------------------------------------------------------------ the entry point
 
 
-def preflight(cfg: RunConfig, strategy: Strategy) -> EnginePlan:
+def preflight(cfg: RunConfig, strategy: Strategy, world: int | None = None) -> EnginePlan:
     """Every check that can fail before a process group starts; ConfigError (one line) on the first
     failure. Returns the engine plan (kind, resolved DeepSpeed dict, precision policy), made here once
-    and handed to the engine builder."""
-    world = check_environment()
-    check_run(cfg, strategy, world, has_accelerator(cfg))
-    amp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if amp in ("bf16", "fp16") and amp != cfg.precision:
-        raise ConfigError(
-            f"accelerate launch --mixed_precision {amp} contradicts the run config's precision={cfg.precision}; set precision={amp}"
-        )
+    and handed to the engine builder. `world`: the world size, when the caller launches the ranks
+    itself (a Ray driver); else the launcher's environment says."""
+    env_world = check_environment()  # the launcher's variables and HARNESS_* knobs, checked even when the caller gives the world
+    world = env_world if world is None else world
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no GPU is visible; use device=auto or device=cpu")
-    if cfg.precision == "bf16" and has_accelerator(cfg) and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
-    # DeepSpeed's "auto" bucket sizes need the model's width (its contradictions and 'auto' holes are refused here)
+    # The plan first: the run config takes what the launcher's flags and a DeepSpeed file set and it
+    # leaves to defaults (every later check sees those values), and the file is resolved and checked
+    # by DeepSpeed's own config classes; its "auto" bucket sizes need the model's width.
     hidden = hidden_size_of(model_shape(cfg) or {}) if strategy.kind == "deepspeed" else None
     plan = plan_engine(cfg, strategy, world, torch.device("cuda" if has_accelerator(cfg) else "cpu"), hidden)
+    check_run(cfg, strategy, world, has_accelerator(cfg))
+    if cfg.precision == "bf16" and has_accelerator(cfg) and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
     check_model(cfg)
     check_architecture(cfg, strategy)
     check_data(cfg)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed as dist
+
 from harness.config import RunConfig
 from harness.distributed import Collectives, DistInfo, FileLock
 from harness.errors import ConfigError
@@ -33,7 +35,13 @@ def _in_use(cfg: RunConfig, lock: FileLock) -> str:
 
 
 def check_not_in_use(cfg: RunConfig) -> None:
-    """Pre-flight (read only): ConfigError when a live run holds the directory."""
+    """Pre-flight (read only): ConfigError when a live run holds the directory.
+
+    Skipped where the launcher started the process group before our pre-flight (Ray Train): there
+    rank 0 may already hold the lock for this very run while another rank is still in pre-flight,
+    and `acquire`, a collective, is the check (the driver made this one before any worker started)."""
+    if dist.is_initialized():
+        return
     lock = run_lock(cfg)
     if lock.heartbeat_age_s() is not None and lock.dead_owner() is None:
         raise ConfigError(_in_use(cfg, lock))

@@ -119,8 +119,9 @@ def test_resume_is_bit_exact_and_the_checkpoint_holds_adapters_only(ws, ref, cou
 
 
 def _eval_loss(model: torch.nn.Module, ref: Path) -> float:
-    """The run's evaluation (harness.runner.evaluate at world 1) on another model."""
-    cfg = load_config(str(ref.parent / "ref.yaml"))
+    """The run's evaluation (harness.runner.evaluate at world 1) on another model; `ref`: the run's
+    output directory (its config beside it, `<name>.yaml`) or that config."""
+    cfg = load_config(str(ref if ref.suffix == ".yaml" else ref.parent / f"{ref.name}.yaml"))
     data = load_packed(cache_dir_for(cfg.model.name, cfg.data))  # the run's own cache (the session's holds several)
     total, count = 0.0, 0
     with torch.no_grad():
@@ -156,3 +157,80 @@ def test_a_merged_model_prunes_like_any_saved_model(ws, ref):
     )
     proc = run([*launch_command("python", 1, config, [])[:2], "harness.prune", *launch_command("python", 1, config, [])[3:]])
     assert "zero weights" in proc.stdout, proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------- QLoRA (NF4 base, bitsandbytes on CPU)
+
+
+@pytest.fixture(scope="module")
+def qlora(ws):
+    """QLoRA under FSDP2 at world 2 (checkpoints at 2 and 4), and one process resumed from its
+    step 2: the same run at world 1 from step 3 on (DCP reshards the adapters and their Adam state)."""
+    w2 = lora_run(ws, "qlora_w2", 2, "strategy=fsdp", **{"lora.quantize": "nf4"})
+    w1 = lora_run(ws, "qlora_w1", 1, f"checkpoint.resume={step_dir(w2, 2)}", **{"lora.quantize": "nf4"})
+    return w2, w1
+
+
+@pytest.fixture(scope="module")
+def qlora_one(ws, qlora) -> tuple[dict[str, int], int, int]:
+    """(state bytes, quantization-state bytes, adapters) of the run's model at world 1, built in this process."""
+    import functools
+
+    from harness.config import load_strategy
+    from harness.distributed import DistInfo
+    from harness.engine import build_engine, plan_engine
+    from harness.models import model_spec, quant_state_tensors
+
+    cfg = load_config(str(ws["root"] / "qlora_w2.yaml"), [f"output_dir={ws['root'] / 'qlora_inproc'}"])
+    vocab = load_packed(cache_dir_for(cfg.model.name, cfg.data)).vocab_size
+    info = DistInfo(0, 1, 0, torch.device("cpu"), None)
+    plan = plan_engine(cfg, load_strategy("ddp"), 1, info.device, None)
+    engine = build_engine(model_spec(cfg.model.name, vocab_size=vocab), cfg, plan, info, functools.partial(labelled_lm_loss, chunk_size=0))
+    scales = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in quant_state_tensors(engine.module)}
+    return engine.state_bytes(), sum(scales.values()), trainable_counts(engine.module)[0]
+
+
+def test_qlora_under_fsdp2_shards_the_4bit_base_and_matches_one_process(qlora, qlora_one):
+    w2, w1 = qlora
+    losses = step_losses(w2)
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses  # the adapters learn on the 4-bit base
+    assert step_losses(w1) == pytest.approx(losses[2:], rel=WORLD_RTOL)  # world 1 from world 2's step 2: same steps 3-4
+    held1, scales, adapters = qlora_one
+    assert 0 < scales < 0.1 * held1["params"]
+    for rank in (0, 1):
+        held = state_bytes(w2, rank)
+        # everything FSDP2 holds is halved (the 4-bit codes, the fp32 embeddings, the adapters); the scales are whole on each rank
+        assert held["params"] == (held1["params"] - scales) // 2 + scales, (rank, held, held1, scales)
+        assert held["grads"] == 4 * adapters // 2 and held["optim_state"] == 8 * adapters // 2, (rank, held)
+    # the checkpoints hold the adapters only: no 4-bit codes, no quantization state (which a
+    # whole Linear4bit adds to its state dict as `weight.absmax`, ...: the world-1 run's)
+    for saved in (step_dir(w2, 4), step_dir(w1, 4)):
+        metadata = dcp.FileSystemReader(str(saved / "dcp")).read_metadata().state_dict_metadata
+        model_keys = [k for k in metadata if k.startswith("model.")]
+        assert model_keys and all(".lora_" in k for k in model_keys), (saved, [k for k in model_keys if ".lora_" not in k][:3])
+        assert sum(int(torch.Size(metadata[k].size).numel()) for k in model_keys) == adapters
+
+
+def test_qlora_planner_predicts_the_bytes_per_rank(ws, qlora, qlora_one):
+    """The planner's parameter bytes (its estimate of the same config) equal what each rank holds, to the byte."""
+    from harness.planner.estimate import estimate
+
+    w2, _ = qlora
+    held1, _, _ = qlora_one
+    cfg = load_config(str(ws["root"] / "qlora_w2.yaml"))
+    vocab = load_packed(cache_dir_for(cfg.model.name, cfg.data)).vocab_size
+    one = estimate(cfg, 1, target="cpu", vocab_size=vocab)
+    two = estimate(load_config(str(ws["root"] / "qlora_w2.yaml"), ["strategy=fsdp"]), 2, target="cpu", vocab_size=vocab)
+    assert one.peak.categories["parameters"] == held1["params"]
+    assert two.peak.categories["parameters"] == state_bytes(w2, 0)["params"]
+
+
+def test_qlora_exports_adapter_and_dequantized_merged_model(ws, qlora):
+    w2, _ = qlora
+    out = ws["root"] / "qlora_merged"
+    assert export.main([str(step_dir(w2, 4)), "--out", str(out), "--merged"]) == 0
+    assert export.main([str(step_dir(w2, 4)), "--out", str(ws["root"] / "qlora_adapter")]) == 0
+    assert (ws["root"] / "qlora_adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()  # plain linears: no bitsandbytes needed to load it
+    assert not any("lora" in n or "absmax" in n for n in merged.state_dict())
+    assert _eval_loss(merged, w2.parent / "qlora_w2.yaml") == pytest.approx(final_eval(w2), rel=1e-5)

@@ -28,8 +28,10 @@ from model_families import VOCAB, save_families
 FAMILIES = ("llama", "qwen2", "opt", "gpt_neox", "gpt2")
 STRATEGIES = ("fsdp", "zero3")
 # LoRA (adapters injected on the meta device, then sharded and filled like any model): under
-# FSDP2, on an untied and a tied model. (DeepSpeed's LoRA path still builds the base whole.)
-LORA_CASES = ["tiny-llama+lora/fsdp", "qwen2+lora/fsdp"]
+# FSDP2, on an untied and a tied model; under ZeRO-3 the base is built partitioned under zero.Init
+# and filled, the adapters injected whole after (deepspeed.initialize partitions them).
+# QLoRA: the same, with the linears bitsandbytes' NF4 (each weight quantized whole, this rank's codes kept).
+LORA_CASES = ["tiny-llama+lora/fsdp", "qwen2+lora/fsdp", "tiny-llama+lora/zero3", "tiny-llama+qlora/fsdp"]
 CASES = [f"{family}/{strategy}" for family in ["tiny-llama", *FAMILIES] for strategy in STRATEGIES] + LORA_CASES
 
 
@@ -64,6 +66,7 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
             None,
             [
                 *(["lora.enabled=true", "lora.r=4"] if lora else []),
+                *(["lora.quantize=nf4"] if lora == "qlora" else []),
                 f"model.name={path}",
                 f"strategy={strategy}",
                 "precision=fp32",
@@ -85,7 +88,7 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
             model = load_model(spec, cfg, plan, info)
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
-        # world 1, one process, whole (LoRA: the base built whole, then the adapters)
+        # world 1, one process, whole (LoRA: the base built whole (QLoRA: quantized), then the adapters)
         reference = build_run_model(cfg, VOCAB) if lora else build_model(path, vocab_size=VOCAB, seed=cfg.model.seed)
         ref = {name: p.detach() for name, p in reference.named_parameters(remove_duplicate=False)}
         local_bytes, mismatched, largest = 0, [], 0
@@ -98,7 +101,8 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
             local_bytes += view.numel() * view.element_size()
             full = ref[clean_name(name)]
             largest = max(largest, full.numel() * 4)
-            if not torch.equal(view, full.reshape(-1)[start:end].to(view.dtype)):
+            # bit for bit (4-bit codes packed in floats may read as NaN, which equals nothing)
+            if not torch.equal(view.view(torch.uint8), full.reshape(-1)[start:end].to(view.dtype).contiguous().view(torch.uint8)):
                 mismatched.append(clean_name(name))
         file_equal = None
         if base in dirs and not lora:  # and the reference itself is the file's content, every parameter found in it

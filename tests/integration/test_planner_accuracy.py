@@ -45,15 +45,30 @@ def _accumulation_runs(strategy: str) -> list[list[str]]:
 
 
 ACCUMULATION_STRATEGIES = ["ddp", "fsdp", "zero2"]
+# LoRA: the LoRA model itself traced (frozen base, adapters trained), against real LoRA runs
+# measured with a tracker that accepts a frozen parameter (torch's own refuses one).
+LORA = ["lora.enabled=true"]
+LORA_RUNS = {
+    1: [
+        ["strategy=ddp", *SHAPE, *LORA, "precision=fp32", "memory.activation_checkpointing=none"],
+        ["strategy=ddp", *SHAPE, *LORA, "precision=bf16", "memory.activation_checkpointing=full"],
+    ],
+    2: [
+        ["strategy=ddp", *SHAPE, *LORA, "precision=bf16", "memory.activation_checkpointing=none"],
+        ["strategy=fsdp", *SHAPE, *LORA, "precision=fp32", "memory.activation_checkpointing=none"],
+        ["strategy=fsdp", *SHAPE, *LORA, "precision=bf16", "memory.activation_checkpointing=full"],
+    ],
+}
 OIB_RUNS = [["strategy=fsdp", *SHAPE, f"precision={p}", "memory.optimizer_in_backward=true", "optim.grad_clip=0"] for p in ("fp32", "bf16")]
 # Every run of a world size, measured by one launch: the configs run one after another in the
 # same ranks (each engine built and measured from scratch, see harness.planner.measure), so
 # the interpreters' start-up is paid twice for the module instead of once per test.
 RUNS_BY_WORLD = {
-    1: [run for s in CPU_STRATEGIES for run in _ac_runs(s)],
+    1: [run for s in CPU_STRATEGIES for run in _ac_runs(s)] + LORA_RUNS[1],
     2: [run for s in CPU_STRATEGIES for run in _ac_runs(s)]
     + [run for s in ACCUMULATION_STRATEGIES for run in _accumulation_runs(s)]
-    + OIB_RUNS,
+    + OIB_RUNS
+    + LORA_RUNS[2],
 }
 
 
@@ -109,3 +124,9 @@ def test_accumulation_and_chunked_loss_within_3_percent(strategy: str, measured_
 
 def test_optimizer_in_backward_with_fsdp_within_3_percent(measured_peaks) -> None:
     _check(OIB_RUNS, 2, measured_peaks)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_lora_within_3_percent(world: int, measured_peaks) -> None:
+    """LoRA under one process, DDP and FSDP2: the traced LoRA model's activations and the adapters' state."""
+    _check(LORA_RUNS[world], world, measured_peaks)

@@ -89,7 +89,7 @@ def test_recommend_writes_a_config_that_loads_and_fits(tmp_path: str, capsys: py
     argv = ["--config", config, "--gpus", "2", "--gpu-mem", str(ddp_need - 1), "--vocab-size", "2048", "--recommend", "--out", out]
     assert main(argv) == EXIT_OK
     text = capsys.readouterr().out
-    assert "Best:" in text and "why:" in text
+    assert "Best:" in text and "why:" in text and "Memory ladder" in text and "-> bf16 mixed precision" in text
     best = load_config(out)  # launchable as written
     assert best.steps == 7 and best.model.name == "tiny-llama"  # the user's other settings survive
     assert best.micro_batch_size * best.grad_accum >= base.micro_batch_size * base.grad_accum

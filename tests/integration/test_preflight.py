@@ -52,7 +52,7 @@ def ws(tmp_path_factory, data_cache):
     ds = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
     (root / "zero5.json").write_text(json.dumps({**ds, "zero_optimization": {**ds["zero_optimization"], "stage": 5}}))
     (root / "batch64.json").write_text(json.dumps({**ds, "train_batch_size": 64}))
-    (root / "auto_hole.json").write_text(json.dumps({**ds, "zero_optimization": {**ds["zero_optimization"], "sub_group_size": "auto"}}))
+    (root / "auto_hole.json").write_text(json.dumps({**ds, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "auto"}}}))
     (root / "misspelt.json").write_text(
         json.dumps({**{k: v for k, v in ds.items() if k != "zero_optimization"}, "zero_optimisation": ds["zero_optimization"]})
     )
@@ -87,12 +87,13 @@ CASES = [
     pytest.param("fsdp_offload_without_gpu", {}, ["strategy=fsdp_offload"], "FSDP2 CPU offload needs a GPU", marks=CPU_ONLY),
     pytest.param("fp16_fsdp_without_gpu", {}, ["strategy=fsdp", "precision=fp16"], "fp16 with FSDP2 needs a GPU", marks=CPU_ONLY),
     ("ds_batch_disagrees", {}, ["strategy={root}/batch64.json"], "train_batch_size=64 contradicts"),
-    ("auto_where_number_needed", {}, ["strategy={root}/auto_hole.json"], "'zero_optimization.sub_group_size' is 'auto'"),
+    ("auto_where_number_needed", {}, ["strategy={root}/auto_hole.json"], "'scheduler.params.cycle_min_lr' is 'auto'"),
     ("optimizer_in_backward_deepspeed", {}, ["strategy=zero2", "memory.optimizer_in_backward=true"], "cannot run under DeepSpeed"),
     pytest.param("cuda_without_gpu", {}, ["device=cuda"], "no GPU is visible", marks=CPU_ONLY),
     ("model_path_missing", {}, ["model.name=./no/such/model"], "does not exist"),
-    # was test_lora_runs.py::test_quantized_base_is_refused_on_cpu_in_one_line (a process of its own)
-    ("qlora_without_gpu", {}, ["lora.enabled=true", "lora.quantize=nf4"], "lora.quantize=nf4 needs a CUDA GPU"),
+    # QLoRA runs on CPU (bitsandbytes); what it cannot run under is refused here
+    ("qlora_under_zero3", {}, ["lora.enabled=true", "lora.quantize=nf4", "strategy=zero3"], "quantize=nf4 does not run under DeepSpeed"),
+    ("qlora_int8_sharded", {}, ["lora.enabled=true", "lora.quantize=int8", "strategy=fsdp"], "quantize=int8 cannot be sharded by FSDP2"),
     ("model_id_offline", {}, ["model.name=nobody-xyz/no-such-model"], "HF_HUB_OFFLINE=1"),
     ("dataset_missing", {}, ["data.source=/no/such/corpus"], "does not exist"),
     ("dataset_empty_dir", {}, ["data.source={root}/empty_dir"], "is an empty directory"),
@@ -101,7 +102,7 @@ CASES = [
     ("seq_len_beyond_positions", {}, ["data.seq_len=1024"], "exceeds the model's 512 positions"),
     ("global_batch_not_divisible_by_world", {}, ["global_batch_size=6"], "not divisible by micro_batch_size*world (2*2=4)"),
     ("global_batch_disagrees", {}, ["global_batch_size=16"], "set grad_accum=4"),
-    ("accelerate_precision_disagrees", {"ACCELERATE_MIXED_PRECISION": "bf16"}, [], "contradicts the run config's precision"),
+    ("accelerate_precision_disagrees", {"ACCELERATE_MIXED_PRECISION": "bf16"}, ["precision=fp32"], "contradicts the run config"),
     ("output_dir_is_a_file", {}, ["output_dir={root}/a_file"], "is not a directory"),
     ("output_dir_has_other_checkpoints", {}, ["output_dir={done}"], "already holds checkpoints of another run"),
     ("resume_path_missing", {}, ["checkpoint.resume=/no/such/checkpoint"], "does not exist"),
@@ -207,6 +208,15 @@ def _launch_env(extra_env) -> dict[str, str]:
     return e
 
 
+def _assert_one_message(lines: list[str], expected: str, stderr: str) -> None:
+    """stderr is the refusal and nothing else: one line, or (several problems found in one pass)
+    a first line that counts them and one line per problem."""
+    assert lines and lines[0].startswith("harness: error: "), stderr[-2000:]
+    if len(lines) > 1:
+        assert lines[0].endswith(f"{len(lines) - 1} problems:") and all(ln.startswith("  - ") for ln in lines[1:]), stderr[-2000:]
+    assert any(expected in ln for ln in lines), lines
+
+
 @pytest.mark.parametrize("name, extra_env, args, expected", CASES, ids=[_id(c) for c in CASES])
 def test_bad_input_fails_before_any_process_group(ws, tmp_path, monkeypatch, capfd, name, extra_env, args, expected):
     import harness.train  # here, not at collection: `pytest -m "not integration"` need not import the trainer
@@ -216,8 +226,7 @@ def test_bad_input_fails_before_any_process_group(ws, tmp_path, monkeypatch, cap
     code, stderr, shown = call_entry_point(harness.train.main, argv, _launch_env(extra_env), monkeypatch, capfd)
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert code == 2, (code, stderr[-2000:])
-    assert len(lines) == 1 and lines[0].startswith("harness: error: "), stderr[-2000:]
-    assert expected in lines[0], lines[0]
+    _assert_one_message(lines, expected, stderr)
     assert not shown, [f"{w.category.__name__}: {w.message}" for w in shown]  # a process would print them on stderr
     assert not torch.distributed.is_initialized()
     assert not out.exists(), "a failed pre-flight wrote into the output directory"
@@ -262,8 +271,7 @@ def test_bad_input_fails_before_any_process_group_as_a_process(processes, name):
     proc, wrote = by_case[name]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    assert len(lines) == 1 and lines[0].startswith("harness: error: "), proc.stderr[-2000:]
-    assert expected in lines[0], lines[0]
+    _assert_one_message(lines, expected, proc.stderr)
     assert not wrote, "a failed pre-flight wrote into the output directory"
     assert untouched, "a failed pre-flight touched an existing run's files"
 

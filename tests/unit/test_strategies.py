@@ -80,10 +80,13 @@ def test_precision_contradiction(tmp_path):
         resolve_deepspeed_config(load_strategy(path, env={}), load_config(None, []), 1, 64)
 
 
-def test_unfillable_auto_is_an_error(tmp_path):
+def test_zero_auto_harness_cannot_fill_gets_deepspeeds_default(tmp_path):
+    # DeepSpeed's own models drop an "auto" and use the field's default; harness fills that default and says so
     path = _user_file(tmp_path, {"zero_optimization": {"stage": 3, "sub_group_size": "auto"}})
-    with pytest.raises(ConfigError, match="zero_optimization.sub_group_size' is 'auto'"):
-        resolve_deepspeed_config(load_strategy(path, env={}), load_config(None, []), 1, 64)
+    filled = []
+    ds = resolve_deepspeed_config(load_strategy(path, env={}), load_config(None, []), 1, 64, filled=filled)
+    assert ds["zero_optimization"]["sub_group_size"] == 1e9
+    assert any(f.startswith("zero_optimization.sub_group_size=1000000000 (from DeepSpeed's default") for f in filled)
 
 
 def test_optimizer_auto_filled(tmp_path):
@@ -298,7 +301,7 @@ def test_filled_names_gradient_clipping_the_file_left_out(tmp_path):
 )
 def test_misspelt_deepspeed_key_names_the_right_one(tmp_path, data, key, hint):
     with pytest.raises(ConfigError, match=rf"unknown DeepSpeed key '{key}' \(did you mean '{hint}'\?\)"):
-        load_strategy(_user_file(tmp_path, data), env={})
+        resolve_deepspeed_config(load_strategy(_user_file(tmp_path, data), env={}), load_config(None, []), 1, 64)
 
 
 def test_documented_deepspeed_keys_accepted(tmp_path):

@@ -10,10 +10,11 @@ from harness.memory.tracking.counters import COUNTER_KEYS
 from harness.memory.tracking.live import is_compiled, optimizer_state_bytes, optimizer_tensors
 from harness.memory.tracking.step import StepMemoryTracker
 from harness.memory.tracking.storage import ModelStorage
-from harness.memory.tracking.trackers import write_module_report
+from harness.memory.tracking.trackers import FrozenAwareMemTracker, write_module_report
 
 __all__ = [
     "COUNTER_KEYS",
+    "FrozenAwareMemTracker",
     "ModelStorage",
     "StepMemoryTracker",
     "is_compiled",

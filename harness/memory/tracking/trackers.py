@@ -109,13 +109,23 @@ def _skip_frozen(tracker: MemTracker, module: nn.Module) -> None:
             handles[p] = (_NoHook(), _NoHook())
 
 
-class Tracker(CategoryMaxima, MemTracker):
+class FrozenAwareMemTracker(MemTracker):
+    """torch's MemTracker for a model with frozen parameters (LoRA's base): as is, its first
+    forward raises ``RuntimeError: cannot register a hook on a tensor that doesn't require
+    gradient`` from the gradient hook it puts on every parameter of each module it enters.
+    The trainer's tracker, the planner's trace and its ground-truth measurement all use this one."""
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        _skip_frozen(self, module)
+        super()._pre_fw_hook(module, inputs)
+
+
+class Tracker(CategoryMaxima, FrozenAwareMemTracker):
     def __init__(self) -> None:
         super().__init__()
         self._init_maxima()
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        _skip_frozen(self, module)
         _retry_on_repeat(self, super()._pre_fw_hook, module, inputs)
 
 

@@ -1,0 +1,202 @@
+"""The memory ladder: every technique that lowers a step's memory, one rung each, in memory order.
+
+`--recommend` walks the rungs from the top (the config as the user wrote it) down, each rung
+adding its overrides to those of the rungs above it, estimates every rung with the planner's
+normal estimate of that config (`harness.planner.estimate`: the traced step, the engine's
+formulas; LoRA and QLoRA trace the LoRA model itself, `harness.planner.lora`), prints the
+whole table and names the first rung that fits.
+
+A rung is one data entry: a name, the overrides it applies, and the smallest world size it
+means something at. Nothing else about a rung is code: its bytes are the estimate of the
+config its overrides make, its step time the stated heuristics of `SPEED` (relative) and,
+for the rungs that move the optimizer to the host, an absolute estimate of what the host's
+part adds (:func:`offload_seconds`).
+
+`{shard}` in an override is the strategy that shards at this world size: `fsdp` on several
+ranks, `ddp` (one process) on one; `{grad_clip}` is the user's own `optim.grad_clip` (restored
+once a rung leaves optimizer-in-backward, which cannot clip).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from harness.config import RunConfig, load_config
+from harness.errors import ConfigError
+from harness.planner.estimate import Estimate, estimate
+from harness.planner.recommend import SPEED
+from harness.planner.report import gib, gpu_allowance, verdict
+from harness.planner.trace import PlanError
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    overrides: tuple[str, ...]  # added to every rung's above it (a later one may undo an earlier one's)
+    min_world: int = 1  # sharding means nothing on one rank
+
+
+LOSS_CHUNK = 1024  # tokens per chunk of the chunked loss: logits of 1024 positions at a time
+
+RUNGS: tuple[Rung, ...] = (
+    Rung("as configured", ()),
+    Rung("bf16 mixed precision", ("precision=bf16",)),
+    Rung("FSDP2: shard parameters, gradients and optimizer state", ("strategy=fsdp",), min_world=2),
+    Rung("activation checkpointing (every block)", ("memory.activation_checkpointing=full",)),
+    Rung("chunked loss (no full logits)", (f"memory.loss_chunk_size={LOSS_CHUNK}",)),
+    Rung("optimizer step inside backward (no gradient clipping)", ("memory.optimizer_in_backward=true", "optim.grad_clip=0")),
+    Rung(
+        "ZeRO-Offload: optimizer state and step on the host",
+        ("strategy=zero2_offload", "memory.optimizer_in_backward=false", "optim.grad_clip={grad_clip}"),
+    ),
+    Rung("ZeRO-3 offload: parameters too", ("strategy=zero3_offload",)),
+    Rung("LoRA: bf16 base frozen, adapters trained", ("strategy={shard}", "lora.enabled=true", "memory.optimizer_in_backward=false")),
+    Rung("QLoRA: NF4 base (bitsandbytes), sharded by FSDP2 on several ranks", ("strategy={shard}", "lora.quantize=nf4")),
+)
+
+# Host-side cost of the offload rungs (stated assumptions, not measured on a GPU here):
+PCIE_BYTES_PER_S = 25e9  # one GPU's host link, each direction: PCIe 4.0 x16 is 32 GB/s raw, ~25 GB/s in practice
+# DeepSpeedCPUAdam on a server CPU: an 11.6B-parameter step in 8.2 s (deepspeedai/DeepSpeed#735, its
+# author's measurement); notes/ladder.md has this machine's measured rate beside it.
+CPU_ADAM_PARAMS_PER_S = 11.6e9 / 8.2
+
+
+@dataclass
+class RungResult:
+    rung: Rung
+    overrides: list[str]  # everything applied so far (the user's first)
+    estimate: Estimate | None
+    fits: bool
+    device: int  # per-rank device bytes incl. the GPU allowance: the step's or loading's, the larger (0: not estimated)
+    host: int  # per-node host bytes
+    relative_time: float
+    offload_s: float  # host part of a step on its own (0: nothing offloaded)
+    reason: str
+
+
+def net(overrides: list[str]) -> list[str]:
+    """Overrides with each key once, at its last value (a later rung may undo an earlier one's)."""
+    last: dict[str, str] = {}
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        last.pop(key, None)
+        last[key] = o
+    return list(last.values())
+
+
+def rung_overrides(world: int, grad_clip: float = 1.0) -> list[tuple[Rung, list[str]]]:
+    """Each rung that applies at ``world`` with the overrides of it and every rung above it."""
+    values = {"shard": "fsdp" if world > 1 else "ddp", "grad_clip": f"{grad_clip:g}"}
+    out, applied = [], []
+    for rung in RUNGS:
+        if world < rung.min_world:
+            continue
+        applied = applied + [o.format(**values) for o in rung.overrides]
+        out.append((rung, net(applied)))
+    return out
+
+
+def relative_time(cfg: RunConfig) -> float:
+    """Expected step time relative to bf16 / DDP / no recomputation (`SPEED`: stated heuristics)."""
+    mode = "none" if not cfg.lora.enabled else "lora" if cfg.lora.quantize == "none" else "nf4"
+    strategy = SPEED["strategy"].get(cfg.strategy or "ddp", 1.0)
+    return (
+        SPEED["precision"].get(cfg.precision, 1.0)
+        * SPEED["ac"].get(cfg.memory.activation_checkpointing, 1.0)
+        * strategy
+        * SPEED["lora"][mode]
+    )
+
+
+def offload_seconds(cfg: RunConfig, params: int, world: int, per_node: int = 1, cpu_adam_rate: float = CPU_ADAM_PARAMS_PER_S) -> float:
+    """What a step's host part adds, unoverlapped (an upper bound): the host Adam over the node's
+    ranks' shares of the parameters at ``cpu_adam_rate`` per node (they share its cores), and the
+    PCIe traffic at `PCIE_BYTES_PER_S`: ZeRO-2 offload sends each bit16 gradient down and each
+    updated bit16 parameter up; ZeRO-3 offload also fetches every parameter for forward and
+    again for backward (and writes the update on the host)."""
+    strategy = cfg.strategy or "ddp"
+    if not strategy.endswith("offload") or cfg.lora.enabled:
+        return 0.0
+    half = 2 if cfg.precision in ("bf16", "fp16") else 4
+    part = math.ceil(params / world)
+    per_param = 2 * half if strategy.startswith("zero2") else 3 * half
+    return part * min(per_node, world) / cpu_adam_rate + part * per_param / PCIE_BYTES_PER_S
+
+
+def walk_ladder(
+    config: str | None,
+    overrides: list[str],
+    world: int,
+    gpu_mem: int,
+    *,
+    cpu_mem: int | None = None,
+    per_node: int | None = None,
+    target: str = "cuda",
+    vocab_size: int | None = None,
+    cpu_adam_rate: float = CPU_ADAM_PARAMS_PER_S,
+) -> list[RungResult]:
+    """Every rung estimated (the table shows them all); the caller takes the first that fits."""
+    per_node = per_node or world
+    results = []
+    for rung, applied in rung_overrides(world, load_config(config, overrides).optim.grad_clip):
+        all_overrides = [*overrides, *applied]
+        try:
+            cfg = load_config(config, all_overrides)
+            est = estimate(cfg, world, target=target, vocab_size=vocab_size)
+        except (ConfigError, PlanError) as exc:
+            results.append(RungResult(rung, all_overrides, None, False, 0, 0, 0.0, 0.0, str(exc)))
+            continue
+        v = verdict(est, gpu_mem, cpu_mem, per_node)
+        params = est.params_total
+        offload = offload_seconds(cfg, params, world, per_node, cpu_adam_rate)
+        step_need = est.total + (gpu_allowance(est).total if target == "cuda" else 0)
+        device = max(v.device_need, step_need)  # the larger of loading and the step, whichever the verdict names
+        results.append(RungResult(rung, all_overrides, est, v.fits, device, v.host_need_per_node, relative_time(cfg), offload, v.reason))
+    return results
+
+
+def first_fit(results: list[RungResult]) -> RungResult | None:
+    return next((r for r in results if r.fits), None)
+
+
+def format_ladder(
+    results: list[RungResult], gpu_mem: int, cpu_mem: int | None, world: int, target: str, cpu_adam_rate: float = CPU_ADAM_PARAMS_PER_S
+) -> str:
+    unit = "GPU" if target == "cuda" else "rank"
+    chosen = first_fit(results)
+    lines = [
+        f"Memory ladder ({world} x {gib(gpu_mem)} per {unit}"
+        + (f", host {gib(cpu_mem)} per node" if cpu_mem else ", host memory not given: --cpu-mem checks it")
+        + "): each rung adds its change to the rungs above it",
+        f"  {'':2} {'rung':<56} {'device/' + unit:>13} {'host/node':>11} {'time':>6} {'offload':>9}  verdict",
+    ]
+    for r in results:
+        mark = "->" if r is chosen else "  "
+        device = gib(r.device) if r.estimate is not None else "-"
+        time = f"x{r.relative_time:.2f}" if r.estimate is not None else "-"
+        host = gib(r.host) if r.estimate is not None and r.host else "-"
+        offload = f"+{r.offload_s:.1f} s" if r.offload_s else ""
+        lines.append(f"  {mark} {r.rung.name:<56.56} {device:>13} {host:>11} {time:>6} {offload:>9}  {r.reason}")
+    lines.append(
+        "  time: expected step time relative to bf16/DDP/no recomputation (stated heuristics, harness.planner.recommend.SPEED); "
+        f"offload: the host's part of a step on its own, unoverlapped (CPU Adam at {cpu_adam_rate / 1e9:.2f}G params/s per "
+        f"node, PCIe {PCIE_BYTES_PER_S / 1e9:.0f} GB/s: assumed, see notes/ladder.md)"
+    )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "CPU_ADAM_PARAMS_PER_S",
+    "PCIE_BYTES_PER_S",
+    "RUNGS",
+    "Rung",
+    "RungResult",
+    "first_fit",
+    "net",
+    "format_ladder",
+    "offload_seconds",
+    "relative_time",
+    "rung_overrides",
+    "walk_ladder",
+]
