@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
+import os
 import sys
 from collections.abc import Callable
 from typing import ParamSpec
@@ -49,8 +51,29 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message says which and what to do."""
 
 
+class StopRequested(Exception):
+    """A stop signal (SIGTERM, SIGUSR1, Ctrl-C) arrived before the first step (during data
+    preparation): the work in progress is discarded, nothing needs saving, the command exits 0."""
+
+
 class NonFiniteError(RuntimeError):
     """The run stops on a non-finite loss/gradient (policy `stop`, or weights already corrupted)."""
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from environment knob `name` (`default` when unset); ConfigError
+    naming the knob when it is not one (a timeout of 'abc' or -1 would otherwise be a traceback
+    mid-run, or a wait with no bound)."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a number of seconds; unset it (default {default:g}) or give e.g. {default:g}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"{name}={value!r} must be a positive, finite number of seconds (default {default:g})")
+    return seconds
 
 
 def did_you_mean(word: str, valid: list[str], cutoff: float = 0.0) -> str:

@@ -18,23 +18,33 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness.checkpoint import export_hf, resolve_checkpoint_path
-from harness.errors import CheckpointError, command_errors
+from harness.checkpoint import check_export_target, export_hf, resolve_checkpoint_path, unreadable_as_checkpoint_error, verified_meta
+from harness.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, CheckpointError, ConfigError, command_errors
 
 
-@command_errors("harness.export", (CheckpointError,))
+@command_errors("harness.export", (CheckpointError,), EXIT_CHECKPOINT)
+@command_errors("harness.export", (ConfigError,), EXIT_BAD_INPUT)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harness.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a step_* directory, a checkpoints/ directory or a run directory (its latest)")
-    parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    parser.add_argument("--out", required=True, help="the Hugging Face directory to write: new, empty, or an earlier export (--overwrite)")
     parser.add_argument(
         "--merged",
         action="store_true",
         help="LoRA checkpoints: write the base with the adapters merged in (default: the PEFT adapter directory)",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier harness export in --out (never a directory holding anything else)",
+    )
     args = parser.parse_args(argv)
-    out = export_hf(args.checkpoint, args.out, merged=args.merged)
-    print(f"exported {resolve_checkpoint_path(args.checkpoint)} to {out}")
+    path = resolve_checkpoint_path(args.checkpoint)
+    check_export_target(args.out, path, args.overwrite)  # before the checkpoint is read: seconds, not minutes
+    verified_meta(path)
+    with unreadable_as_checkpoint_error(path):
+        out = export_hf(path, args.out, merged=args.merged, overwrite=args.overwrite)
+    print(f"exported {path} to {out}")
     return 0
 
 

@@ -19,18 +19,28 @@ import time
 
 
 def _faults() -> list[tuple[str, str, int | None, int | None]]:
-    """(name, value, step, rank) of each `name@STEP[:RANK]` or `name=VALUE[@STEP]` in HARNESS_FAULT."""
+    """(name, value, step, rank) of each `name@STEP[:RANK]` or `name=VALUE[@STEP]` in HARNESS_FAULT;
+    ValueError naming the item that is neither (pre-flight's `check_faults` turns it into one line)."""
     out = []
     for item in filter(None, (s.strip() for s in os.environ.get("HARNESS_FAULT", "").split(","))):
         name, eq, rest = item.partition("=")
-        if eq:  # name=VALUE[@STEP]
-            value, _, step = rest.partition("@")
-            out.append((name, value, int(step) if step else None, None))
-        else:  # name@STEP[:RANK]
-            name, _, where = item.partition("@")
-            step, _, rank = where.partition(":")
-            out.append((name, "", int(step), int(rank) if rank else None))
+        try:
+            if eq:  # name=VALUE[@STEP]
+                value, _, step = rest.partition("@")
+                float(value)
+                out.append((name, value, int(step) if step else None, None))
+            else:  # name@STEP[:RANK]
+                name, _, where = item.partition("@")
+                step, _, rank = where.partition(":")
+                out.append((name, "", int(step), int(rank) if rank else None))
+        except ValueError:
+            raise ValueError(f"HARNESS_FAULT item {item!r} is not name@STEP[:RANK] or name=SECONDS[@STEP]; unset HARNESS_FAULT") from None
     return out
+
+
+def check_faults() -> None:
+    """Pre-flight: HARNESS_FAULT parses (a typo in a drill is a ValueError before launch, not mid-run)."""
+    _faults()
 
 
 def fault_seconds(name: str, step: int) -> float:

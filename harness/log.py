@@ -21,6 +21,7 @@ import sys
 ROOT_LOGGER = "harness"
 ALL_RANKS = {"all_ranks": True}
 _state = {"rank": None}
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 class _StreamHandler(logging.Handler):
@@ -38,8 +39,9 @@ class _StreamHandler(logging.Handler):
 class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         rank = _state["rank"]
-        if rank is None:
-            rank = int(os.environ.get("RANK", "0") or 0)
+        if rank is None:  # a garbage RANK is refused by pre-flight; its message must still get out
+            value = os.environ.get("RANK", "0").strip()
+            rank = int(value) if value.isdigit() else 0
         return rank == 0 or record.levelno >= logging.WARNING or getattr(record, "all_ranks", False)
 
 
@@ -50,7 +52,8 @@ def _configure() -> logging.Logger:
         handler.setFormatter(logging.Formatter("[harness] %(message)s"))
         handler.addFilter(_RankFilter())
         root.addHandler(handler)
-        root.setLevel(os.environ.get("HARNESS_LOG_LEVEL", "INFO").upper())
+        level = os.environ.get("HARNESS_LOG_LEVEL", "INFO").strip().upper()
+        root.setLevel(level if level in LEVELS else "INFO")  # pre-flight names a wrong one
         root.propagate = False
     return root
 

@@ -126,6 +126,17 @@ def _plan_lora(cfg: Any, args: argparse.Namespace, gpu_mem: int, cpu_mem: int | 
     return EXIT_OK if ev.fits else EXIT_PLAN_DOES_NOT_FIT
 
 
+def _check_writable_file(flag: str, path: str) -> None:
+    """`path` can be written as a file: not a directory, in a directory that exists and is writable."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise PlanError(f"{flag} '{path}' is a directory; give a file name (e.g. {os.path.join(path, 'plan.json')})")
+    if not os.path.isdir(parent):
+        raise PlanError(f"{flag} '{path}': directory '{parent}' does not exist (or is a file); create it or choose another path")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise PlanError(f"{flag} '{path}' is not writable for this user; choose another path")
+
+
 @command_errors("harness.plan", (ConfigError, PlanError))
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only; never reach for a hub at planning time
@@ -140,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [o for o in overrides if "=" not in o]
     if unknown:
         raise PlanError(f"unrecognised argument '{unknown[0]}' (options start with --, overrides are key=value)")
+    for flag, target in (("--json", args.json), ("--out", args.out)):
+        if target is not None:
+            _check_writable_file(flag, target)  # before the plan's seconds of tracing, not after
     cfg = load_config(args.config, overrides)
     vocab = args.vocab_size or resolve_vocab(cfg)
     if args.recommend:

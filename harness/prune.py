@@ -92,7 +92,32 @@ def command_config(path: str | None, overrides: list[str]) -> RunConfig:
             "python -m harness.prune prunes model.name; to prune a checkpoint, export it first "
             "(python -m harness.export <checkpoint> --out <dir>) and set model.name=<dir>"
         )
+    check_prune_output(cfg)
     return dataclasses.replace(cfg, steps=max(1, cfg.prune.finetune_steps), checkpoint=dataclasses.replace(cfg.checkpoint, export_hf=True))
+
+
+RUN_OUTPUTS = ("hf", "adapter", "checkpoints", "metrics.jsonl")  # what a run leaves in its output_dir
+
+
+def check_prune_output(cfg: RunConfig) -> None:
+    """The command writes a new model, metrics and checkpoints into output_dir: a directory that
+    holds another run's (the training config's own output_dir, typically) is refused before
+    anything starts, with advice this command accepts; checkpoint.overwrite=true replaces them
+    (never the model being pruned)."""
+    out = cfg.output_dir
+    model = os.path.realpath(cfg.model.name)
+    if os.path.isdir(cfg.model.name) and (model + os.sep).startswith(os.path.realpath(out).rstrip(os.sep) + os.sep):
+        raise ConfigError(
+            f"model.name '{cfg.model.name}' lies inside output_dir '{out}', which the pruned model is written into; "
+            f"set output_dir to a new directory (e.g. output_dir={out.rstrip(os.sep)}-pruned)"
+        )
+    held = [name for name in RUN_OUTPUTS if os.path.exists(os.path.join(out, name))]
+    if held and not cfg.checkpoint.overwrite:
+        raise ConfigError(
+            f"output_dir '{out}' holds another run's outputs ({', '.join(held)}), which the pruned model, its metrics and "
+            f"checkpoints would replace; set output_dir to a new directory (e.g. output_dir={out.rstrip(os.sep)}-pruned), "
+            f"or checkpoint.overwrite=true to replace them"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

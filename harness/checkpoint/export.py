@@ -18,6 +18,7 @@ import torch
 
 from harness.checkpoint.layout import read_meta, remove_tree, resolve_checkpoint_path
 from harness.checkpoint.lora_export import export_lora, is_lora_checkpoint
+from harness.checkpoint.outdir import check_export_target, commit_export, new_export_dir
 from harness.engine import read_model_weights
 from harness.errors import CheckpointError
 from harness.models import clean_name, empty_model, materialize, model_config
@@ -33,19 +34,28 @@ def consolidated_weights(path: str) -> tuple[dict[str, torch.Tensor], torch.nn.M
     return {clean_name(k): v for k, v in weights.items()}, model
 
 
-def export_hf(checkpoint: str, out: str, merged: bool = False) -> str:
-    """Write `out` (atomically: temp dir, then rename) from a checkpoint; returns `out`. A LoRA
-    checkpoint gives its PEFT adapter directory, or with `merged` the merged full model."""
+def export_hf(checkpoint: str, out: str, merged: bool = False, overwrite: bool = False, flag: str = "--overwrite") -> str:
+    """Write `out` (atomically: a fresh temp dir, then rename) from a checkpoint; returns `out`. A
+    LoRA checkpoint gives its PEFT adapter directory, or with `merged` the merged full model.
+    `out` may replace only an earlier harness export, and only with `overwrite`
+    (`harness.checkpoint.outdir`); ConfigError before anything is read otherwise."""
     path = resolve_checkpoint_path(checkpoint)
+    check_export_target(out, path, overwrite, flag)
     meta = read_meta(path)
-    if is_lora_checkpoint(meta):
-        tmp = f"{out.rstrip(os.sep)}.tmp"
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        export_lora(path, meta, tmp, merged)
-        remove_tree(out)
-        os.rename(tmp, out)
-        return out
+    tmp = new_export_dir(out)
+    try:
+        if is_lora_checkpoint(meta):
+            export_lora(path, meta, tmp, merged)
+        else:
+            _export_full(path, tmp)
+    except BaseException:
+        remove_tree(tmp)
+        raise
+    commit_export(tmp, out, path, overwrite, flag)
+    return out
+
+
+def _export_full(path: str, tmp: str) -> None:
     weights, model = consolidated_weights(path)
     bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
     if bad:
@@ -57,14 +67,8 @@ def export_hf(checkpoint: str, out: str, merged: bool = False) -> str:
         raise CheckpointError(f"{path}: weights do not match the saved architecture (missing {missing[:3]}, unexpected {unexpected[:3]})")
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
-    tmp = f"{out.rstrip(os.sep)}.tmp"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
     model.save_pretrained(tmp, safe_serialization=True)
     hf_files = os.path.join(path, "hf_config")
     for name in os.listdir(hf_files):  # tokenizer files (config.json came from save_pretrained)
         if name != "config.json" and os.path.isfile(os.path.join(hf_files, name)):
             shutil.copy2(os.path.join(hf_files, name), os.path.join(tmp, name))
-    remove_tree(out)
-    os.rename(tmp, out)
-    return out

@@ -13,12 +13,17 @@ checkpoints, which checkpoint `resume=auto` means, and whether it can continue t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from harness.config import LoraConfig, RunConfig, Strategy, checkpoint_format
 from harness.errors import CheckpointError, ConfigError
@@ -42,6 +47,7 @@ class CheckpointMeta:
     precision: str
     config: dict[str, Any]
     masks: str = "none"  # none | replicated | sharded
+    files: dict[str, int] = field(default_factory=dict)  # every file's size, relative path -> bytes (empty: written before the manifest)
     format: int = FORMAT
     time: float = field(default_factory=time.time)
 
@@ -68,11 +74,57 @@ def read_meta(path: str) -> CheckpointMeta:
     if not os.path.isfile(file):
         raise CheckpointError(f"'{path}' is not a complete checkpoint (no {META})")
     try:
-        with open(file) as f:
+        with open(file, encoding="utf-8") as f:
             data = json.load(f)
         return CheckpointMeta(**data)
-    except (json.JSONDecodeError, TypeError) as exc:
-        raise CheckpointError(f"'{file}' is unreadable ({exc})") from None
+    except (ValueError, TypeError, OSError) as exc:
+        raise CheckpointError(f"'{file}' is unreadable ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]})") from None
+
+
+def file_sizes(directory: str) -> dict[str, int]:
+    """Every file under `directory` (relative path -> bytes): the manifest a save records in meta.json."""
+    sizes = {}
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            full = os.path.join(parent, name)
+            sizes[os.path.relpath(full, directory)] = os.path.getsize(full)
+    return sizes
+
+
+def verified_meta(path: str) -> CheckpointMeta:
+    """The metadata of a checkpoint whose every file is present at the size it was written with
+    (its manifest): a truncated, deleted or emptied file is named here, before any engine reads it."""
+    meta = read_meta(path)
+    for name, size in sorted(meta.files.items()):
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"checkpoint '{path}' is incomplete: '{full}' is missing; {_ANOTHER}")
+        found = os.path.getsize(full)
+        if found != size:
+            raise CheckpointError(f"checkpoint '{path}' is corrupt: '{full}' has {found} bytes but was written with {size}; {_ANOTHER}")
+    return meta
+
+
+@contextlib.contextmanager
+def unreadable_as_checkpoint_error(path: str) -> Iterator[None]:
+    """Reading checkpoint `path`: any failure of the readers (torch.load's unpickler and zip reader,
+    DCP, DeepSpeed's loaders) on a file whose size is right but whose bytes are not becomes one
+    CheckpointError naming the checkpoint and the file where the reader says it."""
+    try:
+        yield
+    except (CheckpointError, ConfigError):
+        raise
+    except (Exception, CheckpointException) as exc:  # the readers raise anything from EOFError to KeyError (DCP: a BaseException)
+        where = getattr(exc, "filename", None)
+        what = f"'{where}'" if where else "a file of it"
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        detail = next((ln for ln in reversed(lines) if "Error" in ln), lines[0] if lines else "")[:200]  # DCP: the rank's last error line
+        raise CheckpointError(
+            f"checkpoint '{path}' is corrupt: {what} could not be read ({type(exc).__name__}: {detail}); {_ANOTHER}"
+        ) from None
+
+
+_ANOTHER = "resume from (or export) another checkpoint (python -m harness.checkpoint <run dir> lists them)"
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -102,6 +154,13 @@ def latest_checkpoint(root: str) -> str | None:
     return found[-1][1] if found else None
 
 
+def later_checkpoints(root: str, step: int, resumed: str) -> list[str]:
+    """The complete checkpoints of the run in `root` later than `step`, when `resumed` is one of its own."""
+    if not os.path.abspath(resumed).startswith(os.path.abspath(root) + os.sep):
+        return []
+    return [path for later, path in complete_checkpoints(root) if later > step]
+
+
 def resolve_checkpoint_path(path: str) -> str:
     """A step directory, a `checkpoints/` directory or a run directory → a complete step directory."""
     if os.path.isfile(os.path.join(path, META)):
@@ -121,11 +180,13 @@ def resume_path(cfg: RunConfig) -> str | None:
     if resume == "auto":
         return latest_checkpoint(checkpoint_root(cfg.output_dir))
     if not os.path.exists(resume):
-        raise CheckpointError(f"checkpoint.resume='{resume}' does not exist; use auto, none or a checkpoint directory")
+        raise ConfigError(f"checkpoint.resume='{resume}' does not exist; use auto, none or a checkpoint directory")
     return resolve_checkpoint_path(resume)
 
 
-def check_compatible(meta: CheckpointMeta, path: str, cfg: RunConfig, strategy: Strategy, world: int) -> None:
+def check_compatible(
+    meta: CheckpointMeta, path: str, cfg: RunConfig, strategy: Strategy, world: int, model_shape: dict[str, Any] | None = None
+) -> None:
     """Refuse a resume that could not continue the same run (before any process starts)."""
     if checkpoint_format(meta.kind) != checkpoint_format(strategy.kind):
         other = "a DeepSpeed strategy (zero1/zero2/zero3…)" if meta.kind == "deepspeed" else "ddp or fsdp"
@@ -156,10 +217,48 @@ def check_compatible(meta: CheckpointMeta, path: str, cfg: RunConfig, strategy: 
                 f"checkpoint '{path}' was trained with lora.{key}={saved!r} but this run has {getattr(cfg.lora, key)!r}; "
                 "resume with the same LoRA settings, or export it (--merged) and start a new run from that model"
             )
-    for key in ("seq_len", "source", "seed", "streaming"):
-        saved = meta.config.get("data", {}).get(key)
+    own_bpe = ("vocab_size",) if not cfg.data.tokenizer and not os.path.isdir(cfg.model.name) else ()  # a locally trained BPE's size
+    for key in ("seq_len", "source", "seed", "streaming", "tokenizer", *own_bpe):
+        saved = meta.config.get("data", {}).get(key, getattr(cfg.data, key))
         if saved != getattr(cfg.data, key):
             raise ConfigError(f"checkpoint '{path}' was trained with data.{key}={saved!r} but this run has {getattr(cfg.data, key)!r}")
+    if meta.kind == "deepspeed" and strategy.kind == "deepspeed" and meta.zero_stage != strategy.zero_stage:
+        raise ConfigError(
+            f"checkpoint '{path}' was written under ZeRO stage {meta.zero_stage} ({meta.strategy}) but this run uses stage "
+            f"{strategy.zero_stage} ({strategy.name}); resume with strategy={meta.strategy}, or export it and start a new run from it"
+        )
+    check_same_architecture(meta, path, model_shape)
+
+
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+def check_same_architecture(meta: CheckpointMeta, path: str, model_shape: dict[str, Any] | None) -> None:
+    """The model directory's config.json (`model_shape`) must describe the architecture the
+    checkpoint was trained as (the config.json in its `hf_config`): a directory edited in place
+    would otherwise fail to load on every rank, or load into another shape."""
+    saved_file = os.path.join(path, "hf_config", "config.json")
+    if not model_shape or not os.path.isfile(saved_file):
+        return
+    try:
+        with open(saved_file, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"checkpoint '{path}' is corrupt: '{saved_file}' is unreadable ({type(exc).__name__})") from None
+    for key in ARCHITECTURE_KEYS:
+        if key in saved and key in model_shape and saved[key] != model_shape[key]:
+            raise ConfigError(
+                f"checkpoint '{path}' was trained with {key}={saved[key]!r} but model.name '{meta.model}' now has "
+                f"{key}={model_shape[key]!r} (its config.json changed); resume with the model it was trained from"
+            )
 
 
 # ------------------------------------------------------------------ atomic writes
@@ -199,3 +298,16 @@ def remove_tree(path: str) -> None:
     trash = os.path.join(parent, f".trash-{name}-{os.getpid()}-{time.monotonic_ns()}")
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def read_file(file: str, weights_only: bool = False) -> Any:
+    """torch.load of one file of a checkpoint; unreadable bytes are a CheckpointError naming the file."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
+    except Exception as exc:  # the unpickler and zip reader raise anything from EOFError to RuntimeError
+        raise CheckpointError(
+            f"checkpoint file '{file}' is corrupt ({type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}); {_ANOTHER}"
+        ) from None
+
+
+# ------------------------------------------------------------------ the manager

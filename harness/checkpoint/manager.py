@@ -53,14 +53,19 @@ from harness.checkpoint.layout import (
     check_compatible,
     checkpoint_root,
     complete_checkpoints,
+    file_sizes,
     fsync_dir,
-    read_meta,
+    later_checkpoints,
+    read_file,
     remove_tree,
     resume_path,
     step_name,
+    unreadable_as_checkpoint_error,
+    verified_meta,
     write_json_atomic,
     write_text_atomic,
 )
+from harness.checkpoint.outdir import is_harness_export
 from harness.config import RunConfig, Strategy, config_to_dict
 from harness.distributed import Collectives, DistInfo
 from harness.engine import Engine, weights_finite
@@ -99,12 +104,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# ------------------------------------------------------------------ engine states
-
-
-# ------------------------------------------------------------------ the manager
-
-
 class CheckpointManager:
     """Saves and restores one run's checkpoints; every method is called on every rank.
 
@@ -136,6 +135,7 @@ class CheckpointManager:
         self.last_path: str | None = None  # the newest complete checkpoint of this run
         self.last_step: int | None = None
         self.preempted = False
+        self._rebased: bool | None = None  # optim.lr changed on resume: rebased (True) or kept by the file's scheduler (False)
         if info.is_main:
             self._clean_root()
         self._barrier()
@@ -154,26 +154,14 @@ class CheckpointManager:
             if self.cfg.checkpoint.resume == "auto" and self.info.is_main:
                 log.info(f"checkpoint.resume=auto: no checkpoint in {self.root}; starting at step 0")
             return ResumeState()
-        meta = read_meta(path)
+        meta = verified_meta(path)
         check_compatible(meta, path, self.cfg, self.strategy, self.info.world_size)
         t0 = time.perf_counter()
-        self.engine.load_state(path, meta.world_size, self.info.is_main)
-        trainer = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
-        self.engine.load_trainer_state(trainer)
-        rng_file = os.path.join(path, "rng", f"rank{self.info.rank:05d}.pt")
-        if not os.path.isfile(rng_file):  # more ranks than the saving run: continue from rank 0's streams
-            rng_file = os.path.join(path, "rng", "rank00000.pt")
-        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
-        for name, obj in self.per_rank.items():
-            state_file = os.path.join(path, name, f"rank{self.info.rank:05d}.pt")
-            if not os.path.isfile(state_file):
-                raise CheckpointError(
-                    f"{path} has no {name} state for rank {self.info.rank} (saved at world size {meta.world_size}); "
-                    f"resume at that world size"
-                )
-            obj.load_state_dict(torch.load(state_file, map_location="cpu", weights_only=False))
-        masks = self._load_masks(path, meta)
+        with unreadable_as_checkpoint_error(path):
+            trainer = self._load_states(path, meta)
+            masks = self._load_masks(path, meta)
         self.last_path, self.last_step = path, meta.step
+        self._rebased = self._rebase_lr(meta)
         if self.info.is_main:
             self._drop_later_than(meta.step, path)
         self._barrier()
@@ -184,6 +172,7 @@ class CheckpointManager:
                 else f" (saved at world size {meta.world_size}, resharded to {self.info.world_size})"
             )
             log.info(f"resumed from {path} at step {meta.step}{how} in {time.perf_counter() - t0:.1f}s")
+            self._announce_lr(meta)
             if meta.config.get("steps") != self.cfg.steps:
                 log.info(
                     f"note: steps changed from {meta.config.get('steps')} to {self.cfg.steps}; the LR schedule "
@@ -191,12 +180,52 @@ class CheckpointManager:
                 )
         return ResumeState(step=meta.step, counters=dict(trainer.get("counters", {})), masks=masks, path=path)
 
+    def _rebase_lr(self, meta: CheckpointMeta) -> bool | None:
+        """optim.lr changed since the checkpoint (what the non-finite stop advises): the schedule's
+        restored state holds the old rate; honour the new one. None: unchanged."""
+        saved = meta.config.get("optim", {}).get("lr")
+        if saved is None or float(saved) == float(self.cfg.optim.lr):
+            return None
+        return self.engine.rebase_lr(self.cfg.optim.lr)
+
+    def _announce_lr(self, meta: CheckpointMeta) -> None:
+        saved = meta.config.get("optim", {}).get("lr")
+        if self._rebased:
+            log.warning(
+                f"optim.lr changed from {saved} to {self.cfg.optim.lr}: the schedule continues from step {meta.step} at the new "
+                f"rate (lr now {self.engine.lr:.3g})"
+            )
+        elif self._rebased is False:
+            log.warning(
+                f"optim.lr changed from {saved} to {self.cfg.optim.lr}, but the strategy file's own scheduler keeps its rate "
+                "(set its warmup_max_lr to change it)"
+            )
+
+    def _load_states(self, path: str, meta: CheckpointMeta) -> dict[str, Any]:
+        """The engine's state, the trainer state, this rank's RNG and per-rank objects from `path`."""
+        self.engine.load_state(path, meta.world_size, self.info.is_main)
+        trainer = read_file(os.path.join(path, "trainer_state.pt"))
+        self.engine.load_trainer_state(trainer)
+        rng_file = os.path.join(path, "rng", f"rank{self.info.rank:05d}.pt")
+        if not os.path.isfile(rng_file):  # more ranks than the saving run: continue from rank 0's streams
+            rng_file = os.path.join(path, "rng", "rank00000.pt")
+        set_rng_state(read_file(rng_file))
+        for name, obj in self.per_rank.items():
+            state_file = os.path.join(path, name, f"rank{self.info.rank:05d}.pt")
+            if not os.path.isfile(state_file):
+                raise CheckpointError(
+                    f"{path} has no {name} state for rank {self.info.rank} (saved at world size {meta.world_size}); "
+                    f"resume at that world size"
+                )
+            obj.load_state_dict(read_file(state_file))
+        return trainer
+
     def after_step(self, step: int, counters: dict[str, Any] | None = None, stop: bool = False) -> bool:
         """Save when `step` is due (every N) or a stop was requested; True: the run must stop now (saved)."""
         if stop:
             self.save(step, counters)
             self.preempted = True
-            log.info(f"stop requested (SIGTERM/SIGUSR1): saved {self.last_path}; exiting so the job can requeue")
+            log.info(f"stop requested (SIGTERM/SIGUSR1/Ctrl-C): saved {self.last_path}; exiting so the job can requeue")
             return True
         if self.every > 0 and step % self.every == 0:
             self.save(step, counters)
@@ -215,9 +244,10 @@ class CheckpointManager:
             exports.append((os.path.join(self.cfg.output_dir, "hf"), self.cfg.lora.enabled))
         if self.last_path and self.info.is_main:
             for out, merged in exports:
-                export_hf(self.last_path, out, merged=merged)
+                earlier = is_harness_export(out)
+                export_hf(self.last_path, out, merged=merged, overwrite=True)  # pre-flight refused a directory that is not harness's export
                 what = "PEFT adapter" if self.cfg.lora.enabled and not merged else "safetensors + config + tokenizer"
-                log.info(f"exported {self.last_path} to {out} ({what})")
+                log.info(f"exported {self.last_path} to {out} ({what}{'; replaced the earlier export there' if earlier else ''})")
         if exports:
             self._barrier()
 
@@ -315,14 +345,12 @@ class CheckpointManager:
                     remove_tree(path) if os.path.isdir(path) else os.remove(path)
 
     def _drop_later_than(self, step: int, resumed: str) -> None:
-        """Resuming this run from an older checkpoint abandons the later ones: remove them, so that
-        `latest` and the keep-k rule never mix two timelines."""
-        if not os.path.abspath(resumed).startswith(os.path.abspath(self.root) + os.sep):
-            return
-        for later_step, path in complete_checkpoints(self.root):
-            if later_step > step:
-                log.info(f"removing {path}: resuming from step {step} abandons it")
-                remove_tree(path)
+        """Resuming this run from an older checkpoint abandons the later ones. Pre-flight refuses
+        that unless checkpoint.overwrite=true (`later_checkpoints`); then they are removed, each
+        named, so that `latest` and the keep-k rule never mix two timelines."""
+        for path in later_checkpoints(self.root, step, resumed):
+            log.warning(f"checkpoint.overwrite=true: removing {path} (resuming from step {step} abandons it)")
+            remove_tree(path)
 
     def _write_hf_files(self, directory: str) -> None:
         """The HF config and tokenizer next to the weights, so export needs nothing else."""
@@ -354,7 +382,9 @@ class CheckpointManager:
 
     def _commit(self, tmp: str, final: str, step: int) -> None:
         """Rank 0, after every rank wrote: meta.json, rename, then `latest`, then prune to `keep`."""
-        write_json_atomic(os.path.join(tmp, META), asdict(self._meta(step)))
+        meta = self._meta(step)
+        meta.files = file_sizes(tmp)  # the manifest: a resume or export names a file lost or truncated since
+        write_json_atomic(os.path.join(tmp, META), asdict(meta))
         fsync_dir(tmp)
         pause = fault_seconds("save_pause", step)
         if pause:  # fault injection (tests): a window in which the save is written but not yet committed
@@ -378,4 +408,4 @@ class CheckpointManager:
             if meta.masks == "sharded":
                 raise CheckpointError(f"the pruning masks in {path} are sharded over {meta.world_size} ranks; resume at that world size")
             rank = 0
-        return torch.load(os.path.join(path, "masks", f"rank{rank:05d}.pt"), map_location="cpu", weights_only=True)
+        return read_file(os.path.join(path, "masks", f"rank{rank:05d}.pt"), weights_only=True)

@@ -102,7 +102,17 @@ def _yaml_loader():
     """SafeLoader without YAML 1.1's base-60 integers, so `pattern: 2:4` stays the string '2:4'."""
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+            """A key given twice in one mapping is an error (PyYAML keeps the last one silently)."""
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key '{key}' is given twice (the second would silently win); keep one", key_node.start_mark
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
 
     Loader.yaml_implicit_resolvers = {
         first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:int"]
@@ -120,15 +130,38 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_yaml_loader())
 
 
+def _unique_json_keys(path: str) -> Any:
+    """A JSON object hook refusing a key given twice (json keeps the last one silently)."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ConfigError(f"{path}: key '{key}' is given twice (the second would silently win); keep one")
+            seen[key] = value
+        return seen
+
+    return hook
+
+
 def read_config_file(path: str) -> dict[str, Any]:
     """Parse a YAML or JSON config file; syntax errors name the line."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file '{path}' not found")
-    with open(path) as f:
-        text = f.read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text (line {line}, byte {e.start}: {raw[e.start : e.start + 4]!r}); save it as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file '{path}' cannot be read ({e.strerror})") from None
     if path.endswith(".json"):
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_json_keys(path))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     else:

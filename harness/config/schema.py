@@ -170,6 +170,7 @@ class CheckpointConfig:
     resume: str = "none"  # none | auto | <path>
     overwrite: bool = False
     on_nonfinite: OnNonfinite = "skip"
+    max_consecutive_skips: int = 10  # on_nonfinite=skip: this many skipped steps in a row stop the run (exit 3)
     export_hf: bool = False
 
 

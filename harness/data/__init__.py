@@ -5,9 +5,10 @@ sampled identically at any world size; or streamed and tokenized on the fly.
     python -m harness.data --config run.yaml     # prepare the cache ahead of a job
 """
 
-from harness.data.cache import PackedData, cache_dir_for, is_complete, load_packed, prepare_data
-from harness.data.documents import EMBEDDED_SOURCES, EOS, SPLITS, embedded_documents, open_documents, split_of
+from harness.data.cache import PackedData, cache_dir_for, is_complete, load_packed, prepare_data, stop_preparation_when
+from harness.data.documents import EMBEDDED_SOURCES, EOS, SPLITS, data_files, embedded_documents, open_documents, split_of
 from harness.data.instructions import read_records
+from harness.data.integrity import check_cache_root
 from harness.data.sampling import BatchSampler, StreamSampler, describe_consumption, split_batches
 from harness.data.tokenizer import eos_id, given_tokenizer, load_tokenizer
 
@@ -19,6 +20,9 @@ __all__ = [
     "PackedData",
     "StreamSampler",
     "cache_dir_for",
+    "check_cache_root",
+    "data_files",
+    "stop_preparation_when",
     "describe_consumption",
     "embedded_documents",
     "eos_id",

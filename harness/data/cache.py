@@ -28,11 +28,12 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,11 +42,12 @@ from tqdm import tqdm
 
 from harness.config import DataConfig, is_preset
 from harness.data import tokens as tokenization
-from harness.data.documents import SPLITS, is_token_file, open_documents, open_stream, pretokenized
+from harness.data.documents import EMBEDDED_SOURCES, SPLITS, is_token_file, open_documents, open_stream, pretokenized
 from harness.data.instructions import EXAMPLES, LAYOUT_VERSION, load_examples, prepare_instructions
+from harness.data.integrity import cache_problem, check_cache_root, source_fingerprint
 from harness.data.tokenizer import eos_id, given_tokenizer, train_bpe_tokenizer
 from harness.distributed import FileLock
-from harness.errors import ConfigError
+from harness.errors import ConfigError, StopRequested
 from harness.log import ALL_RANKS, get_logger
 
 if TYPE_CHECKING:
@@ -78,6 +80,8 @@ def cache_dir_for(model_name: str, cfg: DataConfig) -> str:
             content["specials"] = "leading"
     else:
         content["layout"] = LAYOUT_VERSION
+    if cfg.source not in EMBEDDED_SOURCES and os.path.exists(cfg.source):
+        content["source_files"] = source_fingerprint(cfg.source)  # a corpus edited in place is read again
     key = json.dumps(
         {
             "format": FORMAT,
@@ -92,7 +96,8 @@ def cache_dir_for(model_name: str, cfg: DataConfig) -> str:
 
 
 def is_complete(cache: str) -> bool:
-    return os.path.isfile(os.path.join(cache, "meta.json"))
+    """meta.json (written last) is there and every file it lists has the size it was written with."""
+    return os.path.isfile(os.path.join(cache, "meta.json")) and not cache_problem(cache)
 
 
 def default_num_proc() -> int:
@@ -107,7 +112,9 @@ def prepare_data(model_name: str, cfg: DataConfig, progress: bool = True) -> str
     cache = cache_dir_for(model_name, cfg)
     lock = FileLock(cache + ".lock", what="preparing a data cache")
     waited_since, said = time.monotonic(), 0.0
-    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    if is_complete(cache):  # a prepared cache is read, even from a read-only directory
+        return cache
+    check_cache_root(cache)
     while not is_complete(cache):
         if lock.try_acquire():
             try:
@@ -122,6 +129,7 @@ def prepare_data(model_name: str, cfg: DataConfig, progress: bool = True) -> str
                 log.warning(f"data cache {cache}: its preparer ({lock.describe(dead)}) stopped; preparing it again")
             continue
         now = time.monotonic()
+        check_stop("waiting for another process preparing")
         if now - said >= 60.0 and os.environ.get("LOCAL_RANK", "0") == "0":
             log.info(
                 f"waiting for {lock.describe()} to finish preparing the data cache {cache} ({now - waited_since:.0f} s so far)",
@@ -140,12 +148,25 @@ def _prepare_locked(model_name: str, cfg: DataConfig, cache: str, progress: bool
     for leftover in os.listdir(parent):  # a dead preparer's half-written directory: never trusted
         if leftover.startswith(name + ".tmp-"):
             shutil.rmtree(os.path.join(parent, leftover), ignore_errors=True)
-    if os.path.exists(cache):  # incomplete (no meta.json): from before atomic preparation
+    if os.path.exists(cache):  # incomplete (no meta.json, from before atomic preparation) or damaged since
+        problem = cache_problem(cache) if os.path.isfile(os.path.join(cache, "meta.json")) else ""
+        if problem:
+            log.warning(f"data cache {cache} is damaged ({problem}); preparing it again")
         shutil.rmtree(cache)
     tmp = f"{cache}.tmp-{socket.gethostname()}-{os.getpid()}"
     os.makedirs(tmp)
     try:
         done = _build(model_name, cfg, tmp, progress)
+    except UnicodeDecodeError as exc:  # bytes past pre-flight's sample (the loaders defer decoding)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(
+            f"data.source '{cfg.source}' is not UTF-8 text ({exc.reason} at byte {exc.start} of a record); convert it to UTF-8"
+        ) from None
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(
+            f"the data cache {cache} could not be written ({exc.strerror or exc}); free space or set data.cache_dir to a writable directory"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed preparation leaves nothing behind
         raise
@@ -192,6 +213,9 @@ def _build(model_name: str, cfg: DataConfig, tmp: str, progress: bool) -> str:
     }
     if "layout" in stats:  # instruction blocks: <split>.examples.npy, and how many tokens carry a label
         meta.update(layout=stats["layout"], labelled=stats["labelled"])
+    meta["files"] = {
+        os.path.relpath(os.path.join(d, n), tmp): os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(tmp) for n in names
+    }  # the manifest `cache_problem` checks: a truncated file is prepared again, not read as garbage
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return (
@@ -285,19 +309,44 @@ def _run(
         for start, end in tasks:
             for step in range(start, end, DOCS_PER_STEP_IN_PROCESS):
                 yield tokenization.encode(work, (step, min(step + DOCS_PER_STEP_IN_PROCESS, end)), writer.train_full)
+                check_stop("tokenizing")
         return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one tokenizer thread per process; the processes are the parallelism
     tokenization.WORK = work  # inherited by the forked workers
     ctx = mp.get_context("fork")
-    with ctx.Pool(num_proc) as pool:
+    with ctx.Pool(num_proc, initializer=_worker_signals) as pool:
         pending: deque = deque()
         for task in tasks:
             pending.append(pool.apply_async(tokenization.encode_inherited, (task, writer.train_full)))
             while len(pending) >= 2 * num_proc:
                 yield pending.popleft().get()
+                check_stop("tokenizing")
         while pending:
             yield pending.popleft().get()
+            check_stop("tokenizing")
     tokenization.WORK = None
+
+
+def _worker_signals() -> None:
+    """A tokenizer worker does not inherit the run's stop handlers (which only set a flag): SIGTERM
+    ends it (the pool's terminate), Ctrl-C is the parent's to act on, not every worker's."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+_STOP: list[Callable[[], bool]] = []  # the run's "a stop was requested" predicate (`stop_preparation_when`)
+
+
+def stop_preparation_when(requested: Callable[[], bool]) -> None:
+    """Make a preparation (or a wait for another's) stop when `requested()` turns true: a stop
+    signal during data preparation ends it within a batch, its temporary directory removed."""
+    _STOP[:] = [requested]
+
+
+def check_stop(doing: str) -> None:
+    if _STOP and _STOP[0]():
+        raise StopRequested(f"stop requested while {doing} the data cache; nothing was written and there is no step to save yet")
 
 
 # ----------------------------------------------------------------------------- loading

@@ -20,6 +20,9 @@ import numpy as np
 
 from harness.config import EMBEDDED_CORPORA, DataConfig
 from harness.errors import ConfigError
+from harness.log import get_logger
+
+log = get_logger(__name__)
 
 if TYPE_CHECKING:
     import datasets
@@ -104,17 +107,41 @@ def split_codes(texts: list[str], cfg: DataConfig) -> np.ndarray:
     return np.fromiter((SPLIT_CODE[split_of(t, cfg)] for t in texts), dtype=np.int8, count=len(texts))
 
 
-def _data_files(source: str) -> list[str]:
+LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # anything else: text
+DOC_FILES = ("readme", "license", "licence", "changelog", "citation", ".gitattributes", ".gitignore")  # a dataset's own documentation
+
+
+def loader_of(path: str) -> str:
+    return LOADERS.get(os.path.splitext(path)[1].lower(), "text")
+
+
+def data_files(source: str) -> list[str]:
+    """The files of a source; a directory mixing kinds is read by one loader only when the others
+    are its documentation (README, LICENSE, ...: left out, and said), else it is refused."""
     files = sorted(glob.glob(os.path.join(source, "**", "*"), recursive=True)) if os.path.isdir(source) else [source]
     files = [f for f in files if os.path.isfile(f)]
     if not files:
         raise ConfigError(f"data.source '{source}' holds no files")
-    return files
+    kinds = sorted({loader_of(f) for f in files})
+    if len(kinds) == 1:
+        return files
+    docs = [f for f in files if os.path.basename(f).lower().startswith(DOC_FILES)]
+    data = [f for f in files if f not in docs]
+    if data and len({loader_of(f) for f in data}) == 1:
+        log.info(
+            f"data.source '{source}': reading {len(data)} {loader_of(data[0])} file(s); left out {', '.join(map(os.path.basename, docs))}"
+        )
+        return data
+    by_kind = {k: [os.path.relpath(f, source) for f in files if loader_of(f) == k] for k in kinds}
+    shown = "; ".join(f"{k}: {', '.join(v[:3])}{', ...' if len(v) > 3 else ''}" for k, v in by_kind.items())
+    raise ConfigError(
+        f"data.source '{source}' mixes files of {len(kinds)} kinds ({shown}), each needing its own reader; "
+        "put one kind in the directory, or point data.source at one file"
+    )
 
 
 def _builder(files: list[str]) -> tuple[str, dict]:
-    ext = os.path.splitext(files[0])[1].lower()
-    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(ext, "text")
+    builder = loader_of(files[0])
     return builder, ({"sample_by": "document"} if builder == "text" else {})
 
 
@@ -129,8 +156,8 @@ def open_documents(cfg: DataConfig) -> datasets.Dataset:
     if cfg.source in EMBEDDED_SOURCES:
         return datasets.Dataset.from_dict({cfg.text_field: embedded_documents(EMBEDDED_SOURCES[cfg.source])})
     if os.path.exists(cfg.source):
-        builder, kwargs = _builder(_data_files(cfg.source))
-        ds = datasets.load_dataset(builder, data_files=_data_files(cfg.source), split="train", **kwargs)
+        builder, kwargs = _builder(data_files(cfg.source))
+        ds = datasets.load_dataset(builder, data_files=data_files(cfg.source), split="train", **kwargs)
     else:
         try:
             ds = datasets.load_dataset(cfg.source, split="train")
@@ -150,8 +177,8 @@ def open_stream(cfg: DataConfig) -> datasets.IterableDataset:
         docs = embedded_documents(EMBEDDED_SOURCES[cfg.source])
         return datasets.Dataset.from_dict({cfg.text_field: docs}).to_iterable_dataset(num_shards=8)
     if os.path.exists(cfg.source):
-        builder, kwargs = _builder(_data_files(cfg.source))
-        ds = datasets.load_dataset(builder, data_files=_data_files(cfg.source), split="train", streaming=True, **kwargs)
+        builder, kwargs = _builder(data_files(cfg.source))
+        ds = datasets.load_dataset(builder, data_files=data_files(cfg.source), split="train", streaming=True, **kwargs)
     else:
         try:
             ds = datasets.load_dataset(cfg.source, split="train", streaming=True)

@@ -20,7 +20,7 @@ from harness.config import DataConfig
 from harness.data.cache import PackedData
 from harness.data.documents import SPLIT_CODE, open_stream, split_codes
 from harness.data.tokenizer import leading_specials
-from harness.errors import CheckpointError
+from harness.errors import CheckpointError, ConfigError
 from harness.log import get_logger
 
 log = get_logger(__name__)
@@ -103,6 +103,10 @@ class StreamSampler:
         while len(texts) < STREAM_DOCS_PER_READ:
             try:
                 example = next(self._it)
+            except UnicodeDecodeError as exc:  # bytes past pre-flight's sample: one line, not a traceback mid-run
+                raise ConfigError(
+                    f"data.source '{self.cfg.source}' is not UTF-8 text ({exc.reason} at byte {exc.start} of a record); convert it to UTF-8"
+                ) from None
             except StopIteration:
                 if texts:
                     break

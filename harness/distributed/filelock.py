@@ -20,12 +20,14 @@ import threading
 import time
 from typing import Any
 
+from harness.errors import env_seconds
+
 HEARTBEAT_S = 5.0
 UNREADABLE_GRACE_S = 10.0  # an owner killed between creating the file and writing it
 
 
 def stale_after_s() -> float:
-    return float(os.environ.get("HARNESS_LOCK_STALE_S", "120"))
+    return env_seconds("HARNESS_LOCK_STALE_S", 120.0)
 
 
 class FileLock:

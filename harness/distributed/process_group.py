@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from harness.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -35,28 +37,56 @@ class DistInfo:
         return self.backend is not None
 
 
+def env_int(env: dict[str, str], key: str, minimum: int = 0, maximum: int | None = None) -> int:
+    """An integer launcher variable; ConfigError (one line, exit 2) naming it when it is not one."""
+    value = env[key]
+    try:
+        number = int(value.strip())
+    except ValueError:
+        raise ConfigError(f"launcher variable {key}={value!r} is not an integer; check the launch command or job script") from None
+    if number < minimum or (maximum is not None and number > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        raise ConfigError(f"launcher variable {key}={number} must be {bound}; check the launch command or job script")
+    return number
+
+
 def _local_rank_from_argv(argv: list[str]) -> int | None:
     """deepspeed's launcher passes `--local_rank=N` to the script."""
     for i, arg in enumerate(argv):
-        if arg.startswith("--local_rank="):
-            return int(arg.split("=", 1)[1])
-        if arg == "--local_rank" and i + 1 < len(argv):
-            return int(argv[i + 1])
+        value = (
+            arg.split("=", 1)[1]
+            if arg.startswith("--local_rank=")
+            else argv[i + 1]
+            if arg == "--local_rank" and i + 1 < len(argv)
+            else None
+        )
+        if value is not None:
+            return env_int({"--local_rank": value}, "--local_rank")
     return None
 
 
 def launch_env(argv: list[str] | None = None, env: dict[str, str] | None = None) -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from whichever launcher started us."""
+    """(rank, world_size, local_rank) from whichever launcher started us; ConfigError (one line)
+    for values no launcher writes: not integers, a rank outside the world, a port out of range
+    (each would otherwise wait the whole collective timeout for ranks that never come)."""
     env = dict(os.environ) if env is None else env
     argv = sys.argv if argv is None else argv
+    if env.get("MASTER_PORT") is not None:
+        env_int(env, "MASTER_PORT", 1, 65535)
+    if "MASTER_ADDR" in env and not env["MASTER_ADDR"].strip():
+        raise ConfigError("launcher variable MASTER_ADDR is empty; check the launch command or job script")
     if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        rank, world = env_int(env, "RANK"), env_int(env, "WORLD_SIZE", 1)
         local = env.get("LOCAL_RANK")
-        local_rank = int(local) if local is not None else (_local_rank_from_argv(argv) or 0)
-        return rank, world, local_rank
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "MASTER_ADDR" in env:
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
-    return 0, 1, 0
+        local_rank = env_int(env, "LOCAL_RANK") if local is not None else (_local_rank_from_argv(argv) or 0)
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "MASTER_ADDR" in env:
+        rank, world = env_int(env, "SLURM_PROCID"), env_int(env, "SLURM_NTASKS", 1)
+        local_rank = env_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+    else:
+        return 0, 1, 0
+    if rank >= world:
+        raise ConfigError(f"launcher variables say rank {rank} of a world of {world} (ranks are 0..{world - 1}); check the launch command")
+    return rank, world, local_rank
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:

@@ -151,5 +151,24 @@ class Engine:
         """Small state the engine's own format does not keep (schedulers, loss scaler); same on every rank."""
         return {}
 
+    def lr_schedulers(self) -> list[Any]:
+        """The LR schedulers this engine steps (harness's `LambdaLR`s; a DeepSpeed file's own scheduler is not one)."""
+        return []
+
+    def rebase_lr(self, lr: float) -> bool:
+        """A resumed run's new `optim.lr`: the restored schedule continues from its step at the new
+        peak rate (the schedule's state holds the old one). False when this engine's schedule is
+        not harness's (a DeepSpeed file's scheduler) and so cannot be rebased."""
+        schedulers = self.lr_schedulers()
+        if not schedulers or not all(isinstance(s, torch.optim.lr_scheduler.LambdaLR) for s in schedulers):
+            return False
+        for sched in schedulers:
+            sched.base_lrs = [lr for _ in sched.base_lrs]
+            for group, factor in zip(sched.optimizer.param_groups, sched.lr_lambdas):
+                group["initial_lr"] = lr
+                group["lr"] = lr * factor(sched.last_epoch)
+            sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
+        return True
+
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         """Restore what `trainer_state` returned."""

@@ -25,6 +25,7 @@ from torch import nn
 from harness.config import RunConfig, Strategy
 from harness.distributed import DistInfo
 from harness.engine.base import Engine, LossFn, StepResult
+from harness.engine.extension_lock import clear_build_locks
 from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, lora_base
 from harness.engine.plan import EnginePlan
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
@@ -154,6 +155,7 @@ class DeepSpeedEngine(Engine):
     def build(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> DeepSpeedEngine:
         import deepspeed
 
+        clear_build_locks()  # DeepSpeed may JIT-build an op below: never wait on a killed build's lock unbounded
         started = time.perf_counter()
         model = cls.load_model(spec, cfg, plan, info)
         loaded = time.perf_counter()
@@ -190,6 +192,9 @@ class DeepSpeedEngine(Engine):
     @property
     def optimizer(self) -> Any:
         return self.ds.optimizer
+
+    def lr_schedulers(self) -> list[Any]:
+        return [self.ds.lr_scheduler] if self.ds.lr_scheduler is not None else []
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         # DeepSpeed divides by gradient_accumulation_steps itself and knows the boundary.

@@ -118,6 +118,9 @@ class TorchEngine(Engine):
             out["scaler"] = self.scaler.state_dict()
         return out
 
+    def lr_schedulers(self) -> list[Any]:
+        return list(getattr(self.scheduler, "schedulers", [self.scheduler]))  # optimizer-in-backward: one per optimizer
+
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler") is not None and self.scaler is not None:

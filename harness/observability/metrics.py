@@ -202,12 +202,14 @@ class MetricsWriter:
     def __init__(self, run_dir: str, append: bool = False, resumed_at: int | None = None) -> None:
         """`append`: continue the file (a resumed run); `resumed_at`: the step the run resumes
         from: the records after it belong to an abandoned timeline and move to
-        `metrics.superseded.jsonl`, so each step appears once here and nothing is lost."""
+        `metrics.superseded.jsonl`, so each step appears once here and nothing is lost. Not
+        `append`: an earlier run's records move there whole (never truncated away)."""
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
-        if append and resumed_at is not None and os.path.isfile(self.path):
-            _set_aside_after(self.path, resumed_at, os.path.join(run_dir, SUPERSEDED_FILE))
-        self._file: TextIO | None = open(self.path, "a" if append else "w", encoding="utf-8")
+        if os.path.isfile(self.path) and (resumed_at is not None or not append):
+            # A fresh run in a directory with an earlier run's metrics keeps them too: all move aside (step -1: none kept).
+            _set_aside_after(self.path, resumed_at if append and resumed_at is not None else -1, os.path.join(run_dir, SUPERSEDED_FILE))
+        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
 
     def write(self, kind: str, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         record = {"kind": kind, "step": int(step), "time": time.time()}

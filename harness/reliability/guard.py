@@ -43,6 +43,8 @@ class StepGuard:
         self.start_step = self.steps_done = start_step
         self.stop_requested = False
         self.nonfinite_steps = 0
+        self.consecutive = 0  # skipped steps in a row (the run is not training while this grows)
+        self.max_consecutive = cfg.checkpoint.max_consecutive_skips
         self._bad_loss = False
         _ACTIVE["guard"] = self
         install_fault_hooks(engine.module, info.rank, lambda: self.steps_done)
@@ -61,8 +63,10 @@ class StepGuard:
         # fp16: an inf gradient norm is the loss scaler's routine overflow, not a divergence.
         bad_norm = not math.isfinite(result.grad_norm) and not self.fp16
         if not (self._bad_loss or bad_norm):
+            self.consecutive = 0
             return
         self.nonfinite_steps += 1
+        self.consecutive += 1
         what = "loss" if self._bad_loss else "gradient norm"
         last = self.last_checkpoint() or "none saved yet"
         applied = not result.skipped or self.engine.steps_in_backward  # the optimizer stepped inside backward already
@@ -75,7 +79,22 @@ class StepGuard:
                 f"non-finite {what} at step {step}; stopping (checkpoint.on_nonfinite=stop). "
                 f"Last good checkpoint: {last} (resume with checkpoint.resume=<it>, e.g. with a lower optim.lr)"
             )
-        log.info(f"step {step}: non-finite {what}; update skipped ({self.nonfinite_steps} so far, checkpoint.on_nonfinite=skip)")
+        if self.consecutive >= self.max_consecutive:
+            raise NonFiniteError(
+                f"non-finite {what} in {self.consecutive} consecutive steps ({step - self.consecutive + 1}-{step}): every update was "
+                f"skipped, the model is not training (checkpoint.max_consecutive_skips={self.max_consecutive}). Last good checkpoint: "
+                f"{last} (resume with checkpoint.resume=<it> and a lower optim.lr)"
+            )
+        if self.info.is_main:  # every rank skipped the same step (agreed): one warning
+            log.warning(f"step {step}: non-finite {what}; update skipped ({self.nonfinite_steps} so far, checkpoint.on_nonfinite=skip)")
+
+    def finish(self, steps_run: int) -> None:
+        """At the end of a run: a run none of whose steps updated the weights did not train (exit 3)."""
+        if steps_run > 0 and self.consecutive >= steps_run:
+            raise NonFiniteError(
+                f"every one of this run's {steps_run} steps had a non-finite loss or gradient and was skipped: the model did not "
+                f"train. Last good checkpoint: {self.last_checkpoint() or 'none saved yet'} (resume from it with a lower optim.lr)"
+            )
 
 
 def active_guard() -> StepGuard | None:

@@ -1,4 +1,4 @@
-"""Stop requests (SIGTERM/SIGUSR1, as SLURM sends before preemption): a flag, acted on at a step boundary.
+"""Stop requests (SIGTERM/SIGUSR1, as SLURM sends before preemption, and Ctrl-C): a flag, acted on at a step boundary.
 
 The handler only records the signal; the step guard all-reduces it so every rank saves
 and stops at the same step. SIGUSR2 asks for the next step's memory split by category
@@ -7,6 +7,7 @@ and stops at the same step. SIGUSR2 asks for the next step's memory split by cat
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -16,6 +17,10 @@ _SIGNAL = {"received": None}
 
 
 def _on_signal(signum: int, frame: Any) -> None:
+    if signum == signal.SIGINT:
+        if _SIGNAL["received"] == signal.SIGINT:  # a second Ctrl-C: the user will not wait for the step to end
+            raise KeyboardInterrupt
+        os.write(2, b"[harness] Ctrl-C: stopping at the next step boundary with a checkpoint (Ctrl-C again to abort without one)\n")
     _SIGNAL["received"] = signum  # acted on at the next step boundary, by every rank together
 
 
@@ -25,7 +30,7 @@ def signal_received() -> bool:
 
 def install_signal_handlers() -> None:
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, _on_signal)
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from harness.config import RunConfig
 from harness.distributed import DistInfo, exit_process
-from harness.errors import EXIT_CHECKPOINT, EXIT_NONFINITE, EXIT_OOM, EXIT_PEER_LOST, CheckpointError, NonFiniteError
+from harness.errors import EXIT_CHECKPOINT, EXIT_NONFINITE, EXIT_OOM, EXIT_PEER_LOST, CheckpointError, NonFiniteError, env_seconds
 from harness.reliability.guard import active_guard
 from harness.reliability.oom import is_oom, oom_report
 from harness.reliability.signals import install_signal_handlers
@@ -31,7 +31,7 @@ from harness.reliability.signals import install_signal_handlers
 
 def collective_timeout_s() -> float:
     """The process group's collective timeout: the backstop for a rank that hangs while alive."""
-    return float(os.environ.get("HARNESS_COLLECTIVE_TIMEOUT_S", "600"))
+    return env_seconds("HARNESS_COLLECTIVE_TIMEOUT_S", 600.0)
 
 
 class PeerMonitor:
@@ -46,7 +46,7 @@ class PeerMonitor:
     def __init__(self, info: DistInfo, interval: float = 1.0, timeout: float | None = None):
         self.info = info
         self.interval = interval
-        self.timeout = timeout if timeout is not None else float(os.environ.get("HARNESS_PEER_TIMEOUT_S", "30"))
+        self.timeout = timeout if timeout is not None else env_seconds("HARNESS_PEER_TIMEOUT_S", 30.0)
         self.prefix = f"harness/hb/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.store = self._connect()
         self.agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"

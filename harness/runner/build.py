@@ -22,6 +22,7 @@ from harness.data import (
     load_packed,
     load_tokenizer,
     prepare_data,
+    stop_preparation_when,
 )
 from harness.distributed import DistInfo
 from harness.engine import EnginePlan, build_engine
@@ -30,7 +31,7 @@ from harness.log import get_logger
 from harness.memory import StepMemoryTracker
 from harness.models import model_spec
 from harness.observability import Observer
-from harness.reliability import StepGuard
+from harness.reliability import StepGuard, signal_received
 from harness.runner.trainer import Trainer
 from harness.training import causal_lm_loss, labelled_lm_loss
 
@@ -40,6 +41,7 @@ log = get_logger(__name__)
 def prepare(cfg: RunConfig, info: DistInfo) -> PackedData:
     """The data cache, prepared once per file system under its lock (the other ranks wait for
     it on the file system, not in a collective that would time out), then memory-mapped."""
+    stop_preparation_when(signal_received)  # SIGTERM/SIGUSR1/Ctrl-C while preparing: stop now, not after the corpus
     return load_packed(prepare_data(cfg.model.name, cfg.data, progress=info.local_rank == 0))
 
 

@@ -11,8 +11,8 @@ from typing import Any
 from harness.config import RunConfig
 from harness.distributed import configure_cuda_allocator, init_distributed, teardown
 from harness.engine import EnginePlan
-from harness.errors import EXIT_OK, command_errors
-from harness.log import get_logger, set_rank
+from harness.errors import EXIT_CHECKPOINT, EXIT_OK, CheckpointError, StopRequested, command_errors
+from harness.log import ALL_RANKS, get_logger, set_rank
 from harness.reliability import Supervisor, collective_timeout_s
 from harness.runner import run_dir
 
@@ -34,6 +34,7 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
     A ConfigError found after the group started is still one line and the same code on every
     rank (an agreed refusal carries its message on rank 0 only: the others print nothing)."""
 
+    @command_errors(prog, (CheckpointError,), EXIT_CHECKPOINT)  # a checkpoint to resume that is corrupt or incomplete
     @command_errors(prog)
     def run() -> int:
         allocator = configure_cuda_allocator()  # before anything can initialise CUDA
@@ -46,6 +47,8 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
             lock = run_dir.acquire(cfg, info)
             with Supervisor(cfg, info):
                 body(cfg, plan, info)
+        except StopRequested as stop:  # before the first step: nothing to save; exit 0 so the job may requeue
+            log.info(f"{stop}; exiting", extra=ALL_RANKS if info.local_rank == 0 else {})
         finally:
             if lock is not None:
                 lock.release()

@@ -28,14 +28,22 @@ from safetensors import safe_open
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from harness.checkpoint import check_compatible, checkpoint_root, read_meta, resume_path
+from harness.checkpoint import (
+    adapter_dir,
+    check_compatible,
+    checkpoint_root,
+    export_target_refusal,
+    later_checkpoints,
+    resume_path,
+    verified_meta,
+)
 from harness.config import RunConfig, Strategy, check_run
-from harness.data import EMBEDDED_SOURCES, read_records
-from harness.distributed import launch_env
+from harness.data import EMBEDDED_SOURCES, cache_dir_for, check_cache_root, data_files, is_complete, read_records
 from harness.engine import EnginePlan, hidden_size_of, plan_engine
-from harness.errors import CheckpointError, ConfigError
+from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.models import PRESETS, BlocksNotFound, CheckpointWeights, decoder_block_list, empty_model, is_preset, model_config
+from harness.runner.inputs import check_environment, check_index, check_tokenizer_dir
 from harness.runner.run_dir import check_not_in_use
 
 log = get_logger(__name__)
@@ -104,6 +112,8 @@ def check_weights(model_dir: str) -> None:
             f"model.name '{model_dir}' has config.json but no weights (model.safetensors, shards with an index, "
             "or pytorch_model.bin); copy them in, or give a preset name to start from random weights"
         )
+    for index in sorted(glob.glob(os.path.join(model_dir, "*.index.json"))):
+        check_index(model_dir, index)
     for path in files:
         try:
             with safe_open(path, framework="pt") as f:
@@ -200,8 +210,15 @@ def check_model(cfg: RunConfig) -> None:
 
 def check_data(cfg: RunConfig) -> None:
     source = cfg.data.source
+    cache = cache_dir_for(cfg.model.name, cfg.data)
+    if not is_complete(cache):  # a prepared cache is read even where nothing can be written
+        check_cache_root(cache, create=False)
     if cfg.data.tokenizer and not os.path.exists(cfg.data.tokenizer):
         raise ConfigError(f"data.tokenizer '{cfg.data.tokenizer}' does not exist; give a tokenizer directory or leave it unset")
+    if cfg.data.tokenizer and os.path.isdir(cfg.data.tokenizer):
+        check_tokenizer_dir(cfg.data.tokenizer, "data.tokenizer")
+    elif not cfg.data.tokenizer and os.path.isfile(os.path.join(cfg.model.name, "tokenizer.json")):
+        check_tokenizer_dir(cfg.model.name, f"the tokenizer of model.name '{cfg.model.name}'")
     if cfg.data.format == "instruction":
         read_records(source)  # every record must be prompt/response or messages: one line naming the first that is not
         return
@@ -211,6 +228,7 @@ def check_data(cfg: RunConfig) -> None:
         files = [os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs] if os.path.isdir(source) else [source]
         if not files:
             raise ConfigError(f"data.source '{source}' is an empty directory; put text/jsonl/json/parquet files in it")
+        files = data_files(source)  # one kind of file (a README beside them is left out)
         if all(os.path.getsize(f) == 0 for f in files):
             raise ConfigError(f"data.source '{source}' holds only empty files")
         check_decodable(files)
@@ -283,11 +301,24 @@ def check_token_file(path: str, cfg: RunConfig) -> None:
 # ------------------------------------------------------------------ output directory and resume
 
 
+def check_run_exports(cfg: RunConfig) -> None:
+    """The directories a run exports into at its end (`hf/`, `adapter/`) may only replace an earlier
+    harness export, and only when this run continues (resume) or overwrites its directory."""
+    c = cfg.checkpoint
+    allowed = c.overwrite or c.resume != "none"
+    for target, used in ((os.path.join(cfg.output_dir, "hf"), c.export_hf), (adapter_dir(cfg.output_dir), cfg.lora.enabled)):
+        why = export_target_refusal(target, None, allowed, flag="checkpoint.overwrite=true (or checkpoint.resume=auto)") if used else ""
+        if why:
+            raise ConfigError(f"this run exports its model at the end, but {why}")
+
+
 def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> None:
     """Never overwrite silently, never share a live run's directory; a resume must continue the same run."""
     c = cfg.checkpoint
     if c.keep < 1:
         raise ConfigError(f"checkpoint.keep={c.keep} must be >= 1 (the newest checkpoint is always kept)")
+    if c.max_consecutive_skips < 1:
+        raise ConfigError(f"checkpoint.max_consecutive_skips={c.max_consecutive_skips} must be >= 1")
     if c.every < 0:
         raise ConfigError(f"checkpoint.every={c.every} must be >= 0 (0: only at the end)")
     out = cfg.output_dir
@@ -301,24 +332,34 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"output_dir '{out}' is not writable ({parent} is read-only for this user)")
     check_not_in_use(cfg)
+    check_run_exports(cfg)
     root = checkpoint_root(out)
     existing = sorted(n for n in os.listdir(root) if n.startswith("step_")) if os.path.isdir(root) else []
-    try:
-        path = resume_path(cfg)
-    except CheckpointError as exc:
-        raise ConfigError(str(exc)) from None
+    path = resume_path(cfg)  # a path that exists but holds no complete checkpoint: CheckpointError (exit 6)
     ours = path is not None and os.path.abspath(path).startswith(os.path.abspath(root) + os.sep)
     if existing and c.resume != "auto" and not ours and not c.overwrite:
         raise ConfigError(
             f"output_dir '{out}' already holds checkpoints of another run ({existing[-1]}); set checkpoint.resume=auto to "
             "continue it, checkpoint.overwrite=true to replace them, or choose another output_dir"
         )
-    if path is not None:
-        try:
-            meta = read_meta(path)
-        except CheckpointError as exc:
-            raise ConfigError(str(exc)) from None
-        check_compatible(meta, path, cfg, strategy, world)
+    if path is None:
+        return
+    meta = verified_meta(path)  # a checkpoint lost or truncated since it was written: CheckpointError (exit 6), naming the file
+    check_compatible(meta, path, cfg, strategy, world, model_shape(cfg))
+    last = cfg.steps + (cfg.prune.finetune_steps if cfg.prune.method != "none" else 0)
+    if meta.step > last:
+        raise ConfigError(
+            f"checkpoint '{path}' is at step {meta.step} but this run ends at step {last} (steps={cfg.steps}); its later "
+            f"weights would be saved under an earlier step's name: set steps >= {meta.step} to continue it, or resume from "
+            "an earlier checkpoint"
+        )
+    later = later_checkpoints(root, meta.step, path)
+    if later and not c.overwrite:
+        names = ", ".join(os.path.basename(p) for p in later)
+        raise ConfigError(
+            f"resuming from '{path}' (step {meta.step}) would abandon this run's later checkpoints ({names}); resume from the "
+            f"latest (checkpoint.resume=auto), or set checkpoint.overwrite=true to delete {names} and continue from step {meta.step}"
+        )
 
 
 # ------------------------------------------------------------------ the entry point
@@ -329,7 +370,8 @@ def preflight(cfg: RunConfig, strategy: Strategy, world: int | None = None) -> E
     failure. Returns the engine plan (kind, resolved DeepSpeed dict, precision policy), made here once
     and handed to the engine builder. `world`: the world size, when the caller launches the ranks
     itself (a Ray driver); else the launcher's environment says."""
-    world = launch_env()[1] if world is None else world
+    env_world = check_environment()  # the launcher's variables and HARNESS_* knobs, checked even when the caller gives the world
+    world = env_world if world is None else world
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no GPU is visible; use device=auto or device=cpu")
     # The plan first: the run config takes what the launcher's flags and a DeepSpeed file set and it

@@ -168,6 +168,7 @@ class Trainer:
                 self.close()  # SIGTERM/SIGUSR1: saved; exit cleanly so the job can requeue
                 self.stopped_at = step + 1
                 return False
+        guard.finish(stop - first)  # nothing trained (every step skipped as non-finite): exit 3, not 0
         return True
 
     def close(self) -> None:

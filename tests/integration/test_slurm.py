@@ -94,7 +94,7 @@ def test_preemption_saves_exits_zero_everywhere_and_requeues(tmp_path, data_cach
             job.kill()
     assert job.returncode == 0, log[-4000:]
     assert (tmp_path / "requeue.log").read_text().split() == ["requeue", "4242"]
-    assert "stop requested (SIGTERM/SIGUSR1): saved" in log and "Traceback" not in log, log[-4000:]
+    assert "stop requested (SIGTERM/SIGUSR1/Ctrl-C): saved" in log and "Traceback" not in log, log[-4000:]
     saved = latest_checkpoint(str(out / "checkpoints"))
     assert saved is not None and int(saved[-8:]) == 3  # the step after the held save: written by the stop, not by `every`
     assert _steps(out) == [1, 2, 3]

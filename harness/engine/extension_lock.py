@@ -1,0 +1,104 @@
+"""The JIT build lock of torch/DeepSpeed C++ extensions: a bounded wait, and a stale lock named.
+
+DeepSpeed builds its CPU ops (CPU Adam, ...) with `torch.utils.cpp_extension.load`, which
+serialises builds through a `FileBaton`: a file `<extensions dir>/<op>/lock` created with
+O_EXCL, removed when the build ends, and waited on forever (a 0.1 s poll) by every other
+process. A build killed midway (Ctrl-C, an OOM kill, a preempted job) leaves the file behind,
+and every later DeepSpeed start then waits silently for ever. The baton records no owner, so
+before DeepSpeed is touched each lock is judged here:
+
+- provably stale (no process on this host builds in that directory, and neither the lock
+  nor any file beside it changed for `HARNESS_BUILD_LOCK_STALE_S`, 300 s): removed, with a
+  warning naming it;
+- otherwise (a build is running, or ran recently, perhaps on another node sharing the
+  directory): waited for, with a line naming the file, at most `HARNESS_BUILD_LOCK_WAIT_S`
+  (900 s); then one line (exit 2) telling the user which file to remove.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+from harness.errors import ConfigError, env_seconds
+from harness.log import get_logger
+
+log = get_logger(__name__)
+
+
+def extension_roots() -> list[str]:
+    """Where torch builds extensions: `TORCH_EXTENSIONS_DIR`, else the user cache's `torch_extensions`."""
+    explicit = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if explicit:
+        return [explicit]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return [os.path.join(cache, "torch_extensions")]
+
+
+def build_locks(roots: list[str] | None = None) -> list[str]:
+    """Every `lock` file of an extension build directory (`<root>/<op>/lock`, `<root>/<py_acc>/<op>/lock`)."""
+    found: list[str] = []
+    for root in roots if roots is not None else extension_roots():
+        found += glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))
+    return sorted(found)
+
+
+def builders_here(build_dir: str) -> list[int]:
+    """Pids on this host whose working directory is `build_dir` (torch runs ninja there)."""
+    target = os.path.realpath(build_dir)
+    pids = []
+    for entry in glob.glob("/proc/[0-9]*/cwd"):
+        try:
+            cwd = os.path.realpath(os.readlink(entry))
+        except OSError:  # gone, or not ours to read
+            continue
+        if cwd == target or cwd.startswith(target + os.sep):
+            pids.append(int(entry.split("/")[2]))
+    return pids
+
+
+def stale_reason(lock: str, stale_s: float) -> str:
+    """Why `lock` is provably stale ("" when it may belong to a live build)."""
+    build_dir = os.path.dirname(lock)
+    if builders_here(build_dir):
+        return ""
+    try:
+        newest = max(os.stat(p).st_mtime for p in [lock, *glob.glob(os.path.join(build_dir, "*"))] if os.path.exists(p))
+    except (OSError, ValueError):
+        return ""
+    idle = time.time() - newest
+    if idle < stale_s:
+        return ""
+    return f"no process on this host builds there and nothing in {build_dir} changed for {idle:.0f} s (a killed build left it)"
+
+
+def clear_build_locks(roots: list[str] | None = None, poll_s: float = 1.0) -> None:
+    """Before DeepSpeed may JIT-build an op: remove provably stale build locks, wait (bounded, said)
+    for live ones; ConfigError naming the file when one outlives `HARNESS_BUILD_LOCK_WAIT_S`."""
+    stale_s = env_seconds("HARNESS_BUILD_LOCK_STALE_S", 300.0)
+    wait_s = env_seconds("HARNESS_BUILD_LOCK_WAIT_S", 900.0)
+    for lock in build_locks(roots):
+        start, said = time.monotonic(), False
+        while os.path.exists(lock):
+            reason = stale_reason(lock, stale_s)
+            if reason:
+                try:
+                    os.remove(lock)
+                    log.warning(f"removed the stale extension build lock {lock}: {reason}")
+                except FileNotFoundError:
+                    pass
+                break
+            waited = time.monotonic() - start
+            if waited >= wait_s:
+                raise ConfigError(
+                    f"the extension build lock {lock} is still held after {waited:.0f} s (HARNESS_BUILD_LOCK_WAIT_S); "
+                    f"if no build of '{os.path.basename(os.path.dirname(lock))}' is running on any node, remove {lock}"
+                )
+            if not said:
+                log.warning(
+                    f"waiting for the extension build lock {lock} (a build of '{os.path.basename(os.path.dirname(lock))}' "
+                    f"is running or stopped recently; at most {wait_s:.0f} s, HARNESS_BUILD_LOCK_WAIT_S)"
+                )
+                said = True
+            time.sleep(min(poll_s, max(0.0, wait_s - waited)))

@@ -1,0 +1,390 @@
+"""The in-process half of the reliability battery (tests/integration/test_reliability_battery.py
+is the other): bounded waits on an extension build lock, stop signals during data
+preparation (a real tokenizer pool), the data cache keyed by content and verified on load,
+mixed source directories, bytes that are not UTF-8 past pre-flight's sample, a cache that
+cannot be written, the non-finite skip bound, an earlier run's metrics kept. Each case a real
+input; notes/reliability.md counts them by class.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from harness.config import DataConfig
+from harness.data import cache_dir_for, is_complete, load_packed, prepare_data, stop_preparation_when
+from harness.data.documents import data_files
+from harness.engine.extension_lock import build_locks, clear_build_locks
+from harness.errors import ConfigError, NonFiniteError, StopRequested
+from harness.reliability import signals
+
+# ------------------------------------------------------------------ class 2: the extension build lock
+
+
+def _lock(root: Path, sub: str, age_s: float = 0.0) -> Path:
+    lock = root / sub / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.write_text("")
+    (lock.parent / "build.ninja").write_text("rule cc\n")
+    old = time.time() - age_s
+    for p in lock.parent.iterdir():
+        os.utime(p, (old, old))
+    return lock
+
+
+@pytest.mark.parametrize("sub", ["cpu_adam", "py311_cpu/cpu_adam"])
+def test_class2_a_stale_build_lock_is_removed_and_named(tmp_path, monkeypatch, caplog, sub):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = _lock(tmp_path, sub, age_s=3600)
+    with caplog.at_level(logging.WARNING, logger="harness"):
+        clear_build_locks(poll_s=0.05)
+    assert not lock.exists()
+    assert any(f"removed the stale extension build lock {lock}" in r.getMessage() for r in caplog.records)
+
+
+def test_class2_a_recent_build_lock_is_waited_for_with_a_bound_and_named(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("HARNESS_BUILD_LOCK_WAIT_S", "0.6")
+    lock = _lock(tmp_path, "cpu_adam")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="harness"), pytest.raises(ConfigError, match=f"remove {lock}"):
+        clear_build_locks(poll_s=0.05)
+    assert time.monotonic() - t0 < 5 and lock.exists()  # bounded, and not removed: it may be a live build
+    assert any(f"waiting for the extension build lock {lock}" in r.getMessage() for r in caplog.records)
+
+
+def test_class2_an_old_lock_with_a_live_builder_is_not_removed(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("HARNESS_BUILD_LOCK_WAIT_S", "0.5")
+    lock = _lock(tmp_path, "cpu_adam", age_s=3600)
+    builder = subprocess.Popen(["sleep", "30"], cwd=lock.parent)  # what ninja looks like: a process working there
+    try:
+        with pytest.raises(ConfigError, match="is still held after"):
+            clear_build_locks(poll_s=0.05)
+        assert lock.exists()
+    finally:
+        builder.kill()
+        builder.wait()
+
+
+def test_class2_a_lock_released_while_waiting_ends_the_wait(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = _lock(tmp_path, "cpu_adam")
+    threading.Timer(0.3, lock.unlink).start()
+    t0 = time.monotonic()
+    clear_build_locks(poll_s=0.05)
+    assert 0.2 < time.monotonic() - t0 < 5
+
+
+def test_class2_no_locks_no_wait(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "none"))
+    assert build_locks() == []
+    clear_build_locks()
+
+
+# ------------------------------------------------------------------ class 2/4: signals
+
+
+@pytest.fixture
+def harness_handlers():
+    """The run's stop handlers installed in this process (as the Supervisor does), then restored."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    signals.install_signal_handlers()
+    signals._SIGNAL["received"] = None
+    yield
+    signals._SIGNAL["received"] = None
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_class4_ctrl_c_is_a_stop_request_and_a_second_one_aborts(harness_handlers, capfd):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)
+    assert signals.signal_received()
+    assert "Ctrl-C: stopping at the next step boundary" in capfd.readouterr().err
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("rel-corpus")
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(6000):
+            f.write(json.dumps({"text": f"doc {i} " + " ".join(words[(i + k) % 10] for k in range(60))}) + "\n")
+    return root / "docs.jsonl", Path(tokenizer_dir)
+
+
+def _cfg(tmp: Path, source: Path, tok: Path, **kw) -> DataConfig:
+    return DataConfig(**{"source": str(source), "seq_len": 32, "tokenizer": str(tok), "cache_dir": str(tmp / "cache"), "num_proc": 1, **kw})
+
+
+def test_class2_a_stop_signal_while_the_pool_tokenizes_ends_it_and_its_workers(tmp_path, corpus, harness_handlers):
+    """A real pool of 2 (6 tasks), the run's handlers installed: the workers must not inherit them
+    (else the pool's terminate waits for ever on workers that ignore SIGTERM)."""
+    import multiprocessing
+
+    source, tok = corpus
+    batches = {"n": 0}
+
+    def after_first_batch() -> bool:
+        batches["n"] += 1
+        return batches["n"] > 1
+
+    stop_preparation_when(after_first_batch)
+    cfg = _cfg(tmp_path, source, tok, num_proc=2)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StopRequested, match="while tokenizing the data cache"):
+            prepare_data("tiny-llama", cfg, progress=False)
+    finally:
+        stop_preparation_when(lambda: False)
+    assert time.monotonic() - t0 < 60
+    assert not multiprocessing.active_children()
+    assert not is_complete(cache_dir_for("tiny-llama", cfg)) and not list((tmp_path / "cache").glob("*.tmp-*"))
+
+
+def test_class2_a_stop_signal_while_waiting_for_another_preparer_ends_the_wait(tmp_path, corpus):
+    from harness.distributed import FileLock
+
+    source, tok = corpus
+    cfg = _cfg(tmp_path, source, tok)
+    cache = cache_dir_for("tiny-llama", cfg)
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    other = FileLock(cache + ".lock", what="another preparer")
+    assert other.try_acquire()
+    stop_preparation_when(lambda: True)
+    try:
+        with pytest.raises(StopRequested, match="waiting for another process"):
+            prepare_data("tiny-llama", cfg, progress=False)
+    finally:
+        stop_preparation_when(lambda: False)
+        other.release()
+
+
+def _handlers_here() -> tuple:
+    return signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGUSR1)
+
+
+def test_class2_pool_workers_do_not_inherit_the_runs_handlers(harness_handlers):
+    import multiprocessing as mp
+
+    from harness.data.cache import _worker_signals
+
+    with mp.get_context("fork").Pool(1, initializer=_worker_signals) as pool:
+        term, intr, usr1 = pool.apply(_handlers_here)
+    assert (term, intr, usr1) == (signal.SIG_DFL, signal.SIG_IGN, signal.SIG_DFL)
+
+
+# ------------------------------------------------------------------ class 4: the cache follows the content
+
+
+EDITS = ["append_a_document", "same_size_rewrite", "touch_only", "file_added_to_directory", "file_removed_from_directory"]
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_class4_a_corpus_edited_in_place_is_read_again(tmp_path, tokenizer_dir, edit):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"part{i}.jsonl").write_text("".join(json.dumps({"text": f"part {i} line {k} " * 20}) + "\n" for k in range(60)))
+    cfg = _cfg(tmp_path, src, Path(tokenizer_dir), eval_fraction=0.2, calib_fraction=0.2)
+    first = cache_dir_for("tiny-llama", cfg)
+    tokens = load_packed(prepare_data("tiny-llama", cfg, progress=False)).tokens
+    target = src / "part0.jsonl"
+    if edit == "append_a_document":
+        with open(target, "a") as f:
+            f.write(json.dumps({"text": "a new document " * 30}) + "\n")
+    elif edit == "same_size_rewrite":
+        target.write_text(target.read_text().replace("part 0", "PART 0"))
+    elif edit == "touch_only":
+        os.utime(target, (time.time() + 5, time.time() + 5))
+    elif edit == "file_added_to_directory":
+        (src / "part9.jsonl").write_text(json.dumps({"text": "added " * 50}) + "\n")
+    else:
+        (src / "part2.jsonl").unlink()
+    second = cache_dir_for("tiny-llama", cfg)
+    assert second != first
+    again = load_packed(prepare_data("tiny-llama", cfg, progress=False)).tokens
+    if edit in ("append_a_document", "file_added_to_directory", "file_removed_from_directory"):
+        assert sum(again.values()) != sum(tokens.values())
+
+
+DAMAGE = [
+    ("train_stream_truncated", "train.bin"),
+    ("eval_offsets_deleted", "eval.docs.npy"),
+    ("tokenizer_truncated", os.path.join("tokenizer", "tokenizer.json")),
+    ("meta_json_garbage", "meta.json"),
+]
+
+
+@pytest.mark.parametrize("name, file", DAMAGE, ids=[d[0] for d in DAMAGE])
+def test_class4_a_damaged_cache_is_prepared_again_not_failed_forever(tmp_path, corpus, caplog, name, file):
+    source, tok = corpus
+    cfg = _cfg(tmp_path, source, tok, max_tokens=20000)
+    cache = prepare_data("tiny-llama", cfg, progress=False)
+    good = (Path(cache) / "train.bin").read_bytes()
+    path = Path(cache) / file
+    if name.endswith("deleted"):
+        path.unlink()
+    elif name == "meta_json_garbage":
+        path.write_text("{")
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert not is_complete(cache)
+    with caplog.at_level(logging.WARNING, logger="harness"):
+        again = prepare_data("tiny-llama", cfg, progress=False)
+    assert again == cache and is_complete(cache) and (Path(cache) / "train.bin").read_bytes() == good
+    assert name == "meta_json_garbage" or any("is damaged" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------ class 4: mixed directories; class 3: unreadable sources
+
+
+def test_class4_a_readme_beside_the_data_is_left_out_and_said(tmp_path, caplog):
+    (tmp_path / "README.md").write_text("# my dataset\n")
+    (tmp_path / "LICENSE").write_text("MIT\n")
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "y"}\n')
+    with caplog.at_level(logging.INFO, logger="harness"):
+        files = data_files(str(tmp_path))
+    assert [os.path.basename(f) for f in files] == ["a.jsonl", "b.jsonl"]
+    assert any("left out LICENSE, README.md" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "names, expected",
+    [
+        (["a.jsonl", "b.csv"], "mixes files of 2 kinds (csv: b.csv; json: a.jsonl)"),
+        (["a.parquet", "notes.txt"], "mixes files of 2 kinds"),
+        (["a.jsonl", "b.txt", "c.csv"], "mixes files of 3 kinds"),
+    ],
+)
+def test_class4_a_directory_of_several_loaders_is_refused(tmp_path, names, expected):
+    for n in names:
+        (tmp_path / n).write_text("x\n")
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        data_files(str(tmp_path))
+
+
+def test_class4_a_csv_directory_is_read_as_csv(tmp_path, tokenizer_dir):
+    src = tmp_path / "csv"
+    src.mkdir()
+    (src / "a.csv").write_text("text,label\n" + "".join(f'"row {i} ' + "some words " * 30 + f'",{i}\n' for i in range(300)))
+    cfg = _cfg(tmp_path, src, Path(tokenizer_dir), eval_fraction=0.2, calib_fraction=0.2)
+    data = load_packed(prepare_data("tiny-llama", cfg, progress=False))
+    assert sum(data.tokens.values()) > 300 * 30
+
+
+LATE = [("jsonl", False), ("txt", True), ("jsonl", True)]
+
+
+@pytest.mark.parametrize("ext, streaming", LATE, ids=[f"{e}-{'stream' if s else 'cache'}" for e, s in LATE])
+def test_class3_bytes_not_utf8_past_the_sample_are_one_line(tmp_path, tokenizer_dir, ext, streaming):
+    from harness.data import StreamSampler
+    from harness.data.tokenizer import load_tokenizer
+
+    src = tmp_path / f"late.{ext}"
+    if ext == "jsonl":
+        src.write_bytes(b'{"text": "hello world and more"}\n' * 4000 + b'{"text": "bad \xff byte"}\n')
+    else:
+        src.write_bytes(b"hello world\n" * 7000 + b"bad \xff\xfe byte\n")
+    cfg = _cfg(tmp_path, src, Path(tokenizer_dir), streaming=streaming, max_tokens=None)
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        if not streaming:
+            prepare_data("tiny-llama", cfg, progress=False)
+        else:
+            sampler = StreamSampler(cfg, load_tokenizer(str(tokenizer_dir)), 0, 2, 1, 1, 0)
+            for step in range(10000):
+                sampler.batch(step, 0)
+    assert not list((tmp_path / "cache").glob("*.tmp-*"))
+
+
+def test_class3_a_full_disk_while_preparing_is_one_line(tmp_path, corpus):
+    """The file-size limit makes every write past 64 KiB fail as a full disk would (EFBIG for ENOSPC)."""
+    source, tok = corpus
+    cfg = _cfg(tmp_path, source, tok)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, hard))
+    try:
+        with pytest.raises(ConfigError, match="could not be written .*free space or set data.cache_dir"):
+            prepare_data("tiny-llama", cfg, progress=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert not list((tmp_path / "cache").glob("*.tmp-*"))
+
+
+# ------------------------------------------------------------------ class 4: the non-finite skip bound; class 1: earlier metrics
+
+
+class _Engine:
+    steps_in_backward = False
+    module = None
+
+
+@pytest.fixture
+def guard_of(monkeypatch):
+    import harness.reliability.guard as g
+
+    monkeypatch.setattr(g, "install_fault_hooks", lambda *a, **k: None)
+    monkeypatch.setattr(g, "weights_finite", lambda *a, **k: True)
+
+    def make(bound: int):
+        cfg = SimpleNamespace(checkpoint=SimpleNamespace(on_nonfinite="skip", max_consecutive_skips=bound), precision="fp32")
+        return g.StepGuard(cfg, SimpleNamespace(rank=0, is_main=True), _Engine())
+
+    return make
+
+
+def _step(guard, finite: bool) -> None:
+    guard._bad_loss = not finite
+    guard.post_step(SimpleNamespace(grad_norm=1.0 if finite else float("nan"), skipped=not finite))
+
+
+def test_class4_consecutive_skips_are_bounded_exit_3(guard_of):
+    guard = guard_of(3)
+    for finite in (False, False, True, False, False):  # a good step resets the count
+        _step(guard, finite)
+    with pytest.raises(NonFiniteError, match=r"in 3 consecutive steps \(4-6\)"):
+        _step(guard, False)
+
+
+def test_class4_a_run_of_only_skipped_steps_did_not_train(guard_of):
+    guard = guard_of(10)
+    _step(guard, False)
+    _step(guard, False)
+    with pytest.raises(NonFiniteError, match="every one of this run's 2 steps"):
+        guard.finish(2)
+
+
+def test_class4_a_run_with_one_good_step_finishes(guard_of):
+    guard = guard_of(10)
+    _step(guard, False)
+    _step(guard, True)
+    guard.finish(2)
+
+
+def test_class1_a_fresh_run_keeps_an_earlier_runs_metrics(tmp_path):
+    from harness.observability.metrics import MetricsWriter
+
+    old = '{"kind": "train", "step": 1, "train/loss": 5.0}\n{"kind": "train", "step": 2, "train/loss": 4.0}\n'
+    (tmp_path / "metrics.jsonl").write_text(old)
+    writer = MetricsWriter(str(tmp_path))
+    writer.write("train", 1, {"train/loss": 3.0})
+    writer.close()
+    assert (tmp_path / "metrics.superseded.jsonl").read_text() == old
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["train/loss"] == 3.0
