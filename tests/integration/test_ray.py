@@ -1,10 +1,10 @@
 """`python -m harness.ray` on a real local Ray cluster (2 CPU workers, gloo): the run trains exactly
 as torchrun's 2 ranks do, a worker that is killed ends the run with one line, exit 5 and a
-resumable checkpoint, and `checkpoint.resume=auto` under Ray continues it to the same losses.
+resumable checkpoint, `checkpoint.resume=auto` under Ray continues it to the same losses, and
+ZeRO-2 under Ray trains to them too.
 
 One chain of launches (a Ray launch costs ~30-60 s here: the cluster, its controller and worker
-processes start each time). ZeRO under Ray runs through the same worker body (the engine is
-chosen by the config inside each worker); it was checked by hand, not here: notes/scaleout.md.
+processes start each time).
 """
 
 from __future__ import annotations
@@ -48,3 +48,11 @@ def test_ray_trains_as_torchrun_loses_a_worker_in_one_line_and_resumes(tmp_path:
     assert step_losses(out) == pytest.approx(step_losses(ref), rel=1e-6)
     assert final_eval(out) == pytest.approx(final_eval(ref), rel=1e-6)
     assert not list(out.glob(".harness-ray-exit-*"))  # the launcher's own exit records are gone
+
+    # DeepSpeed under Ray: the same worker body with the engine the config names. ZeRO-2 and FSDP2
+    # train this fp32 model to the same losses (torchrun's ZeRO-2 gave FSDP2's digits, notes/scaleout.md)
+    zero2 = tmp_path / "ray_zero2"
+    proc = _ray(config, [f"output_dir={zero2}", "strategy=zero2"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert step_losses(zero2) == pytest.approx(step_losses(ref), rel=1e-6)
+    assert final_eval(zero2) == pytest.approx(final_eval(ref), rel=1e-6)
