@@ -32,7 +32,15 @@ from harness.errors import EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, EXIT_PLAN_NOTHING_FI
 from harness.planner import PlanError
 from harness.planner.estimate import estimate, resolve_vocab
 from harness.planner.ladder import CPU_ADAM_PARAMS_PER_S, PCIE_BYTES_PER_S, first_fit, format_ladder, offload_seconds, walk_ladder
-from harness.planner.recommend import Candidate, evaluate_lora, most_frugal, recommended_config, with_candidate, write_recommended
+from harness.planner.recommend import (
+    Candidate,
+    evaluate_lora,
+    most_frugal,
+    recommend,
+    recommended_config,
+    with_candidate,
+    write_recommended,
+)
 from harness.planner.report import format_estimate, gib, gpu_allowance, parse_size, verdict
 from harness.planner.trace import build_fake_model, param_info
 
@@ -46,6 +54,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--gpus-per-node", type=int, default=None, help="ranks sharing one node's host memory (default: --gpus)")
     parser.add_argument("--nvme", action="store_true", help="NVMe offload is available (lets --recommend use zero3_nvme)")
     parser.add_argument("--recommend", action="store_true", help="walk the memory ladder, print every rung, write the first that fits")
+    parser.add_argument(
+        "--fastest",
+        action="store_true",
+        help="with --recommend: search precision x checkpointing x micro-batch x strategy x offload for the fastest config that fits",
+    )
     parser.add_argument(
         "--cpu-adam-rate",
         type=float,
@@ -156,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             _check_writable_file(flag, target)  # before the plan's seconds of tracing, not after
     cfg = load_config(args.config, overrides)
     vocab = args.vocab_size or resolve_vocab(cfg)
+    if args.fastest and not args.recommend:
+        raise PlanError("--fastest chooses how --recommend searches: give --recommend too")
+    if args.recommend and args.fastest:
+        return _fastest(args, overrides, cfg, gpu_mem, cpu_mem, per_node, vocab)
     if args.recommend:
         return _recommend(args, overrides, cfg, gpu_mem, cpu_mem, per_node, vocab)
     if cfg.lora.enabled:
@@ -246,6 +263,30 @@ def _recommend(
                 for r in results
             ]
             json.dump({"best": best.rung.name, "overrides": best.overrides, "config": out, "ladder": rows}, f, indent=1)
+    return EXIT_OK
+
+
+def _fastest(
+    args: argparse.Namespace, overrides: list[str], cfg: Any, gpu_mem: int, cpu_mem: int | None, per_node: int, vocab: int | None
+) -> int:
+    """The fastest config that fits (`harness.planner.recommend`: the candidates walked by expected
+    speed), rather than the ladder's first rung in memory order."""
+    rec = recommend(cfg, args.gpus, gpu_mem, cpu_mem=cpu_mem, gpus_per_node=per_node, nvme=args.nvme, target=args.target, vocab_size=vocab)
+    print(f"Searched {len(rec.evaluated)} configurations of {cfg.model.name} on {args.gpus} x {gib(gpu_mem)}, fastest first:")
+    for ev in sorted(rec.evaluated, key=lambda e: e.cost):
+        print(f"  {'fits ' if ev.fits else '     '} x{ev.cost:5.2f}  {ev.candidate.label():<68}  {ev.reason}")
+    best = rec.best
+    if best is None:
+        print(f"harness.plan: error: nothing fits in {gib(gpu_mem)} per GPU x {args.gpus}, even with full offload", file=sys.stderr)
+        return EXIT_PLAN_NOTHING_FITS
+    print(f"\nBest: {best.candidate.label()}")
+    for line in rec.why.get(best.candidate, []):
+        print(f"  why: {line}")
+    raw = read_config_file(args.config) if args.config else {}
+    out = args.out or (os.path.splitext(os.path.basename(args.config))[0] + ".recommended.yaml" if args.config else "recommended.yaml")
+    header = f"Written by harness.plan --recommend --fastest for {args.gpus} x {args.gpu_mem}: {best.candidate.label()}\n{best.reason}"
+    write_recommended(out, recommended_config(raw, [*overrides, *best.candidate.overrides()]), header)
+    print(f"\nwrote {out}  (launch: python -m harness.train --config {out})")
     return EXIT_OK
 
 

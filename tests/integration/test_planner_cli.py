@@ -97,6 +97,34 @@ def test_recommend_writes_a_config_that_loads_and_fits(tmp_path: str, capsys: py
     assert verdict(fitted, ddp_need - 1, None, 2).fits
 
 
+def test_recommend_fastest_searches_by_speed_and_writes_a_config_that_fits(tmp_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    config = os.path.join(tmp_path, "run.yaml")
+    with open(config, "w") as f:
+        f.write("model:\n  name: tiny-llama\ndata:\n  seq_len: 64\nmicro_batch_size: 4\nstrategy: ddp\nsteps: 7\n")
+    ddp_need = verdict(estimate(load_config(config), 2, vocab_size=2048), 10**15, None, 2).device_need
+    out = os.path.join(tmp_path, "fast.yaml")
+    argv = [
+        "--config",
+        config,
+        "--gpus",
+        "2",
+        "--gpu-mem",
+        str(ddp_need - 1),
+        "--vocab-size",
+        "2048",
+        "--recommend",
+        "--fastest",
+        "--out",
+        out,
+    ]
+    assert main(argv) == EXIT_OK
+    text = capsys.readouterr().out
+    assert "fastest first" in text and "Best:" in text and "Memory ladder" not in text
+    best = load_config(out)
+    assert best.steps == 7 and verdict(estimate(best, 2, vocab_size=2048), ddp_need - 1, None, 2).fits
+    assert main(["--gpu-mem", "8GiB", "--vocab-size", "2048", "--fastest", *TINY]) == EXIT_BAD_INPUT  # without --recommend
+
+
 def test_module_entry_point_runs() -> None:
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run(
