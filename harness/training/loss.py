@@ -49,22 +49,27 @@ def shift_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> tor
 def _blockwise_ce(logits: torch.Tensor, targets: torch.Tensor, rows: int, grad: torch.Tensor | None) -> torch.Tensor:
     """Summed fp32 CE over ``rows``-row blocks; with ``grad``, also write softmax - onehot into it.
 
-    Only one block is ever upcast to fp32. The gradient is written *unscaled* (entries in
-    [-1, 1]) so that fp16 can hold it; the 1/token-count and loss-scaler factors are applied
-    in backward, where autograd's own cross-entropy would apply them before its fp16 cast.
+    Only one block is ever upcast to fp32, by ``log_softmax`` itself (one fused kernel: the
+    block's log-probabilities, whose ``exp`` is the softmax). The logits are only read. The
+    gradient is written *unscaled* (entries in [-1, 1]) so that fp16 can hold it; the
+    1/token-count and loss-scaler factors are applied in backward, where autograd's own
+    cross-entropy would apply them before its fp16 cast. Ignored positions' rows are zeroed
+    once at the end, by index (one host sync per call for their positions), instead of a
+    masking pass over every block: a causal LM ignores at least each row's last position.
     """
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], rows):
-        x = logits[start : start + rows].float()
         t = targets[start : start + rows]
         valid = t != IGNORE_INDEX
         safe = torch.where(valid, t, 0).unsqueeze(1)
-        lse = torch.logsumexp(x, dim=-1)
-        total += ((lse - x.gather(1, safe).squeeze(1)) * valid).sum()
+        logp = torch.log_softmax(logits[start : start + rows], dim=-1, dtype=torch.float32)
+        total -= (logp.gather(1, safe).squeeze(1) * valid).sum()
         if grad is not None:
-            g = x.sub_(lse.unsqueeze(1)).exp_()  # softmax, in x's memory
+            g = logp.exp_()  # softmax, in logp's memory
             g.scatter_add_(1, safe, -valid.unsqueeze(1).to(g.dtype))
-            grad[start : start + rows] = g.mul_(valid.unsqueeze(1))
+            grad[start : start + rows] = g
+    if grad is not None:
+        grad.index_fill_(0, (targets == IGNORE_INDEX).nonzero().squeeze(1), 0)
     return total
 
 
