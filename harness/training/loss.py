@@ -53,9 +53,7 @@ def _blockwise_ce(logits: torch.Tensor, targets: torch.Tensor, rows: int, grad: 
     block's log-probabilities, whose ``exp`` is the softmax). The logits are only read. The
     gradient is written *unscaled* (entries in [-1, 1]) so that fp16 can hold it; the
     1/token-count and loss-scaler factors are applied in backward, where autograd's own
-    cross-entropy would apply them before its fp16 cast. Ignored positions' rows are zeroed
-    once at the end, by index (one host sync per call for their positions), instead of a
-    masking pass over every block: a causal LM ignores at least each row's last position.
+    cross-entropy would apply them before its fp16 cast.
     """
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], rows):
@@ -67,9 +65,7 @@ def _blockwise_ce(logits: torch.Tensor, targets: torch.Tensor, rows: int, grad: 
         if grad is not None:
             g = logp.exp_()  # softmax, in logp's memory
             g.scatter_add_(1, safe, -valid.unsqueeze(1).to(g.dtype))
-            grad[start : start + rows] = g
-    if grad is not None:
-        grad.index_fill_(0, (targets == IGNORE_INDEX).nonzero().squeeze(1), 0)
+            grad[start : start + rows] = g.mul_(valid.unsqueeze(1))
     return total
 
 
