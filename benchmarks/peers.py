@@ -16,8 +16,12 @@ Rows: `fp32` one process; `bf16` one process (harness `precision=bf16`, Trainer 
 (harness `strategy=fsdp` under torchrun; Trainer under `accelerate launch` with FSDP2 requested,
 which accelerate drops on CPU: the worker records what Trainer wrapped the model in).
 
-Reported per row: median step time after `--warmup` steps, tokens/s (global), the ratio
-harness / Trainer in tokens/s (target >= 0.97), and each side's time to first step.
+Reported per row: the median step time after the first step and `--warmup` more, tokens/s (global), the ratio
+harness / Trainer in tokens/s (target >= 0.97), and each side's time to first step. A step's time
+is the interval between the ends of consecutive steps, on both sides: everything each loop does
+per step (fetching the batch, forward, backward, clipping, the optimizer, logging). Each tool's own
+step timer covers different parts (Trainer's `on_step_begin` fires after the batch is fetched and
+collated; harness's `perf/step_time_s` includes fetching it), so neither is used.
 """
 
 from __future__ import annotations
@@ -86,9 +90,9 @@ def harness_side(row: dict, model: Path, args: argparse.Namespace, work: Path) -
     launched = time.time()
     _run([*launcher, *train, "--config", str(config)])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in records if "perf/step_time_s" in r]
+    ends = [r["time"] for r in records if "perf/step_time_s" in r]
     # from the launch to the first step's record, as for Trainer: interpreter, imports, build, step
-    return {"step_times": [r["perf/step_time_s"] for r in steps], "first_step_s": steps[0]["time"] - launched}
+    return {"step_times": end_to_end(ends), "first_step_s": ends[0] - launched}
 
 
 def trainer_side(row: dict, model: Path, args: argparse.Namespace, work: Path, data_cache: str) -> dict:
@@ -165,22 +169,23 @@ def trainer_worker(spec_path: str) -> None:
         disable_tqdm=True,
         **kwargs,
     )
-    times: list[float] = []
-    marks: dict[str, float] = {}
+    ends: list[float] = []
 
-    class StepTimes(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            marks["t0"] = time.perf_counter()
-
+    class StepEnds(TrainerCallback):
         def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - marks["t0"])
-            marks.setdefault("first_at", time.time())
+            ends.append(time.time())
 
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[StepTimes()])
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[StepEnds()])
     trainer.train()
     if int(os.environ.get("RANK", "0")) == 0:
         wrapped = type(trainer.model_wrapped).__name__
-        Path(spec["result"]).write_text(json.dumps({"step_times": times, "first_step_at": marks["first_at"], "wrapped_in": wrapped}))
+        Path(spec["result"]).write_text(json.dumps({"step_times": end_to_end(ends), "first_step_at": ends[0], "wrapped_in": wrapped}))
+
+
+def end_to_end(ends: list[float]) -> list[float]:
+    """Step times from the moments consecutive steps ended (the first step's own time is unknown
+    this way: it is the time to first step, reported apart)."""
+    return [b - a for a, b in zip(ends, ends[1:])]
 
 
 def median_after(times: list[float], warmup: int) -> float:
