@@ -37,9 +37,9 @@ def main() -> None:
 
     cases = {
         "DeepSpeedCPUAdam (adamw_mode)": lambda p: DeepSpeedCPUAdam(p, lr=1e-4, weight_decay=0.01, adamw_mode=True),
-        "torch AdamW foreach=False (the trainer's)": lambda p: torch.optim.AdamW(p, lr=1e-4, weight_decay=0.01, foreach=False),
+        "torch AdamW foreach=False": lambda p: torch.optim.AdamW(p, lr=1e-4, weight_decay=0.01, foreach=False),
         "torch AdamW foreach=True": lambda p: torch.optim.AdamW(p, lr=1e-4, weight_decay=0.01, foreach=True),
-        "torch AdamW fused=True": lambda p: torch.optim.AdamW(p, lr=1e-4, weight_decay=0.01, fused=True),
+        "torch AdamW fused=True (the trainer's)": lambda p: torch.optim.AdamW(p, lr=1e-4, weight_decay=0.01, fused=True),
     }
     print("| optimizer | threads | parameters | steps | parameters/s |\n|---|---:|---:|---:|---:|")
     for name, make in cases.items():

@@ -40,7 +40,7 @@ def hand_loop(cfg, steps: int) -> float:
     model = build_model(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
     if cfg.precision == "bf16":
         model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, fused=True)  # as nanoGPT and harness build it
     sampler = BatchSampler(data, cfg.micro_batch_size, 1, 1, 0, cfg.data.seed)
     times = []
     for step in range(steps):

@@ -281,7 +281,7 @@ def _client_optimizer(model: nn.Module, cfg: RunConfig, strategy: Strategy, ds_c
             except Exception as exc:  # the op needs a compiler and DeepSpeed's build deps
                 log.warning(f"DeepSpeedCPUAdam unavailable ({type(exc).__name__}); using torch AdamW on CPU")
         ds_config["zero_force_ds_cpu_optimizer"] = False
-    return build_optimizer(params, cfg.optim)
+    return build_optimizer(params, cfg.optim, fused=False)
 
 
 def _fill_gathered(weights: WeightsToLoad, model: nn.Module, rank: int) -> None:

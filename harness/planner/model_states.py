@@ -19,8 +19,9 @@ written down here, each term named after the buffer of the engine that allocates
   torch, fp32 master partitions for DeepSpeed; torchao's bf16/8-bit/4-bit moments with their
   block scales and code books; bitsandbytes' 8-bit moments, absmax and shared code books), of
   each rank's local numel (FSDP2: its shard of each tensor); the step's transient
-  memory is what the trainer's ``foreach=False`` single-tensor loop allocates, two
-  temporaries the size of the largest tensor stepped (``sqrt`` and the division).
+  memory: none for the torch engines' Adam/AdamW (fused: in place), two temporaries the size
+  of the largest tensor stepped for DeepSpeed's (the single-tensor loop: ``sqrt`` and the
+  division), those of SGD's loop and of torchao's step (``step_transient_multiple``).
 
 Each engine is described by an :class:`EngineModel`; ``harness.planner.estimate`` lays it
 over the traced timeline.
@@ -120,13 +121,15 @@ def torch_optimizer_bytes(spec: EngineSpec, numels: list[int]) -> int:
     return states + shared + step_scalar_bytes(spec, len(numels))
 
 
-def step_transient_multiple(optimizer: str, weight_decay: float) -> int:
-    """Temporaries of the single-tensor step, in units of the largest tensor stepped (in its dtype;
-    the torch engines' figure is ``torch_step_transient``)."""
+def step_transient_multiple(optimizer: str, weight_decay: float, fused: bool) -> int:
+    """Temporaries of the step, in units of the largest tensor stepped (in its dtype; the torch
+    engines' figure is ``torch_step_transient``). The torch engines build Adam/AdamW fused
+    (``harness.training.build_optimizer``): in place, none (measured with MemTracker, with and
+    without weight decay). DeepSpeed is handed the single-tensor loop (``fused=False``): two at
+    ``denom = exp_avg_sq.sqrt() / bias_correction2_sqrt``, one more for Adam (not W) with weight
+    decay (``grad + wd * param``); SGD's loop makes one with weight decay."""
     if optimizer in ("adam", "adamw"):
-        # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt): two live at the division;
-        # Adam (not W) with weight decay first makes grad + wd * param (one more).
-        return 2 + (1 if optimizer == "adam" and weight_decay else 0)
+        return 0 if fused else 2 + (1 if optimizer == "adam" and weight_decay else 0)
     return 1 if weight_decay else 0  # SGD: grad.add(param, alpha=wd)
 
 
@@ -140,12 +143,16 @@ def torch_step_transient(spec: EngineSpec, largest: int) -> int:
         return 5 * largest * 4
     if library == "bitsandbytes":
         return 0
-    return step_transient_multiple(spec.optimizer, spec.weight_decay) * largest * spec.torch_param_bytes
+    return step_transient_multiple(spec.optimizer, spec.weight_decay, fused=True) * largest * spec.torch_param_bytes
 
 
 def step_scalar_bytes(spec: EngineSpec, tensors: int) -> int:
-    """torch Adam's per-tensor ``step`` counters: 4-byte CPU scalars (host memory on a GPU)."""
-    return optimizer_step_bytes(spec.optimizer) * tensors if spec.target == "cpu" else 0
+    """The per-tensor ``step`` counters (4-byte scalars): the torch engines' fused Adam keeps them on
+    the parameter's device; DeepSpeed's single-tensor torch Adam and torchao's on the host (device
+    memory only when the device is the CPU); DeepSpeed's CPU Adam counts in a Python int."""
+    fused_on_device = spec.optimizer in ("adam", "adamw") and spec.kind != "deepspeed"
+    on_device = spec.target == "cpu" or fused_on_device
+    return optimizer_step_bytes(spec.optimizer) * tensors if on_device else 0
 
 
 def cpu_adam(spec: EngineSpec) -> bool:
@@ -296,7 +303,7 @@ def zero12_model(spec: EngineSpec, info: ParamInfo, rank: int) -> EngineModel:
     params = flat * b
     master = part * 4
     states = adam_states(spec.optimizer) * part * 4 + step_scalar_bytes(spec, 1)
-    transient = step_transient_multiple(spec.optimizer, spec.weight_decay) * part * 4
+    transient = step_transient_multiple(spec.optimizer, spec.weight_decay, fused=False) * part * 4
     bucket = spec.reduce_bucket * b if spec.contiguous_gradients else 0
     gip = grad_part * b
     name = f"zero{spec.stage}"
@@ -348,7 +355,7 @@ def zero3_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     if spec.world == 1 and (spec.offload_params == "none" or spec.target == "cpu"):
         gathered = 0  # one rank: DeepSpeed points param.data at the partition (_no_gather_coalesced), no copy
     states = adam_states(spec.optimizer) * part * 4 + step_scalar_bytes(spec, groups)
-    transient = step_transient_multiple(spec.optimizer, spec.weight_decay) * largest_group * 4
+    transient = step_transient_multiple(spec.optimizer, spec.weight_decay, fused=False) * largest_group * 4
     bucket = spec.reduce_bucket * b if spec.contiguous_gradients else 0
     grad_buffer = part * b  # grad_partitions_flat_buffer (gradient-accumulation dtype)
     params_on_device = spec.offload_params == "none"

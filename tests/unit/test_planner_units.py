@@ -86,8 +86,11 @@ def test_ddp_adamw_state_and_step_temporaries() -> None:
     em = engine_model(EngineSpec(kind="ddp", world=2, precision="fp32", target="cuda"), info)
     # Buckets are the gradients (gradient_as_bucket_view), present from the start.
     assert em.grads == 500 * 4 and em.grads_from_start
-    assert em.resident["optimizer_state"] == 2 * 500 * 4  # exp_avg + exp_avg_sq, step counters on the host
-    assert em.phases[-1].extra["optimizer_state"] == 2 * 400 * 4  # sqrt and division of the largest tensor
+    # exp_avg + exp_avg_sq; the fused step keeps each tensor's step counter on its device
+    assert em.resident["optimizer_state"] == 2 * 500 * 4 + 2 * 4
+    assert em.phases[-1].extra.get("optimizer_state", 0) == 0  # fused: updates in place, no temporaries
+    sgd = engine_model(EngineSpec(kind="ddp", world=2, precision="fp32", target="cuda", optimizer="sgd", weight_decay=0.1), info)
+    assert sgd.phases[-1].extra["optimizer_state"] == 400 * 4  # SGD's single-tensor loop: grad + wd * param
 
 
 def test_zero2_model_holds_flat_params_master_and_partitioned_grads() -> None:
@@ -99,7 +102,7 @@ def test_zero2_model_holds_flat_params_master_and_partitioned_grads() -> None:
     assert em.resident["optimizer_state"] == part * 4 + 2 * part * 4  # fp32 master + Adam states
     assert em.grads == gip * 2 and em.bucket == 64 * 2
     step = em.phases[-1]
-    assert step.grads == part * 4 and step.extra["optimizer_state"] == 2 * part * 4
+    assert step.grads == part * 4 and step.extra["optimizer_state"] == 2 * part * 4  # single-tensor AdamW: sqrt and division
 
 
 def test_zero3_offload_moves_master_and_state_to_the_host() -> None:
