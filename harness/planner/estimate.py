@@ -252,14 +252,14 @@ def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Mom
             cats["gradients"] = em.grads if (seen_grad or em.grads_from_start) else 0
         if seen_grad:
             cats["communication"] += em.bucket
-        new = max(0, traced_grads - previous_grads) if em.oib_step_cap else 0
-        if em.oib_step_cap and not accumulating:
+        new = max(0, traced_grads - previous_grads) if em.optimizer_in_backward else 0
+        if em.optimizer_in_backward and not accumulating:
             cats["gradients"] = 0  # stepped by its hook and freed before the next op
         if new and prev_full is not None:
             # Optimizer in backward: the hook steps the new gradient right after the op that made it,
             # while that op's buffers (the gradient itself, a reduce-scatter's input) are still alive.
             hook = dict(prev_full)
-            hook["temporaries"] += min(2 * new, em.oib_step_cap)
+            hook["temporaries"] += min(int(em.oib_step_per_grad_byte * new), em.oib_step_cap)
             if best is None or sum(hook.values()) > best.total:
                 best = Moment(trace.moment(i - 1) + " (optimizer step in the gradient hook)", hook)
         previous_grads = traced_grads
