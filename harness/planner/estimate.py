@@ -148,6 +148,10 @@ def specs_for(
         micro_batches=2 if cfg.grad_accum > 1 else 1,
         autocast=policy.autocast and kind != "deepspeed",
         lora=(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules) if lora.target_modules else None) if lora.enabled else None,
+        # QLoRA: the codes are stored in the compute dtype (harness.models.qlora), gathered and dequantized as such
+        nf4_storage={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[policy.compute_dtype]
+        if lora.enabled and lora.quantize == "nf4"
+        else None,
     )
     common = dict(
         kind=kind,
