@@ -148,6 +148,10 @@ def specs_for(
         micro_batches=2 if cfg.grad_accum > 1 else 1,
         autocast=policy.autocast and kind != "deepspeed",
         lora=(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules) if lora.target_modules else None) if lora.enabled else None,
+        # QLoRA: the codes are stored in the compute dtype (harness.models.qlora), gathered and dequantized as such
+        nf4_storage={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[policy.compute_dtype]
+        if lora.enabled and lora.quantize == "nf4"
+        else None,
     )
     common = dict(
         kind=kind,
@@ -252,14 +256,14 @@ def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Mom
             cats["gradients"] = em.grads if (seen_grad or em.grads_from_start) else 0
         if seen_grad:
             cats["communication"] += em.bucket
-        new = max(0, traced_grads - previous_grads) if em.oib_step_cap else 0
-        if em.oib_step_cap and not accumulating:
+        new = max(0, traced_grads - previous_grads) if em.optimizer_in_backward else 0
+        if em.optimizer_in_backward and not accumulating:
             cats["gradients"] = 0  # stepped by its hook and freed before the next op
         if new and prev_full is not None:
             # Optimizer in backward: the hook steps the new gradient right after the op that made it,
             # while that op's buffers (the gradient itself, a reduce-scatter's input) are still alive.
             hook = dict(prev_full)
-            hook["temporaries"] += min(2 * new, em.oib_step_cap)
+            hook["temporaries"] += min(int(em.oib_step_per_grad_byte * new), em.oib_step_cap)
             if best is None or sum(hook.values()) > best.total:
                 best = Moment(trace.moment(i - 1) + " (optimizer step in the gradient hook)", hook)
         previous_grads = traced_grads

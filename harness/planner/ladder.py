@@ -51,6 +51,14 @@ RUNGS: tuple[Rung, ...] = (
     Rung("pure bf16 weights: no fp32 master (stochastic rounding)", ("precision=bf16_pure",)),
     Rung("8-bit optimizer states (torchao)", ("optim.name=adamw_8bit",), max_world=1),
     Rung("4-bit optimizer states (torchao)", ("optim.name=adamw_4bit",), max_world=1),
+    # bitsandbytes rounds its update into a bf16 weight to nearest, so precision=bf16_pure (reserved for
+    # stochastic rounding) refuses it; one process under precision=bf16 holds the same bf16 weights with
+    # no fp32 master (torchtune's single-GPU recipe). Refused under FSDP2 (DTensor shards): one rank only.
+    Rung(
+        "paged 8-bit states (bitsandbytes): states paged to the host",
+        ("optim.name=paged_adamw_8bit", "precision=bf16"),
+        max_world=1,
+    ),
     Rung(
         "ZeRO-Offload: optimizer state and step on the host",
         (

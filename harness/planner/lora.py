@@ -17,7 +17,8 @@ per 64 weights, one fp32 per 256 of those, the code books - whole on every rank:
 :func:`nf4_matrix_bytes`) or int8 (one byte plus an fp32 scale per output row, never sharded);
 the rest of the base in the working dtype (fp32 under FSDP2's master weights), sharded like any
 parameter; the adapters in fp32. Activations are the traced LoRA model's, plus one linear's
-weight dequantized in flight (an upper bound: bitsandbytes frees it after each matmul).
+weight dequantized in flight: NF4's is traced (`harness.planner.packed`: the packed codes gathered,
+each weight dequantized for its matmul and dropped), int8's an upper bound added by formula.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from harness.planner.model_states import EngineModel
 from harness.planner.trace import ParamInfo
 
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weight, 8-bit absmax per 64, fp32 per 256 absmax blocks
-BLOCKSIZE = 64  # bitsandbytes' 4-bit block (one 8-bit absmax each); its absmax are quantized again in blocks of 256
-NF4_MODULE_BYTES = 4 + 16 * 4 + 256 * 4  # per quantized matrix: the absmax offset, the NF4 code book, the absmax code book (fp32)
 BLOCKSIZE = 64  # bitsandbytes' 4-bit block (one 8-bit absmax each); its absmax are quantized again in blocks of 256
 NF4_MODULE_BYTES = 4 + 16 * 4 + 256 * 4  # per quantized matrix: the absmax offset, the NF4 code book, the absmax code book (fp32)
 INT8_BYTES = 1.0  # plus one fp32 scale per output row (added per matrix)
@@ -71,12 +70,14 @@ def quantized_base_bytes(info: ParamInfo, mode: str, dtype_bytes: int = 4, world
 
 def quantized_base(em: EngineModel, info: ParamInfo, mode: str, shard: int = 1, dtype_bytes: int = 4) -> EngineModel:
     """The engine model of a traced LoRA step with QLoRA's parameter bytes (`shard`: ranks the
-    base is divided over, 1 under DDP; `dtype_bytes`: what the rest of the base is held in) and
-    one dequantized bf16 linear in flight."""
+    base is divided over, 1 under DDP; `dtype_bytes`: what the rest of the base is held in). NF4:
+    the trace already gathers the packed codes and dequantizes one weight at a time
+    (`harness.planner.packed`); int8 (not traced as such): one dequantized bf16 linear in flight."""
     params = quantized_base_bytes(info, mode, dtype_bytes, shard) + 4 * info.total // shard
-    largest = max((s[0] * s[1] for _, s in quantized_linears(info)), default=0)
     resident = dict(em.resident)
-    resident["temporaries"] = resident.get("temporaries", 0) + 2 * largest
+    if mode != "nf4":
+        largest = max((s[0] * s[1] for _, s in quantized_linears(info)), default=0)
+        resident["temporaries"] = resident.get("temporaries", 0) + 2 * largest
     base = quantized_base_bytes(info, mode, dtype_bytes, shard)
     note = f"QLoRA ({mode}): base {base:,} B per rank by formula, activations of the traced LoRA model"
     return dataclasses.replace(em, params=params, end_params=params, resident=resident, notes=[*em.notes, note])

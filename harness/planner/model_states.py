@@ -14,14 +14,15 @@ written down here, each term named after the buffer of the engine that allocates
   parameters kept whole, a gradient-partition buffer and a reduce bucket allocated at
   init, gathered parameters up to ``stage3_max_live_parameters``, and per optimizer
   sub-group an fp32 gradient copy at the step;
-- the optimizer: per tensor, ``harness.training.optimizer_state_bytes`` (the one account of what
-  each optimizer keeps: Adam/AdamW two states in the dtype of what they step, the parameter for
-  torch, fp32 master partitions for DeepSpeed; torchao's bf16/8-bit/4-bit moments with their
-  block scales and code books; bitsandbytes' 8-bit moments, absmax and shared code books), of
-  each rank's local numel (FSDP2: its shard of each tensor); the step's transient
-  memory: none for the torch engines' Adam/AdamW (fused: in place), two temporaries the size
-  of the largest tensor stepped for DeepSpeed's (the single-tensor loop: ``sqrt`` and the
-  division), those of SGD's loop and of torchao's step (``step_transient_multiple``).
+- the optimizer (``harness.planner.optimizer_model``): per tensor,
+  ``harness.training.optimizer_state_bytes`` (the one account of what each optimizer keeps:
+  Adam/AdamW two states in the dtype of what they step, the parameter for torch, fp32 master
+  partitions for DeepSpeed; torchao's bf16/8-bit/4-bit moments with their block scales and
+  code books; bitsandbytes' 8-bit moments, absmax and shared code books), of each rank's local
+  numel (FSDP2: its shard of each tensor); the step's transient memory is what the step
+  allocates for the largest tensor stepped (none for the torch engines' fused Adam/AdamW;
+  DeepSpeed's single-tensor loop: ``sqrt`` and the division; torchao's and bitsandbytes' fp32
+  copies); bitsandbytes' paged states on a GPU are the host's.
 
 Each engine is described by an :class:`EngineModel`; ``harness.planner.estimate`` lays it
 over the traced timeline.
@@ -32,37 +33,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
-from harness.config import OPTIMIZER_LIBRARY, EngineKind
+from harness.planner.optimizer_model import (
+    BYTES,
+    EngineSpec,
+    paged_host,
+    paged_notes,
+    step_bytes_per_element,
+    step_scalar_bytes,
+    step_transient_multiple,
+    torch_optimizer_bytes,
+    torch_step_transient,
+)
 from harness.planner.trace import ParamInfo
-from harness.training import optimizer_shared_bytes, optimizer_state_bytes, optimizer_step_bytes
-
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What decides model-state memory: engine, stage, offload, dtypes and DeepSpeed knobs."""
-
-    kind: EngineKind  # harness.config.EngineKind: single | ddp | fsdp | deepspeed
-    world: int
-    precision: str  # fp32 | bf16 | fp16
-    stage: int = 0  # ZeRO stage (zero only)
-    offload_optimizer: str = "none"  # none | cpu | nvme
-    offload_params: str = "none"
-    optimizer: str = "adamw"  # harness.config.OPTIMIZER_NAMES
-    weight_decay: float = 0.0
-    optimizer_in_backward: bool = False
-    reduce_bucket: int = 500_000_000  # elements (DeepSpeed default 5e8)
-    contiguous_gradients: bool = True
-    persistence_threshold: int = 100_000
-    max_live: int = 1_000_000_000
-    sub_group_size: int = 1_000_000_000
-    nvme_buffer_count: int = 5
-    nvme_buffer_size: int = 100_000_000
-    target: str = "cuda"  # "cuda": device and host are separate; "cpu": the host is the device
-    torch_param_bytes: int = 4  # single/DDP parameter dtype bytes (bf16 casts the module)
 
 
 @dataclass
@@ -97,7 +79,9 @@ class EngineModel:
     end_grads: int | None  # gradients held once backward has finished
     phases: list[Phase]
     host: dict[str, int]  # host (CPU) bytes held all step long (offload)
-    oib_step_cap: int = 0  # optimizer in backward: the largest step's temporaries (0: off)
+    optimizer_in_backward: bool = False  # each gradient is stepped by its hook as it appears, then freed
+    oib_step_cap: int = 0  # optimizer in backward: the largest step's temporaries
+    oib_step_per_grad_byte: float = 2.0  # a hook's step temporaries per byte of the gradient it steps
     notes: list[str] = field(default_factory=list)
 
 
@@ -107,52 +91,6 @@ class EngineModel:
 def adam_states(optimizer: str) -> int:
     """fp32 states per element of DeepSpeed's own optimizers (the only ones it runs)."""
     return 2 if optimizer in ("adam", "adamw") else 0
-
-
-def torch_optimizer_bytes(spec: EngineSpec, numels: list[int]) -> int:
-    """What a torch engine's optimizer holds for tensors of these local numels, in the dtype the
-    engine steps (``torch_param_bytes``): the states, bitsandbytes' code books once per optimizer
-    object (one per parameter under optimizer-in-backward), and on CPU the per-tensor step counters
-    (on a GPU machine they are host scalars, not device memory)."""
-    dtype = torch.bfloat16 if spec.torch_param_bytes == 2 else torch.float32
-    states = sum(optimizer_state_bytes(spec.optimizer, n, dtype) for n in numels)
-    groups = [[n] for n in numels] if spec.optimizer_in_backward else [numels]
-    shared = sum(optimizer_shared_bytes(spec.optimizer, group) for group in groups)
-    return states + shared + step_scalar_bytes(spec, len(numels))
-
-
-def step_transient_multiple(optimizer: str, weight_decay: float, fused: bool) -> int:
-    """Temporaries of the step, in units of the largest tensor stepped (in its dtype; the torch
-    engines' figure is ``torch_step_transient``). The torch engines build Adam/AdamW fused
-    (``harness.training.build_optimizer``): in place, none (measured with MemTracker, with and
-    without weight decay). DeepSpeed is handed the single-tensor loop (``fused=False``): two at
-    ``denom = exp_avg_sq.sqrt() / bias_correction2_sqrt``, one more for Adam (not W) with weight
-    decay (``grad + wd * param``); SGD's loop makes one with weight decay."""
-    if optimizer in ("adam", "adamw"):
-        return 0 if fused else 2 + (1 if optimizer == "adam" and weight_decay else 0)
-    return 1 if weight_decay else 0  # SGD: grad.add(param, alpha=wd)
-
-
-def torch_step_transient(spec: EngineSpec, largest: int) -> int:
-    """Temporaries of a torch engine's step for its largest (local) tensor. torchao's step works in
-    fp32 whatever the weights' dtype: the weight, gradient and both moments dequantized to fp32 and
-    the denominator (5 fp32 copies; an estimate from its code, not measured: inductor may fuse some
-    away on a GPU). bitsandbytes updates in place (none counted; not measured on CPU either)."""
-    library = OPTIMIZER_LIBRARY[spec.optimizer]
-    if library == "torchao":
-        return 5 * largest * 4
-    if library == "bitsandbytes":
-        return 0
-    return step_transient_multiple(spec.optimizer, spec.weight_decay, fused=True) * largest * spec.torch_param_bytes
-
-
-def step_scalar_bytes(spec: EngineSpec, tensors: int) -> int:
-    """The per-tensor ``step`` counters (4-byte scalars): the torch engines' fused Adam keeps them on
-    the parameter's device; DeepSpeed's single-tensor torch Adam and torchao's on the host (device
-    memory only when the device is the CPU); DeepSpeed's CPU Adam counts in a Python int."""
-    fused_on_device = spec.optimizer in ("adam", "adamw") and spec.kind != "deepspeed"
-    on_device = spec.target == "cpu" or fused_on_device
-    return optimizer_step_bytes(spec.optimizer) * tensors if on_device else 0
 
 
 def cpu_adam(spec: EngineSpec) -> bool:
@@ -218,9 +156,11 @@ def torch_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     pb = spec.torch_param_bytes
     total = info.total * pb
     opt = {"optimizer_state": torch_optimizer_bytes(spec, info.numels)}
+    host = paged_host(spec, info.numels)
     transient = torch_step_transient(spec, info.largest)
     ddp = spec.kind == "ddp" and spec.world > 1
     name = "ddp" if ddp else "single"
+    notes = paged_notes(spec, info.numels, info.largest)
     if spec.optimizer_in_backward:
         # Each gradient is stepped by its own hook as it appears, then freed (single process only).
         return EngineModel(
@@ -233,16 +173,17 @@ def torch_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
             None,
             0,
             [],
-            {},
+            host,
+            optimizer_in_backward=True,
             oib_step_cap=transient,
-            notes=["optimizer in backward: each parameter steps (and frees its gradient) as the gradient appears"],
+            oib_step_per_grad_byte=step_bytes_per_element(spec) / pb,
+            notes=["optimizer in backward: each parameter steps (and frees its gradient) as the gradient appears", *notes],
         )
+    step = [Phase("optimizer step", extra={"optimizer_state": transient})]
     if ddp:
         # gradient_as_bucket_view=True: the DDP buckets are the .grad tensors, allocated at wrap time.
-        return EngineModel(
-            name, None, total, True, 0, opt, None, total, [Phase("optimizer step", extra={"optimizer_state": transient})], {}
-        )
-    return EngineModel(name, None, None, False, 0, opt, None, None, [Phase("optimizer step", extra={"optimizer_state": transient})], {})
+        return EngineModel(name, None, total, True, 0, opt, None, total, step, host, notes=notes)
+    return EngineModel(name, None, None, False, 0, opt, None, None, step, host, notes=notes)
 
 
 def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
@@ -279,7 +220,9 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
             0,
             [],
             {},
+            optimizer_in_backward=True,
             oib_step_cap=transient,
+            oib_step_per_grad_byte=step_bytes_per_element(spec) / spec.torch_param_bytes,
             notes=["optimizer in backward: each sharded gradient steps (and is freed) after its group's reduce-scatter"],
         )
     return EngineModel(

@@ -39,6 +39,7 @@ from harness.distributed import DistInfo
 from harness.engine import fsdp_wrap
 from harness.memory import CATEGORIES, FrozenAwareMemTracker, apply_activation_checkpointing, category_of
 from harness.models import PRESETS, empty_lora_model, is_preset, model_config
+from harness.planner.packed import pack_block_linears
 from harness.training import causal_lm_loss, precision_policy
 
 CATS = CATEGORIES  # one fixed order; every timeline row is a tuple in this order
@@ -69,6 +70,7 @@ class TraceSpec:
     micro_batches: int = 1  # traced micro-batches: 2 when gradient accumulation keeps grads across them
     autocast: bool = False  # fp16 torch engines run under autocast with fp32 weights
     lora: tuple[int, float, float, tuple[str, ...] | None] | None = None  # (r, alpha, dropout, targets): peft adapters, base frozen
+    nf4_storage: str | None = None  # QLoRA: the block linears' NF4 codes packed in this dtype (harness.planner.packed)
 
 
 @dataclass
@@ -366,7 +368,10 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         r, alpha, dropout, targets = spec.lora
         lora = LoraConfig(enabled=True, r=r, alpha=alpha, dropout=dropout, target_modules=list(targets) if targets else None)
     model = build_fake_model(spec.model_name, spec.vocab_size, fake_mode, dtype, lora)
-    info = param_info(model)
+    info = param_info(model)  # the base's shapes as they are in the checkpoint (the formulas' input)
+    if spec.nf4_storage is not None:
+        with fake_mode:
+            pack_block_linears(model, _dtype(spec.nf4_storage))
     vocab = int(model.config.vocab_size)
     Timeline = _tracker_class()
     try:

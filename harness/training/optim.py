@@ -37,6 +37,7 @@ _TORCHAO_BLOCK = {"adamw_8bit": 256, "adamw_4bit": 128}
 _TORCHAO_QMAP = {"adamw_8bit": 256, "adamw_4bit": 16}  # fp32 code book entries, one per state tensor
 _BNB_MIN_8BIT = 4096  # bitsandbytes' min_8bit_size
 _BNB_BLOCK = 256  # bitsandbytes' blockwise absmax block
+_SAID = {"paged_on_cpu": False}  # one-time notices of this process
 
 
 def _full_precision(numel: int, param_dtype: torch.dtype) -> int:
@@ -106,10 +107,12 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fuse
         return _torchao_class(cfg.name)(params, **kwargs)
     import bitsandbytes  # function-local: see the module docstring
 
-    if params and params[0].device.type == "cpu":
-        # bitsandbytes warns at its first step that it cannot page on CPU; said once here instead.
+    if params and params[0].device.type == "cpu" and not _SAID["paged_on_cpu"]:
+        # bitsandbytes warns at its first step that it cannot page on CPU; said once here instead (once
+        # per process: optimizer-in-backward builds one optimizer per parameter).
         warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
         log.info("optim.name=paged_adamw_8bit on CPU: paging is a CUDA feature, so this is bitsandbytes' plain 8-bit AdamW")
+        _SAID["paged_on_cpu"] = True
     return bitsandbytes.optim.PagedAdamW8bit(params, **kwargs)
 
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import check_run, load_config, load_strategy
+from harness.planner.estimate import estimate
 from harness.planner.ladder import RUNGS, first_fit, offload_seconds, rung_overrides, walk_ladder
+from harness.planner.trace import build_fake_model, param_info
 
 TINY = ["model.name=tiny-llama", "data.seq_len=64", "micro_batch_size=2"]
 
@@ -35,3 +39,28 @@ def test_walk_stops_at_the_first_rung_that_fits() -> None:
     cfg = load_config(None, offload.overrides)
     params = offload.estimate.params_total
     assert offload.offload_s == offload_seconds(cfg, params, 1) > 0 and tight[0].offload_s == 0
+
+
+def test_optimizer_in_backward_frees_gradients_whatever_the_step_costs() -> None:
+    """Each hook steps and frees its gradient, also for an optimizer whose step makes no temporaries
+    (SGD without weight decay; bitsandbytes' fused GPU step): no moment holds the gradients."""
+    short = ["model.name=tiny-llama", "data.seq_len=8", "micro_batch_size=1", "optim.name=sgd", "optim.weight_decay=0"]
+    plain = estimate(load_config(None, short), 1, target="cpu", vocab_size=2048)
+    assert plain.peak.categories["gradients"] > 0  # few activations: the peak is in backward, gradients held
+    oib = ["memory.optimizer_in_backward=true", "optim.grad_clip=0"]
+    est = estimate(load_config(None, [*short, *oib]), 1, target="cpu", vocab_size=2048)
+    assert all(m.categories["gradients"] == 0 for m in est.moments) and est.total < plain.total
+
+
+def test_paged_rung_counts_its_paged_states_on_the_host() -> None:
+    """On a GPU the paged rung's 8-bit moments of the tensors bitsandbytes pages (>= 1e5 elements) are
+    host memory; on CPU (no paging) the same rung holds them like any state."""
+    info = param_info(build_fake_model("tiny-llama", 2048, FakeTensorMode(), torch.bfloat16))
+    paged = 2 * sum(n for n in info.numels if n >= 100_000)
+    assert paged > 0
+    for target, host in (("cuda", paged), ("cpu", 0)):
+        results = walk_ladder(None, TINY, 1, 10**12, target=target, vocab_size=2048)
+        rung = next(r for r in results if r.rung.name.startswith("paged 8-bit"))
+        cfg = load_config(None, rung.overrides)
+        assert (cfg.optim.name, cfg.precision, cfg.memory.optimizer_in_backward) == ("paged_adamw_8bit", "bf16", True)
+        assert rung.estimate.host.get("optimizer_state", 0) == host

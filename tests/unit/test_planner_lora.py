@@ -18,6 +18,7 @@ from harness.planner.lora import NF4_BYTES, nf4_matrix_bytes, quantized_base_byt
 from harness.planner.recommend import Candidate, _param_info, evaluate_lora, recommend
 from harness.planner.report import verdict
 from harness.planner.trace import TraceSpec, build_fake_model, param_info, trace_step
+from harness.training import optimizer_shared_bytes, optimizer_state_bytes, optimizer_step_bytes
 
 VOCAB = 4096
 SMALL = ["model.name=small-llama", "data.seq_len=64", "micro_batch_size=1"]
@@ -102,3 +103,17 @@ def test_plan_command_models_a_lora_config(capsys):
     assert "LoRA (base frozen)" in out and "0.15M adapter parameters" in out
     assert main([*argv, "lora.quantize=nf4", "--target", "cpu"]) == EXIT_OK
     assert "QLoRA (NF4 base" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_4bit", "adamw_bf16", "paged_adamw_8bit"])
+def test_lora_adapter_state_follows_the_optimizer(name):
+    """The adapters' optimizer state is `optimizer_state_bytes` of the optimizer the run names (its
+    quantized moments, block scales and code books), not fp32 AdamW's 8 bytes an element."""
+    run = load_config(None, [*SMALL, "lora.enabled=true", "lora.r=16", f"optim.name={name}"])
+    est = estimate(run, 1, target="cpu", vocab_size=VOCAB)
+    adapters = param_info(build_fake_model("small-llama", VOCAB, FakeTensorMode(), torch.float32, run.lora))
+    expected = sum(optimizer_state_bytes(name, n, torch.float32) for n in adapters.numels)
+    expected += optimizer_shared_bytes(name, adapters.numels) + optimizer_step_bytes(name) * len(adapters.numels)
+    end = next(m for m in est.moments if m.name == "end of backward").categories
+    assert end["optimizer_state"] == expected
+    assert expected < 0.6 * 2 * 4 * adapters.total  # well below fp32 AdamW's two fp32 moments

@@ -162,3 +162,23 @@ def test_load_phase_holds_the_ranks_part_and_one_tensor(kind, stage, precision, 
 def test_load_phase_with_parameter_offload_keeps_the_part_on_the_host() -> None:
     spec = EngineSpec(kind="deepspeed", stage=3, world=4, precision="bf16", offload_params="cpu", target="cuda")
     assert load_phase_bytes(spec, _info([100, 400])) == (400 * 4, 500 * 2 // 4 + 400 * 4)
+
+
+def test_paged_optimizer_counts_its_paged_states_on_the_host() -> None:
+    """bitsandbytes pages the uint8 moments of tensors of >= 1e5 elements (CUDA managed memory): on a
+    GPU they are the host's, the device keeps their absmax, the small tensors' states and, at the
+    step, the working set of one tensor's two moments. On CPU nothing pages: all of it is held."""
+    big, mid, small = 300_000, 50_000, 1_000  # paged 8-bit, unpaged 8-bit, fp32 states
+    info = _info([small, mid, big])
+    gpu = engine_model(EngineSpec(kind="single", world=1, precision="bf16", optimizer="paged_adamw_8bit", torch_param_bytes=2), info)
+    absmax = sum(4 * 2 * -(-n // 256) for n in (mid, big))
+    books = 2 * 256 * 4
+    assert gpu.host == {"optimizer_state": 2 * big}
+    assert gpu.resident["optimizer_state"] == absmax + 2 * mid + 2 * small * 4 + books
+    assert gpu.phases[-1].extra["optimizer_state"] == 2 * big  # the largest tensor's moments paged in
+    cpu = engine_model(
+        EngineSpec(kind="single", world=1, precision="bf16", optimizer="paged_adamw_8bit", torch_param_bytes=2, target="cpu"), info
+    )
+    assert cpu.host == {} and cpu.resident["optimizer_state"] == gpu.resident["optimizer_state"] + 2 * big
+    # bitsandbytes' CPU kernel: both moments, the gradient and the weight in fp32, sqrt(v) and its quotient
+    assert cpu.phases[-1].extra["optimizer_state"] == 6 * 4 * big
