@@ -226,11 +226,15 @@ def prune_in_process(
     only: list[str] | None,
     stamp: str | None = None,
     sweep: list[int] | None = None,
+    holdout: bool = True,
+    cached_only: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every variant x pattern x seed on one engine, dense weights restored before each run.
 
     `stamp` names the run cache (default: the trained model's hash); `sweep`: calibration sizes
-    run for the SWEPT methods at seed `seeds[0]` besides the configured one (rows with `sweep: True`)."""
+    run for the SWEPT methods at seed `seeds[0]` besides the configured one (rows with `sweep: True`);
+    `holdout=False` skips the calib-holdout perplexity (one more evaluation per run); `cached_only`
+    reports the runs an earlier call finished and lists the others in `dense["not_run"]`."""
     import torch
 
     from harness import distributed as dist_utils
@@ -267,7 +271,7 @@ def prune_in_process(
     dense_path = work / f"dense-{stamp}.json"  # the dense model's numbers, per calibration seed
     dense = json.loads(dense_path.read_text()) if dense_path.exists() else evaluate(engine, data, cfg, info)
     held = {str(k): v for k, v in dense.get("holdout_perplexity", {}).items()}
-    for s in seeds:
+    for s in seeds if holdout else []:
         if str(s) not in held:
             held[str(s)] = holdout_perplexity(dataclasses.replace(cfg.prune, calib_seed=s))
     dense["holdout_perplexity"] = held
@@ -296,6 +300,7 @@ def prune_in_process(
     # so a changed default re-runs exactly the rows it changes); valid for this trained model.
     done_path = work / f"runs-{stamp}.jsonl"
     done = {r["cache_key"]: r for r in map(json.loads, done_path.read_text().splitlines())} if done_path.exists() else {}
+    runs.sort(key=lambda r: [p for p, _ in PATTERNS].index(r[2]))  # every method at 50% first, then 2:4 (stable)
     runs = [(*r, False) for r in runs]
     runs += [
         (key, {**over, "calib_samples": n}, pat_key, pattern, seeds[0], True)
@@ -305,7 +310,11 @@ def prune_in_process(
         if key in SWEPT
         for pat_key, pattern in PATTERNS
     ]
+    not_run = []
     for key, over, pat_key, pattern, seed, swept in runs:
+        if cached_only and key == MATCHED and not any(r["key"] == ORIGINAL and r["seed"] == seed for r in results):
+            not_run.append({"key": key, "pattern": pat_key, "seed": seed})
+            continue
         if key == MATCHED:  # Wanda pruned to exactly what the original-mode GradProbe of this seed reached
             over = {**over, "sparsity": next(r["achieved_sparsity"] for r in results if r["key"] == ORIGINAL and r["seed"] == seed)}
         prune = dataclasses.replace(cfg.prune, pattern=pattern, calib_seed=seed, **over)
@@ -313,6 +322,9 @@ def prune_in_process(
         if cache_key in done:
             results.append({**done[cache_key], "key": key, "pattern": pat_key, "seed": seed, "sweep": swept})
             print(f"[bench] {key:28s} {pat_key:16s} seed {seed}: reused", file=sys.stderr, flush=True)
+            continue
+        if cached_only:
+            not_run.append({"key": key, "pattern": pat_key, "seed": seed, "calib_samples": prune.calib_samples})
             continue
         engine.module.load_state_dict(dense_state)
         stats = run_prune_stage(engine, data, dataclasses.replace(cfg, prune=prune), info, enforce=False, save_masks=False, before=dense)
@@ -326,7 +338,8 @@ def prune_in_process(
             "target_numel": sum(x["numel"] for x in stats["layers"]),
             "settings": dataclasses.asdict(prune),
         }
-        row["holdout_perplexity"] = holdout_perplexity(prune)
+        if holdout:
+            row["holdout_perplexity"] = holdout_perplexity(prune)
         masks = {k: m.clone() for k, m in stats.masks.masks.items()}
         if key in ("wanda", "magnitude") and not swept:
             base_masks[(key, pat_key, seed)] = masks
@@ -360,6 +373,7 @@ def prune_in_process(
         "params": params,
         "holdout_perplexity": dense["holdout_perplexity"],
         "disjointness": dense["disjointness"],
+        "not_run": not_run,
     }
 
 
@@ -547,10 +561,19 @@ def sweep_table(results: list[dict[str, Any]]) -> str:
             for n in sizes:
                 r = next((r for r in rows if r["key"] == key and r["pattern"] == pat_key and r["calib_samples"] == n), None)
                 cells.append(
-                    "" if r is None else f"{r['eval_perplexity_after']:.3f} / {r['holdout_perplexity']:.3f} / {r['wall_time_s']:.0f}"
+                    ""
+                    if r is None
+                    else f"{r['eval_perplexity_after']:.3f} / {r.get('holdout_perplexity', float('nan')):.3f} / {r['wall_time_s']:.0f}"
                 )
             lines.append(f"| {LABELS[key]} | {pat_key} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def parse_ft(spec: str) -> tuple[str, str, int]:
+    """METHOD:PATTERN:STEPS (the pattern may hold a colon: wanda:2:4:5)."""
+    method, rest = spec.split(":", 1)
+    pattern, steps = rest.rsplit(":", 1)
+    return method, pattern, int(steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -561,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib-samples", type=int, default=None, help="default: 64 (bench-llama), 32 (smollm2-135m)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--only", nargs="+", default=None, help="run only these result keys (a study; results.json is not written)")
-    parser.add_argument("--finetune-steps", type=int, default=200, help="the masked fine-tune column (0: skip)")
+    parser.add_argument("--finetune-steps", type=int, default=None, help="the masked fine-tune column (0: skip; default 200, smollm2-135m 0)")
     parser.add_argument("--world2", action="store_true", help="also the world-2 cost rows (torchrun, FSDP2)")
     parser.add_argument("--results", default=None, help="default: notes/pruning/results.json (smollm2-135m: results_smollm2.json)")
     parser.add_argument(
@@ -573,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256, help="smollm2-135m: sequence length of calibration and eval")
     parser.add_argument("--eval-batches", type=int, default=8, help="smollm2-135m: eval batches of 4 sequences")
     parser.add_argument("--calib-sweep", type=int, nargs="*", default=[], help="calibration sizes for wanda/sparsegpt/gradprobe (seed 0)")
+    parser.add_argument("--no-holdout", action="store_true", help="skip each run's calib-holdout perplexity")
+    parser.add_argument("--cached-only", action="store_true", help="report the runs earlier calls finished; run nothing new")
     parser.add_argument("--original", action="store_true", help="smollm2-135m: also GradProbe's original mode (2 passes per matrix)")
     parser.add_argument(
         "--finetune-world2",
@@ -582,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
         help="smollm2-135m: prune -> masked fine-tune -> export under FSDP2 at world 2, export checked against the masks",
     )
     parser.add_argument("--finetune-lr", type=float, default=1e-4, help="--finetune-world2's learning rate")
+    parser.add_argument(
+        "--finetune-only", action="store_true", help="only --finetune-world2, its rows merged into the results file (if any)"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     real = args.model == prune_real.MODEL
@@ -589,6 +617,15 @@ def main(argv: list[str] | None = None) -> int:
     results_path = args.results or str(REPO / "notes" / "pruning" / ("results_smollm2.json" if real else "results.json"))
     t0 = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
+    if real and args.finetune_only:  # the world-2 workflow alone, merged into the results of an earlier call
+        cfg = prune_real.real_config(work, args.calib_samples or 32, args.seq_len, args.eval_batches)
+        rows = [prune_real.finetune_world2(work, cfg, *parse_ft(spec), args.finetune_lr) for spec in args.finetune_world2]
+        path = Path(results_path) if Path(results_path).exists() else work / "finetune_world2.json"
+        record = json.loads(path.read_text()) if path.exists() else {}
+        record["finetune_world2"] = [*record.get("finetune_world2", []), *rows]
+        path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        print(json.dumps(rows, indent=1))
+        return 0
     if real:  # pretrained: nothing to train; the four methods (and the original mode on request)
         cfg = prune_real.real_config(work, args.calib_samples or 32, args.seq_len, args.eval_batches)
         trained = {"hf": cfg["model"]["name"], "model": prune_real.MODEL}
@@ -601,17 +638,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.train_only:
             return 0
         only, stamp = args.only, None
-    results, dense = prune_in_process(work, cfg, trained["hf"], args.seeds, only, stamp, args.calib_sweep)
+    results, dense = prune_in_process(
+        work, cfg, trained["hf"], args.seeds, only, stamp, args.calib_sweep, not args.no_holdout, args.cached_only
+    )
     swept = [r for r in results if r.get("sweep")]
     results = [r for r in results if not r.get("sweep")]
     swept += [r for r in results if r["key"] in SWEPT and r["seed"] == args.seeds[0]]
-    finetuned = [] if args.only or not args.finetune_steps else finetune_runs(work, cfg, trained["hf"], args.finetune_steps, args.seeds[0])
+    ft_steps = args.finetune_steps if args.finetune_steps is not None else (0 if real else 200)
+    finetuned = [] if args.only or not ft_steps else finetune_runs(work, cfg, trained["hf"], ft_steps, args.seeds[0])
     world2 = [prune_world2(work, cfg, trained["hf"], k) for k in (1, 0)] if args.world2 else []
-    ft_world2 = []
+    earlier = json.loads(Path(results_path).read_text()).get("finetune_world2", []) if Path(results_path).exists() else []
+    ft_world2 = [] if args.finetune_world2 else earlier  # rows of an earlier --finetune-only call are kept
     for spec in args.finetune_world2:
-        method, rest = spec.split(":", 1)
-        pattern, steps = rest.rsplit(":", 1)
-        ft_world2.append(prune_real.finetune_world2(work, cfg, method, pattern, int(steps), args.finetune_lr))
+        ft_world2.append(prune_real.finetune_world2(work, cfg, *parse_ft(spec), args.finetune_lr))
         print(f"[bench] prune -> fine-tune, FSDP2 world 2: {json.dumps(ft_world2[-1])}", file=sys.stderr, flush=True)
     table = tables(results, dense, trained, finetuned, world2, args.seeds)
     if args.calib_sweep:
