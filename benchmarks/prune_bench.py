@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib-samples", type=int, default=None, help="default: 64 (bench-llama), 32 (smollm2-135m)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--only", nargs="+", default=None, help="run only these result keys (a study; results.json is not written)")
-    parser.add_argument("--finetune-steps", type=int, default=None, help="the masked fine-tune column (0: skip; default 200, smollm2-135m 0)")
+    parser.add_argument("--finetune-steps", type=int, default=None, help="masked fine-tune column (0: skip; default 200, smollm2 0)")
     parser.add_argument("--world2", action="store_true", help="also the world-2 cost rows (torchrun, FSDP2)")
     parser.add_argument("--results", default=None, help="default: notes/pruning/results.json (smollm2-135m: results_smollm2.json)")
     parser.add_argument(
