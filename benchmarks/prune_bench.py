@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -42,6 +43,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (by pr
 
 import prune_real  # noqa: E402
 import yaml  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 
 # (key in results.json, label in the table, prune overrides). Every row runs at 50% unstructured
 # and 2:4 for each calibration seed (magnitude reads no calibration data: one seed). GradProbe's
@@ -239,6 +241,7 @@ def prune_in_process(
 
     from harness import distributed as dist_utils
     from harness.config import load_config, load_strategy
+    from harness.data import load_packed, prepare_data
     from harness.runner import build_run, evaluate, preflight, run_prune_stage
     from harness.runner.prune_stage import HOLDOUT_SPLIT, calibration_split
 
@@ -263,15 +266,23 @@ def prune_in_process(
         )
     )
     cfg = load_config(str(path), ["strategy=ddp"])
-    info = dist_utils.init_distributed(cfg.device)
-    loop, _ = build_run(cfg, preflight(cfg, load_strategy("ddp")), info)
-    engine, data = loop.engine, loop.data
-    dense_state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     stamp = stamp or trained_stamp(work)
     dense_path = work / f"dense-{stamp}.json"  # the dense model's numbers, per calibration seed
-    dense = json.loads(dense_path.read_text()) if dense_path.exists() else evaluate(engine, data, cfg, info)
+    if cached_only:  # no engine: the data cache, and the dense numbers an earlier call measured
+        data = load_packed(prepare_data(cfg.model.name, cfg.data, progress=False))
+        dense = json.loads(dense_path.read_text())
+        with safe_open(str(Path(hf) / "model.safetensors"), framework="pt") as f:
+            params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    else:
+        info = dist_utils.init_distributed(cfg.device)
+        loop, _ = build_run(cfg, preflight(cfg, load_strategy("ddp")), info)
+        engine, data = loop.engine, loop.data
+        dense_state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        params = sum(p.numel() for p in engine.module.parameters())
+        dense = json.loads(dense_path.read_text()) if dense_path.exists() else evaluate(engine, data, cfg, info)
+        dense["params"] = params
     held = {str(k): v for k, v in dense.get("holdout_perplexity", {}).items()}
-    for s in seeds if holdout else []:
+    for s in seeds if holdout and not cached_only else []:
         if str(s) not in held:
             held[str(s)] = holdout_perplexity(dataclasses.replace(cfg.prune, calib_seed=s))
     dense["holdout_perplexity"] = held
@@ -358,15 +369,15 @@ def prune_in_process(
             file=sys.stderr,
             flush=True,
         )
-    if only is None or CONTROL in only:
+    if (only is None or CONTROL in only) and not cached_only:
         for (pat_key, pattern), seed in [(pt, s) for pt in PATTERNS for s in seeds]:
             engine.module.load_state_dict(dense_state)
             row = {**random_pool_control(engine, data, cfg, info, pattern, seed), "key": CONTROL, "pattern": pat_key, "seed": seed}
             results.append(row)
             print(f"[bench] {CONTROL} {pat_key} seed {seed}: ppl {row['eval_perplexity_after']:.3f}", file=sys.stderr, flush=True)
-    engine.module.load_state_dict(dense_state)
-    params = sum(p.numel() for p in engine.module.parameters())
-    dist_utils.teardown()
+    if not cached_only:
+        engine.module.load_state_dict(dense_state)
+        dist_utils.teardown()
     return results, {
         "eval_perplexity": dense["eval/perplexity"],
         "eval_loss": dense["eval/loss"],
