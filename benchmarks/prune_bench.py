@@ -618,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         help="smollm2-135m: prune -> masked fine-tune -> export under FSDP2 at world 2, export checked against the masks",
     )
     parser.add_argument("--finetune-lr", type=float, default=1e-4, help="--finetune-world2's learning rate")
+    parser.add_argument("--finetune-micro-batch", type=int, default=4, help="--finetune-world2's micro-batch per rank")
     parser.add_argument(
         "--finetune-only", action="store_true", help="only --finetune-world2, its rows merged into the results file (if any)"
     )
@@ -630,7 +631,10 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if real and args.finetune_only:  # the world-2 workflow alone, merged into the results of an earlier call
         cfg = prune_real.real_config(work, args.calib_samples or 32, args.seq_len, args.eval_batches)
-        rows = [prune_real.finetune_world2(work, cfg, *parse_ft(spec), args.finetune_lr) for spec in args.finetune_world2]
+        rows = [
+            prune_real.finetune_world2(work, cfg, *parse_ft(spec), args.finetune_lr, args.finetune_micro_batch)
+            for spec in args.finetune_world2
+        ]
         path = Path(results_path) if Path(results_path).exists() else work / "finetune_world2.json"
         record = json.loads(path.read_text()) if path.exists() else {}
         record["finetune_world2"] = [*record.get("finetune_world2", []), *rows]
@@ -661,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     earlier = json.loads(Path(results_path).read_text()).get("finetune_world2", []) if Path(results_path).exists() else []
     ft_world2 = [] if args.finetune_world2 else earlier  # rows of an earlier --finetune-only call are kept
     for spec in args.finetune_world2:
-        ft_world2.append(prune_real.finetune_world2(work, cfg, *parse_ft(spec), args.finetune_lr))
+        ft_world2.append(prune_real.finetune_world2(work, cfg, *parse_ft(spec), args.finetune_lr, args.finetune_micro_batch))
         print(f"[bench] prune -> fine-tune, FSDP2 world 2: {json.dumps(ft_world2[-1])}", file=sys.stderr, flush=True)
     table = tables(results, dense, trained, finetuned, world2, args.seeds)
     if args.calib_sweep:

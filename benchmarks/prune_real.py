@@ -46,7 +46,7 @@ MODEL = "smollm2-135m"
 
 def real_config(work: Path, calib: int, seq_len: int, eval_batches: int) -> dict[str, Any]:
     """SmolLM2-135M as loaded (fp32, dequantized from Q4_1: see real_model.py) on the embedded
-    corpus tokenized by its own tokenizer; eval = `eval_batches` x 4 blocks of the eval split."""
+    corpus tokenized by its own tokenizer; eval = the first `eval_batches` x 4 blocks of the eval split."""
     return {
         "model": {"name": str(real_model.prepare())},
         # calib_fraction 0.10 (default 0.05): 210 calibration blocks of 256, room for 128 samples and a
@@ -151,7 +151,9 @@ def exported_vs_masks(hf_dir: Path, masks_dir: Path, targets: str) -> dict[str, 
     }
 
 
-def finetune_world2(work: Path, cfg_dict: dict[str, Any], method: str, pattern: str, steps: int, lr: float) -> dict[str, Any]:
+def finetune_world2(
+    work: Path, cfg_dict: dict[str, Any], method: str, pattern: str, steps: int, lr: float, micro_batch: int
+) -> dict[str, Any]:
     """Prune -> masked fine-tune -> export under FSDP2 at world 2, the command users run; then the
     export checked against the masks. Returns the command's numbers and the check."""
     out = work / f"ft_w2_{method}_{pattern.replace(':', '')}_{steps}"
@@ -159,6 +161,7 @@ def finetune_world2(work: Path, cfg_dict: dict[str, Any], method: str, pattern: 
     cfg = {
         **cfg_dict,
         "strategy": "fsdp",
+        "micro_batch_size": micro_batch,
         "output_dir": str(out),
         "checkpoint": {"overwrite": True},
         "optim": {"lr": lr, "warmup_steps": max(1, steps // 10)},
@@ -187,6 +190,9 @@ def finetune_world2(work: Path, cfg_dict: dict[str, Any], method: str, pattern: 
         "pattern": pattern,
         "finetune_steps": steps,
         "lr": lr,
+        "micro_batch_size_per_rank": micro_batch,
+        "calib_samples": cfg_dict["prune"]["calib_samples"],
+        "eval_sequences": cfg_dict["eval_batches"] * micro_batch,  # the first blocks of the eval split
         "eval_perplexity_before": report["eval_perplexity_before"],
         "eval_perplexity_pruned": report["eval_perplexity_after"],
         "eval_perplexity_finetuned": evals[-1]["eval/perplexity"],
