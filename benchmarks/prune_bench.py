@@ -202,7 +202,8 @@ def train_dense(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
             return saved
     work.mkdir(parents=True, exist_ok=True)
     path = work / "train.yaml"
-    path.write_text(yaml.safe_dump({**cfg, "checkpoint": {"export_hf": True, "overwrite": True}}))
+    # no prune section: prune keys without prune.method are refused (they would do nothing in training)
+    path.write_text(yaml.safe_dump({**key, "checkpoint": {"export_hf": True, "overwrite": True}}))
     t0 = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "harness.train", "--config", str(path)], cwd=REPO, env=env(), check=True, stdout=subprocess.DEVNULL
