@@ -523,7 +523,7 @@ def tables(
             ppl = statistics.mean(r["eval_perplexity_after"] for r in rows)
             wanda = head["ppl"].get("wanda", {}).get(pat_key)
             ft = head["ppl_finetuned"].get(key, {}).get(pat_key)
-            note = "" if len(rows) > 1 else " (no calibration data)"
+            note = " (no calibration data)" if rows[0].get("calib_samples_used") == 0 else ""
             lines.append(
                 f"| {LABELS[key]} | {pat_key} | {mean_sd([r['eval_perplexity_after'] for r in rows], '.3f')}{note} "
                 f"| {100 * (ppl / dense['eval_perplexity'] - 1):+.1f}% | {'' if wanda is None else f'{100 * (ppl / wanda - 1):+.2f}%'} "
