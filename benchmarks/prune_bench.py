@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -37,7 +38,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (by prune_real)
+
+import prune_real  # noqa: E402
 import yaml  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 
 # (key in results.json, label in the table, prune overrides). Every row runs at 50% unstructured
 # and 2:4 for each calibration seed (magnitude reads no calibration data: one seed). GradProbe's
@@ -181,6 +187,9 @@ def trained_stamp(work: Path) -> str:
         return hashlib.sha256(f.read()).hexdigest()[:12]
 
 
+SWEPT = ["wanda", "sparsegpt", "gradprobe"]  # the calibration size sweep's methods (seed 0)
+
+
 def train_dense(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     """Train + export once; reused while the training settings are unchanged."""
     stamp = work / "dense.json"
@@ -193,7 +202,8 @@ def train_dense(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
             return saved
     work.mkdir(parents=True, exist_ok=True)
     path = work / "train.yaml"
-    path.write_text(yaml.safe_dump({**cfg, "checkpoint": {"export_hf": True, "overwrite": True}}))
+    # no prune section: prune keys without prune.method are refused (they would do nothing in training)
+    path.write_text(yaml.safe_dump({**key, "checkpoint": {"export_hf": True, "overwrite": True}}))
     t0 = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "harness.train", "--config", str(path)], cwd=REPO, env=env(), check=True, stdout=subprocess.DEVNULL
@@ -212,14 +222,28 @@ def train_dense(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def prune_in_process(
-    work: Path, cfg_dict: dict[str, Any], hf: str, seeds: list[int], only: list[str] | None
+    work: Path,
+    cfg_dict: dict[str, Any],
+    hf: str,
+    seeds: list[int],
+    only: list[str] | None,
+    stamp: str | None = None,
+    sweep: list[int] | None = None,
+    holdout: bool = True,
+    cached_only: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Every variant x pattern x seed on one engine, dense weights restored before each run."""
+    """Every variant x pattern x seed on one engine, dense weights restored before each run.
+
+    `stamp` names the run cache (default: the trained model's hash); `sweep`: calibration sizes
+    run for the SWEPT methods at seed `seeds[0]` besides the configured one (rows with `sweep: True`);
+    `holdout=False` skips the calib-holdout perplexity (one more evaluation per run); `cached_only`
+    reports the runs an earlier call finished and lists the others in `dense["not_run"]`."""
     import torch
 
     from harness import distributed as dist_utils
     from harness.config import load_config, load_strategy
-    from harness.runner import build_run, evaluate, run_prune_stage
+    from harness.data import load_packed, prepare_data
+    from harness.runner import build_run, evaluate, preflight, run_prune_stage
     from harness.runner.prune_stage import HOLDOUT_SPLIT, calibration_split
 
     def holdout_perplexity(prune: Any) -> float:
@@ -232,16 +256,42 @@ def prune_in_process(
     path = work / "prune.yaml"
     path.write_text(
         yaml.safe_dump(
-            {**cfg_dict, "model": {"name": hf}, "steps": 1, "output_dir": str(work / "prune_w1"), "checkpoint": {"overwrite": True}}
+            {
+                **cfg_dict,
+                "model": {"name": hf},
+                "steps": 1,
+                "output_dir": str(work / "prune_w1"),
+                "checkpoint": {"overwrite": True},
+                "prune": {**cfg_dict["prune"], "method": "wanda"},  # each run replaces the method
+            }
         )
     )
     cfg = load_config(str(path), ["strategy=ddp"])
-    info = dist_utils.init_distributed(cfg.device)
-    loop, _ = build_run(cfg, load_strategy("ddp"), info)
-    engine, data = loop.engine, loop.data
-    dense_state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    dense = evaluate(engine, data, cfg, info)
-    dense["holdout_perplexity"] = {s: holdout_perplexity(dataclasses.replace(cfg.prune, calib_seed=s)) for s in seeds}
+    stamp = stamp or trained_stamp(work)
+    dense_path = work / f"dense-{stamp}.json"  # the dense model's numbers, per calibration seed
+    if cached_only:  # no engine: the data cache, and the dense numbers an earlier call measured
+        data = load_packed(prepare_data(cfg.model.name, cfg.data, progress=False))
+        dense = json.loads(dense_path.read_text())
+        with safe_open(str(Path(hf) / "model.safetensors"), framework="pt") as f:
+            params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    else:
+        info = dist_utils.init_distributed(cfg.device)
+        loop, _ = build_run(cfg, preflight(cfg, load_strategy("ddp")), info)
+        engine, data = loop.engine, loop.data
+        dense_state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        params = sum(p.numel() for p in engine.module.parameters())
+        dense = json.loads(dense_path.read_text()) if dense_path.exists() else evaluate(engine, data, cfg, info)
+        dense["params"] = params
+    held = {str(k): v for k, v in dense.get("holdout_perplexity", {}).items()}
+    for s in seeds if holdout and not cached_only else []:
+        if str(s) not in held:
+            held[str(s)] = holdout_perplexity(dataclasses.replace(cfg.prune, calib_seed=s))
+    dense["holdout_perplexity"] = held
+    dense_path.write_text(json.dumps(dense))
+    base_n = cfg.prune.calib_samples
+    # Calibration and eval share no document (raises otherwise): every calibration draw of this call vs all of eval.
+    dense["disjointness"] = prune_real.disjointness(data, [base_n, *(sweep or [])], seeds)
+    print(f"[bench] calibration vs eval documents: {dense['disjointness']}", file=sys.stderr, flush=True)
     variants = [v for v in VARIANTS if only is None or v[0] in only]
     runs = [
         (key, over, pat_key, pattern, seed)
@@ -260,16 +310,33 @@ def prune_in_process(
     results: list[dict[str, Any]] = []
     # Finished runs, by everything that decides them (the settings after the variant's overrides,
     # so a changed default re-runs exactly the rows it changes); valid for this trained model.
-    done_path = work / f"runs-{trained_stamp(work)}.jsonl"
+    done_path = work / f"runs-{stamp}.jsonl"
     done = {r["cache_key"]: r for r in map(json.loads, done_path.read_text().splitlines())} if done_path.exists() else {}
-    for key, over, pat_key, pattern, seed in runs:
+    runs.sort(key=lambda r: [p for p, _ in PATTERNS].index(r[2]))  # every method at 50% first, then 2:4 (stable)
+    runs = [(*r, False) for r in runs]
+    runs += [
+        (key, {**over, "calib_samples": n}, pat_key, pattern, seeds[0], True)
+        for n in (sweep or [])
+        if n != base_n
+        for key, _, over in VARIANTS
+        if key in SWEPT
+        for pat_key, pattern in PATTERNS
+    ]
+    not_run = []
+    for key, over, pat_key, pattern, seed, swept in runs:
+        if cached_only and key == MATCHED and not any(r["key"] == ORIGINAL and r["seed"] == seed for r in results):
+            not_run.append({"key": key, "pattern": pat_key, "seed": seed})
+            continue
         if key == MATCHED:  # Wanda pruned to exactly what the original-mode GradProbe of this seed reached
             over = {**over, "sparsity": next(r["achieved_sparsity"] for r in results if r["key"] == ORIGINAL and r["seed"] == seed)}
         prune = dataclasses.replace(cfg.prune, pattern=pattern, calib_seed=seed, **over)
         cache_key = json.dumps(dataclasses.asdict(prune), sort_keys=True)
         if cache_key in done:
-            results.append({**done[cache_key], "key": key, "pattern": pat_key, "seed": seed})
+            results.append({**done[cache_key], "key": key, "pattern": pat_key, "seed": seed, "sweep": swept})
             print(f"[bench] {key:28s} {pat_key:16s} seed {seed}: reused", file=sys.stderr, flush=True)
+            continue
+        if cached_only:
+            not_run.append({"key": key, "pattern": pat_key, "seed": seed, "calib_samples": prune.calib_samples})
             continue
         engine.module.load_state_dict(dense_state)
         stats = run_prune_stage(engine, data, dataclasses.replace(cfg, prune=prune), info, enforce=False, save_masks=False, before=dense)
@@ -278,15 +345,18 @@ def prune_in_process(
             "key": key,
             "pattern": pat_key,
             "seed": seed,
+            "sweep": swept,
+            "calib_samples": prune.calib_samples,
             "target_numel": sum(x["numel"] for x in stats["layers"]),
             "settings": dataclasses.asdict(prune),
         }
-        row["holdout_perplexity"] = holdout_perplexity(prune)
+        if holdout:
+            row["holdout_perplexity"] = holdout_perplexity(prune)
         masks = {k: m.clone() for k, m in stats.masks.masks.items()}
-        if key in ("wanda", "magnitude"):
+        if key in ("wanda", "magnitude") and not swept:
             base_masks[(key, pat_key, seed)] = masks
         base = base_masks.get((prune.base, pat_key, seed if prune.base == "wanda" else seeds[0]))
-        if prune.method == "gradprobe" and base is not None and key != ORIGINAL:
+        if prune.method == "gradprobe" and base is not None and key != ORIGINAL and not swept:
             # Share of GradProbe's pruned weights its base would have kept: what the gradient changed.
             row["differs_from_base"] = sum(int((masks[k] & ~base[k]).sum()) for k in masks) / sum(int(m.sum()) for m in masks.values())
         row["cache_key"] = cache_key
@@ -295,25 +365,27 @@ def prune_in_process(
             f.write(json.dumps(row, default=str) + "\n")
         results.append(row)
         print(
-            f"[bench] {key:28s} {pat_key:16s} seed {seed}: ppl {row['eval_perplexity_after']:.3f} sparsity "
+            f"[bench] {key:28s} {pat_key:16s} seed {seed} calib {prune.calib_samples}: ppl {row['eval_perplexity_after']:.3f} sparsity "
             f"{row['achieved_sparsity']:.4f} {row['wall_time_s']:.1f}s",
             file=sys.stderr,
             flush=True,
         )
-    if only is None or CONTROL in only:
+    if (only is None or CONTROL in only) and not cached_only:
         for (pat_key, pattern), seed in [(pt, s) for pt in PATTERNS for s in seeds]:
             engine.module.load_state_dict(dense_state)
             row = {**random_pool_control(engine, data, cfg, info, pattern, seed), "key": CONTROL, "pattern": pat_key, "seed": seed}
             results.append(row)
             print(f"[bench] {CONTROL} {pat_key} seed {seed}: ppl {row['eval_perplexity_after']:.3f}", file=sys.stderr, flush=True)
-    engine.module.load_state_dict(dense_state)
-    params = sum(p.numel() for p in engine.module.parameters())
-    dist_utils.teardown()
+    if not cached_only:
+        engine.module.load_state_dict(dense_state)
+        dist_utils.teardown()
     return results, {
         "eval_perplexity": dense["eval/perplexity"],
         "eval_loss": dense["eval/loss"],
         "params": params,
         "holdout_perplexity": dense["holdout_perplexity"],
+        "disjointness": dense["disjointness"],
+        "not_run": not_run,
     }
 
 
@@ -451,7 +523,7 @@ def tables(
             ppl = statistics.mean(r["eval_perplexity_after"] for r in rows)
             wanda = head["ppl"].get("wanda", {}).get(pat_key)
             ft = head["ppl_finetuned"].get(key, {}).get(pat_key)
-            note = "" if len(rows) > 1 else " (no calibration data)"
+            note = " (no calibration data)" if rows[0].get("calib_samples_used") == 0 else ""
             lines.append(
                 f"| {LABELS[key]} | {pat_key} | {mean_sd([r['eval_perplexity_after'] for r in rows], '.3f')}{note} "
                 f"| {100 * (ppl / dense['eval_perplexity'] - 1):+.1f}% | {'' if wanda is None else f'{100 * (ppl / wanda - 1):+.2f}%'} "
@@ -477,13 +549,43 @@ def tables(
                 f"| {w} | {r['group_size']} | {r['groups']} | {r['fwd_bwd_passes']:g} | {r['wall_time_s']:.1f} "
                 f"| {r['peak_probe_bytes'] / 2**20:.2f} | {r['peak_probe_bytes'] / (target / w):.2f} |"
             )
-    lines += [
-        "",
-        f"Training: {trained['config']['steps']} steps x {16 * 128:,} tokens, "
-        f"final train loss {trained['final_train_loss']:.3f}, "
-        f"{trained['wall_s']:.0f}s (when not reused from the cache).",
-    ]
+    if trained.get("config"):
+        lines += [
+            "",
+            f"Training: {trained['config']['steps']} steps x {16 * 128:,} tokens, "
+            f"final train loss {trained['final_train_loss']:.3f}, "
+            f"{trained['wall_s']:.0f}s (when not reused from the cache).",
+        ]
     return "\n".join(lines)
+
+
+def sweep_table(results: list[dict[str, Any]]) -> str:
+    """The calibration size sweep (seed 0): eval and calib-holdout perplexity, wall time."""
+    rows = [r for r in results if r["key"] in SWEPT and r["seed"] == results[0]["seed"]]
+    sizes = sorted({r["calib_samples"] for r in rows})
+    lines = [
+        "| method | pattern | " + " | ".join(f"{n} calib: eval ppl / holdout ppl / s" for n in sizes) + " |",
+        "|---|---|" + "---|" * len(sizes),
+    ]
+    for key in SWEPT:
+        for pat_key, _ in PATTERNS:
+            cells = []
+            for n in sizes:
+                r = next((r for r in rows if r["key"] == key and r["pattern"] == pat_key and r["calib_samples"] == n), None)
+                cells.append(
+                    ""
+                    if r is None
+                    else f"{r['eval_perplexity_after']:.3f} / {r.get('holdout_perplexity', float('nan')):.3f} / {r['wall_time_s']:.0f}"
+                )
+            lines.append(f"| {LABELS[key]} | {pat_key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_ft(spec: str) -> tuple[str, str, int]:
+    """METHOD:PATTERN:STEPS (the pattern may hold a colon: wanda:2:4:5)."""
+    method, rest = spec.split(":", 1)
+    pattern, steps = rest.rsplit(":", 1)
+    return method, pattern, int(steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,33 +593,93 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="runs/prune_bench", help="working directory (trained model cache, results)")
     parser.add_argument("--train-steps", type=int, default=4000)
     parser.add_argument("--train-only", action="store_true", help="train (or reuse) the dense model and stop")
-    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--calib-samples", type=int, default=None, help="default: 64 (bench-llama), 32 (smollm2-135m)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--only", nargs="+", default=None, help="run only these result keys (a study; results.json is not written)")
-    parser.add_argument("--finetune-steps", type=int, default=200, help="the masked fine-tune column (0: skip)")
+    parser.add_argument("--finetune-steps", type=int, default=None, help="masked fine-tune column (0: skip; default 200, smollm2 0)")
     parser.add_argument("--world2", action="store_true", help="also the world-2 cost rows (torchrun, FSDP2)")
-    parser.add_argument("--results", default=str(REPO / "notes" / "pruning" / "results.json"))
+    parser.add_argument("--results", default=None, help="default: notes/pruning/results.json (smollm2-135m: results_smollm2.json)")
+    parser.add_argument(
+        "--model",
+        choices=["bench-llama", prune_real.MODEL],
+        default="bench-llama",
+        help="bench-llama: trained here (fast); smollm2-135m: the real pretrained model, pruned as loaded",
+    )
+    parser.add_argument("--seq-len", type=int, default=256, help="smollm2-135m: sequence length of calibration and eval")
+    parser.add_argument("--eval-batches", type=int, default=8, help="smollm2-135m: eval batches of 4 sequences")
+    parser.add_argument("--calib-sweep", type=int, nargs="*", default=[], help="calibration sizes for wanda/sparsegpt/gradprobe (seed 0)")
+    parser.add_argument("--no-holdout", action="store_true", help="skip each run's calib-holdout perplexity")
+    parser.add_argument("--cached-only", action="store_true", help="report the runs earlier calls finished; run nothing new")
+    parser.add_argument("--original", action="store_true", help="smollm2-135m: also GradProbe's original mode (2 passes per matrix)")
+    parser.add_argument(
+        "--finetune-world2",
+        nargs="*",
+        default=[],
+        metavar="METHOD:PATTERN:STEPS",
+        help="smollm2-135m: prune -> masked fine-tune -> export under FSDP2 at world 2, export checked against the masks",
+    )
+    parser.add_argument("--finetune-lr", type=float, default=1e-4, help="--finetune-world2's learning rate")
+    parser.add_argument("--finetune-micro-batch", type=int, default=4, help="--finetune-world2's micro-batch per rank")
+    parser.add_argument(
+        "--finetune-only", action="store_true", help="only --finetune-world2, its rows merged into the results file (if any)"
+    )
     args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    work = Path(args.work).resolve()
+    real = args.model == prune_real.MODEL
+    work = Path(args.work if args.work != "runs/prune_bench" or not real else "runs/prune_bench_smollm2").resolve()
+    results_path = args.results or str(REPO / "notes" / "pruning" / ("results_smollm2.json" if real else "results.json"))
     t0 = time.perf_counter()
-    cfg = base_config(work, args.train_steps, args.calib_samples)
-    trained = train_dense(work, cfg)
-    print(f"[bench] dense model: eval perplexity {trained['eval_perplexity']:.3f}", file=sys.stderr, flush=True)
-    if args.train_only:
+    work.mkdir(parents=True, exist_ok=True)
+    if real and args.finetune_only:  # the world-2 workflow alone, merged into the results of an earlier call
+        cfg = prune_real.real_config(work, args.calib_samples or 32, args.seq_len, args.eval_batches)
+        rows = [
+            prune_real.finetune_world2(work, cfg, *parse_ft(spec), args.finetune_lr, args.finetune_micro_batch)
+            for spec in args.finetune_world2
+        ]
+        path = Path(results_path) if Path(results_path).exists() else work / "finetune_world2.json"
+        record = json.loads(path.read_text()) if path.exists() else {}
+        record["finetune_world2"] = [*record.get("finetune_world2", []), *rows]
+        path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        print(json.dumps(rows, indent=1))
         return 0
-    results, dense = prune_in_process(work, cfg, trained["hf"], args.seeds, args.only)
-    finetuned = [] if args.only or not args.finetune_steps else finetune_runs(work, cfg, trained["hf"], args.finetune_steps, args.seeds[0])
+    if real:  # pretrained: nothing to train; the four methods (and the original mode on request)
+        cfg = prune_real.real_config(work, args.calib_samples or 32, args.seq_len, args.eval_batches)
+        trained = {"hf": cfg["model"]["name"], "model": prune_real.MODEL}
+        only = args.only or ["magnitude", "wanda", "sparsegpt", "gradprobe", *([ORIGINAL, MATCHED] if args.original else [])]
+        stamp: str | None = prune_real.model_stamp(trained["hf"], cfg)
+    else:
+        cfg = base_config(work, args.train_steps, args.calib_samples or 64)
+        trained = train_dense(work, cfg)
+        print(f"[bench] dense model: eval perplexity {trained['eval_perplexity']:.3f}", file=sys.stderr, flush=True)
+        if args.train_only:
+            return 0
+        only, stamp = args.only, None
+    results, dense = prune_in_process(
+        work, cfg, trained["hf"], args.seeds, only, stamp, args.calib_sweep, not args.no_holdout, args.cached_only
+    )
+    swept = [r for r in results if r.get("sweep")]
+    results = [r for r in results if not r.get("sweep")]
+    swept += [r for r in results if r["key"] in SWEPT and r["seed"] == args.seeds[0]]
+    ft_steps = args.finetune_steps if args.finetune_steps is not None else (0 if real else 200)
+    finetuned = [] if args.only or not ft_steps else finetune_runs(work, cfg, trained["hf"], ft_steps, args.seeds[0])
     world2 = [prune_world2(work, cfg, trained["hf"], k) for k in (1, 0)] if args.world2 else []
+    earlier = json.loads(Path(results_path).read_text()).get("finetune_world2", []) if Path(results_path).exists() else []
+    ft_world2 = [] if args.finetune_world2 else earlier  # rows of an earlier --finetune-only call are kept
+    for spec in args.finetune_world2:
+        ft_world2.append(prune_real.finetune_world2(work, cfg, *parse_ft(spec), args.finetune_lr, args.finetune_micro_batch))
+        print(f"[bench] prune -> fine-tune, FSDP2 world 2: {json.dumps(ft_world2[-1])}", file=sys.stderr, flush=True)
     table = tables(results, dense, trained, finetuned, world2, args.seeds)
+    if args.calib_sweep:
+        table += "\n\nCalibration size sweep (seed " + str(args.seeds[0]) + "):\n\n" + sweep_table(swept)
     total = time.perf_counter() - t0
     record = {
         **summary(results, dense, finetuned),
         "dense": dense,
         "trained": trained,
         "runs": results,
+        "calib_sweep": swept if args.calib_sweep else [],
         "finetuned": finetuned,
+        "finetune_world2": ft_world2,
         "world2": world2,
         "total_wall_s": total,
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
@@ -525,8 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     (work / "results.json").write_text(json.dumps(record, indent=1, default=str))
     (work / "table.md").write_text(table + "\n")
     if not args.only:
-        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.results).write_text(json.dumps(record, indent=1, default=str) + "\n")
+        Path(results_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(results_path).write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(table)
     print(f"\n[bench] total {total:.0f}s", file=sys.stderr)
     return 0
