@@ -106,7 +106,7 @@ def table(results: dict, optimizers: list[str], seeds: list[int]) -> tuple[list[
                 continue
             d = (run["final_eval_loss"] - base["final_eval_loss"]) / base["final_eval_loss"]
             rel.append(d)
-            lines.append(f"| {name} | {s} | {run['final_eval_loss']:.5f} | {d:+.3%} | {run['median_step_s']:.2f} |")
+            lines.append(f"| {name} | {s} | {run['final_eval_loss']:.5f} | {d:+.4%} | {run['median_step_s']:.2f} |")
         if rel and name != BASELINE:
             mean = statistics.fmean(rel)
             worst = max(rel, key=abs)
@@ -115,30 +115,38 @@ def table(results: dict, optimizers: list[str], seeds: list[int]) -> tuple[list[
     lines += ["", "| optimizer | seeds | mean vs adamw | worst seed | target | met |", "|---|---:|---:|---:|---:|---|"]
     for name, v in verdicts.items():
         met = "yes" if v["met"] else "NO"
-        lines.append(f"| {name} | {v['seeds']} | {v['mean_rel']:+.3%} | {v['worst_rel']:+.3%} | within {v['target']:.0%} | {met} |")
+        lines.append(f"| {name} | {v['seeds']} | {v['mean_rel']:+.4%} | {v['worst_rel']:+.4%} | within {v['target']:.0%} | {met} |")
     return lines, verdicts
 
 
 def plot(results: dict, optimizers: list[str], seeds: list[int], png: Path, title: str) -> None:
-    """Left: training loss (moving average over 10 steps, mean over seeds); right: eval loss."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name in optimizers:
-        runs = [results[f"{name}/{s}"] for s in seeds if f"{name}/{s}" in results]
+    """Left: training loss per step (mean over seeds; every optimizer sees the same batches, so the
+    curves are paired); middle: each step's training loss relative to AdamW's on that same batch
+    (the loss of step t is taken before step t's update: a held-out batch for the weights so far);
+    right: final held-out eval loss relative to AdamW, one point per seed."""
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for i, name in enumerate(optimizers):
+        runs = {s: results[f"{name}/{s}"] for s in seeds if f"{name}/{s}" in results}
         if not runs:
             continue
-        n = min(len(r["train_loss"]) for r in runs)
-        mean = [statistics.fmean(r["train_loss"][i] for r in runs) for i in range(n)]
-        k = 10
-        smooth = [statistics.fmean(mean[max(0, i - k + 1) : i + 1]) for i in range(n)]
-        left.plot(range(1, n + 1), smooth, label=name, linewidth=1.2)
-        points = sorted({step for r in runs for step, _ in r["eval_curve"]})
-        ev = [statistics.fmean(dict(r["eval_curve"])[p] for r in runs if p in dict(r["eval_curve"])) for p in points]
-        right.plot(points, ev, marker="o", label=name, linewidth=1.2)
-    left.set(xlabel="step", ylabel="train loss (10-step moving average, mean over seeds)", title="training")
-    right.set(xlabel="step", ylabel="held-out eval loss (mean over seeds)", title="held-out eval")
-    for ax in (left, right):
+        n = min(len(r["train_loss"]) for r in runs.values())
+        left.plot(range(1, n + 1), [statistics.fmean(r["train_loss"][j] for r in runs.values()) for j in range(n)], label=name, lw=1.2)
+        paired = {s: results[f"{BASELINE}/{s}"] for s in runs if f"{BASELINE}/{s}" in results}
+        if name == BASELINE or not paired:
+            continue
+        rel = [statistics.fmean((runs[s]["train_loss"][j] / b["train_loss"][j] - 1) * 100 for s, b in paired.items()) for j in range(n)]
+        mid.plot(range(1, n + 1), rel, label=name, lw=1.2, color=f"C{i}")
+        for s, b in paired.items():
+            right.scatter(
+                i, (runs[s]["final_eval_loss"] / b["final_eval_loss"] - 1) * 100, color=f"C{i}", label=name if s == min(paired) else None
+            )
+    left.set(xlabel="step", ylabel="train loss (mean over seeds)", title="training loss (same batches for all)")
+    mid.set(xlabel="step", ylabel="train loss vs adamw, same batch (%)", title="per-step difference to fp32 AdamW")
+    right.set(xlabel="optimizer", ylabel="final held-out eval loss vs adamw (%)", title="held-out eval (targets: 1% / 4-bit 2%)")
+    right.set_xticks(range(len(optimizers)), optimizers, rotation=20, fontsize=7)
+    for ax in (left, mid, right):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
