@@ -157,6 +157,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--seed-list", type=lambda s: [int(x) for x in s.split(",")], default=None, help="run only these seeds")
+    parser.add_argument("--report-only", action="store_true", help="no new runs: the table and PNG of the runs held")
     parser.add_argument("--merge", type=Path, action="append", default=[], help="another sweep's JSON (same setup) to take runs from")
     parser.add_argument("--optimizers", type=lambda s: s.split(","), default=list(OPTIMIZERS))
     parser.add_argument("--seq-len", type=int, default=64)
@@ -188,7 +189,7 @@ def main() -> None:
     for s in seeds:  # seed-major: every optimizer of a seed before the next seed, so a cut sweep compares fully
         for name in args.optimizers:
             key = f"{name}/{s}"
-            if key in results:
+            if key in results or args.report_only:
                 continue
             started = time.time()
             results[key] = summarize(train(run_config(model, name, s, args.steps, args, args.work), args.work), time.time() - started)
@@ -200,7 +201,7 @@ def main() -> None:
     args.out.write_text(json.dumps({"setup": setup, "runs": results, "verdicts": verdicts}, indent=1))
     title = (
         f"SmolLM2-135M full fine-tune, fp32 weights, {args.steps} steps x {args.micro_batch} x {args.seq_len} tokens, "
-        f"lr {args.lr:g} (warmup {args.warmup}, cosine), {len(seeds)} seeds, embedded corpus (held-out eval)"
+        f"lr {args.lr:g} (warmup {args.warmup}, cosine), seeds {','.join(map(str, seeds))} (runs held), embedded corpus (held-out eval)"
     )
     plot(results, args.optimizers, seeds, args.png, title)
     print(json.dumps({"setup": setup, "verdicts": verdicts, "png": str(args.png)}))
