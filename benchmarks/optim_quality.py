@@ -120,7 +120,7 @@ def table(results: dict, optimizers: list[str], seeds: list[int]) -> tuple[list[
 
 
 def plot(results: dict, optimizers: list[str], seeds: list[int], png: Path, title: str) -> None:
-    """Left: training loss per step (mean over seeds; every optimizer sees the same batches, so the
+    """Left: training loss per step of the first seed (every optimizer sees the same batches, so the
     curves are paired); middle: each step's training loss relative to AdamW's on that same batch
     (the loss of step t is taken before step t's update: a held-out batch for the weights so far);
     right: final held-out eval loss relative to AdamW, one point per seed."""
@@ -130,7 +130,9 @@ def plot(results: dict, optimizers: list[str], seeds: list[int], png: Path, titl
         if not runs:
             continue
         n = min(len(r["train_loss"]) for r in runs.values())
-        left.plot(range(1, n + 1), [statistics.fmean(r["train_loss"][j] for r in runs.values()) for j in range(n)], label=name, lw=1.2)
+        first = runs[min(runs)] if min(runs) == seeds[0] else None  # one seed: the seeds' batches differ
+        if first is not None:
+            left.plot(range(1, n + 1), first["train_loss"][:n], label=name, lw=1.2)
         paired = {s: results[f"{BASELINE}/{s}"] for s in runs if f"{BASELINE}/{s}" in results}
         if name == BASELINE or not paired:
             continue
@@ -140,7 +142,7 @@ def plot(results: dict, optimizers: list[str], seeds: list[int], png: Path, titl
             right.scatter(
                 i, (runs[s]["final_eval_loss"] / b["final_eval_loss"] - 1) * 100, color=f"C{i}", label=name if s == min(paired) else None
             )
-    left.set(xlabel="step", ylabel="train loss (mean over seeds)", title="training loss (same batches for all)")
+    left.set(xlabel="step", ylabel=f"train loss, seed {seeds[0]}", title="training loss (same batches for all)")
     mid.set(xlabel="step", ylabel="train loss vs adamw, same batch (%)", title="per-step difference to fp32 AdamW")
     right.set(xlabel="optimizer", ylabel="final held-out eval loss vs adamw (%)", title="held-out eval (targets: 1% / 4-bit 2%)")
     right.set_xticks(range(len(optimizers)), optimizers, rotation=20, fontsize=7)
