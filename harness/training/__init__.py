@@ -14,6 +14,7 @@ from harness.training.loss import (
 from harness.training.optim import (
     build_optimizer,
     build_scheduler,
+    compiles_step,
     lr_lambda,
     optimizer_shared_bytes,
     optimizer_state_bytes,
@@ -29,6 +30,7 @@ __all__ = [
     "bf16_supported",
     "build_optimizer",
     "build_scheduler",
+    "compiles_step",
     "causal_lm_loss",
     "chunked_ce_sum",
     "count_targets",

@@ -13,6 +13,7 @@ planner and the tests read it, and the tests compare it with the storage each op
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -114,6 +115,17 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fuse
         log.info("optim.name=paged_adamw_8bit on CPU: paging is a CUDA feature, so this is bitsandbytes' plain 8-bit AdamW")
         _SAID["paged_on_cpu"] = True
     return bitsandbytes.optim.PagedAdamW8bit(params, **kwargs)
+
+
+def compiles_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step runs through torch.compile: torchao's optimizers compile each
+    tensor's update themselves (``fullgraph=True``) unless dynamo is switched off
+    (``TORCHDYNAMO_DISABLE=1``). Under a non-infra TorchDispatchMode (torch's MemTracker) dynamo
+    compiles nothing and fullgraph raises "found no compiled frames"; eager, the 8-bit update of
+    SmolLM2-135M takes minutes on two CPU cores. A memory tracker must not wrap such a step in a
+    dispatch mode (`harness.memory.tracking.StepMemoryTracker`)."""
+    module = type(optimizer).__module__
+    return module.split(".")[0] == "torchao" and os.environ.get("TORCHDYNAMO_DISABLE", "") != "1" and not torch._dynamo.config.disable
 
 
 def _torchao_class(name: str) -> Callable[..., torch.optim.Optimizer]:

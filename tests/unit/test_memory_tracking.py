@@ -7,9 +7,10 @@ import json
 import torch
 from torch import nn
 
+from harness.config import OptimConfig
 from harness.memory import CATEGORIES, StepMemoryTracker, apply_activation_checkpointing
 from harness.models import build_model
-from harness.training import causal_lm_loss
+from harness.training import build_optimizer, causal_lm_loss, compiles_step, optimizer_state_bytes, optimizer_step_bytes
 
 B, D, H = 8, 16, 64  # H > D + 1 makes the ReLU moment the activation peak (see below)
 F32 = 4
@@ -165,3 +166,29 @@ def test_layer_hooks_report_what_each_block_holds() -> None:
     # its input is the previous block's output, already counted there.
     assert held["full"] == [2 * 16 * 64 * 4] * 3
     assert all(f < n for f, n in zip(held["full"], held["none"]))
+
+
+def test_a_torchao_step_compiles_under_the_tracker(monkeypatch) -> None:
+    """torchao compiles its optimizer step itself (fullgraph=True); under MemTracker's dispatch
+    mode dynamo compiles nothing and that raised "found no compiled frames" on the first step of
+    every run with a torchao optimizer (or ran the step eagerly: minutes per step on SmolLM2-135M).
+    Such steps are split by LiveBytes; the quantized states count their codes, scales and code books."""
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 64, bias=False))  # 4096 elements: quantized
+    opt = build_optimizer(mlp.parameters(), OptimConfig(name="adamw_8bit", lr=1e-2))
+    assert compiles_step(opt) and not compiles_step(torch.optim.AdamW(mlp.parameters()))
+    before = [p.detach().clone() for p in mlp.parameters()]
+    tracker = StepMemoryTracker(mlp, opt)
+    x = torch.randn(B, 64)
+    for _ in range(2):  # steps 0 and 1 are both split by category
+        with tracker.step():
+            mlp(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert [r["method"] for r in tracker.history] == ["saved-tensors", "saved-tensors"]
+    assert all(not torch.equal(p, q) for p, q in zip(mlp.parameters(), before, strict=True))
+    held = sum(optimizer_state_bytes("adamw_8bit", p.numel(), p.dtype) + optimizer_step_bytes("adamw_8bit") for p in mlp.parameters())
+    assert tracker.history[-1]["category_max"]["optimizer_state"] == held
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # torchao's step then runs eagerly: the dispatch split is safe
+    assert not compiles_step(opt)

@@ -18,7 +18,12 @@ from harness.memory.tracking.storage import ModelStorage
 
 
 def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    return [local_tensor(t).untyped_storage()]
+    """The storages holding ``t``'s local bytes: a tensor subclass without storage of its own
+    (torchao's quantized optimizer states) holds its inner tensors' (``__tensor_flatten__``)."""
+    t = local_tensor(t)
+    if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        return [st for name in t.__tensor_flatten__()[0] for st in storages(getattr(t, name))]
+    return [t.untyped_storage()]
 
 
 def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:

@@ -6,9 +6,10 @@ Users come because of OOM, so every run says *what* filled memory at its peak. S
   all-gather / reduce-scatter buffers are the ``communication`` category). A dispatch
   mode sees every tensor allocation, so on CPU tensors the split is byte-exact. A fresh
   tracker per measured step (MemTracker refuses a second forward of the same root).
-- Compiled models: a dispatch mode makes dynamo skip compiled frames (torch.compile
-  under a non-infra TorchDispatchMode runs eagerly), so MemTracker would measure the eager
-  program. Instead :class:`LiveBytes` follows storages by weakref: activations are what
+- Compiled models, and optimizers that compile their own step (torchao's): a dispatch mode
+  makes dynamo skip compiled frames (torch.compile under a non-infra TorchDispatchMode runs
+  eagerly; with ``fullgraph=True``, as torchao compiles, it raises), so MemTracker would
+  measure the eager program or break it. Instead :class:`LiveBytes` follows storages by weakref: activations are what
   autograd saves (``saved_tensors_hooks``, which compiled graphs go through), gradients
   come from gradient hooks, parameters and optimizer state are counted. Temporaries,
   communication buffers and the common total are not seen there: those keys are absent.
@@ -62,7 +63,7 @@ from harness.memory.tracking.live import (
 from harness.memory.tracking.storage import ModelStorage
 from harness.memory.tracking.trackers import FSDPTracker, Tracker, in_backward, peaks, to_categories, write_module_report
 from harness.models import decoder_blocks
-from harness.training import unwrap_model
+from harness.training import compiles_step, unwrap_model
 
 
 class StepMemoryTracker:
@@ -98,6 +99,9 @@ class StepMemoryTracker:
         self.category_every = category_every
         self.snapshot_dir, self.snapshot_step = snapshot_dir, snapshot_step
         self.compiled = is_compiled(model) if compiled is None else compiled
+        # torchao's optimizers compile their own step, which a dispatch mode would break (see
+        # `compiles_step`): such steps are split by LiveBytes like a compiled model's.
+        self.step_compiled = any(compiles_step(o) for o in torch_optimizers(optimizer))
         if layer_hooks and enabled and self.compiled:
             # Hooks added to compiled modules each step would be traced and force recompiles.
             warnings.warn("memory layer hooks are a debug option for eager models; ignored for a compiled model", stacklevel=2)
@@ -137,7 +141,7 @@ class StepMemoryTracker:
         try:
             if not split:
                 yield
-            elif self.compiled:
+            elif self.compiled or self.step_compiled:
                 with self._live_step(record):
                     yield
             else:
