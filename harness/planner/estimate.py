@@ -393,7 +393,11 @@ def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:
     the host at worst (fp32). FSDP2 shards on the meta device before allocating (a rank's
     shard); ZeRO-3's `zero.Init` creates each module's tensors whole on the device, then
     partitions them; ZeRO-0/1/2, DDP and single build the whole model in the working dtype.
-    Parameter offload keeps the part on the host instead.
+    Parameter offload keeps the part on the host instead. At world > 1, `zero.Init` also
+    broadcasts each new tensor from rank 0 before partitioning it, and the communication
+    backend may still hold that tensor when `broadcast` returns (gloo's worker thread drops its
+    reference when it next runs; NCCL's stream frees it when the copy completes): the previous
+    tensor can still be whole while the next is built, two in flight.
     """
     one_tensor = info.whole_largest * 4
     whole = info.total + info.frozen  # a LoRA model's frozen base is loaded like the rest
@@ -401,7 +405,7 @@ def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:
     half = ("bf16", "fp16") if espec.kind == "deepspeed" else ("bf16",) if espec.kind in ("single", "ddp") else ()
     working = 2 if espec.precision in half or espec.precision == "bf16_pure" else 4
     if espec.kind == "deepspeed" and espec.stage == 3:
-        part, in_flight_device = whole * working // espec.world, one_tensor
+        part, in_flight_device = whole * working // espec.world, one_tensor * (2 if espec.world > 1 else 1)
     elif espec.kind == "fsdp":
         part, in_flight_device = whole * working // espec.world, one_tensor // espec.world
     else:

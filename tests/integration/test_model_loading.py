@@ -180,6 +180,13 @@ def test_load_phase_peak_is_the_shard_plus_one_tensor(measured, case):
         # this rank's part, one module's tensors generated or read whole (at most: the largest tensor
         # and its bias, in fp32), and the buffers (rotary tables: template and model)
         bound = r["local_bytes"] + 2 * r["largest_tensor"] + 3 * r["buffers"]
+        if case.endswith("/zero3"):
+            # zero.Init broadcasts each new parameter from rank 0 (a uint8 view of it) before
+            # partitioning it, and gloo's worker thread drops its reference to that view only when
+            # it next runs, after `broadcast` has returned: on a loaded machine the previous
+            # parameter's whole tensor is still alive while the next one is built (measured: 2-16%
+            # of 2,000 broadcasts on the 2-core host). At most one such tensor: one more `largest`.
+            bound += r["largest_tensor"]
         assert r["local_bytes"] <= r["peak"] <= bound, f"rank {rank}: {r}"
         # and that part is a part: at world 2 about half the model (LoRA: plus its small adapters,
         # QLoRA: plus the scales every rank holds), never the whole model built and sharded later

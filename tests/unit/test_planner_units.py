@@ -145,8 +145,9 @@ def test_dtype_breakdown_reproduces_the_published_8_5b_table() -> None:
 @pytest.mark.parametrize(
     ("kind", "stage", "precision", "device", "host"),
     [
-        # sharded engines: this rank's part plus one tensor in flight (FSDP2: its slice of it)
-        ("deepspeed", 3, "bf16", 500 * 2 // 4 + 400 * 4, 400 * 4),
+        # sharded engines: this rank's part plus one tensor in flight (FSDP2: its slice of it;
+        # ZeRO-3: two, the tensor built and the previous one's broadcast, still held by the backend)
+        ("deepspeed", 3, "bf16", 500 * 2 // 4 + 2 * 400 * 4, 400 * 4),
         ("fsdp", 0, "bf16", 500 * 4 // 4 + 400 * 4 // 4, 400 * 4),
         # replicated working weights: the whole model in the working dtype, nothing more
         ("deepspeed", 2, "bf16", 500 * 2, 400 * 4),
@@ -161,7 +162,8 @@ def test_load_phase_holds_the_ranks_part_and_one_tensor(kind, stage, precision, 
 
 def test_load_phase_with_parameter_offload_keeps_the_part_on_the_host() -> None:
     spec = EngineSpec(kind="deepspeed", stage=3, world=4, precision="bf16", offload_params="cpu", target="cuda")
-    assert load_phase_bytes(spec, _info([100, 400])) == (400 * 4, 500 * 2 // 4 + 400 * 4)
+    # the device holds only the tensors in flight (zero.Init's: the one built and the previous broadcast)
+    assert load_phase_bytes(spec, _info([100, 400])) == (2 * 400 * 4, 500 * 2 // 4 + 400 * 4)
 
 
 def test_paged_optimizer_counts_its_paged_states_on_the_host() -> None:
