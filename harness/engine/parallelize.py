@@ -30,6 +30,7 @@ from harness.models import (
     empty_lora_model,
     empty_model,
     fill,
+    hold_frozen_in,
     quantize_empty,
 )
 from harness.training import PrecisionPolicy
@@ -79,7 +80,8 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
 
 
 def empty_model_to_train(spec: ModelSpec, cfg: RunConfig, policy: PrecisionPolicy) -> nn.Module:
-    """The model a run trains, on the meta device in the policy's parameter dtype: the spec's,
+    """The model a run trains, on the meta device in the policy's parameter dtype (a LoRA base:
+    its frozen dtype, `PrecisionPolicy.frozen_dtype`): the spec's,
     its linears made bitsandbytes' quantized ones (`lora.quantize`: codes stored in the compute
     dtype, which FSDP2 never casts), with LoRA adapters injected (`lora.enabled`) before anything
     is allocated. Fill it with `WeightsToLoad(spec, cfg.lora.enabled, model)` once materialized (sharded or not)."""
@@ -90,6 +92,8 @@ def empty_model_to_train(spec: ModelSpec, cfg: RunConfig, policy: PrecisionPolic
     if cfg.lora.enabled:
         model = empty_lora_model(model, cfg.lora)
     cast_except_quantized(model, policy.param_dtype)
+    if cfg.lora.enabled and policy.frozen_dtype != policy.param_dtype:  # FSDP2 bf16: the base needs no fp32 master
+        hold_frozen_in(model, policy.frozen_dtype)
     return model
 
 

@@ -26,7 +26,15 @@ from harness.models.lora import (
     trainable_counts,
     wrap_peft,
 )
-from harness.models.qlora import QuantizedWeights, cast_except_quantized, dequantize, quant_state_tensors, quantize_empty, quantized_codes
+from harness.models.qlora import (
+    QuantizedWeights,
+    cast_except_quantized,
+    dequantize,
+    hold_frozen_in,
+    quant_state_tensors,
+    quantize_empty,
+    quantized_codes,
+)
 from harness.models.weights import CheckpointWeights, InitWeights, Part, WeightSource, clean_name, fill, materialize, whole_part
 
 __all__ = [
@@ -45,6 +53,7 @@ __all__ = [
     "build_model",
     "build_run_model",
     "cast_except_quantized",
+    "hold_frozen_in",
     "clean_name",
     "construct_model",
     "count_parameters",

@@ -143,6 +143,17 @@ def cast_except_quantized(model: nn.Module, dtype: torch.dtype) -> None:
             module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
 
 
+def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give every frozen floating parameter of a skeleton (meta or fake storage: values are
+    filled afterwards) `dtype`, except the quantized linears' codes, whose dtype is their packing."""
+    for module in model.modules():
+        if is_quantized_linear(module):
+            continue
+        for name, p in list(module._parameters.items()):
+            if p is not None and not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                module._parameters[name] = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=False)
+
+
 def _weight_name(module_name: str) -> str:
     """A quantized linear's weight by its checkpoint name (no wrapper's, no peft's segment)."""
     return clean_name(f"{module_name}.weight").replace(".base_layer.", ".")
@@ -254,6 +265,7 @@ __all__ = [
     "bitsandbytes",
     "cast_except_quantized",
     "dequantize",
+    "hold_frozen_in",
     "is_quantized_linear",
     "quant_state_tensors",
     "quantized_codes",

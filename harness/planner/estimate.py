@@ -129,7 +129,8 @@ def specs_for(
         raise PlanError(f"lora.enabled=true under {strategy.name}: LoRA is planned under ddp or fsdp (torch's engines) only")
     plan = plan_for(cfg, strategy, world, info_hidden)
     policy = plan.precision
-    param_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[policy.param_dtype]
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    param_dtype = names[policy.param_dtype]
     module_dtype = cfg.precision if kind == "deepspeed" and cfg.precision != "fp32" else param_dtype
     trace = TraceSpec(
         model_name=cfg.model.name,
@@ -149,9 +150,8 @@ def specs_for(
         autocast=policy.autocast and kind != "deepspeed",
         lora=(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules) if lora.target_modules else None) if lora.enabled else None,
         # QLoRA: the codes are stored in the compute dtype (harness.models.qlora), gathered and dequantized as such
-        nf4_storage={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[policy.compute_dtype]
-        if lora.enabled and lora.quantize == "nf4"
-        else None,
+        nf4_storage=names[policy.compute_dtype] if lora.enabled and lora.quantize == "nf4" else None,
+        frozen_dtype=names[policy.frozen_dtype] if lora.enabled and policy.frozen_dtype != policy.param_dtype else None,
     )
     common = dict(
         kind=kind,
@@ -336,8 +336,8 @@ def estimate(
     for rank in ranks:
         em = engine_model(espec, info, rank)
         if cfg.lora.enabled and cfg.lora.quantize != "none":
-            # the rest of the base: FSDP2's fp32 master shards, else the working dtype
-            rest = 4 if espec.kind == "fsdp" or cfg.precision == "fp32" else 2
+            # the rest of the base (embeddings, head, norms): the frozen dtype, fp32 only where the module computes in it
+            rest = 4 if cfg.precision in ("fp32", "fp16") else 2
             em = quantized_base(em, info, cfg.lora.quantize, espec.world if espec.kind == "fsdp" else 1, rest)
         moments = walk(trace, em, cpu_run=target == "cpu")
         peak = max(moments, key=lambda m: m.total)

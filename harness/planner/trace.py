@@ -38,7 +38,7 @@ from harness.config import LoraConfig, Strategy
 from harness.distributed import DistInfo
 from harness.engine import fsdp_wrap
 from harness.memory import CATEGORIES, FrozenAwareMemTracker, apply_activation_checkpointing, category_of
-from harness.models import PRESETS, empty_lora_model, is_preset, model_config
+from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config
 from harness.planner.packed import pack_block_linears
 from harness.training import causal_lm_loss, precision_policy
 
@@ -71,6 +71,7 @@ class TraceSpec:
     autocast: bool = False  # fp16 torch engines run under autocast with fp32 weights
     lora: tuple[int, float, float, tuple[str, ...] | None] | None = None  # (r, alpha, dropout, targets): peft adapters, base frozen
     nf4_storage: str | None = None  # QLoRA: the block linears' NF4 codes packed in this dtype (harness.planner.packed)
+    frozen_dtype: str | None = None  # LoRA: the frozen base held in this dtype, not module_dtype (PrecisionPolicy.frozen_dtype)
 
 
 @dataclass
@@ -369,6 +370,9 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         lora = LoraConfig(enabled=True, r=r, alpha=alpha, dropout=dropout, target_modules=list(targets) if targets else None)
     model = build_fake_model(spec.model_name, spec.vocab_size, fake_mode, dtype, lora)
     info = param_info(model)  # the base's shapes as they are in the checkpoint (the formulas' input)
+    if spec.frozen_dtype is not None:
+        with fake_mode:
+            hold_frozen_in(model, _dtype(spec.frozen_dtype))
     if spec.nf4_storage is not None:
         with fake_mode:
             pack_block_linears(model, _dtype(spec.nf4_storage))

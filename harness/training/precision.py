@@ -38,6 +38,17 @@ class PrecisionPolicy:
             return "bf16 weights (the module is cast), no fp32 master"
         return "fp32 master weights" if self.mode in ("bf16", "fp16") else "fp32 weights"
 
+    @property
+    def frozen_dtype(self) -> torch.dtype:
+        """The dtype a frozen parameter (a LoRA base) is held in. It takes no step, so it needs no
+        master copy: where the engine casts every parameter to the compute dtype itself (FSDP2's
+        mixed precision: fp32 shards, bf16 all-gathers), a frozen one is held in that dtype,
+        what it computes in anyway, rounded as the cast would round it: the same forward and
+        backward, half the bytes. Elsewhere (autocast, a cast module, fp32) the parameter dtype."""
+        if not self.autocast and self.param_dtype != self.compute_dtype:
+            return self.compute_dtype
+        return self.param_dtype
+
     def autocast_context(self, device: torch.device):
         if not self.autocast:
             return contextlib.nullcontext()

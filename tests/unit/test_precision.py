@@ -14,7 +14,7 @@ from model_families import save_families
 
 from harness.config import load_config, load_strategy
 from harness.distributed import DistInfo
-from harness.engine import build_engine, hidden_size_of, load_model, plan_engine
+from harness.engine import build_engine, hidden_size_of, load_model, parallelize, plan_engine
 from harness.errors import ConfigError
 from harness.models import CheckpointWeights, decoder_blocks, model_spec
 from harness.training import causal_lm_loss, precision_policy
@@ -82,6 +82,37 @@ def test_fsdp_bf16_keeps_fp32_master_and_computes_in_bf16(group_of_one):
     act, loss, grads = _activation_dtype(engine, model)
     assert act == torch.bfloat16 and loss == torch.float32
     assert grads == {torch.float32}  # reduce_dtype fp32, into the fp32 sharded grads
+
+
+def _lora_fsdp_bf16_run(steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.dtype]]:
+    cfg = load_config(None, ["strategy=fsdp", "precision=bf16", "lora.enabled=true", "lora.r=4", "micro_batch_size=2", "optim.lr=0.01"])
+    info = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")
+    spec = model_spec("tiny-llama", vocab_size=VOCAB)
+    plan = plan_engine(cfg, load_strategy(cfg.strategy, env={}), 1, info.device, hidden_size_of(spec.config))
+    engine = build_engine(spec, cfg, plan, info, functools.partial(causal_lm_loss, chunk_size=0))
+    losses, batch = [], torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):  # a repeated batch: the loss falls
+        loss = engine.forward_loss(batch)
+        engine.backward(loss, last_micro=True)
+        engine.step()
+        losses.append(float(loss.detach()))
+    model = engine.module
+    adapters = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return losses, adapters, {n: p.dtype for n, p in model.named_parameters()}
+
+
+def test_fsdp_bf16_lora_holds_the_frozen_base_in_bf16_and_computes_the_same(group_of_one, monkeypatch):
+    """The frozen base takes no step, so FSDP2 keeps no fp32 master of it: it is held in bf16,
+    which FSDP2's mixed precision casts every parameter to for compute anyway. Against the same
+    run with the base held in fp32 shards (the hold switched off): the same losses and adapters, bit for bit."""
+    losses, adapters, dtypes = _lora_fsdp_bf16_run()
+    assert {dtypes[n] for n in adapters} == {torch.float32}  # the adapters keep their fp32 master
+    assert {d for n, d in dtypes.items() if n not in adapters} == {torch.bfloat16}
+    monkeypatch.setattr(parallelize, "hold_frozen_in", lambda model, dtype: None)
+    ref_losses, ref_adapters, ref_dtypes = _lora_fsdp_bf16_run()
+    assert {d for n, d in ref_dtypes.items() if n not in adapters} == {torch.float32}
+    assert losses == ref_losses and losses[-1] < losses[0]
+    assert all(torch.equal(adapters[n], ref_adapters[n]) for n in adapters)
 
 
 def test_deepspeed_bf16_module_bf16_master_fp32(group_of_one):
