@@ -124,7 +124,7 @@ def _plan_lora(cfg: Any, args: argparse.Namespace, gpu_mem: int, cpu_mem: int | 
     mode = "lora" if cfg.lora.quantize == "none" else cfg.lora.quantize
     strategy = cfg.strategy or "ddp"
     sharded = strategy.startswith(("fsdp", "zero3"))
-    planned = strategy if strategy in ("ddp", "fsdp", "fsdp_grad_op") else "fsdp" if sharded else "ddp"
+    planned = strategy if strategy in ("ddp", "fsdp", "fsdp_grad_op", "fsdp_offload") else "fsdp" if sharded else "ddp"
     c = Candidate(cfg.precision, cfg.memory.activation_checkpointing, cfg.micro_batch_size, cfg.grad_accum, planned, lora=mode)
     info = param_info(build_fake_model(cfg.model.name, vocab, FakeTensorMode()))
     ev = evaluate_lora(cfg, c, args.gpus, gpu_mem, args.target, vocab, info, cpu_mem=cpu_mem, per_node=per_node)

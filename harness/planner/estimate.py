@@ -166,6 +166,7 @@ def specs_for(
         target=target,
         # QLoRA's adapters stay fp32 (peft's autocast_adapter_dtype; the quantized base is never cast)
         torch_param_bytes=4 if lora.enabled and lora.quantize != "none" else BYTES[param_dtype],
+        frozen_param_bytes=BYTES[names[policy.frozen_dtype]],
     )
     if kind != "deepspeed":
         return trace, EngineSpec(**common)

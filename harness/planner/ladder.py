@@ -72,6 +72,8 @@ RUNGS: tuple[Rung, ...] = (
     Rung("ZeRO-3 offload: parameters too", ("strategy=zero3_offload",)),
     Rung("LoRA: bf16 base frozen, adapters trained", ("strategy={shard}", "lora.enabled=true", "memory.optimizer_in_backward=false")),
     Rung("QLoRA: NF4 base (bitsandbytes), sharded by FSDP2 on several ranks", ("strategy={shard}", "lora.quantize=nf4")),
+    # Answer.AI's FSDP-QLoRA recipe for a 70B on two 24 GiB GPUs: the sharded base on the host too
+    Rung("QLoRA + FSDP2 CPU offload: every shard on the host (GPU only)", ("strategy=fsdp_offload",)),
 )
 
 # Host-side cost of the offload rungs (stated assumptions, not measured on a GPU here):
@@ -128,14 +130,20 @@ def relative_time(cfg: RunConfig) -> float:
     )
 
 
-def offload_seconds(cfg: RunConfig, params: int, world: int, per_node: int = 1, cpu_adam_rate: float = CPU_ADAM_PARAMS_PER_S) -> float:
+def offload_seconds(
+    cfg: RunConfig, params: int, world: int, per_node: int = 1, cpu_adam_rate: float = CPU_ADAM_PARAMS_PER_S, host_params: int = 0
+) -> float:
     """What a step's host part adds, unoverlapped (an upper bound): the host Adam over the node's
     ranks' shares of the parameters at ``cpu_adam_rate`` per node (they share its cores), and the
     PCIe traffic at `PCIE_BYTES_PER_S`: ZeRO-2 offload sends each bit16 gradient down and each
     updated bit16 parameter up; ZeRO-3 offload also fetches every parameter for forward and
-    again for backward (and writes the update on the host)."""
+    again for backward (and writes the update on the host). LoRA under FSDP2's offload: the
+    rank's shards (``host_params`` bytes, the base as held) fetched for forward and for backward;
+    the adapters' host step is negligible."""
     strategy = cfg.strategy or "ddp"
-    if not strategy.endswith("offload") or cfg.lora.enabled:
+    if cfg.lora.enabled:
+        return 2 * host_params / PCIE_BYTES_PER_S if strategy == "fsdp_offload" else 0.0
+    if not strategy.endswith("offload"):
         return 0.0
     half = 2 if cfg.precision in ("bf16", "fp16") else 4
     part = math.ceil(params / world)
@@ -168,7 +176,7 @@ def walk_ladder(
             continue
         v = verdict(est, gpu_mem, cpu_mem, per_node)
         params = est.params_total
-        offload = offload_seconds(cfg, params, world, per_node, cpu_adam_rate)
+        offload = offload_seconds(cfg, params, world, per_node, cpu_adam_rate, est.host.get("parameters", 0))
         step_need = est.total + (gpu_allowance(est).total if target == "cuda" else 0)
         device = max(v.device_need, step_need)  # the larger of loading and the step, whichever the verdict names
         results.append(RungResult(rung, all_overrides, est, v.fits, device, v.host_need_per_node, relative_time(cfg), offload, v.reason))

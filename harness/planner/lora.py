@@ -24,7 +24,9 @@ each weight dequantized for its matmul and dropped), int8's an upper bound added
 from __future__ import annotations
 
 import dataclasses
+import math
 
+from harness.planner.fsdp_offload import in_flight_bytes, largest_group_shard
 from harness.planner.model_states import EngineModel
 from harness.planner.trace import ParamInfo
 
@@ -80,7 +82,35 @@ def quantized_base(em: EngineModel, info: ParamInfo, mode: str, shard: int = 1, 
         resident["temporaries"] = resident.get("temporaries", 0) + 2 * largest
     base = quantized_base_bytes(info, mode, dtype_bytes, shard)
     note = f"QLoRA ({mode}): base {base:,} B per rank by formula, activations of the traced LoRA model"
+    if em.name == "fsdp+offload":
+        return _offloaded_base(em, info, shard, dtype_bytes, note)
     return dataclasses.replace(em, params=params, end_params=params, resident=resident, notes=[*em.notes, note])
+
+
+def _offloaded_base(em: EngineModel, info: ParamInfo, world: int, dtype_bytes: int, note: str) -> EngineModel:
+    """An NF4 base under FSDP2's CPU offload: the codes, the rest of the base and the adapters are
+    FSDP2's shards, on the host; the quantization state is the modules' own (not FSDP2's), on the
+    device; the shards being copied in for their gathers (harness.planner.fsdp_offload) sized
+    with the codes as they are packed."""
+    quantized = dict(quantized_linears(info))
+    shards, state = [], 0
+    for name, shape in zip(info.frozen_names, info.frozen_shapes):
+        if name in quantized:
+            codes, scales = nf4_matrix_bytes(shape[0] * shape[1], world, dtype_bytes)
+            shards.append((name, codes))
+            state += scales
+        else:
+            shards.append((name, math.prod(shape) * dtype_bytes // world))
+    shards += [(name, n * 4 // world) for name, n in zip(info.names, info.numels)]  # the fp32 adapters
+    host = {**em.host, "parameters": sum(b for _, b in shards)}
+    copied = in_flight_bytes(largest_group_shard(shards))
+    resident = {**em.resident, "communication": copied}
+    notes = [n for n in em.notes if not n.startswith("FSDP2 CPU offload")]  # its in-flight bytes were the unquantized shapes'
+    notes.append(
+        f"FSDP2 CPU offload: every shard on the host; on the device the quantization state ({state:,} B) "
+        f"and {copied:,} B of shards copied in"
+    )
+    return dataclasses.replace(em, params=state, end_params=state, resident=resident, host=host, notes=[*notes, note])
 
 
 __all__ = ["INT8_BYTES", "NF4_BYTES", "nf4_matrix_bytes", "quantized_base", "quantized_base_bytes", "quantized_linears"]

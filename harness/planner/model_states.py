@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from harness.planner.fsdp_offload import in_flight_bytes, largest_group_shard
 from harness.planner.optimizer_model import (
     BYTES,
     EngineSpec,
@@ -192,20 +193,27 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     states = torch_optimizer_bytes(spec, local)
     transient = torch_step_transient(spec, max(local, default=0))
     if spec.offload_params != "none":
-        # CPUOffloadPolicy: sharded parameters, gradients and the optimizer live on the host.
+        # CPUOffloadPolicy (harness.planner.fsdp_offload): every shard and the step on the host; the
+        # device holds the gathered groups (traced) and the shards being copied in for their gathers.
+        frozen = [fsdp_local_numel(s, spec.world, 0) for s in info.frozen_shapes]
+        pb, fb = spec.torch_param_bytes, spec.frozen_param_bytes
+        group = largest_group_shard(
+            [*((n, k * pb) for n, k in zip(info.names, local)), *((n, k * fb) for n, k in zip(info.frozen_names, frozen))]
+        )
         return EngineModel(
             "fsdp+offload",
-            None,
-            None,
+            0,
+            0,
             False,
             0,
-            {},
-            None,
-            None,
+            {"communication": in_flight_bytes(group)},
+            0,
+            0,
             [Phase("optimizer step (host)", host_extra=transient)],
-            {"optimizer_state": states, "parameters": sum(local) * 4, "gradients": sum(local) * 4},
+            {"optimizer_state": states, "parameters": sum(local) * pb + sum(frozen) * fb, "gradients": sum(local) * pb},
             notes=[
-                "FSDP2 CPU offload: the trace keeps the sharded parameters/gradients on the device, an over-estimate of one fp32 shard each"
+                f"FSDP2 CPU offload: every shard on the host; on the device the gathered groups and "
+                f"{in_flight_bytes(group):,} B of shards copied in for their gathers"
             ],
         )
     if spec.optimizer_in_backward:

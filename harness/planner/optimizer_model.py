@@ -41,6 +41,7 @@ class EngineSpec:
     nvme_buffer_size: int = 100_000_000
     target: str = "cuda"  # "cuda": device and host are separate; "cpu": the host is the device
     torch_param_bytes: int = 4  # single/DDP parameter dtype bytes (bf16 casts the module)
+    frozen_param_bytes: int = 4  # a frozen parameter's bytes (PrecisionPolicy.frozen_dtype: FSDP2 bf16 holds it in bf16)
 
 
 # bitsandbytes pages a state tensor (allocates it in CUDA managed memory) only when its parameter has at

@@ -14,7 +14,7 @@ from harness.errors import EXIT_OK
 from harness.models import apply_lora, build_model, trainable_counts
 from harness.plan import main
 from harness.planner.estimate import estimate
-from harness.planner.lora import NF4_BYTES, nf4_matrix_bytes, quantized_base_bytes
+from harness.planner.lora import NF4_BYTES, nf4_matrix_bytes, quantized_base_bytes, quantized_linears
 from harness.planner.recommend import Candidate, _param_info, evaluate_lora, recommend
 from harness.planner.report import verdict
 from harness.planner.trace import TraceSpec, build_fake_model, param_info, trace_step
@@ -117,3 +117,20 @@ def test_lora_adapter_state_follows_the_optimizer(name):
     end = next(m for m in est.moments if m.name == "end of backward").categories
     assert end["optimizer_state"] == expected
     assert expected < 0.6 * 2 * 4 * adapters.total  # well below fp32 AdamW's two fp32 moments
+
+
+def test_qlora_under_fsdp2_cpu_offload_keeps_only_the_quantization_state_on_the_device():
+    """The NF4 codes, the rest of the base and the adapters are FSDP2's shards: on the host under
+    CPU offload; the quantization state is the modules' own and stays on the device."""
+    qlora = [*SMALL, "precision=bf16", "lora.enabled=true", "lora.quantize=nf4", "memory.activation_checkpointing=full"]
+    sharded = estimate(load_config(None, [*qlora, "strategy=fsdp"]), 2, target="cuda", vocab_size=VOCAB)
+    offloaded = estimate(load_config(None, [*qlora, "strategy=fsdp_offload"]), 2, target="cuda", vocab_size=VOCAB)
+    info = param_info(build_fake_model("small-llama", VOCAB, FakeTensorMode(), torch.bfloat16, load_config(None, qlora).lora))
+    codes, state = (sum(nf4_matrix_bytes(s[0] * s[1], 2, 2)[i] for _, s in quantized_linears(info)) for i in (0, 1))
+    assert offloaded.peak.categories["parameters"] == state > 0
+    assert offloaded.peak.categories["gradients"] == 0 and offloaded.peak.categories["optimizer_state"] == 0
+    # the host holds what the device held without offload, less the state (per-parameter rounding aside)
+    assert offloaded.host["parameters"] == pytest.approx(sharded.peak.categories["parameters"] - state, abs=64)
+    assert offloaded.host["parameters"] > codes and offloaded.host["optimizer_state"] > 0
+    assert offloaded.total < sharded.total
+    assert verdict(offloaded, 10**12, None, 2).fits

@@ -184,3 +184,27 @@ def test_paged_optimizer_counts_its_paged_states_on_the_host() -> None:
     assert cpu.host == {} and cpu.resident["optimizer_state"] == gpu.resident["optimizer_state"] + 2 * big
     # bitsandbytes' CPU kernel: both moments, the gradient and the weight in fp32, sqrt(v) and its quotient
     assert cpu.phases[-1].extra["optimizer_state"] == 6 * 4 * big
+
+
+def test_fsdp_cpu_offload_holds_every_shard_on_the_host() -> None:
+    """CPUOffloadPolicy: no shard on the device (parameters, gradients, optimizer state all on the
+    host, frozen ones in their own dtype); the device adds the shards copied in for two groups'
+    all-gathers, the largest group being a decoder block's parameters together."""
+    info = ParamInfo(
+        numels=[100, 60, 60, 40],
+        shapes=[(10, 10), (6, 10), (6, 10), (40,)],
+        names=["embed.weight", "layers.0.q.weight", "layers.0.k.weight", "layers.1.q.weight"],
+        buffer_bytes=0,
+        hidden_size=10,
+        num_layers=2,
+        frozen_shapes=[(8, 10)],
+        frozen_names=["layers.0.v.weight"],
+    )
+    spec = EngineSpec(kind="fsdp", world=2, precision="bf16", offload_params="cpu", frozen_param_bytes=2)
+    em = engine_model(spec, info, 0)
+    assert (em.params, em.grads, em.end_params, em.end_grads) == (0, 0, 0, 0)
+    trainable = (5 * 10 + 3 * 10 + 3 * 10 + 20) * 4  # rank 0's rows of each, fp32 masters
+    assert em.host["parameters"] == trainable + 4 * 10 * 2 and em.host["gradients"] == trainable
+    assert em.host["optimizer_state"] > 0 and "optimizer_state" not in em.resident
+    block0 = (3 * 10 + 3 * 10) * 4 + 4 * 10 * 2  # layers.0's shards: two trainable, one frozen in bf16
+    assert em.resident["communication"] == 2 * block0
