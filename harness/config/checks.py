@@ -123,7 +123,7 @@ def check_lora_values(cfg: RunConfig) -> None:
         raise ConfigError(f"lora.quantize={lo.quantize} quantizes a frozen base for QLoRA; set lora.enabled=true as well")
 
 
-def check_lora(cfg: RunConfig, strategy_kind: str) -> None:
+def check_lora(cfg: RunConfig, strategy_kind: str, zero_stage: int = 0) -> None:
     """What LoRA/QLoRA can run with, decided before any process group starts."""
     lo = cfg.lora
     if cfg.data.format == "instruction" and cfg.prune.method != "none":
@@ -147,10 +147,11 @@ def check_lora(cfg: RunConfig, strategy_kind: str) -> None:
         return
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(f"lora.quantize={lo.quantize} needs the bitsandbytes package: pip install bitsandbytes (a dependency of harness)")
-    if strategy_kind == "deepspeed":
+    if strategy_kind == "deepspeed" and (lo.quantize != "nf4" or zero_stage != 3):
         raise ConfigError(
-            f"lora.quantize={lo.quantize} does not run under DeepSpeed here (its checkpoints would keep bitsandbytes' "
-            "quantization state and every rank would build the whole base); use strategy=fsdp for a sharded QLoRA base, or ddp"
+            f"lora.quantize={lo.quantize} under DeepSpeed ZeRO-{zero_stage}: only nf4 under ZeRO-3 (its 4-bit codes stored "
+            "in DeepSpeed's working dtype, partitioned like any weight) runs here; use strategy=zero3 with lora.quantize=nf4, "
+            "strategy=fsdp, or ddp"
         )
     if lo.quantize == "int8" and strategy_kind == "fsdp":
         raise ConfigError(
@@ -309,7 +310,7 @@ def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: b
     check_cpu_offload_world(cfg, strategy.kind, world)
     check_batch(cfg, world)
     check_prune_config(cfg, world)
-    check_lora(cfg, strategy.kind)
+    check_lora(cfg, strategy.kind, strategy.zero_stage)
     # A DeepSpeed file's contradictions and 'auto' holes are refused where its dict is resolved, once:
     # `harness.engine.plan_engine`, called by pre-flight.
 

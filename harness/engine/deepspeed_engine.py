@@ -11,6 +11,7 @@ accelerators and logs, and runs under the torch engine should not pay for that.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -40,6 +41,7 @@ from harness.models import (
     init_adapters,
     materialize,
     quantized_codes,
+    without_quantization_state,
 )
 from harness.training import build_optimizer, lr_lambda
 
@@ -80,9 +82,11 @@ class DeepSpeedEngine(Engine):
         from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE
 
         client = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-        self.ds.save_checkpoint(
-            os.path.join(directory, "ds"), tag=DS_TAG, client_state=client, save_latest=False, exclude_frozen_parameters=self.trainable_only
-        )
+        quiet_base = without_quantization_state(self.module) if self.trainable_only else contextlib.nullcontext()
+        with quiet_base:  # an adapters-only checkpoint: no quantization state of the frozen base either
+            target = os.path.join(directory, "ds")
+            frozen_out = self.trainable_only
+            self.ds.save_checkpoint(target, tag=DS_TAG, client_state=client, save_latest=False, exclude_frozen_parameters=frozen_out)
 
     def load_state(self, directory: str, saved_world_size: int, is_main: bool) -> None:
         if saved_world_size == dist.get_world_size():
@@ -122,12 +126,17 @@ class DeepSpeedEngine(Engine):
         then each rank fills its partitions; LoRA's adapters (a fraction of a percent of the model)
         are then injected whole outside `zero.Init` and partitioned by `deepspeed.initialize`, as
         under HF Trainer + peft. ZeRO-0/1/2 keep the working weights whole on every rank: built on
-        the device directly in DeepSpeed's working dtype (no fp32 copy to cast from), LoRA's base too."""
+        the device directly in DeepSpeed's working dtype (no fp32 copy to cast from), LoRA's base too.
+        A QLoRA base under ZeRO-3 is built whole (4-bit) on every rank and partitioned by
+        `deepspeed.initialize`: its load holds the whole quantized base, its step this rank's part."""
         import deepspeed
 
         ds_config = plan.deepspeed_config()
         dtype = _deepspeed_dtype(ds_config)
-        if cfg.lora.enabled and plan.zero_stage != 3:  # the working weights are whole on every rank anyway
+        if cfg.lora.enabled and (plan.zero_stage != 3 or cfg.lora.quantize != "none"):
+            # ZeRO-0/1/2 keep the working weights whole on every rank anyway. A QLoRA base (ZeRO-3 only)
+            # is quantized whole by every rank, its codes stored in the working dtype (which DeepSpeed's
+            # cast leaves alone), and `deepspeed.initialize` partitions the codes like any weight.
             return lora_base(spec, cfg, info, dtype)
         weights = WeightsToLoad(spec)
         if plan.zero_stage == 3:

@@ -34,6 +34,7 @@ from harness.models.qlora import (
     quant_state_tensors,
     quantize_empty,
     quantized_codes,
+    without_quantization_state,
 )
 from harness.models.weights import CheckpointWeights, InitWeights, Part, WeightSource, clean_name, fill, materialize, whole_part
 
@@ -78,4 +79,5 @@ __all__ = [
     "trainable_counts",
     "whole_part",
     "wrap_peft",
+    "without_quantization_state",
 ]

@@ -253,6 +253,25 @@ def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def without_quantization_state(model: nn.Module) -> Iterator[None]:
+    """State dicts of `model` taken meanwhile leave out the quantized linears' quantization state
+    (`Linear4bit` adds `<weight>.absmax`, `.quant_map`, ... beside the weight). An adapters-only
+    checkpoint (DeepSpeed's `exclude_frozen_parameters` drops frozen parameters, not these
+    entries) then holds the adapters only: the base and its state are rebuilt on resume."""
+
+    def drop(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for key in [k for k in state_dict if k.startswith(f"{prefix}weight.")]:
+            del state_dict[key]
+
+    handles = [m.register_state_dict_post_hook(drop) for m in model.modules() if is_quantized_linear(m)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def dequantize(model: nn.Module) -> nn.Module:
     """`model` with plain linears holding its quantized weights dequantized in fp32 (transformers'
     `dequantize`): the base a QLoRA adapter was trained on, for a merged export."""
@@ -271,4 +290,5 @@ __all__ = [
     "quantized_codes",
     "quantization_config",
     "quantize_empty",
+    "without_quantization_state",
 ]

@@ -2,7 +2,8 @@
 
 One world-1 reference run (tiny Llama, LoRA r=4 on every block linear, 4 steps, checkpoints
 at 2 and 4) and the runs that must agree with it: world 2 under FSDP2 and ZeRO-3
-(same losses; per-rank bytes show gradients and optimizer state for the adapters only), a
+(same losses; per-rank bytes show gradients and optimizer state for the adapters only; QLoRA's
+NF4 base sharded under both), a
 resume from step 2 (bit-exact), the adapter and merged exports (the merged model loads with
 `from_pretrained` and gives the run's own eval loss), and pruning of the merged model. (The
 quantized base refused on a CPU machine before anything starts: a case of test_preflight.py's battery.)
@@ -209,6 +210,36 @@ def test_qlora_under_fsdp2_shards_the_4bit_base_and_matches_one_process(qlora, q
         model_keys = [k for k in metadata if k.startswith("model.")]
         assert model_keys and all(".lora_" in k for k in model_keys), (saved, [k for k in model_keys if ".lora_" not in k][:3])
         assert sum(int(torch.Size(metadata[k].size).numel()) for k in model_keys) == adapters
+
+
+@pytest.fixture(scope="module")
+def qlora_zero3(ws):
+    """QLoRA under ZeRO-3 at world 2 (each rank quantizes the base whole, codes stored in the working
+    dtype, and deepspeed.initialize partitions them), and the same run resumed from its step 2."""
+    z3 = lora_run(ws, "qlora_z3", 2, "strategy=zero3", **{"lora.quantize": "nf4"})
+    resumed = lora_run(ws, "qlora_z3_resumed", 2, "strategy=zero3", f"checkpoint.resume={step_dir(z3, 2)}", **{"lora.quantize": "nf4"})
+    return z3, resumed
+
+
+def test_qlora_under_zero3_is_fsdp2s_run_partitions_the_codes_and_resumes_exactly(ws, qlora, qlora_one, qlora_zero3):
+    (w2, _), (z3, resumed) = qlora, qlora_zero3
+    losses = step_losses(z3)
+    assert losses == pytest.approx(step_losses(w2), rel=WORLD_RTOL)  # the same function as FSDP2's QLoRA, the same data
+    assert step_losses(resumed) == losses[2:]  # bit for bit from its step-2 checkpoint
+    held1, scales, _ = qlora_one
+    for rank in (0, 1):
+        held = state_bytes(z3, rank)["params"]
+        # half the codes, adapters and the rest (plus the small parameters ZeRO-3 keeps whole) and the whole scales
+        assert (held1["params"] - scales) // 2 + scales <= held < 0.6 * held1["params"], (rank, held, held1)
+    # the checkpoint holds the adapters only: no codes, and no quantization state beside them
+    for state in (step_dir(z3, 4) / "ds" / "state").glob("*model_states.pt"):
+        module = torch.load(state, map_location="cpu", weights_only=False)["module"]
+        assert module and all(".lora_" in k for k in module), (state, [k for k in module if ".lora_" not in k][:3])
+    # and the merged export (the dequantized base plus the adapters DeepSpeed saved) gives the run's eval loss
+    out = ws["root"] / "qlora_z3_merged"
+    assert export.main([str(step_dir(z3, 4)), "--out", str(out), "--merged"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert _eval_loss(merged, z3.parent / "qlora_z3.yaml") == pytest.approx(final_eval(z3), rel=1e-5)
 
 
 def test_qlora_planner_predicts_the_bytes_per_rank(ws, qlora, qlora_one):

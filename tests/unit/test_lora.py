@@ -122,7 +122,8 @@ def test_lora_freezes_the_base_and_defaults_to_the_block_linears():
 @pytest.mark.parametrize(
     "overrides, accelerator, strategy, message",
     [
-        (["lora.enabled=true", "lora.quantize=nf4"], False, "zero3", "use strategy=fsdp for a sharded QLoRA base"),
+        (["lora.enabled=true", "lora.quantize=nf4"], False, "zero2", "only nf4 under ZeRO-3"),
+        (["lora.enabled=true", "lora.quantize=int8"], False, "zero3", "only nf4 under ZeRO-3"),
         (["lora.enabled=true", "lora.quantize=int8"], False, "fsdp", "use lora.quantize=nf4 under fsdp"),
         (["lora.enabled=true", "prune.method=magnitude"], False, "ddp", "prune first"),
     ],
