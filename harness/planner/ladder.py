@@ -192,11 +192,12 @@ def format_ladder(
 ) -> str:
     unit = "GPU" if target == "cuda" else "rank"
     chosen = first_fit(results)
+    width = max((len(r.rung.name) for r in results), default=4)  # whole names: a cut one can read as another rung
     lines = [
         f"Memory ladder ({world} x {gib(gpu_mem)} per {unit}"
         + (f", host {gib(cpu_mem)} per node" if cpu_mem else ", host memory not given: --cpu-mem checks it")
         + "): each rung adds its change to the rungs above it",
-        f"  {'':2} {'rung':<56} {'device/' + unit:>13} {'host/node':>11} {'time':>6} {'offload':>9}  verdict",
+        f"  {'':2} {'rung':<{width}} {'device/' + unit:>13} {'host/node':>11} {'time':>6} {'offload':>9}  verdict",
     ]
     for r in results:
         mark = "->" if r is chosen else "  "
@@ -204,7 +205,7 @@ def format_ladder(
         time = f"x{r.relative_time:.2f}" if r.estimate is not None else "-"
         host = gib(r.host) if r.estimate is not None and r.host else "-"
         offload = f"+{r.offload_s:.1f} s" if r.offload_s else ""
-        lines.append(f"  {mark} {r.rung.name:<56.56} {device:>13} {host:>11} {time:>6} {offload:>9}  {r.reason}")
+        lines.append(f"  {mark} {r.rung.name:<{width}} {device:>13} {host:>11} {time:>6} {offload:>9}  {r.reason}")
     lines.append(
         "  time: expected step time relative to bf16/DDP/no recomputation (stated heuristics, harness.planner.recommend.SPEED); "
         f"offload: the host's part of a step on its own, unoverlapped (CPU Adam at {cpu_adam_rate / 1e9:.2f}G params/s per "
