@@ -213,11 +213,6 @@ def check_prune_config(cfg: RunConfig, world: int) -> None:
 
 def check_strategy_against_run(strategy: Strategy, cfg: RunConfig, has_accelerator: bool) -> None:
     """Cross-checks between a strategy and the run config, before any process group starts."""
-    if strategy.kind == "fsdp" and strategy.offload_params != "none" and not has_accelerator:
-        raise ConfigError(
-            f"{strategy.path}: FSDP2 CPU offload needs a GPU (torch's CPUOffloadPolicy moves shards between host and "
-            "accelerator); on a CPU-only machine use fsdp.json or zero3_offload.json"
-        )
     check_optimizer_in_backward_engine(cfg, strategy.kind, strategy.name)
     check_optimizer_engine(cfg, strategy.kind, strategy.name, has_accelerator)
     if cfg.precision == "fp16" and strategy.kind == "fsdp" and not has_accelerator:

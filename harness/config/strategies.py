@@ -10,7 +10,7 @@ error naming the closest one it does. FSDP2 and DDP files use a small schema of 
     {"kind": "ddp"}
 
 `reshard_after_forward: false` keeps parameters gathered between forward and backward
-(ZeRO-2-like); `offload: true` is FSDP2's CPUOffloadPolicy (needs an accelerator).
+(ZeRO-2-like); `offload: true` is FSDP2's CPUOffloadPolicy (on a CPU machine it runs, the host being the device).
 """
 
 from __future__ import annotations

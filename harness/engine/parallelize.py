@@ -66,7 +66,9 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
         # run in fp32, each shard's gradient then stored in bf16 like its parameter.
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce)
     if strategy.offload_params != "none":
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # pinned host memory needs CUDA; on a CPU run the "device" is the host, and the policy runs
+        # the same shard moves and host step (no memory saved: a correctness run)
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=info.device.type == "cuda")
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = embed is not None and head is not None and head.weight is embed.weight
     if embed is not None and not tied:  # tied input/output embeddings: one weight, left to the root's group

@@ -73,7 +73,7 @@ RUNGS: tuple[Rung, ...] = (
     Rung("LoRA: bf16 base frozen, adapters trained", ("strategy={shard}", "lora.enabled=true", "memory.optimizer_in_backward=false")),
     Rung("QLoRA: NF4 base (bitsandbytes), sharded by FSDP2 on several ranks", ("strategy={shard}", "lora.quantize=nf4")),
     # Answer.AI's FSDP-QLoRA recipe for a 70B on two 24 GiB GPUs: the sharded base on the host too
-    Rung("QLoRA + FSDP2 CPU offload: every shard on the host (GPU only)", ("strategy=fsdp_offload",)),
+    Rung("QLoRA + FSDP2 CPU offload: every shard on the host", ("strategy=fsdp_offload",)),
 )
 
 # Host-side cost of the offload rungs (stated assumptions, not measured on a GPU here):

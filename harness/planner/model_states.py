@@ -192,9 +192,10 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     local = [fsdp_local_numel(s, spec.world, 0) for s in info.shapes]
     states = torch_optimizer_bytes(spec, local)
     transient = torch_step_transient(spec, max(local, default=0))
-    if spec.offload_params != "none":
+    if spec.offload_params != "none" and spec.target == "cuda":
         # CPUOffloadPolicy (harness.planner.fsdp_offload): every shard and the step on the host; the
         # device holds the gathered groups (traced) and the shards being copied in for their gathers.
+        # (On a CPU run the host is the device: the policy moves nothing, planned as FSDP2 below.)
         frozen = [fsdp_local_numel(s, spec.world, 0) for s in info.frozen_shapes]
         pb, fb = spec.torch_param_bytes, spec.frozen_param_bytes
         group = largest_group_shard(

@@ -130,9 +130,7 @@ def strategies_for(world: int, nvme: bool, target: str) -> list[str]:
     if world == 1:
         names = ["ddp", "zero2_offload", "zero3_offload"]  # sharding alone gains nothing; offload does
     else:
-        names = ["ddp", "zero1", "zero2", "fsdp_grad_op", "fsdp", "zero3", "zero2_offload", "zero3_offload"]
-        if target == "cuda":
-            names.append("fsdp_offload")  # CPUOffloadPolicy needs an accelerator
+        names = ["ddp", "zero1", "zero2", "fsdp_grad_op", "fsdp", "zero3", "zero2_offload", "zero3_offload", "fsdp_offload"]
     if nvme:
         names.append("zero3_nvme")
     return names

@@ -242,6 +242,14 @@ def test_qlora_under_zero3_is_fsdp2s_run_partitions_the_codes_and_resumes_exactl
     assert _eval_loss(merged, z3.parent / "qlora_z3.yaml") == pytest.approx(final_eval(z3), rel=1e-5)
 
 
+def test_qlora_under_fsdp2_cpu_offload_is_the_same_run(ws, qlora):
+    """The memory ladder's last rung (every shard on the host): CPUOffloadPolicy runs on a CPU machine
+    (the host being the device, no pinned memory) and computes FSDP2's QLoRA run bit for bit."""
+    w2, _ = qlora
+    offloaded = lora_run(ws, "qlora_offload", 2, "strategy=fsdp_offload", **{"lora.quantize": "nf4", "checkpoint.every": 0})
+    assert step_losses(offloaded) == step_losses(w2)
+
+
 def test_qlora_planner_predicts_the_bytes_per_rank(ws, qlora, qlora_one):
     """The planner's parameter bytes (its estimate of the same config) equal what each rank holds, to the byte."""
     from harness.planner.estimate import estimate

@@ -26,7 +26,7 @@ from harness.config import load_config
 from harness.planner import estimate
 from harness.planner.measure import launch
 
-CPU_STRATEGIES = ["ddp", "fsdp", "fsdp_grad_op", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+CPU_STRATEGIES = ["ddp", "fsdp", "fsdp_grad_op", "fsdp_offload", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
 SHAPE = ["model.name=tiny-llama", "micro_batch_size=2", "data.seq_len=64"]
 VOCAB = 2048  # the preset's; passed to both sides so no tokenizer has to be trained
 TOLERANCE = 0.03

@@ -84,7 +84,6 @@ CASES = [
     ("unknown_strategy", {}, ["strategy=zero4"], "did you mean"),
     ("zero_stage_out_of_range", {}, ["strategy={root}/zero5.json"], "stage must be 0, 1, 2 or 3"),
     ("nvme_path_missing", {}, ["strategy=zero3_nvme"], "nvme_path='/local_nvme' is missing or not writable"),
-    pytest.param("fsdp_offload_without_gpu", {}, ["strategy=fsdp_offload"], "FSDP2 CPU offload needs a GPU", marks=CPU_ONLY),
     pytest.param("fp16_fsdp_without_gpu", {}, ["strategy=fsdp", "precision=fp16"], "fp16 with FSDP2 needs a GPU", marks=CPU_ONLY),
     ("ds_batch_disagrees", {}, ["strategy={root}/batch64.json"], "train_batch_size=64 contradicts"),
     ("auto_where_number_needed", {}, ["strategy={root}/auto_hole.json"], "'scheduler.params.cycle_min_lr' is 'auto'"),
