@@ -40,6 +40,7 @@ from harness.models import (
     empty_model,
     init_adapters,
     materialize,
+    move_quantization_state,
     quantized_codes,
     without_quantization_state,
 )
@@ -127,17 +128,23 @@ class DeepSpeedEngine(Engine):
         are then injected whole outside `zero.Init` and partitioned by `deepspeed.initialize`, as
         under HF Trainer + peft. ZeRO-0/1/2 keep the working weights whole on every rank: built on
         the device directly in DeepSpeed's working dtype (no fp32 copy to cast from), LoRA's base too.
-        A QLoRA base under ZeRO-3 is built whole (4-bit) on every rank and partitioned by
-        `deepspeed.initialize`: its load holds the whole quantized base, its step this rank's part."""
+        A QLoRA base under ZeRO-3 is built on the host and partitioned onto the device."""
         import deepspeed
 
         ds_config = plan.deepspeed_config()
         dtype = _deepspeed_dtype(ds_config)
-        if cfg.lora.enabled and (plan.zero_stage != 3 or cfg.lora.quantize != "none"):
-            # ZeRO-0/1/2 keep the working weights whole on every rank anyway. A QLoRA base (ZeRO-3 only)
-            # is quantized whole by every rank, its codes stored in the working dtype (which DeepSpeed's
-            # cast leaves alone), and `deepspeed.initialize` partitions the codes like any weight.
-            return lora_base(spec, cfg, info, dtype)
+        if cfg.lora.enabled and cfg.lora.quantize != "none":
+            # QLoRA (ZeRO-3 only: the config checks): every rank quantizes every weight on the host
+            # (bitsandbytes is deterministic), the codes stored in the working dtype, which DeepSpeed's
+            # bf16 cast leaves alone; `zero.Init(module=...)` then moves each parameter to the device and
+            # partitions it in turn: the device holds this rank's part plus one tensor, the host held
+            # the whole 4-bit base. (mem_efficient_linear would replace F.linear for the whole process.)
+            model = lora_base(spec, cfg, torch.device("cpu"), dtype)
+            deepspeed.comm.init_distributed(dist_backend=info.backend or "gloo", dist_init_required=False)
+            deepspeed.zero.Init(module=model, config_dict_or_path=ds_config, mem_efficient_linear=False)
+            return _beside_parameters_to(model, info.device)
+        if cfg.lora.enabled and plan.zero_stage != 3:  # the working weights are whole on every rank anyway
+            return lora_base(spec, cfg, info.device, dtype)
         weights = WeightsToLoad(spec)
         if plan.zero_stage == 3:
             # zero.Init reads the world size from DeepSpeed's communicator: wrap our process group first
@@ -291,6 +298,16 @@ def _client_optimizer(model: nn.Module, cfg: RunConfig, strategy: Strategy, ds_c
                 log.warning(f"DeepSpeedCPUAdam unavailable ({type(exc).__name__}); using torch AdamW on CPU")
         ds_config["zero_force_ds_cpu_optimizer"] = False
     return build_optimizer(params, cfg.optim, fused=False)
+
+
+def _beside_parameters_to(model: nn.Module, device: torch.device) -> nn.Module:
+    """Buffers and the quantization state (not parameters, which ZeRO-3 placed) to `device`."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+    move_quantization_state(model, device)
+    return model
 
 
 def _fill_gathered(weights: WeightsToLoad, model: nn.Module, rank: int) -> None:

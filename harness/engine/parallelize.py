@@ -99,14 +99,14 @@ def empty_model_to_train(spec: ModelSpec, cfg: RunConfig, policy: PrecisionPolic
     return model
 
 
-def lora_base(spec: ModelSpec, cfg: RunConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
-    """The frozen base built whole with its adapters, on the device in `dtype`, AC and compile
+def lora_base(spec: ModelSpec, cfg: RunConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The frozen base built whole with its adapters, on `device` in `dtype`, AC and compile
     applied: DeepSpeed's LoRA path at ZeRO-0/1/2, which keep the working weights whole anyway,
-    and its QLoRA path at ZeRO-3, which partitions the quantized base only in `deepspeed.initialize`
-    (ZeRO-3's plain LoRA builds its base partitioned, `DeepSpeedEngine.load_model`)."""
+    and its QLoRA path at ZeRO-3 (built on the host, then partitioned onto the device a tensor at
+    a time; ZeRO-3's plain LoRA builds its base partitioned, `DeepSpeedEngine.load_model`)."""
     # a quantized base's codes are stored in `dtype`: DeepSpeed casts every floating weight to it
     model = build_run_model(cfg, spec.config.vocab_size, dtype if cfg.lora.quantize != "none" else torch.float32)
-    model.to(device=info.device)
+    model.to(device=device)
     cast_except_quantized(model, dtype)
     apply_memory_techniques(model, cfg)
     return model

@@ -31,6 +31,7 @@ from harness.models.qlora import (
     cast_except_quantized,
     dequantize,
     hold_frozen_in,
+    move_quantization_state,
     quant_state_tensors,
     quantize_empty,
     quantized_codes,
@@ -80,4 +81,5 @@ __all__ = [
     "whole_part",
     "wrap_peft",
     "without_quantization_state",
+    "move_quantization_state",
 ]

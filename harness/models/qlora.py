@@ -253,6 +253,18 @@ def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def move_quantization_state(model: nn.Module, device: torch.device) -> None:
+    """Every quantized linear's quantization state to `device` (bitsandbytes keeps it beside the
+    weight, on the `Params4bit` and on the module, not as a parameter or buffer: `model.to`
+    does not see it)."""
+    for module in model.modules():
+        if not is_quantized_linear(module):
+            continue
+        states = (getattr(module.weight, "quant_state", None), getattr(module, "quant_state", None))
+        for state in {id(s): s for s in states if s is not None}.values():  # often one object, held twice
+            state.to(device)
+
+
 @contextlib.contextmanager
 def without_quantization_state(model: nn.Module) -> Iterator[None]:
     """State dicts of `model` taken meanwhile leave out the quantized linears' quantization state
@@ -286,6 +298,7 @@ __all__ = [
     "dequantize",
     "hold_frozen_in",
     "is_quantized_linear",
+    "move_quantization_state",
     "quant_state_tensors",
     "quantized_codes",
     "quantization_config",
