@@ -36,6 +36,7 @@ from harness.models import is_preset
 from harness.planner.lora import quantized_base
 from harness.planner.model_states import BYTES, EngineModel, EngineSpec, engine_model, zero12_partition
 from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, build_fake_model, trace_step
+from harness.training import name_compiles_step
 
 REPORT_CATS = (*REPORTED, "other")  # buffers count as "other" in a plan
 
@@ -164,6 +165,7 @@ def specs_for(
         weight_decay=cfg.optim.weight_decay,
         optimizer_in_backward=cfg.memory.optimizer_in_backward,
         target=target,
+        compiled_step=name_compiles_step(cfg.optim.name),
         # QLoRA's adapters stay fp32 (peft's autocast_adapter_dtype; the quantized base is never cast)
         torch_param_bytes=4 if lora.enabled and lora.quantize != "none" else BYTES[param_dtype],
     )
