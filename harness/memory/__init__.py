@@ -15,9 +15,17 @@ from harness.memory.activation_offload import ActivationOffload
 from harness.memory.categories import CATEGORIES, REPORTED, STATE_CATEGORIES, category_of
 from harness.memory.compile import CompileTimer, apply_compile, set_activation_memory_budget
 from harness.memory.optimizer_in_backward import OptimizerInBackward
-from harness.memory.tracking import COUNTER_KEYS, FrozenAwareMemTracker, ModelStorage, StepMemoryTracker, optimizer_state_bytes
+from harness.memory.tracking import (
+    COUNTER_KEYS,
+    AllocatorTrace,
+    FrozenAwareMemTracker,
+    ModelStorage,
+    StepMemoryTracker,
+    optimizer_state_bytes,
+)
 
 __all__ = [
+    "AllocatorTrace",
     "COUNTER_KEYS",
     "CATEGORIES",
     "REPORTED",

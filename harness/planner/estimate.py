@@ -36,6 +36,7 @@ from harness.models import is_preset
 from harness.planner.lora import quantized_base
 from harness.planner.model_states import BYTES, EngineModel, EngineSpec, engine_model, zero12_partition
 from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, build_fake_model, trace_step
+from harness.training import name_compiles_step
 
 REPORT_CATS = (*REPORTED, "other")  # buffers count as "other" in a plan
 
@@ -164,6 +165,7 @@ def specs_for(
         weight_decay=cfg.optim.weight_decay,
         optimizer_in_backward=cfg.memory.optimizer_in_backward,
         target=target,
+        compiled_step=name_compiles_step(cfg.optim.name),
         # QLoRA's adapters stay fp32 (peft's autocast_adapter_dtype; the quantized base is never cast)
         torch_param_bytes=4 if lora.enabled and lora.quantize != "none" else BYTES[param_dtype],
         frozen_param_bytes=BYTES[names[policy.frozen_dtype]],
@@ -283,6 +285,12 @@ def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Mom
         end["gradients"] = em.end_grads
     if seen_grad:
         end["communication"] -= em.bucket
+    if trace.spec.wrap == "fsdp":
+        # FSDP2's root post-backward callback (after the last op the trace sees) reshards every
+        # group and releases the reduce-scatter inputs it retained: no collective buffer is left
+        # into the optimizer step (measured at world 2: the step's peak is the held state plus the
+        # step's temporaries, to 0.03%; notes/optimizers.md). gloo's possible one is `finish`'s race.
+        end["communication"] = 0
     end["temporaries"] = 0
     moments.append(Moment("end of backward", finish(end)))
     for phase in em.phases:

@@ -10,6 +10,14 @@ counts on a GPU. The peak is taken per step (the tracker's peak is re-armed at e
 step), on the training device only (DeepSpeed keeps shape-only "meta" tensors that hold
 no memory).
 
+Two cases MemTracker cannot measure are measured by the CPU allocator's own running account
+(``harness.memory.AllocatorTrace``, entered before the model too): a step whose optimizer compiles
+itself (torchao's, compiled with ``fullgraph=True``, which a dispatch mode breaks), always; and, on
+request (``allocator``), any run, beside MemTracker: it also sees what a custom op's kernel or a
+tensor subclass allocates below the dispatcher (bitsandbytes' CPU 8-bit step, torchao's quantized
+states run eager). The first case is split by category as the trainer splits it (saved tensors,
+gradient hooks, state counted: each category's own maximum, no common instant).
+
 After the measured steps one more step is measured by the trainer's own
 ``StepMemoryTracker`` (``harness.memory.tracking``), so the two measurements can be set
 side by side; the trainer's tracker counts a buffer allocated before the step only once
@@ -21,6 +29,7 @@ Run on each rank by ``torchrun`` (see :func:`launch`); results come back as JSON
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -37,9 +46,9 @@ from harness.config import load_config, load_strategy
 from harness.distributed import init_distributed, teardown
 from harness.engine import build_engine, hidden_size_of, plan_engine
 from harness.memory import CATEGORIES as CATS
-from harness.memory import FrozenAwareMemTracker, StepMemoryTracker, category_of
+from harness.memory import AllocatorTrace, FrozenAwareMemTracker, StepMemoryTracker, category_of
 from harness.models import model_spec
-from harness.training import causal_lm_loss
+from harness.training import causal_lm_loss, name_compiles_step
 
 
 def _cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
@@ -55,47 +64,91 @@ def _cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
     return out
 
 
-def measure_config(overrides: list[str], steps: int = 3, vocab_size: int | None = None, trainer_view: bool = True) -> dict[str, Any]:
-    """Build the run's engine on this rank and measure ``steps`` steps; the process group must be up."""
+def measure_config(
+    overrides: list[str],
+    steps: int = 3,
+    vocab_size: int | None = None,
+    trainer_view: bool = True,
+    allocator: bool = False,
+    dispatch: bool = True,
+) -> dict[str, Any]:
+    """Build the run's engine on this rank and measure ``steps`` steps; the process group must be up.
+
+    ``allocator``: also keep the CPU allocator's account (`AllocatorTrace`), which sees what a
+    custom op or a tensor subclass allocates below MemTracker (``allocator_peak``). A run whose
+    optimizer compiles its own step (torchao's, `harness.training.name_compiles_step`) is always
+    measured that way: MemTracker's dispatch mode would break the compiled step (torchao compiles
+    with ``fullgraph=True``), so there the step runs outside it, as the trainer's tracker does it
+    (`StepMemoryTracker`'s saved-tensors/LiveBytes split gives the categories it can see) and the
+    total is the allocator's. ``dispatch=False`` (with ``allocator``) measures every run that way:
+    MemTracker's dispatch mode about doubles a step's time, the allocator's account does not.
+    """
     cfg = load_config(None, overrides)
     strategy = load_strategy(cfg.strategy)
     info = init_distributed("cpu", force_group=strategy.needs_process_group)
     gen = torch.Generator().manual_seed(1000 + info.rank)
-    tracker = FrozenAwareMemTracker()  # torch's MemTracker, which refuses a frozen parameter (a LoRA base)
-    with tracker:
-        spec = model_spec(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
-        vocab = int(spec.config.vocab_size)
-        plan = plan_engine(cfg, strategy, info.world_size, info.device, hidden_size_of(spec.config))
-        loss_fn = lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
-        engine = build_engine(spec, cfg, plan, info, loss_fn)
-        batches = [torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), generator=gen) for _ in range(cfg.grad_accum)]
+    compiled_step = name_compiles_step(cfg.optim.name)
+    live_split = compiled_step or (allocator and not dispatch)  # the step outside MemTracker, the total the allocator's
     per_step: list[dict[str, int]] = []
-    for _ in range(steps):
-        tracker.reset_mod_stats()
+    with AllocatorTrace() if allocator or compiled_step else contextlib.nullcontext() as trace:
+        tracker = FrozenAwareMemTracker()  # torch's MemTracker, which refuses a frozen parameter (a LoRA base)
         with tracker:
-            for micro, batch in enumerate(batches):
-                if micro:
-                    tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
-                loss = engine.forward_loss(batch)
-                engine.backward(loss, last_micro=micro == len(batches) - 1)
-                del loss
-            engine.step()
-        per_step.append(_cpu_categories(tracker.get_tracker_snapshot("peak")))
+            spec = model_spec(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
+            vocab = int(spec.config.vocab_size)
+            plan = plan_engine(cfg, strategy, info.world_size, info.device, hidden_size_of(spec.config))
+            loss_fn = lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
+            engine = build_engine(spec, cfg, plan, info, loss_fn)
+            batches = [torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), generator=gen) for _ in range(cfg.grad_accum)]
+        # The trainer's split of a compiling step (saved tensors, gradient hooks, state counted), every step.
+        split = StepMemoryTracker(engine.model, engine.optimizer, category_every=1, storage=engine.memory_storage(), compiled=live_split)
+        split = split if live_split else None
+        for _ in range(steps):
+            if trace is not None:
+                trace.start_window()
+            if split is not None:
+                with split.step():
+                    _run_step(engine, batches, tracker=None)
+                per_step.append({**{k: v or 0 for k, v in split.last_category_maxima().items()}, "total": 0})
+            else:
+                tracker.reset_mod_stats()
+                with tracker:
+                    _run_step(engine, batches, tracker)
+                per_step.append(_cpu_categories(tracker.get_tracker_snapshot("peak")))
+            if trace is not None:
+                trace.end_window()
+    allocator_peaks = trace.window_peaks() if trace is not None else None
+    if live_split and allocator_peaks is not None:
+        for s, total in zip(per_step, allocator_peaks):
+            s["total"] = total
     trainer_peak, trainer_error = _trainer_view_step(engine, batches) if trainer_view else (None, None)
     best = max(per_step, key=lambda s: s["total"])
     result = {
         "overrides": overrides,
         "rank": info.rank,
         "world_size": info.world_size,
+        "method": "allocator" if live_split else "memtracker",
         "peak": best["total"],
         "peak_by_category": best,
         "per_step": [s["total"] for s in per_step],
+        "allocator_peak": max(allocator_peaks) if allocator_peaks else None,
+        "allocator_per_step": allocator_peaks,
         "trainer_tracker_peak": trainer_peak,
         "trainer_tracker_error": trainer_error,
     }
-    del engine, tracker
+    del engine, tracker, split
     gc.collect()
     return result
+
+
+def _run_step(engine: Any, batches: list[torch.Tensor], tracker: Any) -> None:
+    """One training step: every micro-batch's forward and backward, then the optimizer step."""
+    for micro, batch in enumerate(batches):
+        if micro and tracker is not None:
+            tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
+        loss = engine.forward_loss(batch)
+        engine.backward(loss, last_micro=micro == len(batches) - 1)
+        del loss
+    engine.step()
 
 
 def _trainer_view_step(engine: Any, batches: list[torch.Tensor]) -> tuple[int | None, str | None]:
@@ -104,11 +157,7 @@ def _trainer_view_step(engine: Any, batches: list[torch.Tensor]) -> tuple[int | 
     view = StepMemoryTracker(engine.model, engine.optimizer, enabled=True, storage=engine.memory_storage())
     try:
         with view.step():
-            for micro, batch in enumerate(batches):
-                loss = engine.forward_loss(batch)
-                engine.backward(loss, last_micro=micro == len(batches) - 1)
-                del loss
-            engine.step()
+            _run_step(engine, batches, tracker=None)
     except NotImplementedError as exc:  # MemTracker refusing a second forward of a module
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     return view.last_peaks().get("total"), None
@@ -122,6 +171,8 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--vocab-size", type=int, default=None)
     parser.add_argument("--no-trainer-view", action="store_true", help="skip the extra step measured by the trainer's tracker")
+    parser.add_argument("--allocator", action="store_true", help="also record the CPU allocator's peak (torch.profiler)")
+    parser.add_argument("--no-dispatch", action="store_true", help="with --allocator: no MemTracker around the steps (faster)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     with open(args.runs) as f:
@@ -130,7 +181,7 @@ def _main(argv: list[str] | None = None) -> int:
     results = []
     try:
         for overrides in runs:
-            mine = measure_config(overrides, args.steps, args.vocab_size, not args.no_trainer_view)
+            mine = measure_config(overrides, args.steps, args.vocab_size, not args.no_trainer_view, args.allocator, not args.no_dispatch)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 gathered: list[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, mine)
@@ -151,9 +202,18 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 def launch(
-    runs: list[list[str]], world_size: int, steps: int = 3, vocab_size: int | None = None, timeout: float = 600.0, trainer_view: bool = True
+    runs: list[list[str]],
+    world_size: int,
+    steps: int = 3,
+    vocab_size: int | None = None,
+    timeout: float = 600.0,
+    trainer_view: bool = True,
+    allocator: bool = False,
+    threads: int = 1,
+    dispatch: bool = True,
 ) -> list[list[dict[str, Any]]]:
-    """Measure each override list with ``world_size`` real processes; per run, one result per rank."""
+    """Measure each override list with ``world_size`` real processes; per run, one result per rank
+    (``allocator``: with the CPU allocator's peak beside MemTracker's, see :func:`measure_config`)."""
     with tempfile.TemporaryDirectory() as tmp:
         runs_path, out_path = os.path.join(tmp, "runs.json"), os.path.join(tmp, "out.json")
         with open(runs_path, "w") as f:
@@ -179,7 +239,11 @@ def launch(
             cmd += ["--vocab-size", str(vocab_size)]
         if not trainer_view:
             cmd += ["--no-trainer-view"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_repo_root() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if allocator:
+            cmd += ["--allocator"]
+        if not dispatch:
+            cmd += ["--no-dispatch"]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=_repo_root() + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
         if proc.returncode != 0 or not os.path.exists(out_path):
             tail = (proc.stdout + proc.stderr)[-3000:]

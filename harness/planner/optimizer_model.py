@@ -9,6 +9,7 @@ each library's code and measured on CPU (notes/optimizers.md).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,15 @@ class EngineSpec:
     target: str = "cuda"  # "cuda": device and host are separate; "cpu": the host is the device
     torch_param_bytes: int = 4  # single/DDP parameter dtype bytes (bf16 casts the module)
     frozen_param_bytes: int = 4  # a frozen parameter's bytes (PrecisionPolicy.frozen_dtype: FSDP2 bf16 holds it in bf16)
+    compiled_step: bool = False  # torchao compiles its step (its default; `harness.training.name_compiles_step`)
 
+
+# torchao's step compiled by inductor on CPU (torch 2.13, torchao 0.18), bytes it allocates per element
+# of the tensor being stepped, any weight dtype: the quantized states' dequantized moments as the fused
+# kernels hand them on (8-bit: 8 B an element and 8 B a 256-element block; 4-bit: 26 B and 8 B a
+# 128-element block); bf16 moments update in place (0). Measured by the allocator's events on one
+# tensor (2048 x 256 and 1536 x 576: the same per element) and on SmolLM2-135M (notes/ladder.md).
+TORCHAO_COMPILED_STEP = {"adamw_bf16": 0.0, "adamw_8bit": 8 + 8 / 256, "adamw_4bit": 26 + 8 / 128}
 
 # bitsandbytes pages a state tensor (allocates it in CUDA managed memory) only when its parameter has at
 # least this many elements (``Optimizer8bit.get_state_buffer``: ``p.numel() < 1e5`` stays a plain tensor).
@@ -88,8 +97,12 @@ def step_transient_multiple(optimizer: str, weight_decay: float, fused: bool) ->
     return 1 if weight_decay else 0  # SGD: grad.add(param, alpha=wd)
 
 
-def step_bytes_per_element(spec: EngineSpec) -> int:
+def step_bytes_per_element(spec: EngineSpec) -> float:
     """Temporaries of a torch engine's step, per element of the tensor being stepped.
+
+    torchao's step compiled (its default, unless dynamo is off) on a CPU target:
+    `TORCHAO_COMPILED_STEP`, measured; inductor fuses most of what the eager step below allocates.
+    Compiled for a GPU it is not measured here, so a CUDA plan keeps the eager figures, an upper bound.
 
     torchao's ``single_param_adam`` works in fp32 whatever the weights' dtype. Run eager (as on CPU) it
     holds at most 6 fp32 copies of the tensor with fp32 weights (the decayed weight, both moments
@@ -100,7 +113,7 @@ def step_bytes_per_element(spec: EngineSpec) -> int:
     temporaries of their own: 53 bytes an element in all with fp32 weights, 57 with bf16 ones. All
     measured on CPU by the allocator's own events (notes/optimizers.md: torch's MemTracker does not
     see allocations inside a subclass's or a custom op's kernel). On a GPU torchao compiles the
-    step, which may fuse most of these away: there the figures are an upper bound. bitsandbytes on a
+    step (as on CPU, above), which may fuse most of these away: there the figures are an upper bound. bitsandbytes on a
     GPU updates in place in one fused kernel; what its step adds to the device is the paged working
     set, the two uint8 moments of the tensor being stepped, which ``step`` prefetches to the GPU
     (``prefetch_state``) before updating (the others may stay evicted on the host). bitsandbytes on
@@ -109,6 +122,8 @@ def step_bytes_per_element(spec: EngineSpec) -> int:
     norm scale) and, for a non-fp32 weight, the weight to fp32, and divides ``sqrt(v)`` by the bias
     correction: 5 fp32 copies alive at the division (6 with a bf16 weight)."""
     library = OPTIMIZER_LIBRARY[spec.optimizer]
+    if library == "torchao" and spec.compiled_step and spec.target == "cpu":
+        return TORCHAO_COMPILED_STEP[spec.optimizer]
     if library == "torchao":
         fp32_weights = spec.torch_param_bytes == 4
         if spec.optimizer == "adamw_bf16":
@@ -125,7 +140,7 @@ def torch_step_transient(spec: EngineSpec, largest: int) -> int:
     """Temporaries of a torch engine's step for its largest (local) tensor (:func:`step_bytes_per_element`)."""
     if paged(spec) and largest < BNB_PAGED_MIN:
         return 0  # nothing is paged: the states are device tensors, counted as held
-    return step_bytes_per_element(spec) * largest
+    return math.ceil(step_bytes_per_element(spec) * largest)
 
 
 def step_scalar_bytes(spec: EngineSpec, tensors: int) -> int:
@@ -158,6 +173,7 @@ __all__ = [
     "BNB_PAGED_MIN",
     "BYTES",
     "EngineSpec",
+    "TORCHAO_COMPILED_STEP",
     "paged",
     "paged_host",
     "paged_notes",

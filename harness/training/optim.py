@@ -124,8 +124,17 @@ def compiles_step(optimizer: torch.optim.Optimizer) -> bool:
     compiles nothing and fullgraph raises "found no compiled frames"; eager, the 8-bit update of
     SmolLM2-135M takes minutes on two CPU cores. A memory tracker must not wrap such a step in a
     dispatch mode (`harness.memory.tracking.StepMemoryTracker`)."""
-    module = type(optimizer).__module__
-    return module.split(".")[0] == "torchao" and os.environ.get("TORCHDYNAMO_DISABLE", "") != "1" and not torch._dynamo.config.disable
+    return type(optimizer).__module__.split(".")[0] == "torchao" and _dynamo_enabled()
+
+
+def name_compiles_step(name: str) -> bool:
+    """`compiles_step` for the optimizer ``optim.name`` will build, known before it is built (a
+    measurement must choose how to measure before the model and its optimizer exist)."""
+    return name in TORCHAO and _dynamo_enabled()
+
+
+def _dynamo_enabled() -> bool:
+    return os.environ.get("TORCHDYNAMO_DISABLE", "") != "1" and not torch._dynamo.config.disable
 
 
 def _torchao_class(name: str) -> Callable[..., torch.optim.Optimizer]:
