@@ -381,7 +381,7 @@ def prune_in_process(
         if holdout:
             row["holdout_perplexity"] = holdout_perplexity(prune)
         masks = {k: m.clone() for k, m in stats.masks.masks.items()}
-        if prune.method in ("wanda", "gradprobe"):  # kept (bit-packed, outside git) for the swap-set study
+        if prune.method in ("wanda", "gradprobe"):  # kept (bit-packed, outside git): prune_veto_sweep.py checks against them
             save_masks(work / "masks" / f"{hashlib.sha256(cache_key.encode()).hexdigest()[:16]}.pt", masks)
         if key in ("wanda", "magnitude") and not swept:
             base_masks[(key, pat_key, seed)] = masks
@@ -716,13 +716,6 @@ def main(argv: list[str] | None = None) -> int:
         "finetuned": finetuned,
         "finetune_world2": ft_world2,
         "world2": world2,
-        "swap_study": prune_real.swap_study(
-            [*results, *(r for r in swept if r.get("sweep"))],
-            lambda r: work / "masks" / f"{hashlib.sha256(r.get('cache_key', '').encode()).hexdigest()[:16]}.pt",
-            load_masks,
-        )
-        if real
-        else {},
         "total_wall_s": total,
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         # what the companion scripts merged in (prune_veto_sweep.py, prune_memory.py): kept

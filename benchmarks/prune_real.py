@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import socket
 import subprocess
@@ -207,58 +206,3 @@ def finetune_world2(
         "command_wall_s": wall,
         "export_check": exported_vs_masks(out / "hf", out / "prune_masks", cfg_dict.get("prune", {}).get("targets", "decoder_linears")),
     }
-
-
-def swap_study(rows: list[dict[str, Any]], mask_path: Any, load: Any) -> dict[str, Any]:
-    """What the gradient changed, and whether it changes the same weights on other calibration
-    data. For each GradProbe row: `swapped`, the weights it prunes that Wanda (same pattern, seed
-    and calibration size) keeps. For each pair of GradProbe rows with the same settings but other
-    calibration data (another seed or size): |A ∩ B| against |A| |B| / |C|, what independent
-    choices inside the band C that both could swap from would share (C: Wanda's pool beyond its
-    target, `pool` x the pruned count); lift 1 = the gradient's choice is as reproducible as a coin's.
-    `mask_path(row)` names a row's saved masks, `load(path)` reads them."""
-    have = [r for r in rows if mask_path(r).exists()]
-    wanda = {(r["pattern"], r["seed"], r["calib_samples"]): r for r in have if r["settings"]["method"] == "wanda"}
-    swaps: list[tuple[dict[str, Any], torch.Tensor, int]] = []
-    out: dict[str, Any] = {"rows": [], "pairs": []}
-    for r in have:
-        w = wanda.get((r["pattern"], r["seed"], r["calib_samples"]))
-        if r["settings"]["method"] != "gradprobe" or w is None:
-            continue
-        gp, wm = load(mask_path(r)), load(mask_path(w))
-        swapped = torch.cat([(gp[k] & ~wm[k]) for k in sorted(gp)])
-        pruned = sum(int(m.sum()) for m in gp.values())
-        # the band: unstructured, pool x the pruned count; 2:4, ceil(pool x 2) more of each group's 4 (2 pruned)
-        extra = r["settings"]["pool"] if r["pattern"] != "2:4" else math.ceil(r["settings"]["pool"] * 2) / 2
-        swaps.append((r, swapped, int(pruned * extra)))
-        out["rows"].append(
-            {
-                "key": r["key"],
-                "pattern": r["pattern"],
-                "seed": r["seed"],
-                "calib_samples": r["calib_samples"],
-                "swapped": int(swapped.sum()),
-                "swapped_share_of_pruned": int(swapped.sum()) / pruned,
-            }
-        )
-    for i, (a, sa, band) in enumerate(swaps):
-        for b, sb, _ in swaps[i + 1 :]:
-            same = {k: v for k, v in a["settings"].items() if k not in ("calib_seed", "calib_samples")} == {
-                k: v for k, v in b["settings"].items() if k not in ("calib_seed", "calib_samples")
-            }
-            if not same or a["pattern"] != b["pattern"]:
-                continue
-            both = int((sa & sb).sum())
-            chance = int(sa.sum()) * int(sb.sum()) / band
-            out["pairs"].append(
-                {
-                    "key": a["key"],
-                    "pattern": a["pattern"],
-                    "a": [a["seed"], a["calib_samples"]],
-                    "b": [b["seed"], b["calib_samples"]],
-                    "both": both,
-                    "chance": chance,
-                    "lift": both / chance if chance else float("nan"),
-                }
-            )
-    return out
