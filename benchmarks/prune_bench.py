@@ -86,11 +86,6 @@ VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
         "gradprobe veto, wanda base, reduction 0.9",
         {"method": "gradprobe", "base": "wanda", "decision": "veto", "reduction": 0.9},
     ),
-    # GradProbe's own knobs, for choosing its defaults on the calib holdout (SmolLM2): a higher
-    # threshold vetoes fewer of the base's choices, a smaller pool lets the gradient move fewer
-    ("gradprobe_t05", "gradprobe veto, threshold 0.5", {"method": "gradprobe", "threshold": 0.5}),
-    ("gradprobe_t2", "gradprobe veto, threshold 2.0", {"method": "gradprobe", "threshold": 2.0}),
-    ("gradprobe_pool01", "gradprobe veto, pool 0.1", {"method": "gradprobe", "pool": 0.1}),
     # OWL sets each block's unstructured sparsity: unstructured rows only
     ("wanda_owl", "wanda + OWL allocation", {"method": "wanda", "allocation": "owl"}),
     (
