@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -150,6 +151,22 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
     }
 
 
+def save_masks(path: Path, masks: dict[str, Any]) -> None:
+    """Masks as packed bits (1 bit per target weight) with their shapes."""
+    import numpy as np
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: (torch.from_numpy(np.packbits(m.reshape(-1).numpy())), m.numel()) for k, m in masks.items()}, path)
+
+
+def load_masks(path: Path) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    return {k: torch.from_numpy(np.unpackbits(b.numpy())[:n].astype(bool)) for k, (b, n) in torch.load(path).items()}
+
+
 def base_config(work: Path, steps: int, calib: int) -> dict[str, Any]:
     """One config for training and pruning: the eval set is the same blocks in both.
 
@@ -181,8 +198,6 @@ def env() -> dict[str, str]:
 
 def trained_stamp(work: Path) -> str:
     """A short hash of the trained model's weights file: cached pruning runs belong to it."""
-    import hashlib
-
     with (work / "dense" / "hf" / "model.safetensors").open("rb") as f:
         return hashlib.sha256(f.read()).hexdigest()[:12]
 
@@ -231,13 +246,19 @@ def prune_in_process(
     sweep: list[int] | None = None,
     holdout: bool = True,
     cached_only: bool = False,
+    patterns: list[tuple[str, str]] | None = None,
+    holdout_tail: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every variant x pattern x seed on one engine, dense weights restored before each run.
 
     `stamp` names the run cache (default: the trained model's hash); `sweep`: calibration sizes
     run for the SWEPT methods at seed `seeds[0]` besides the configured one (rows with `sweep: True`);
     `holdout=False` skips the calib-holdout perplexity (one more evaluation per run); `cached_only`
-    reports the runs an earlier call finished and lists the others in `dense["not_run"]`."""
+    reports the runs an earlier call finished and lists the others in `dense["not_run"]`;
+    `patterns`: a subset of PATTERNS; `holdout_tail`: the holdout is the last eval-sized stretch
+    of the seed's calib permutation, the same blocks at every calibration size (the sweep compares
+    sizes on it), instead of the blocks right after the drawn ones."""
+    patterns = patterns or PATTERNS
     import torch
 
     from harness import distributed as dist_utils
@@ -250,6 +271,8 @@ def prune_in_process(
         """Perplexity on the calib blocks this seed did not draw: what a user could select a
         method on without touching eval (the defaults were chosen on it, never on eval)."""
         _, holdout = calibration_split(data, dataclasses.replace(cfg, prune=prune))
+        if holdout_tail:
+            holdout = holdout[-cfg.eval_batches * cfg.micro_batch_size :]
         val = dataclasses.replace(data, blocks={**data.blocks, HOLDOUT_SPLIT: holdout})
         return evaluate(engine, val, cfg, info, split=HOLDOUT_SPLIT)["eval/perplexity"]
 
@@ -296,7 +319,7 @@ def prune_in_process(
     runs = [
         (key, over, pat_key, pattern, seed)
         for key, _, over in variants
-        for pat_key, pattern in PATTERNS
+        for pat_key, pattern in patterns
         if pattern == "unstructured" or over.get("allocation", "uniform") == "uniform"
         for seed in (seeds[:1] if over["method"] == "magnitude" else seeds)
     ]
@@ -312,7 +335,7 @@ def prune_in_process(
     # so a changed default re-runs exactly the rows it changes); valid for this trained model.
     done_path = work / f"runs-{stamp}.jsonl"
     done = {r["cache_key"]: r for r in map(json.loads, done_path.read_text().splitlines())} if done_path.exists() else {}
-    runs.sort(key=lambda r: [p for p, _ in PATTERNS].index(r[2]))  # every method at 50% first, then 2:4 (stable)
+    runs.sort(key=lambda r: [p for p, _ in patterns].index(r[2]))  # every method at 50% first, then 2:4 (stable)
     runs = [(*r, False) for r in runs]
     runs += [
         (key, {**over, "calib_samples": n}, pat_key, pattern, seeds[0], True)
@@ -320,7 +343,7 @@ def prune_in_process(
         if n != base_n
         for key, _, over in VARIANTS
         if key in SWEPT
-        for pat_key, pattern in PATTERNS
+        for pat_key, pattern in patterns
     ]
     not_run = []
     for key, over, pat_key, pattern, seed, swept in runs:
@@ -353,6 +376,8 @@ def prune_in_process(
         if holdout:
             row["holdout_perplexity"] = holdout_perplexity(prune)
         masks = {k: m.clone() for k, m in stats.masks.masks.items()}
+        if prune.method in ("wanda", "gradprobe"):  # kept (bit-packed, outside git): prune_veto_sweep.py checks against them
+            save_masks(work / "masks" / f"{hashlib.sha256(cache_key.encode()).hexdigest()[:16]}.pt", masks)
         if key in ("wanda", "magnitude") and not swept:
             base_masks[(key, pat_key, seed)] = masks
         base = base_masks.get((prune.base, pat_key, seed if prune.base == "wanda" else seeds[0]))
@@ -371,7 +396,7 @@ def prune_in_process(
             flush=True,
         )
     if (only is None or CONTROL in only) and not cached_only:
-        for (pat_key, pattern), seed in [(pt, s) for pt in PATTERNS for s in seeds]:
+        for (pat_key, pattern), seed in [(pt, s) for pt in patterns for s in seeds]:
             engine.module.load_state_dict(dense_state)
             row = {**random_pool_control(engine, data, cfg, info, pattern, seed), "key": CONTROL, "pattern": pat_key, "seed": seed}
             results.append(row)
@@ -610,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib-sweep", type=int, nargs="*", default=[], help="calibration sizes for wanda/sparsegpt/gradprobe (seed 0)")
     parser.add_argument("--no-holdout", action="store_true", help="skip each run's calib-holdout perplexity")
     parser.add_argument("--cached-only", action="store_true", help="report the runs earlier calls finished; run nothing new")
+    parser.add_argument("--patterns", nargs="+", choices=[k for k, _ in PATTERNS], default=None, help="a subset of the patterns")
+    parser.add_argument("--extra", nargs="+", default=[], help="smollm2-135m: more result keys (kept in the results file)")
     parser.add_argument("--original", action="store_true", help="smollm2-135m: also GradProbe's original mode (2 passes per matrix)")
     parser.add_argument(
         "--finetune-world2",
@@ -620,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--finetune-lr", type=float, default=1e-4, help="--finetune-world2's learning rate")
     parser.add_argument("--finetune-micro-batch", type=int, default=4, help="--finetune-world2's micro-batch per rank")
+    parser.add_argument("--finetune-eval-every", type=int, default=0, help="--finetune-world2's eval cadence (the recovery curve)")
     parser.add_argument(
         "--finetune-only", action="store_true", help="only --finetune-world2, its rows merged into the results file (if any)"
     )
@@ -633,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     if real and args.finetune_only:  # the world-2 workflow alone, merged into the results of an earlier call
         cfg = prune_real.real_config(work, args.calib_samples or 32, args.seq_len, args.eval_batches)
         rows = [
-            prune_real.finetune_world2(work, cfg, *parse_ft(spec), args.finetune_lr, args.finetune_micro_batch)
+            prune_real.finetune_world2(work, cfg, *parse_ft(spec), args.finetune_lr, args.finetune_micro_batch, args.finetune_eval_every)
             for spec in args.finetune_world2
         ]
         path = Path(results_path) if Path(results_path).exists() else work / "finetune_world2.json"
@@ -645,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     if real:  # pretrained: nothing to train; the four methods (and the original mode on request)
         cfg = prune_real.real_config(work, args.calib_samples or 32, args.seq_len, args.eval_batches)
         trained = {"hf": cfg["model"]["name"], "model": prune_real.MODEL}
-        only = args.only or ["magnitude", "wanda", "sparsegpt", "gradprobe", *([ORIGINAL, MATCHED] if args.original else [])]
+        only = args.only or ["magnitude", "wanda", "sparsegpt", "gradprobe", *args.extra, *([ORIGINAL, MATCHED] if args.original else [])]
         stamp: str | None = prune_real.model_stamp(trained["hf"], cfg)
     else:
         cfg = base_config(work, args.train_steps, args.calib_samples or 64)
@@ -654,8 +682,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.train_only:
             return 0
         only, stamp = args.only, None
+    patterns = [p for p in PATTERNS if args.patterns is None or p[0] in args.patterns]
     results, dense = prune_in_process(
-        work, cfg, trained["hf"], args.seeds, only, stamp, args.calib_sweep, not args.no_holdout, args.cached_only
+        work, cfg, trained["hf"], args.seeds, only, stamp, args.calib_sweep, not args.no_holdout, args.cached_only, patterns, real
     )
     swept = [r for r in results if r.get("sweep")]
     results = [r for r in results if not r.get("sweep")]
@@ -663,10 +692,11 @@ def main(argv: list[str] | None = None) -> int:
     ft_steps = args.finetune_steps if args.finetune_steps is not None else (0 if real else 200)
     finetuned = [] if args.only or not ft_steps else finetune_runs(work, cfg, trained["hf"], ft_steps, args.seeds[0])
     world2 = [prune_world2(work, cfg, trained["hf"], k) for k in (1, 0)] if args.world2 else []
-    earlier = json.loads(Path(results_path).read_text()).get("finetune_world2", []) if Path(results_path).exists() else []
-    ft_world2 = [] if args.finetune_world2 else earlier  # rows of an earlier --finetune-only call are kept
+    previous = json.loads(Path(results_path).read_text()) if Path(results_path).exists() else {}
+    ft_world2 = [] if args.finetune_world2 else previous.get("finetune_world2", [])  # rows of an earlier --finetune-only call are kept
     for spec in args.finetune_world2:
-        ft_world2.append(prune_real.finetune_world2(work, cfg, *parse_ft(spec), args.finetune_lr, args.finetune_micro_batch))
+        ft = parse_ft(spec)
+        ft_world2.append(prune_real.finetune_world2(work, cfg, *ft, args.finetune_lr, args.finetune_micro_batch, args.finetune_eval_every))
         print(f"[bench] prune -> fine-tune, FSDP2 world 2: {json.dumps(ft_world2[-1])}", file=sys.stderr, flush=True)
     table = tables(results, dense, trained, finetuned, world2, args.seeds)
     if args.calib_sweep:
@@ -683,6 +713,8 @@ def main(argv: list[str] | None = None) -> int:
         "world2": world2,
         "total_wall_s": total,
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        # what the companion scripts merged in (prune_veto_sweep.py, prune_memory.py): kept
+        **{k: previous[k] for k in ("veto_sweep", "probe_memory") if k in previous},
     }
     (work / "results.json").write_text(json.dumps(record, indent=1, default=str))
     (work / "table.md").write_text(table + "\n")

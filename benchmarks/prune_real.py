@@ -152,16 +152,18 @@ def exported_vs_masks(hf_dir: Path, masks_dir: Path, targets: str) -> dict[str, 
 
 
 def finetune_world2(
-    work: Path, cfg_dict: dict[str, Any], method: str, pattern: str, steps: int, lr: float, micro_batch: int
+    work: Path, cfg_dict: dict[str, Any], method: str, pattern: str, steps: int, lr: float, micro_batch: int, eval_every: int = 0
 ) -> dict[str, Any]:
     """Prune -> masked fine-tune -> export under FSDP2 at world 2, the command users run; then the
-    export checked against the masks. Returns the command's numbers and the check."""
+    export checked against the masks. Returns the command's numbers and the check; `eval_every`
+    (0: at the end only) adds the recovery curve, eval perplexity after every that many steps."""
     out = work / f"ft_w2_{method}_{pattern.replace(':', '')}_{steps}"
     path = work / f"{out.name}.yaml"
     cfg = {
         **cfg_dict,
         "strategy": "fsdp",
         "micro_batch_size": micro_batch,
+        "eval_every": eval_every or cfg_dict["eval_every"],
         "output_dir": str(out),
         "checkpoint": {"overwrite": True},
         "optim": {"lr": lr, "warmup_steps": max(1, steps // 10)},
@@ -196,6 +198,7 @@ def finetune_world2(
         "eval_perplexity_before": report["eval_perplexity_before"],
         "eval_perplexity_pruned": report["eval_perplexity_after"],
         "eval_perplexity_finetuned": evals[-1]["eval/perplexity"],
+        "curve": [[0, report["eval_perplexity_after"]], *[[r["step"], r["eval/perplexity"]] for r in evals if r["step"] > 0]],
         "train_losses": losses,
         "achieved_sparsity": report["achieved_sparsity"],
         "prune_wall_time_s": report.get("wall_time_s"),
