@@ -145,13 +145,17 @@ def cast_except_quantized(model: nn.Module, dtype: torch.dtype) -> None:
 
 def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
     """Give every frozen floating parameter of a skeleton (meta or fake storage: values are
-    filled afterwards) `dtype`, except the quantized linears' codes, whose dtype is their packing."""
+    filled afterwards) `dtype`, except the quantized linears' codes, whose dtype is their packing.
+    A parameter two modules share (tied input and output embeddings) stays one parameter."""
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(old) -> (old, new): the old kept alive, its id unique
     for module in model.modules():
         if is_quantized_linear(module):
             continue
         for name, p in list(module._parameters.items()):
             if p is not None and not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
-                module._parameters[name] = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=False)
+                if id(p) not in replaced:
+                    replaced[id(p)] = (p, nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=False))
+                module._parameters[name] = replaced[id(p)][1]
 
 
 def _weight_name(module_name: str) -> str:

@@ -212,3 +212,19 @@ def test_qlora_trains_on_cpu_with_the_adapters_only(quantize, tmp_path):
     model_keys = [k for k in saved if k.startswith("model.")]
     assert model_keys and all(".lora_" in k for k in model_keys), [k for k in model_keys if ".lora_" not in k][:3]
     engine.load_state(str(tmp_path / "ckpt"), 1, True)
+
+
+def test_holding_the_frozen_base_in_bf16_keeps_tied_embeddings_one_parameter(tmp_path):
+    """FSDP2 bf16 holds a LoRA base in bf16 (`hold_frozen_in`); a head tied to the input embeddings
+    must stay that one parameter (two copies would be wrapped, gathered and filled apart)."""
+    from model_families import save_families
+
+    from harness.models import empty_lora_model, empty_model, hold_frozen_in, model_spec
+
+    spec = model_spec(save_families(tmp_path)["qwen2"], vocab_size=64)  # tie_word_embeddings=True
+    model = empty_lora_model(empty_model(spec.config), load_config(None, ["lora.enabled=true", "lora.r=4"]).lora)
+    hold_frozen_in(model, torch.bfloat16)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert head.weight is embed.weight and embed.weight.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
