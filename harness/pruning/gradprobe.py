@@ -22,6 +22,8 @@ takes its input norms for every matrix from the first G0 pass, which still sees 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +100,53 @@ def _restore(views: list[ShardView], pools: dict[str, torch.Tensor], saved: dict
     for v in views:
         v.write(pools[v.name].to(v.lp().device), saved[v.name], master=False)
     sync_views(views, comm)
+
+
+def _base_keys(base: dict[str, torch.Tensor], forced: dict[str, torch.Tensor], v: ShardView) -> torch.Tensor:
+    return score_keys(base[v.name], forced.get(v.name))
+
+
+def _decision_keys(
+    settings: ProbeSettings,
+    pools: dict[str, torch.Tensor],
+    g0: dict[str, torch.Tensor],
+    g1: dict[str, torch.Tensor],
+    base: dict[str, torch.Tensor],
+    sum0: dict[str, torch.Tensor],
+    sum1: dict[str, torch.Tensor],
+    forced: dict[str, torch.Tensor],
+    v: ShardView,
+) -> torch.Tensor:
+    """One matrix's keys for the exact-target decision (lowest pruned first, outside the pool last)."""
+    if settings.decision == "veto":
+        return veto_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], settings.threshold, forced.get(v.name))
+    if settings.decision == "saliency":
+        return saliency_keys(pools[v.name], v.weight(), sum0[v.name], sum1[v.name], settings.reduction, forced.get(v.name))
+    return exact_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], forced.get(v.name))
+
+
+def _select_one_at_a_time(
+    rule: Rule,
+    views: list[ShardView],
+    make_keys: Callable[[ShardView], torch.Tensor],
+    comm: Collectives,
+    key_bits: int,
+    sparsities: list[float] | None,
+    pool_only: bool = False,
+) -> dict[str, torch.Tensor]:
+    """`select` of `rule` over `views`, one matrix at a time: a per-matrix, per-row or N:M rule
+    decides each matrix on its own keys, so the masks are those of one call over the group, and
+    the int64 keys (8 B a weight) exist for one matrix at a time instead of the whole group's.
+    `pool_only`: the keys mark what lies outside the candidate pool, which must not be chosen."""
+    masks = {}
+    for i, v in enumerate(views):
+        keys = make_keys(v)
+        (mask,) = select(rule, [v.layout], [keys], comm, key_bits, None if sparsities is None else [sparsities[i]])
+        if pool_only and (keys[mask] == (1 << COMPOSITE_BITS)).any():
+            raise RuntimeError(f"{v.name}: the selection reached outside the candidate pool")
+        masks[v.name] = mask
+        del keys
+    return masks
 
 
 def run_gradprobe(
@@ -183,21 +232,14 @@ def run_gradprobe(
         if upfront:
             pools = {v.name: fixed_pool[v.name] for v in views}
         else:
-            keys = [score_keys(base[v.name], forced.get(v.name)) for v in views]
-            pools = dict(
-                zip(
-                    [v.name for v in views],
-                    select(
-                        cand_rule,
-                        [v.layout for v in views],
-                        keys,
-                        comm,
-                        FLOAT_KEY_BITS,
-                        view_sparsities(views, settings.allocation, widening),
-                    ),
-                )
+            pools = _select_one_at_a_time(
+                cand_rule,
+                views,
+                functools.partial(_base_keys, base, forced),
+                comm,
+                FLOAT_KEY_BITS,
+                view_sparsities(views, settings.allocation, widening),
             )
-            del keys
             for name, m in pools.items():
                 ledger.add(f"pool/{name}", m)
         saved = _scale(views, pools, settings.reduction, comm)
@@ -214,23 +256,9 @@ def run_gradprobe(
                 deferred[v.name] = gradient_ratio(g0[v.name], g1[v.name]).to(torch.bfloat16)
                 ledger.add(f"ratio/{v.name}", deferred[v.name])
         else:
-            if settings.decision == "veto":
-                keys = [
-                    veto_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], settings.threshold, forced.get(v.name)) for v in views
-                ]
-            elif saliency:
-                keys = [
-                    saliency_keys(pools[v.name], v.weight(), sum0[v.name], sum1[v.name], settings.reduction, forced.get(v.name))
-                    for v in views
-                ]
-            else:
-                keys = [exact_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], forced.get(v.name)) for v in views]
-            chosen = select(rule, [v.layout for v in views], keys, comm, COMPOSITE_BITS + 1, view_sparsities(views, settings.allocation))
-            for v, k, m in zip(views, keys, chosen):
-                if (k[m] == (1 << COMPOSITE_BITS)).any():
-                    raise RuntimeError(f"{v.name}: the selection reached outside the candidate pool")
-                masks[v.name] = m
-            del keys
+            decide = functools.partial(_decision_keys, settings, pools, g0, g1, base, sum0, sum1, forced)
+            sparsities = view_sparsities(views, settings.allocation)
+            masks.update(_select_one_at_a_time(rule, views, decide, comm, COMPOSITE_BITS + 1, sparsities, pool_only=True))
         for v in views:
             if v.name in masks:
                 ledger.add(f"mask/{v.name}", masks[v.name])
