@@ -83,11 +83,15 @@ class DeepSpeedEngine(Engine):
         from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE
 
         client = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-        quiet_base = without_quantization_state(self.module) if self.trainable_only else contextlib.nullcontext()
-        with quiet_base:  # an adapters-only checkpoint: no quantization state of the frozen base either
-            target = os.path.join(directory, "ds")
-            frozen_out = self.trainable_only
-            self.ds.save_checkpoint(target, tag=DS_TAG, client_state=client, save_latest=False, exclude_frozen_parameters=frozen_out)
+        # an adapters-only checkpoint: no quantization state of the frozen base either
+        with without_quantization_state(self.module) if self.trainable_only else contextlib.nullcontext():
+            self.ds.save_checkpoint(
+                os.path.join(directory, "ds"),
+                tag=DS_TAG,
+                client_state=client,
+                save_latest=False,
+                exclude_frozen_parameters=self.trainable_only,
+            )
 
     def load_state(self, directory: str, saved_world_size: int, is_main: bool) -> None:
         if saved_world_size == dist.get_world_size():

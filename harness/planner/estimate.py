@@ -345,9 +345,8 @@ def estimate(
     for rank in ranks:
         em = engine_model(espec, info, rank)
         if cfg.lora.enabled and cfg.lora.quantize != "none":
-            # the rest of the base (embeddings, head, norms): the frozen dtype, fp32 only where the module computes in it
-            rest = 4 if cfg.precision in ("fp32", "fp16") else 2
-            em = quantized_base(em, info, cfg.lora.quantize, espec.world if espec.kind == "fsdp" else 1, rest)
+            # the rest of the base (embeddings, head, norms) is held in the frozen dtype
+            em = quantized_base(em, info, cfg.lora.quantize, espec.world if espec.kind == "fsdp" else 1, espec.frozen_param_bytes)
         moments = walk(trace, em, cpu_run=target == "cpu")
         peak = max(moments, key=lambda m: m.total)
         if best is None or peak.total > best[0].total:
@@ -406,7 +405,8 @@ def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:
     broadcasts each new tensor from rank 0 before partitioning it, and the communication
     backend may still hold that tensor when `broadcast` returns (gloo's worker thread drops its
     reference when it next runs; NCCL's stream frees it when the copy completes): the previous
-    tensor can still be whole while the next is built, two in flight.
+    tensor can still be whole while the next is built, two in flight (the race
+    `collective_race_bytes` counts in the step; benchmarks/gloo_view_hold.py measures it here).
     """
     one_tensor = info.whole_largest * 4
     whole = info.total + info.frozen  # a LoRA model's frozen base is loaded like the rest

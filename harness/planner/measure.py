@@ -100,8 +100,11 @@ def measure_config(
             engine = build_engine(spec, cfg, plan, info, loss_fn)
             batches = [torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), generator=gen) for _ in range(cfg.grad_accum)]
         # The trainer's split of a compiling step (saved tensors, gradient hooks, state counted), every step.
-        split = StepMemoryTracker(engine.model, engine.optimizer, category_every=1, storage=engine.memory_storage(), compiled=live_split)
-        split = split if live_split else None
+        split = (
+            StepMemoryTracker(engine.model, engine.optimizer, category_every=1, storage=engine.memory_storage(), compiled=True)
+            if live_split
+            else None
+        )
         for _ in range(steps):
             if trace is not None:
                 trace.start_window()

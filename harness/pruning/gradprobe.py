@@ -132,17 +132,17 @@ def _select_one_at_a_time(
     comm: Collectives,
     key_bits: int,
     sparsities: list[float] | None,
-    pool_only: bool = False,
+    within_pool: bool = False,
 ) -> dict[str, torch.Tensor]:
     """`select` of `rule` over `views`, one matrix at a time: a per-matrix, per-row or N:M rule
     decides each matrix on its own keys, so the masks are those of one call over the group, and
     the int64 keys (8 B a weight) exist for one matrix at a time instead of the whole group's.
-    `pool_only`: the keys mark what lies outside the candidate pool, which must not be chosen."""
+    `within_pool`: the keys mark what lies outside the candidate pool, which must not be chosen."""
     masks = {}
     for i, v in enumerate(views):
         keys = make_keys(v)
         (mask,) = select(rule, [v.layout], [keys], comm, key_bits, None if sparsities is None else [sparsities[i]])
-        if pool_only and (keys[mask] == (1 << COMPOSITE_BITS)).any():
+        if within_pool and (keys[mask] == (1 << COMPOSITE_BITS)).any():
             raise RuntimeError(f"{v.name}: the selection reached outside the candidate pool")
         masks[v.name] = mask
         del keys
@@ -258,7 +258,7 @@ def run_gradprobe(
         else:
             decide = functools.partial(_decision_keys, settings, pools, g0, g1, base, sum0, sum1, forced)
             sparsities = view_sparsities(views, settings.allocation)
-            masks.update(_select_one_at_a_time(rule, views, decide, comm, COMPOSITE_BITS + 1, sparsities, pool_only=True))
+            masks.update(_select_one_at_a_time(rule, views, decide, comm, COMPOSITE_BITS + 1, sparsities, within_pool=True))
         for v in views:
             if v.name in masks:
                 ledger.add(f"mask/{v.name}", masks[v.name])
