@@ -20,9 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch
 import torch.distributed as dist
+from launching import run_rank
 
 from harness.config import RunConfig, load_strategy
-from harness.distributed import exit_process, init_distributed, local_tensor
+from harness.distributed import init_distributed, local_tensor
 from harness.engine import build_engine, plan_engine
 from harness.models import model_spec
 from harness.training import causal_lm_loss, optimizer_shared_bytes, optimizer_state_bytes
@@ -113,5 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    exit_process(0)  # as harness's entry points leave: a native thread's destructor may abort the exit
+    run_rank(main)

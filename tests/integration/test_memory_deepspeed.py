@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 import pytest
-from launching import launch
+from launching import launch, run_rank
 
 
 def _worker(out_path: str) -> None:
@@ -102,4 +102,4 @@ def test_tracker_counts_zero_state(results: dict[str, Any], stage: str) -> None:
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker(sys.argv[sys.argv.index("--worker") + 1])
+    run_rank(_worker, sys.argv[sys.argv.index("--worker") + 1])

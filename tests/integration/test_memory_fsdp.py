@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 import pytest
-from launching import launch
+from launching import launch, run_rank
 
 from harness.memory import CATEGORIES
 
@@ -244,4 +244,4 @@ def test_fsdp2_tracker_categories(results: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker(sys.argv[sys.argv.index("--worker") + 1])
+    run_rank(_worker, sys.argv[sys.argv.index("--worker") + 1])

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import launch
+from launching import launch, run_rank
 from model_families import VOCAB, save_families
 
 FAMILIES = ("llama", "qwen2", "opt", "gpt_neox", "gpt2")
@@ -149,8 +149,7 @@ def _worker(dirs_json: str, out_path: str, only: str = "", ac: str = "full") -> 
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    i = sys.argv.index("--worker")
-    _worker(*sys.argv[i + 1 :])
+    run_rank(_worker, *sys.argv[sys.argv.index("--worker") + 1 :])
 
 
 # ----------------------------------------------------------------------------- tests

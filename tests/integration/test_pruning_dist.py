@@ -20,6 +20,7 @@ import sys
 
 import pytest
 import torch
+from launching import finish, run_rank, start
 
 from harness.config import PruneConfig
 from harness.config.prune_modes import resolve_prune
@@ -213,7 +214,6 @@ def _worker(out: str, group: str) -> None:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """Runs a group's workers (world 1 and world 2 side by side) the first time a test needs it."""
-    from launching import finish, start
 
     out = str(tmp_path_factory.mktemp("prune_dist"))
     done: set[str] = set()
@@ -366,4 +366,4 @@ def test_masks_survive_training_steps(launched, strategy: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    run_rank(_worker, sys.argv[1], sys.argv[2])

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from launching import launch, run_rank
 
 from harness.distributed import Collectives
 from harness.pruning.layout import Layout, exchange_split_units
@@ -137,7 +138,6 @@ def test_rules_on_one_rank_select_exact_counts_with_index_tiebreak() -> None:
 
 
 def test_two_ranks_with_split_rows_and_groups_equal_one_rank(tmp_path) -> None:
-    from launching import launch
 
     launch(__file__, [str(tmp_path)], world=2, timeout=120)
     single = run_all({n: whole_layout(n) for n in CASES}, Collectives())
@@ -179,4 +179,4 @@ def _worker(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    run_rank(_worker, sys.argv[1])
