@@ -166,8 +166,8 @@ def specs_for(
         optimizer_in_backward=cfg.memory.optimizer_in_backward,
         target=target,
         compiled_step=name_compiles_step(cfg.optim.name),
-        # QLoRA's adapters stay fp32 (peft's autocast_adapter_dtype; the quantized base is never cast)
-        torch_param_bytes=4 if lora.enabled and lora.quantize != "none" else BYTES[param_dtype],
+        # LoRA/QLoRA adapters too: the trainer casts all but the quantized linears (`cast_except_quantized`)
+        torch_param_bytes=BYTES[param_dtype],
         frozen_param_bytes=BYTES[names[policy.frozen_dtype]],
     )
     if kind != "deepspeed":
@@ -253,7 +253,9 @@ def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Mom
         cats = _report_row(row)
         traced_grads = cats["gradients"]
         seen_grad = seen_grad or traced_grads > 0
-        if em.params is not None:
+        if em.params_held is not None:
+            cats["parameters"] += em.params_held - trace.held_param_bytes
+        elif em.params is not None:
             cats["parameters"] = em.params
         if em.grads is not None:
             cats["gradients"] = em.grads if (seen_grad or em.grads_from_start) else 0
@@ -346,7 +348,8 @@ def estimate(
         em = engine_model(espec, info, rank)
         if cfg.lora.enabled and cfg.lora.quantize != "none":
             # the rest of the base (embeddings, head, norms) is held in the frozen dtype
-            em = quantized_base(em, info, cfg.lora.quantize, espec.world if espec.kind == "fsdp" else 1, espec.frozen_param_bytes)
+            shard = espec.world if espec.kind == "fsdp" else 1
+            em = quantized_base(em, info, cfg.lora.quantize, shard, espec.frozen_param_bytes, espec.torch_param_bytes)
         moments = walk(trace, em, cpu_run=target == "cpu")
         peak = max(moments, key=lambda m: m.total)
         if best is None or peak.total > best[0].total:
@@ -356,7 +359,7 @@ def estimate(
     load_device, load_host = load_phase_bytes(espec, info)
     if cfg.lora.enabled and cfg.lora.quantize != "none":
         # bitsandbytes quantizes on load, a tensor at a time onto the device: the quantized base and one bf16 tensor
-        load_device, load_host = (em.params or 0) + 2 * info.whole_largest, 4 * info.whole_largest
+        load_device, load_host = (em.params_held or 0) + 2 * info.whole_largest, 4 * info.whole_largest
     race = collective_race_bytes(trace, target == "cpu")
     notes = list(em.notes)
     if race:

@@ -10,15 +10,18 @@ gradients and optimizer state follow from the same trace: `ParamInfo` lists the 
 parameters (the adapters) for the engine's formulas, and the frozen base separately.
 
 QLoRA cannot be traced (fake tensors have no quantized storage), so its step is the traced
-LoRA step with the parameter bytes replaced (:func:`quantized_base`), as the trainer holds
-them (`harness.models.qlora`): every linear of the decoder blocks in NF4 (4-bit codes packed
-into a tensor of the compute dtype, which FSDP2 shards by rows; the scales - one 8-bit absmax
-per 64 weights, one fp32 per 256 of those, the code books - whole on every rank:
-:func:`nf4_matrix_bytes`) or int8 (one byte plus an fp32 scale per output row, never sharded);
-the rest of the base in the working dtype (fp32 under FSDP2's master weights), sharded like any
-parameter; the adapters in fp32. Activations are the traced LoRA model's, plus one linear's
-weight dequantized in flight: NF4's is traced (`harness.planner.packed`: the packed codes gathered,
-each weight dequantized for its matmul and dropped), int8's an upper bound added by formula.
+LoRA step with the parameter bytes it holds between steps replaced (:func:`quantized_base`;
+what FSDP2 gathers on top stays traced), as the trainer holds them (`harness.models.qlora`):
+every linear of the decoder blocks in NF4 (4-bit codes packed into a tensor of the compute
+dtype, which FSDP2 shards by rows; the scales - one 8-bit absmax per 64 weights, one fp32 per
+256 of those, the code books - whole on every rank: :func:`nf4_matrix_bytes`) or int8 (one byte
+plus an fp32 scale per output row, never sharded); the rest of the base in its frozen dtype
+(`PrecisionPolicy.frozen_dtype`: bf16 under FSDP2 bf16), sharded like any parameter; the
+adapters in the engine's parameter dtype (fp32 masters under FSDP2, bf16 in a bf16 one-process
+or DDP module, which the trainer casts). Activations are the traced LoRA model's, plus one
+linear's weight dequantized in flight: NF4's is traced (`harness.planner.packed`: the packed
+codes gathered, each weight dequantized for its matmul and dropped), int8's an upper bound
+added by formula.
 """
 
 from __future__ import annotations
@@ -70,12 +73,17 @@ def quantized_base_bytes(info: ParamInfo, mode: str, dtype_bytes: int = 4, world
     return rest + int(q_numel * INT8_BYTES) + sum(4 * s[0] for _, s in quantized)  # int8 is never sharded
 
 
-def quantized_base(em: EngineModel, info: ParamInfo, mode: str, shard: int = 1, dtype_bytes: int = 4) -> EngineModel:
+def quantized_base(
+    em: EngineModel, info: ParamInfo, mode: str, shard: int = 1, dtype_bytes: int = 4, adapter_bytes: int = 4
+) -> EngineModel:
     """The engine model of a traced LoRA step with QLoRA's parameter bytes (`shard`: ranks the
-    base is divided over, 1 under DDP; `dtype_bytes`: what the rest of the base is held in). NF4:
-    the trace already gathers the packed codes and dequantizes one weight at a time
-    (`harness.planner.packed`); int8 (not traced as such): one dequantized bf16 linear in flight."""
-    params = quantized_base_bytes(info, mode, dtype_bytes, shard) + 4 * info.total // shard
+    base is divided over, 1 under DDP; `dtype_bytes`: what the rest of the base is held in;
+    `adapter_bytes`: the adapters' dtype, the engine's parameter dtype). They replace the bytes
+    the trace holds between steps only: what FSDP2 gathers on top (the unsharded embedding, head
+    and packed codes of the groups running) stays the trace's. NF4: the trace already gathers
+    the packed codes and dequantizes one weight at a time (`harness.planner.packed`); int8 (not
+    traced as such): one dequantized bf16 linear in flight."""
+    params = quantized_base_bytes(info, mode, dtype_bytes, shard) + adapter_bytes * info.total // shard
     resident = dict(em.resident)
     if mode != "nf4":
         largest = max((s[0] * s[1] for _, s in quantized_linears(info)), default=0)
@@ -83,11 +91,11 @@ def quantized_base(em: EngineModel, info: ParamInfo, mode: str, shard: int = 1, 
     base = quantized_base_bytes(info, mode, dtype_bytes, shard)
     note = f"QLoRA ({mode}): base {base:,} B per rank by formula, activations of the traced LoRA model"
     if em.name == "fsdp+offload":
-        return _offloaded_base(em, info, shard, dtype_bytes, note)
-    return dataclasses.replace(em, params=params, end_params=params, resident=resident, notes=[*em.notes, note])
+        return _offloaded_base(em, info, shard, dtype_bytes, adapter_bytes, note)
+    return dataclasses.replace(em, params=None, params_held=params, end_params=params, resident=resident, notes=[*em.notes, note])
 
 
-def _offloaded_base(em: EngineModel, info: ParamInfo, world: int, dtype_bytes: int, note: str) -> EngineModel:
+def _offloaded_base(em: EngineModel, info: ParamInfo, world: int, dtype_bytes: int, adapter_bytes: int, note: str) -> EngineModel:
     """An NF4 base under FSDP2's CPU offload: the codes, the rest of the base and the adapters are
     FSDP2's shards, on the host; the quantization state is the modules' own (not FSDP2's), on the
     device; the shards being copied in for their gathers (harness.planner.fsdp_offload) sized
@@ -101,7 +109,7 @@ def _offloaded_base(em: EngineModel, info: ParamInfo, world: int, dtype_bytes: i
             state += scales
         else:
             shards.append((name, math.prod(shape) * dtype_bytes // world))
-    shards += [(name, n * 4 // world) for name, n in zip(info.names, info.numels)]  # the fp32 adapters
+    shards += [(name, n * adapter_bytes // world) for name, n in zip(info.names, info.numels)]  # the adapters
     host = {**em.host, "parameters": sum(b for _, b in shards)}
     copied = in_flight_bytes(largest_group_shard(shards))
     resident = {**em.resident, "communication": copied}
@@ -110,7 +118,7 @@ def _offloaded_base(em: EngineModel, info: ParamInfo, world: int, dtype_bytes: i
         f"FSDP2 CPU offload: every shard on the host; on the device the quantization state ({state:,} B) "
         f"and {copied:,} B of shards copied in"
     )
-    return dataclasses.replace(em, params=state, end_params=state, resident=resident, host=host, notes=[*notes, note])
+    return dataclasses.replace(em, params=None, params_held=state, end_params=state, resident=resident, host=host, notes=[*notes, note])
 
 
 __all__ = ["INT8_BYTES", "NF4_BYTES", "nf4_matrix_bytes", "quantized_base", "quantized_base_bytes", "quantized_linears"]

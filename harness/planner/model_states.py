@@ -84,6 +84,10 @@ class EngineModel:
     oib_step_cap: int = 0  # optimizer in backward: the largest step's temporaries
     oib_step_per_grad_byte: float = 2.0  # a hook's step temporaries per byte of the gradient it steps
     notes: list[str] = field(default_factory=list)
+    # Parameter bytes held between steps in place of the trace's own (`TraceResult.held_param_bytes`),
+    # keeping what a traced row holds beyond them: the groups FSDP2 has gathered (unsharded) at that op.
+    # For a held state the trace cannot build (a QLoRA base) or one moved off the device (CPU offload).
+    params_held: int | None = None
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -196,6 +200,7 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
         # CPUOffloadPolicy (harness.planner.fsdp_offload): every shard and the step on the host; the
         # device holds the gathered groups (traced) and the shards being copied in for their gathers.
         # (On a CPU run the host is the device: the policy moves nothing, planned as FSDP2 below.)
+        # The gathered (unsharded) parameters of the groups running stay traced: they are on the device.
         frozen = [fsdp_local_numel(s, spec.world, 0) for s in info.frozen_shapes]
         pb, fb = spec.torch_param_bytes, spec.frozen_param_bytes
         group = largest_group_shard(
@@ -203,7 +208,7 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
         )
         return EngineModel(
             "fsdp+offload",
-            0,
+            None,
             0,
             False,
             0,
@@ -216,6 +221,7 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
                 f"FSDP2 CPU offload: every shard on the host; on the device the gathered groups and "
                 f"{in_flight_bytes(group):,} B of shards copied in for their gathers"
             ],
+            params_held=0,
         )
     if spec.optimizer_in_backward:
         return EngineModel(

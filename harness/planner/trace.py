@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from harness.config import LoraConfig, Strategy
-from harness.distributed import DistInfo
+from harness.distributed import DistInfo, local_tensor
 from harness.engine import fsdp_wrap
 from harness.memory import CATEGORIES, FrozenAwareMemTracker, apply_activation_checkpointing, category_of
 from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config
@@ -118,6 +118,7 @@ class TraceResult:
     gloo_extra: dict[int, int] = field(default_factory=dict)  # row -> bytes gloo adds inside that collective
     largest_collective_buffer: int = 0  # bytes of the largest all-gather output / reduce-scatter input
     trace_seconds: float = 0.0
+    held_param_bytes: int = 0  # parameters held between steps (FSDP2: the shards; each row's excess is its gathered groups)
     notes: list[str] = field(default_factory=list)
 
     def total(self, i: int) -> int:
@@ -384,6 +385,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                 apply_activation_checkpointing(model, spec.ac_mode, spec.ac_every)
             if spec.wrap == "fsdp":
                 model = _wrap_fsdp(model, spec)
+            held = sum(local_tensor(p).untyped_storage().nbytes() for p in model.parameters())
             tracker: Any = Timeline()
             tracker.track_external(model)
             with fake_mode:
@@ -418,6 +420,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         info,
         tracker.gloo_extra,
         tracker.largest_collective_buffer,
+        held_param_bytes=held,
     )
     result.trace_seconds = time.perf_counter() - start
     return result

@@ -36,7 +36,13 @@ def test_walk_stops_at_the_first_rung_that_fits() -> None:
     assert first_fit(roomy) is roomy[0]
     assert [r.fits for r in roomy] == [True] * len(roomy)  # QLoRA too: bitsandbytes' NF4 trains on CPU
     lora, qlora, offloaded = (r.estimate.peak.categories["parameters"] for r in roomy[-3:])
-    assert offloaded == qlora < lora  # on a CPU machine the host is the device: offload saves nothing
+    assert qlora < lora
+    # The offload rung runs FSDP2 at world 1 (the one-process QLoRA rung above it does not). On a CPU
+    # machine the host is the device, so it is planned as FSDP2's QLoRA: offload saves nothing.
+    sharded = [*roomy[-1].overrides[:-1], "strategy=fsdp"]
+    assert roomy[-1].overrides[-1] == "strategy=fsdp_offload"
+    assert (roomy[-2].estimate.engine, roomy[-1].estimate.engine) == ("single", "fsdp")
+    assert roomy[-1].estimate.total == estimate(load_config(None, sharded), 1, target="cpu", vocab_size=2048).total
     gpu = walk_ladder(None, TINY, 1, 10**12, target="cuda", vocab_size=2048)
     qlora, offloaded = (r.estimate.peak.categories["parameters"] for r in gpu[-2:])
     assert offloaded < qlora  # on a GPU FSDP2's offload leaves only the quantization state on the device

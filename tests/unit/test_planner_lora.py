@@ -9,16 +9,18 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness.config import load_config
+from harness.config import load_config, load_strategy
+from harness.distributed import DistInfo
+from harness.engine import build_engine, hidden_size_of, plan_engine
 from harness.errors import EXIT_OK
-from harness.models import apply_lora, build_model, trainable_counts
+from harness.models import apply_lora, build_model, model_config, model_spec, preset_config, trainable_counts
 from harness.plan import main
-from harness.planner.estimate import estimate
+from harness.planner.estimate import cached_trace, estimate, specs_for
 from harness.planner.lora import NF4_BYTES, nf4_matrix_bytes, quantized_base_bytes, quantized_linears
 from harness.planner.recommend import Candidate, _param_info, evaluate_lora, recommend
 from harness.planner.report import verdict
 from harness.planner.trace import TraceSpec, build_fake_model, param_info, trace_step
-from harness.training import optimizer_shared_bytes, optimizer_state_bytes, optimizer_step_bytes
+from harness.training import causal_lm_loss, optimizer_shared_bytes, optimizer_state_bytes, optimizer_step_bytes
 
 VOCAB = 4096
 SMALL = ["model.name=small-llama", "data.seq_len=64", "micro_batch_size=1"]
@@ -66,7 +68,7 @@ def test_lora_state_bytes_by_category(setup):
     base = quantized_base_bytes(lora_info, "nf4", 2)  # the rest of the base in bf16 (one process casts it)
     # ~4.13 bits a weight (codes + double-quantized scales) plus ~1 KiB of code books per matrix
     assert base - 2 * (info.total - linear) == pytest.approx(linear * NF4_BYTES + 1092 * len(matrices), rel=1e-3)
-    assert q.peak.categories["parameters"] == base + 4 * a  # fp32 adapters
+    assert q.peak.categories["parameters"] == base + 2 * a  # bf16 adapters: the one-process module is cast
     assert q.peak.categories["activations"] == est.peak.categories["activations"]  # the traced LoRA model's
     # FSDP2 shards the codes and the rest of the base (fp32 master shards); the scales stay whole on every rank
     scales = sum(nf4_matrix_bytes(m)[1] for m in matrices)
@@ -127,10 +129,56 @@ def test_qlora_under_fsdp2_cpu_offload_keeps_only_the_quantization_state_on_the_
     offloaded = estimate(load_config(None, [*qlora, "strategy=fsdp_offload"]), 2, target="cuda", vocab_size=VOCAB)
     info = param_info(build_fake_model("small-llama", VOCAB, FakeTensorMode(), torch.bfloat16, load_config(None, qlora).lora))
     codes, state = (sum(nf4_matrix_bytes(s[0] * s[1], 2, 2)[i] for _, s in quantized_linears(info)) for i in (0, 1))
-    assert offloaded.peak.categories["parameters"] == state > 0
+    sharded_end, offloaded_end = (next(m for m in e.moments if m.name == "end of backward").categories for e in (sharded, offloaded))
+    assert offloaded_end["parameters"] == state > 0  # between the groups' gathers: the state alone
+    # at the peak also what FSDP2 has gathered (unsharded on the device): the traced bytes beyond the shards
+    assert offloaded.peak.categories["parameters"] > state
     assert offloaded.peak.categories["gradients"] == 0 and offloaded.peak.categories["optimizer_state"] == 0
     # the host holds what the device held without offload, less the state (per-parameter rounding aside)
-    assert offloaded.host["parameters"] == pytest.approx(sharded.peak.categories["parameters"] - state, abs=64)
+    assert offloaded.host["parameters"] == pytest.approx(sharded_end["parameters"] - state, abs=64)
     assert offloaded.host["parameters"] > codes and offloaded.host["optimizer_state"] > 0
     assert offloaded.total < sharded.total
     assert verdict(offloaded, 10**12, None, 2).fits
+
+
+def test_qlora_adapters_are_planned_in_the_dtype_the_trainer_holds_them():
+    """One process under precision=bf16 casts the module, all but the quantized linears, so the
+    adapters are bf16 and so are their AdamW moments (not the fp32 of peft's own default): the
+    plan's parameters are the trainer's engine's to the byte, its optimizer state bf16 moments."""
+    cfg = load_config(None, [*SMALL, "precision=bf16", "lora.enabled=true", "lora.quantize=nf4", "strategy=ddp"])
+    spec = model_spec(cfg.model.name, vocab_size=VOCAB)
+    info = DistInfo(0, 1, 0, torch.device("cpu"), None)
+    plan = plan_engine(cfg, load_strategy(cfg.strategy), 1, info.device, hidden_size_of(spec.config))
+    engine = build_engine(spec, cfg, plan, info, causal_lm_loss)
+    adapters = [p for p in engine.model.parameters() if p.requires_grad]
+    assert {p.dtype for p in adapters} == {torch.bfloat16}
+    est = estimate(cfg, 1, target="cpu", vocab_size=VOCAB)
+    end = next(m for m in est.moments if m.name == "end of backward").categories
+    assert end["parameters"] == engine.state_bytes()["params"]
+    a = sum(p.numel() for p in adapters)
+    assert end["optimizer_state"] == 2 * 2 * a + 4 * len(adapters)  # two bf16 moments, the fused step's fp32 counter
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_qlora_under_fsdp2_keeps_the_gathered_groups_the_trace_holds(world, tmp_path):
+    """FSDP2 copies each group it gathers into unsharded parameters (at world 1 too, with no
+    collective), so a traced op holds the rank's shards plus the groups running. QLoRA's formula
+    replaces the shards only (it adds the quantization state the trace cannot build): the peak
+    keeps what the trace holds beyond them there, as a LoRA plan keeps the traced bytes. Tied
+    embeddings (SmolLM2's) put the embedding in the root group, gathered from the first op to the
+    end of backward."""
+    preset_config("small-llama", vocab_size=VOCAB, tie_word_embeddings=True).save_pretrained(tmp_path)
+    shape = [f"model.name={tmp_path}", "data.seq_len=64", "micro_batch_size=1"]
+    cfg = load_config(None, [*shape, "precision=bf16", "lora.enabled=true", "lora.quantize=nf4", "strategy=fsdp"])
+    est = estimate(cfg, world, target="cpu", vocab_size=VOCAB)
+    hidden = hidden_size_of(model_config(str(tmp_path)))
+    trace = cached_trace(specs_for(cfg, load_strategy(cfg.strategy), world, hidden, "cpu", VOCAB)[0])
+    params = trace.category("parameters")
+    held = trace.held_param_bytes
+    assert held == params[0] > 0  # the shards, before anything is gathered
+    lora_info = param_info(build_fake_model(str(tmp_path), VOCAB, FakeTensorMode(), lora=cfg.lora))
+    shards = quantized_base_bytes(lora_info, "nf4", 2, world) + 4 * lora_info.total // world  # bf16 base, fp32 adapter masters
+    end = next(m for m in est.moments if m.name == "end of backward").categories
+    assert end["parameters"] == shards  # FSDP2 has resharded every group
+    peak = max(range(len(trace.rows)), key=lambda i: trace.total(i) + trace.gloo_extra.get(i, 0))
+    assert params[peak] > held and est.peak.categories["parameters"] == shards + params[peak] - held
