@@ -1,0 +1,99 @@
+"""Recovery after pruning: eval perplexity against masked fine-tuning steps, from the world-2 rows.
+
+    python benchmarks/prune_recovery.py notes/pruning/results_smollm2.json --png notes/pruning/recovery_smollm2.png
+
+Reads the `finetune_world2` rows `prune_bench.py --finetune-world2 METHOD:PATTERN:STEPS
+--finetune-eval-every N` wrote (each a `curve` of [step, eval perplexity]; the `dense` row is
+the unpruned model fine-tuned the same way), prints one markdown table (perplexity at each
+evaluated step, and the last one against the dense model before and after its own fine-tune)
+and draws the curves. Rows are compared only when they share steps, learning rate, micro-batch
+and eval set; rows without a curve (the first session's workflow check) are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: files only, no display
+import matplotlib.pyplot as plt
+
+SETUP = ("finetune_steps", "lr", "micro_batch_size_per_rank", "eval_sequences")
+
+
+def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with a curve that share the newest row's setup (later rows replace earlier ones of the same method and pattern)."""
+    curves = [r for r in rows if len(r.get("curve", [])) > 1]
+    if not curves:
+        return []
+    setup = tuple(curves[-1][k] for k in SETUP)
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in curves:
+        if tuple(r[k] for k in SETUP) == setup:
+            latest[(r["method"], r.get("pattern", ""))] = r
+    return list(latest.values())
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    dense = next((r for r in rows if r["method"] == "dense"), None)
+    before = next((r["eval_perplexity_before"] for r in rows if "eval_perplexity_before" in r), None)
+    steps = sorted({s for r in rows for s, _ in r["curve"] if s > 0})
+    head = ["method", "pattern", "pruned (step 0)", *[f"step {s}" for s in steps], "last vs dense", "last vs dense fine-tuned"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    dense_ft = dense["eval_perplexity_finetuned"] if dense else None
+    for r in sorted(rows, key=lambda r: (r["method"] != "dense", r.get("pattern", ""), r["eval_perplexity_finetuned"])):
+        at = dict((s, p) for s, p in r["curve"])
+        start = before if r["method"] == "dense" else r["eval_perplexity_pruned"]
+        last = r["eval_perplexity_finetuned"]
+        cells = [
+            r["method"],
+            "-" if r["method"] == "dense" else r["pattern"],
+            f"{start:.2f}" if start else "-",
+            *[f"{at[s]:.2f}" if s in at else "-" for s in steps],
+            f"{last / before - 1:+.1%}" if before else "-",
+            f"{last / dense_ft - 1:+.1%}" if dense_ft else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict[str, Any]], png: Path) -> None:
+    before = next((r["eval_perplexity_before"] for r in rows if "eval_perplexity_before" in r), None)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        points = ([[0, before]] if r["method"] == "dense" and before else []) + r["curve"]
+        label = "dense (not pruned)" if r["method"] == "dense" else f"{r['method']} {r['pattern']}"
+        ax.plot([s for s, _ in points], [p for _, p in points], marker="o", label=label)
+    if before:
+        ax.axhline(1.1 * before, color="grey", linestyle="--", linewidth=1, label="dense x 1.1 (target)")
+    ax.set_yscale("log")
+    ax.set_xlabel("masked fine-tuning steps (FSDP2, world 2)")
+    ax.set_ylabel("eval perplexity")
+    ax.set_title("SmolLM2-135M: recovery after pruning")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", help="a prune_bench results file with finetune_world2 rows")
+    parser.add_argument("--png", default=None, help="write the curves here")
+    args = parser.parse_args(argv)
+    rows = comparable(json.loads(Path(args.results).read_text()).get("finetune_world2", []))
+    if not rows:
+        print(f"no finetune_world2 row with a recovery curve in {args.results}", file=sys.stderr)
+        return 1
+    print(table(rows))
+    if args.png:
+        chart(rows, Path(args.png))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
