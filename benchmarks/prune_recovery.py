@@ -6,8 +6,8 @@ Reads the `finetune_world2` rows `prune_bench.py --finetune-world2 METHOD:PATTER
 --finetune-eval-every N` wrote (each a `curve` of [step, eval perplexity]; the `dense` row is
 the unpruned model fine-tuned the same way), prints one markdown table (perplexity at each
 evaluated step, and the last one against the dense model before and after its own fine-tune)
-and draws the curves. Rows are compared only when they share steps, learning rate, micro-batch
-and eval set; rows without a curve (the first session's workflow check) are left out.
+and draws the curves. A table holds the rows that share steps, learning rate, micro-batch and
+eval set (one table per such setup); rows without a curve (a workflow check) are left out.
 """
 
 from __future__ import annotations
@@ -26,17 +26,14 @@ import matplotlib.pyplot as plt
 SETUP = ("finetune_steps", "lr", "micro_batch_size_per_rank", "eval_sequences")
 
 
-def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows with a curve that share the newest row's setup (later rows replace earlier ones of the same method and pattern)."""
-    curves = [r for r in rows if len(r.get("curve", [])) > 1]
-    if not curves:
-        return []
-    setup = tuple(curves[-1][k] for k in SETUP)
-    latest: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in curves:
-        if tuple(r[k] for k in SETUP) == setup:
-            latest[(r["method"], r.get("pattern", ""))] = r
-    return list(latest.values())
+def by_setup(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """The rows with a curve, grouped by setup (steps, lr, micro-batch, eval set); within a group a
+    later row replaces an earlier one of the same method and pattern. Largest group first."""
+    groups: dict[tuple, dict[tuple[str, str], dict[str, Any]]] = {}
+    for r in rows:
+        if len(r.get("curve", [])) > 1:
+            groups.setdefault(tuple(r[k] for k in SETUP), {})[(r["method"], r.get("pattern", ""))] = r
+    return {k: list(v.values()) for k, v in sorted(groups.items(), key=lambda kv: -len(kv[1]))}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -62,20 +59,26 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def chart(rows: list[dict[str, Any]], png: Path) -> None:
+def chart(groups: dict[tuple, list[dict[str, Any]]], png: Path) -> None:
+    """Every group's curves on one axis (a dashed line for a group other than the largest)."""
+    rows = [r for group in groups.values() for r in group]
     before = next((r["eval_perplexity_before"] for r in rows if "eval_perplexity_before" in r), None)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        points = ([[0, before]] if r["method"] == "dense" and before else []) + r["curve"]
-        label = "dense (not pruned)" if r["method"] == "dense" else f"{r['method']} {r['pattern']}"
-        ax.plot([s for s, _ in points], [p for _, p in points], marker="o", label=label)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, group in enumerate(groups.values()):
+        for r in group:
+            points = ([[0, before]] if r["method"] == "dense" and before else []) + r["curve"]
+            name = "dense (not pruned)" if r["method"] == "dense" else f"{r['method']} {r['pattern']}"
+            label = name if len(groups) == 1 else f"{name}, {r['finetune_steps']} steps"
+            ax.plot(
+                [s for s, _ in points], [p for _, p in points], marker="o", markersize=3, linestyle="-" if i == 0 else "--", label=label
+            )
     if before:
-        ax.axhline(1.1 * before, color="grey", linestyle="--", linewidth=1, label="dense x 1.1 (target)")
+        ax.axhline(1.1 * before, color="grey", linestyle=":", linewidth=1, label="dense x 1.1 (target)")
     ax.set_yscale("log")
     ax.set_xlabel("masked fine-tuning steps (FSDP2, world 2)")
     ax.set_ylabel("eval perplexity")
     ax.set_title("SmolLM2-135M: recovery after pruning")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -85,13 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", help="a prune_bench results file with finetune_world2 rows")
     parser.add_argument("--png", default=None, help="write the curves here")
     args = parser.parse_args(argv)
-    rows = comparable(json.loads(Path(args.results).read_text()).get("finetune_world2", []))
-    if not rows:
+    groups = by_setup(json.loads(Path(args.results).read_text()).get("finetune_world2", []))
+    if not groups:
         print(f"no finetune_world2 row with a recovery curve in {args.results}", file=sys.stderr)
         return 1
-    print(table(rows))
+    for setup, rows in groups.items():
+        print(", ".join(f"{k} {v}" for k, v in zip(SETUP, setup)) + ":\n")
+        print(table(rows) + "\n")
     if args.png:
-        chart(rows, Path(args.png))
+        chart(groups, Path(args.png))
     return 0
 
 
