@@ -259,6 +259,8 @@ def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Mom
             cats["parameters"] = em.params
         if em.grads is not None:
             cats["gradients"] = em.grads if (seen_grad or em.grads_from_start) else 0
+        elif em.sharded_grads_on_host and trace.sharded_grads:
+            cats["gradients"] = max(0, traced_grads - trace.sharded_grads[i])
         if seen_grad:
             cats["communication"] += em.bucket
         new = max(0, traced_grads - previous_grads) if em.optimizer_in_backward else 0

@@ -4,7 +4,9 @@ Every shard FSDP2 manages lives on the host: the parameters (fp32 masters of wha
 frozen ones in their own dtype), the sharded gradients and the optimizer's state and step. The
 device holds what the traced step already shows - each group's all-gather output (the trace's
 communication bytes) and the unsharded parameters FSDP2 copies it into while the group runs (the
-trace's parameters beyond its held shards), activations, temporaries - plus the host-to-device
+trace's parameters beyond its held shards), the unsharded gradients a group's backward makes
+until they are reduce-scattered (the trace's gradients less its reduced shards), activations,
+temporaries - plus the host-to-device
 copies of the shards a group all-gathers, which exist until they are copied into the all-gather
 buffer: two groups' worth, FSDP2 prefetching the next group's gather while one computes. The
 reduce-scattered gradient of a group is copied back to the host the same way (its device copy

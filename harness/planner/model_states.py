@@ -88,6 +88,9 @@ class EngineModel:
     # keeping what a traced row holds beyond them: the groups FSDP2 has gathered (unsharded) at that op.
     # For a held state the trace cannot build (a QLoRA base) or one moved off the device (CPU offload).
     params_held: int | None = None
+    # FSDP2 CPU offload: each reduce-scattered gradient shard goes to the host, so a traced row's device
+    # gradients are its unsharded ones (the groups in backward, not reduced yet): `TraceResult.sharded_grads` off.
+    sharded_grads_on_host: bool = False
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -200,7 +203,9 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
         # CPUOffloadPolicy (harness.planner.fsdp_offload): every shard and the step on the host; the
         # device holds the gathered groups (traced) and the shards being copied in for their gathers.
         # (On a CPU run the host is the device: the policy moves nothing, planned as FSDP2 below.)
-        # The gathered (unsharded) parameters of the groups running stay traced: they are on the device.
+        # The gathered (unsharded) parameters of the groups running stay traced: they are on the device,
+        # as are the unsharded gradients of a group's backward until its reduce-scatter (only the reduced
+        # shards leave: `sharded_grads_on_host`).
         frozen = [fsdp_local_numel(s, spec.world, 0) for s in info.frozen_shapes]
         pb, fb = spec.torch_param_bytes, spec.frozen_param_bytes
         group = largest_group_shard(
@@ -209,7 +214,7 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
         return EngineModel(
             "fsdp+offload",
             None,
-            0,
+            None,
             False,
             0,
             {"communication": in_flight_bytes(group)},
@@ -219,9 +224,11 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
             {"optimizer_state": states, "parameters": sum(local) * pb + sum(frozen) * fb, "gradients": sum(local) * pb},
             notes=[
                 f"FSDP2 CPU offload: every shard on the host; on the device the gathered groups and "
-                f"{in_flight_bytes(group):,} B of shards copied in for their gathers"
+                f"{in_flight_bytes(group):,} B of shards copied in for their gathers; the unsharded gradients of "
+                f"the groups in backward until their reduce-scatter"
             ],
             params_held=0,
+            sharded_grads_on_host=True,
         )
     if spec.optimizer_in_backward:
         return EngineModel(

@@ -23,7 +23,6 @@ import math
 import os
 import time
 import warnings
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +36,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from harness.config import LoraConfig, Strategy
 from harness.distributed import DistInfo, local_tensor
 from harness.engine import fsdp_wrap
-from harness.memory import CATEGORIES, FrozenAwareMemTracker, apply_activation_checkpointing, category_of
+from harness.memory import apply_activation_checkpointing
 from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config
 from harness.planner.packed import pack_block_linears
+from harness.planner.timeline import CAT_INDEX, CATS, tracker_class
 from harness.training import causal_lm_loss, precision_policy
-
-CATS = CATEGORIES  # one fixed order; every timeline row is a tuple in this order
-_IDX = {c: i for i, c in enumerate(CATS)}
 
 
 class PlanError(ValueError):
@@ -119,6 +116,9 @@ class TraceResult:
     largest_collective_buffer: int = 0  # bytes of the largest all-gather output / reduce-scatter input
     trace_seconds: float = 0.0
     held_param_bytes: int = 0  # parameters held between steps (FSDP2: the shards; each row's excess is its gathered groups)
+    # Per op (FSDP2 only; empty otherwise): the gradient bytes FSDP2 holds as its shards' `.grad`, i.e.
+    # already reduce-scattered. The rest of a row's gradients are the unsharded ones of the groups in backward.
+    sharded_grads: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def total(self, i: int) -> int:
@@ -136,7 +136,7 @@ class TraceResult:
         return f"{phase}, in {where}" if where else f"{phase}, outside the model's modules (the loss)"
 
     def category(self, cat: str) -> list[int]:
-        j = _IDX[cat]
+        j = CAT_INDEX[cat]
         return [r[j] for r in self.rows]
 
 
@@ -247,98 +247,6 @@ def param_info(model: nn.Module) -> ParamInfo:
     )
 
 
-# ----------------------------------------------------------------------------- trackers
-
-
-class _Timeline:
-    """Mixin for MemTracker: one row of category bytes per dispatched op.
-
-    torch's FSDPMemTracker names FSDP's collective buffers, but it loses track of the
-    gradients FSDP2 accumulates unsharded across no-sync micro-batches (seen: 151 KB short
-    on a tiny model where the plain tracker matched a real run to 8 bytes). So the plain
-    tracker follows the bytes, and the collective buffers are recognised here instead:
-    the output of an all-gather and the input of a reduce-scatter count as communication.
-    """
-
-    def _init_timeline(self) -> None:
-        self.rows: list[tuple[int, ...]] = []
-        self.phases: list[int] = []
-        self.modules: list[int] = []
-        self.module_names: list[str] = [""]
-        self._module_index: dict[str, int] = {"": 0}
-        self._comm: dict[int, Any] = {}  # id(storage) -> weakref to a storage used by a collective
-        self.gloo_extra: dict[int, int] = {}  # row -> bytes gloo allocates inside that op (CPU runs only)
-        self._pending_gloo = 0
-        self.largest_collective_buffer = 0  # the most one collective's buffer holds (see estimate.collective_race_bytes)
-
-    def _note_collective(self, func: Any, args: tuple[Any, ...]) -> None:
-        c10d = torch.ops.c10d
-        tensors: list[Any] = []
-        if func is c10d._allgather_base_.default:
-            tensors = [args[0]]
-        elif func is c10d._reduce_scatter_base_.default:
-            tensors = [args[1]]
-            # gloo reduce-scatters through a full-size copy of the input, alive inside the op.
-            self._pending_gloo = args[1].numel() * args[1].element_size()
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                self._comm[id(st)] = weakref.ref(st)
-                self.largest_collective_buffer = max(self.largest_collective_buffer, st.nbytes())
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        self._note_collective(func, args)
-        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        """Called after every tracked op: record one timeline row.
-
-        MemTracker's own version also walks every module's statistics on every op
-        (O(modules x ops): 54 of 76 s for a Llama-3-8B step); the planner needs only the
-        timeline, so it is not called.
-        """
-        row = [0] * len(CATS)
-        for dev, snap in self._curr_mem_snap.items():  # type: ignore[attr-defined]
-            if dev.type != "cpu":
-                continue
-            for reftype, nbytes in snap.items():
-                cat = category_of(reftype)
-                if cat is not None:
-                    row[_IDX[cat]] += nbytes
-        for key, ref in list(self._comm.items()):
-            st = ref()
-            winfo = self._WINFO.get(st, (None, None))[0] if st is not None else None  # type: ignore[attr-defined]
-            if winfo is None or winfo.device.type != "cpu":
-                if st is None:
-                    del self._comm[key]
-                continue
-            cat = category_of(winfo.reftype)
-            if cat is not None and cat != "communication":
-                row[_IDX[cat]] -= winfo.mem_consumed
-                row[_IDX["communication"]] += winfo.mem_consumed
-        if self._pending_gloo:
-            self.gloo_extra[len(self.rows)] = self._pending_gloo
-            self._pending_gloo = 0
-        self.rows.append(tuple(row))
-        self.phases.append(1 if torch._C._current_graph_task_id() != -1 else 0)
-        parents = [p for p in self._mod_tracker.parents if p != "Global"]  # type: ignore[attr-defined]
-        name = max(parents, key=len) if parents else ""
-        idx = self._module_index.get(name)
-        if idx is None:
-            idx = self._module_index[name] = len(self.module_names)
-            self.module_names.append(name)
-        self.modules.append(idx)
-
-
-def _tracker_class() -> type:
-    class Timeline(_Timeline, FrozenAwareMemTracker):
-        def __init__(self) -> None:
-            super().__init__()
-            self._init_timeline()
-
-    return Timeline
-
-
 # ----------------------------------------------------------------------------- the trace
 
 
@@ -378,7 +286,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         with fake_mode:
             pack_block_linears(model, _dtype(spec.nf4_storage))
     vocab = int(model.config.vocab_size)
-    Timeline = _tracker_class()
+    Timeline = tracker_class()
     try:
         with fake_process_group(spec.world_size):
             if spec.ac_mode != "none":
@@ -388,6 +296,8 @@ def trace_step(spec: TraceSpec) -> TraceResult:
             held = sum(local_tensor(p).untyped_storage().nbytes() for p in model.parameters())
             tracker: Any = Timeline()
             tracker.track_external(model)
+            trained = [p for p in model.parameters() if p.requires_grad]  # FSDP2's shards, registered between steps
+            hooks = tracker.follow_sharded_grads(trained) if spec.wrap == "fsdp" else []
             with fake_mode:
                 ids = [torch.randint(0, vocab, (spec.micro_batch, spec.seq_len)) for _ in range(spec.micro_batches)]
                 tracker.track_external(*ids)
@@ -404,6 +314,8 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                             loss = causal_lm_loss(model, batch, chunk_size=spec.loss_chunk_size)
                         (loss / max(1, spec.micro_batches)).backward()
                         del loss
+            for hook in hooks:
+                hook.remove()
     except PlanError:
         raise
     except Exception as exc:  # the model's own code, or a wrapper it does not support: bad input, not a planner crash
@@ -421,6 +333,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         tracker.gloo_extra,
         tracker.largest_collective_buffer,
         held_param_bytes=held,
+        sharded_grads=tracker.sharded_grads,
     )
     result.trace_seconds = time.perf_counter() - start
     return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -99,3 +100,21 @@ def test_fsdp2_holds_no_collective_buffer_into_the_optimizer_step() -> None:
         kind="fsdp", world=2, precision="fp32", optimizer="adamw_8bit", target="cpu", compiled_step=name_compiles_step("adamw_8bit")
     )
     assert step.total - end.total == math.ceil(step_bytes_per_element(spec) * local)  # the step adds its temporaries, nothing else
+
+
+def test_fsdp2_cpu_offload_keeps_the_unsharded_gradients_of_a_group_in_backward_on_the_device() -> None:
+    """CPUOffloadPolicy sends each reduce-scattered gradient shard to the host; the unsharded
+    gradients a group's backward makes (bf16 under mixed precision) are on the device until its
+    reduce-scatter. Vocabulary 256 puts the peak in a block's backward: it holds that block's
+    unsharded gradients and the root group's (the final norm's, reduced at the end of backward);
+    none are left once backward ends. The plan held 0 gradient bytes on the device all step."""
+    cfg = load_config(None, ["model.name=small-llama", "data.seq_len=64", "micro_batch_size=1", "strategy=fsdp_offload", "precision=bf16"])
+    est = estimate(cfg, 2, target="cuda", vocab_size=256)
+    info = param_info(build_fake_model("small-llama", 256, FakeTensorMode()))
+    numel = dict(zip(info.names, info.numels))
+    block = re.search(r"layers\.(\d+)\.", est.peak.name)
+    assert block is not None, est.peak.name
+    unsharded = sum(n for name, n in numel.items() if name.startswith(f"model.layers.{block.group(1)}."))
+    assert est.peak.categories["gradients"] == 2 * (unsharded + numel["model.norm.weight"])
+    end = next(m for m in est.moments if m.name == "end of backward").categories
+    assert end["gradients"] == 0 and est.host["gradients"] == 4 * sum(fsdp_local_numel(s, 2) for s in info.shapes)

@@ -196,7 +196,8 @@ def test_fsdp_cpu_offload_holds_every_shard_on_the_host() -> None:
     """CPUOffloadPolicy: no shard on the device (parameters, gradients, optimizer state all on the
     host, frozen ones in their own dtype); the device adds the shards copied in for two groups'
     all-gathers, the largest group being a decoder block's parameters together. The groups
-    gathered (unsharded) while they run are the trace's: only the held shards leave (`params_held` 0)."""
+    gathered (unsharded) while they run are the trace's: only the held shards leave (`params_held` 0);
+    so are the unsharded gradients until their reduce-scatter: only the reduced shards leave."""
     info = ParamInfo(
         numels=[100, 60, 60, 40],
         shapes=[(10, 10), (6, 10), (6, 10), (40,)],
@@ -209,7 +210,8 @@ def test_fsdp_cpu_offload_holds_every_shard_on_the_host() -> None:
     )
     spec = EngineSpec(kind="fsdp", world=2, precision="bf16", offload_params="cpu", frozen_param_bytes=2)
     em = engine_model(spec, info, 0)
-    assert em.params is None and (em.params_held, em.grads, em.end_params, em.end_grads) == (0, 0, 0, 0)
+    assert em.params is None and (em.params_held, em.grads, em.end_params, em.end_grads) == (0, None, 0, 0)
+    assert em.sharded_grads_on_host
     trainable = (5 * 10 + 3 * 10 + 3 * 10 + 20) * 4  # rank 0's rows of each, fp32 masters
     assert em.host["parameters"] == trainable + 4 * 10 * 2 and em.host["gradients"] == trainable
     assert em.host["optimizer_state"] > 0 and "optimizer_state" not in em.resident
