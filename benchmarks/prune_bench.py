@@ -395,10 +395,21 @@ def prune_in_process(
             file=sys.stderr,
             flush=True,
         )
-    if (only is None or CONTROL in only) and not cached_only:
+    if only is None or CONTROL in only:
         for (pat_key, pattern), seed in [(pt, s) for pt in patterns for s in seeds]:
+            prune = dataclasses.replace(cfg.prune, pattern=pattern, calib_seed=seed)
+            cache_key = json.dumps({CONTROL: dataclasses.asdict(prune)}, sort_keys=True)
+            if cache_key in done:
+                results.append(done[cache_key])
+                continue
+            if cached_only:
+                not_run.append({"key": CONTROL, "pattern": pat_key, "seed": seed})
+                continue
             engine.module.load_state_dict(dense_state)
             row = {**random_pool_control(engine, data, cfg, info, pattern, seed), "key": CONTROL, "pattern": pat_key, "seed": seed}
+            row["cache_key"] = cache_key
+            with done_path.open("a") as f:
+                f.write(json.dumps(row, default=str) + "\n")
             results.append(row)
             print(f"[bench] {CONTROL} {pat_key} seed {seed}: ppl {row['eval_perplexity_after']:.3f}", file=sys.stderr, flush=True)
     if not cached_only:
