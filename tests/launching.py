@@ -185,6 +185,8 @@ def run_rank(worker: Callable[..., object], *args: str) -> NoReturn:
     is destroyed while joinable; seen in CI after every case of a loading run had passed."""
     try:
         worker(*args)
+    except SystemExit as stop:  # a worker's own sys.exit(code) keeps its code
+        exit_process(stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1))
     except BaseException:
         traceback.print_exc()
         exit_process(1)
