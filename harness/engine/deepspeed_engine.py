@@ -26,7 +26,7 @@ from torch import nn
 from harness.config import RunConfig, Strategy
 from harness.distributed import DistInfo
 from harness.engine.base import Engine, LossFn, StepResult
-from harness.engine.extension_lock import clear_build_locks
+from harness.engine.extension_lock import guarded_builds
 from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, lora_base
 from harness.engine.plan import EnginePlan
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
@@ -173,9 +173,13 @@ class DeepSpeedEngine(Engine):
 
     @classmethod
     def build(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> DeepSpeedEngine:
+        with guarded_builds():  # DeepSpeed may JIT-build an op inside: never wait on a killed build's lock unbounded
+            return cls._build(spec, cfg, plan, info, loss_fn)
+
+    @classmethod
+    def _build(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> DeepSpeedEngine:
         import deepspeed
 
-        clear_build_locks()  # DeepSpeed may JIT-build an op below: never wait on a killed build's lock unbounded
         started = time.perf_counter()
         model = cls.load_model(spec, cfg, plan, info)
         loaded = time.perf_counter()

@@ -13,13 +13,24 @@ before DeepSpeed is touched each lock is judged here:
 - otherwise (a build is running, or ran recently, perhaps on another node sharing the
   directory): waited for, with a line naming the file, at most `HARNESS_BUILD_LOCK_WAIT_S`
   (900 s); then one line (exit 2) telling the user which file to remove.
+
+A build can also be killed while this process already waits inside torch's `FileBaton.wait`
+(another rank or job building the same op). `guarded_builds` covers that wait: a watchdog thread
+judges the locks the same way while DeepSpeed starts, removes one that becomes provably stale
+(the baton's poll then sees it gone and this process builds), says which lock it waits for after
+a minute, and ends a wait on a lock that no process on this host builds after
+`HARNESS_BUILD_LOCK_WAIT_S` with the same one line (it interrupts the main thread's poll).
 """
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import glob
 import os
+import threading
 import time
+from collections.abc import Iterator
 
 from harness.errors import ConfigError, env_seconds
 from harness.log import get_logger
@@ -91,10 +102,7 @@ def clear_build_locks(roots: list[str] | None = None, poll_s: float = 1.0) -> No
                 break
             waited = time.monotonic() - start
             if waited >= wait_s:
-                raise ConfigError(
-                    f"the extension build lock {lock} is still held after {waited:.0f} s (HARNESS_BUILD_LOCK_WAIT_S); "
-                    f"if no build of '{os.path.basename(os.path.dirname(lock))}' is running on any node, remove {lock}"
-                )
+                raise ConfigError(_held_too_long(lock, waited))
             if not said:
                 log.warning(
                     f"waiting for the extension build lock {lock} (a build of '{os.path.basename(os.path.dirname(lock))}' "
@@ -102,3 +110,62 @@ def clear_build_locks(roots: list[str] | None = None, poll_s: float = 1.0) -> No
                 )
                 said = True
             time.sleep(min(poll_s, max(0.0, wait_s - waited)))
+
+
+def _held_too_long(lock: str, waited: float) -> str:
+    return (
+        f"the extension build lock {lock} is still held after {waited:.0f} s (HARNESS_BUILD_LOCK_WAIT_S); "
+        f"if no build of '{os.path.basename(os.path.dirname(lock))}' is running on any node, remove {lock}"
+    )
+
+
+def _watch(roots: list[str] | None, stop: threading.Event, failure: list[str], poll_s: float) -> None:
+    """The watchdog of `guarded_builds`: every `poll_s`, each lock present is judged as before start."""
+    stale_s = env_seconds("HARNESS_BUILD_LOCK_STALE_S", 300.0)
+    wait_s = env_seconds("HARNESS_BUILD_LOCK_WAIT_S", 900.0)
+    first_seen: dict[str, float] = {}
+    said: set[str] = set()
+    while not stop.wait(poll_s):
+        locks = build_locks(roots)
+        first_seen = {lock: first_seen.get(lock, time.monotonic()) for lock in locks}
+        for lock in locks:
+            reason = stale_reason(lock, stale_s)
+            if reason:
+                try:
+                    os.remove(lock)
+                    log.warning(f"removed the stale extension build lock {lock} while DeepSpeed waited on it: {reason}")
+                except FileNotFoundError:
+                    pass
+                continue
+            held = time.monotonic() - first_seen[lock]
+            if held >= wait_s and not builders_here(os.path.dirname(lock)):
+                if not stop.is_set():  # the guarded block may have just ended
+                    failure.append(_held_too_long(lock, held))
+                    _thread.interrupt_main()
+                return
+            if held >= min(60.0, wait_s / 2) and lock not in said:
+                log.warning(
+                    f"an extension build holds {lock} ({held:.0f} s so far; removed once stale, "
+                    f"at most {wait_s:.0f} s with no builder on this host, HARNESS_BUILD_LOCK_WAIT_S)"
+                )
+                said.add(lock)
+
+
+@contextlib.contextmanager
+def guarded_builds(roots: list[str] | None = None, poll_s: float = 5.0) -> Iterator[None]:
+    """Around code that may JIT-build an extension (DeepSpeed's start): stale locks cleared first
+    (`clear_build_locks`), then a watchdog thread bounds torch's own wait on a lock (module doc).
+    ConfigError (one line, naming the file) when the watchdog ends that wait."""
+    clear_build_locks(roots)
+    stop, failure = threading.Event(), []
+    watchdog = threading.Thread(target=_watch, args=(roots, stop, failure, poll_s), name="harness-build-lock-watch", daemon=True)
+    watchdog.start()
+    try:
+        yield
+    except KeyboardInterrupt:
+        if failure:
+            raise ConfigError(failure[0]) from None
+        raise
+    finally:
+        stop.set()
+        watchdog.join(timeout=poll_s + 1.0)

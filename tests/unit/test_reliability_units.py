@@ -24,7 +24,7 @@ import pytest
 from harness.config import DataConfig
 from harness.data import cache_dir_for, is_complete, load_packed, prepare_data, stop_preparation_when
 from harness.data.documents import data_files
-from harness.engine.extension_lock import build_locks, clear_build_locks
+from harness.engine.extension_lock import build_locks, clear_build_locks, guarded_builds
 from harness.errors import ConfigError, NonFiniteError, StopRequested
 from harness.reliability import signals
 
@@ -84,6 +84,57 @@ def test_class2_a_lock_released_while_waiting_ends_the_wait(tmp_path, monkeypatc
     t0 = time.monotonic()
     clear_build_locks(poll_s=0.05)
     assert 0.2 < time.monotonic() - t0 < 5
+
+
+def _baton_wait(lock: Path, bound_s: float) -> None:
+    """What torch's FileBaton.wait does (poll until the file is gone), with a bound for the test."""
+    t0 = time.monotonic()
+    while lock.exists():
+        assert time.monotonic() - t0 < bound_s, "the guarded wait did not end"
+        time.sleep(0.02)
+
+
+def test_class2_a_build_killed_while_this_process_waits_is_not_waited_for(tmp_path, monkeypatch, caplog):
+    """The lock appears after the start check (another process began building), then its build is
+    killed: the watchdog removes it once provably stale, and the baton's poll ends."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("HARNESS_BUILD_LOCK_STALE_S", "0.5")
+    with caplog.at_level(logging.WARNING, logger="harness"), guarded_builds(poll_s=0.05):
+        lock = _lock(tmp_path, "cpu_adam", age_s=3600)  # created, then left: no process builds there
+        _baton_wait(lock, 10)
+    assert any(f"removed the stale extension build lock {lock} while DeepSpeed waited" in r.getMessage() for r in caplog.records)
+
+
+def test_class2_a_lock_nobody_here_builds_ends_the_guarded_wait_in_one_line(tmp_path, monkeypatch):
+    """A lock kept fresh (a build on another node sharing the directory, or a wedged one) and no
+    builder on this host: the wait ends after HARNESS_BUILD_LOCK_WAIT_S with the line naming the
+    file, and the lock is left where it is."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("HARNESS_BUILD_LOCK_WAIT_S", "0.5")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="is still held after .* remove .*cpu_adam/lock"), guarded_builds(poll_s=0.05):
+        lock = _lock(tmp_path, "cpu_adam")
+        _baton_wait(lock, 30)
+    assert time.monotonic() - t0 < 10 and lock.exists()
+
+
+def test_class2_a_live_build_here_is_waited_for(tmp_path, monkeypatch):
+    """A builder on this host (ninja's working directory is the build's): not stale, not cut
+    short by the wait bound; the guarded wait ends when the build releases the lock."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("HARNESS_BUILD_LOCK_WAIT_S", "0.2")
+    monkeypatch.setenv("HARNESS_BUILD_LOCK_STALE_S", "0.2")
+    with guarded_builds(poll_s=0.05):
+        lock = _lock(tmp_path, "cpu_adam", age_s=3600)
+        builder = subprocess.Popen(["sleep", "30"], cwd=lock.parent)
+        try:
+            threading.Timer(1.0, lock.unlink).start()
+            t0 = time.monotonic()
+            _baton_wait(lock, 10)
+            assert time.monotonic() - t0 > 0.8  # waited the build out: neither removed nor interrupted
+        finally:
+            builder.kill()
+            builder.wait()
 
 
 def test_class2_no_locks_no_wait(tmp_path, monkeypatch):
