@@ -84,6 +84,19 @@ def stale_reason(lock: str, stale_s: float) -> str:
     return f"no process on this host builds there and nothing in {build_dir} changed for {idle:.0f} s (a killed build left it)"
 
 
+def remove_if_stale(lock: str, stale_s: float, when: str) -> bool:
+    """Remove `lock` when it is provably stale, saying why; whether it is gone."""
+    reason = stale_reason(lock, stale_s)
+    if not reason:
+        return False
+    try:
+        os.remove(lock)
+        log.warning(f"removed the stale extension build lock {lock}{when}: {reason}")
+    except FileNotFoundError:
+        pass
+    return True
+
+
 def clear_build_locks(roots: list[str] | None = None, poll_s: float = 1.0) -> None:
     """Before DeepSpeed may JIT-build an op: remove provably stale build locks, wait (bounded, said)
     for live ones; ConfigError naming the file when one outlives `HARNESS_BUILD_LOCK_WAIT_S`."""
@@ -92,13 +105,7 @@ def clear_build_locks(roots: list[str] | None = None, poll_s: float = 1.0) -> No
     for lock in build_locks(roots):
         start, said = time.monotonic(), False
         while os.path.exists(lock):
-            reason = stale_reason(lock, stale_s)
-            if reason:
-                try:
-                    os.remove(lock)
-                    log.warning(f"removed the stale extension build lock {lock}: {reason}")
-                except FileNotFoundError:
-                    pass
+            if remove_if_stale(lock, stale_s, ""):
                 break
             waited = time.monotonic() - start
             if waited >= wait_s:
@@ -129,13 +136,7 @@ def _watch(roots: list[str] | None, stop: threading.Event, failure: list[str], p
         locks = build_locks(roots)
         first_seen = {lock: first_seen.get(lock, time.monotonic()) for lock in locks}
         for lock in locks:
-            reason = stale_reason(lock, stale_s)
-            if reason:
-                try:
-                    os.remove(lock)
-                    log.warning(f"removed the stale extension build lock {lock} while DeepSpeed waited on it: {reason}")
-                except FileNotFoundError:
-                    pass
+            if remove_if_stale(lock, stale_s, " while DeepSpeed waited on it"):
                 continue
             held = time.monotonic() - first_seen[lock]
             if held >= wait_s and not builders_here(os.path.dirname(lock)):
