@@ -210,6 +210,7 @@ class DeepSpeedEngine(Engine):
             config=ds_config,
             dist_init_required=False,
         )
+        release_shm_names(info)
         startup = {"load": loaded - started, "engine_init": time.perf_counter() - loaded}
         return cls(plan, engine, loss_fn, cfg.grad_accum, info.device, startup)
 
@@ -259,6 +260,24 @@ class DeepSpeedEngine(Engine):
     @property
     def lr(self) -> float:
         return float(self.ds.get_lr()[0])
+
+
+SHM_DIR = "/dev/shm"
+
+
+def release_shm_names(info: DistInfo) -> None:
+    """DeepSpeed's CPU all-reduce (`deepspeed_shm_comm`, when every rank is on one host) creates one
+    POSIX shared-memory segment per rank (69 MB, `deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`),
+    maps every rank's while its communication starts, and never unlinks them: each run left them in
+    /dev/shm, RAM held until reboot. Once every rank has mapped them (the barrier: DeepSpeed's
+    initialize has returned everywhere), each rank removes its own segment's name; the mappings stay
+    valid until the processes end, and nothing is left whichever way they end."""
+    if info.device.type != "cpu" or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    dist.barrier()
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"))
 
 
 def deepspeed_lr_scheduler(ds_config: dict[str, Any], cfg: RunConfig) -> Any:

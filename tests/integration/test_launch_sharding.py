@@ -11,6 +11,7 @@ FSDP2 run also checks that per-step memory metrics are the worst rank's.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from launching import final_eval, launch_command, run, side_by_side, state_bytes, step_losses, tiny_config
@@ -74,8 +75,16 @@ def workspace(tmp_path_factory, data_cache, tiny_data):
 def test_two_ranks_shard_and_match_world_one(workspace, strategy, launcher):
     out = workspace["root"] / f"{strategy}-{launcher}"
     config = tiny_config(workspace["root"] / f"{strategy}-{launcher}.yaml", workspace["cache"], out)
-    proc = run(launch_command(launcher, 2, config, [f"strategy={strategy}"]))
+    cmd = launch_command(launcher, 2, config, [f"strategy={strategy}"])
+    proc = run(cmd)
     assert f"{workspace['n_params']:,} params" in proc.stdout  # the whole model's size, however it is sharded
+    # DeepSpeed's CPU all-reduce segments (one per rank, named by the rendezvous port) are not left in /dev/shm
+    port = (
+        next(a.split("=")[1] for a in cmd if a.startswith("--master_port="))
+        if "--main_process_port" not in cmd
+        else cmd[cmd.index("--main_process_port") + 1]
+    )
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")), port
     losses = step_losses(out)
     assert losses == pytest.approx(workspace["ref_losses"], rel=1e-3), (losses, workspace["ref_losses"])
     assert final_eval(out) == pytest.approx(workspace["ref_eval"], rel=1e-3)
