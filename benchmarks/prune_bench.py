@@ -643,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seq-len", type=int, default=256, help="smollm2-135m: sequence length of calibration and eval")
     parser.add_argument("--eval-batches", type=int, default=8, help="smollm2-135m: eval batches of 4 sequences")
+    parser.add_argument(
+        "--calib-fraction", type=float, default=0.10, help="smollm2-135m: data.calib_fraction (0.2 makes room for 512 samples)"
+    )
     parser.add_argument("--calib-sweep", type=int, nargs="*", default=[], help="calibration sizes for wanda/sparsegpt/gradprobe (seed 0)")
     parser.add_argument("--no-holdout", action="store_true", help="skip each run's calib-holdout perplexity")
     parser.add_argument("--cached-only", action="store_true", help="report the runs earlier calls finished; run nothing new")
@@ -670,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     if real and args.finetune_only:  # the world-2 workflow alone, merged into the results of an earlier call
-        cfg = prune_real.real_config(work, args.calib_samples or 32, args.seq_len, args.eval_batches)
+        cfg = prune_real.real_config(work, args.calib_samples or 32, args.seq_len, args.eval_batches, args.calib_fraction)
         rows = [
             prune_real.finetune_world2(work, cfg, *parse_ft(spec), args.finetune_lr, args.finetune_micro_batch, args.finetune_eval_every)
             for spec in args.finetune_world2
@@ -682,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     if real:  # pretrained: nothing to train; the four methods (and the original mode on request)
-        cfg = prune_real.real_config(work, args.calib_samples or 32, args.seq_len, args.eval_batches)
+        cfg = prune_real.real_config(work, args.calib_samples or 32, args.seq_len, args.eval_batches, args.calib_fraction)
         trained = {"hf": cfg["model"]["name"], "model": prune_real.MODEL}
         only = args.only or ["magnitude", "wanda", "sparsegpt", "gradprobe", *args.extra, *([ORIGINAL, MATCHED] if args.original else [])]
         stamp: str | None = prune_real.model_stamp(trained["hf"], cfg)

@@ -44,14 +44,16 @@ from harness.pruning import MaskSet, build_views, calibration_samples  # noqa: E
 MODEL = "smollm2-135m"
 
 
-def real_config(work: Path, calib: int, seq_len: int, eval_batches: int) -> dict[str, Any]:
+def real_config(work: Path, calib: int, seq_len: int, eval_batches: int, calib_fraction: float = 0.10) -> dict[str, Any]:
     """SmolLM2-135M as loaded (fp32, dequantized from Q4_1: see real_model.py) on the embedded
-    corpus tokenized by its own tokenizer; eval = the first `eval_batches` x 4 blocks of the eval split."""
+    corpus tokenized by its own tokenizer; eval = the first `eval_batches` x 4 blocks of the eval split.
+    A larger `calib_fraction` makes room for more calibration samples (512 needs ~0.2); it moves
+    documents from train to calib only, so eval is unchanged and the results cache stamp differs."""
     return {
         "model": {"name": str(real_model.prepare())},
-        # calib_fraction 0.10 (default 0.05): 210 calibration blocks of 256, room for 128 samples and a
-        # 64-block holdout; the eval split is the same documents at any calib_fraction (split_of).
-        "data": {"source": "embedded", "seq_len": seq_len, "calib_fraction": 0.10, "cache_dir": str(work / "cache")},
+        # calib_fraction 0.10 (default 0.05): 317 calibration blocks of 256, room for 256 samples and a
+        # 32-block holdout; the eval split is the same documents at any calib_fraction (split_of).
+        "data": {"source": "embedded", "seq_len": seq_len, "calib_fraction": calib_fraction, "cache_dir": str(work / "cache")},
         "micro_batch_size": 4,
         "grad_accum": 1,
         "steps": 1,
