@@ -334,7 +334,13 @@ def prune_in_process(
     # Finished runs, by everything that decides them (the settings after the variant's overrides,
     # so a changed default re-runs exactly the rows it changes); valid for this trained model.
     done_path = work / f"runs-{stamp}.jsonl"
-    done = {r["cache_key"]: r for r in map(json.loads, done_path.read_text().splitlines())} if done_path.exists() else {}
+
+    def finished() -> dict[str, dict[str, Any]]:
+        """The cache as it is now: re-read before each row, so a second call on the same work
+        directory (another size or seed, side by side) reuses the rows the first one appended."""
+        return {r["cache_key"]: r for r in map(json.loads, done_path.read_text().splitlines())} if done_path.exists() else {}
+
+    done = finished()
     runs.sort(key=lambda r: [p for p, _ in patterns].index(r[2]))  # every method at 50% first, then 2:4 (stable)
     runs = [(*r, False) for r in runs]
     runs += [
@@ -354,6 +360,7 @@ def prune_in_process(
             over = {**over, "sparsity": next(r["achieved_sparsity"] for r in results if r["key"] == ORIGINAL and r["seed"] == seed)}
         prune = dataclasses.replace(cfg.prune, pattern=pattern, calib_seed=seed, **over)
         cache_key = json.dumps(dataclasses.asdict(prune), sort_keys=True)
+        done = {**done, **finished()}
         if cache_key in done:
             results.append({**done[cache_key], "key": key, "pattern": pat_key, "seed": seed, "sweep": swept})
             print(f"[bench] {key:28s} {pat_key:16s} seed {seed}: reused", file=sys.stderr, flush=True)
