@@ -340,7 +340,6 @@ def prune_in_process(
         directory (another size or seed, side by side) reuses the rows the first one appended."""
         return {r["cache_key"]: r for r in map(json.loads, done_path.read_text().splitlines())} if done_path.exists() else {}
 
-    done = finished()
     runs.sort(key=lambda r: [p for p, _ in patterns].index(r[2]))  # every method at 50% first, then 2:4 (stable)
     runs = [(*r, False) for r in runs]
     runs += [
@@ -360,7 +359,7 @@ def prune_in_process(
             over = {**over, "sparsity": next(r["achieved_sparsity"] for r in results if r["key"] == ORIGINAL and r["seed"] == seed)}
         prune = dataclasses.replace(cfg.prune, pattern=pattern, calib_seed=seed, **over)
         cache_key = json.dumps(dataclasses.asdict(prune), sort_keys=True)
-        done = {**done, **finished()}
+        done = finished()
         if cache_key in done:
             results.append({**done[cache_key], "key": key, "pattern": pat_key, "seed": seed, "sweep": swept})
             print(f"[bench] {key:28s} {pat_key:16s} seed {seed}: reused", file=sys.stderr, flush=True)
@@ -392,7 +391,6 @@ def prune_in_process(
             # Share of GradProbe's pruned weights its base would have kept: what the gradient changed.
             row["differs_from_base"] = sum(int((masks[k] & ~base[k]).sum()) for k in masks) / sum(int(m.sum()) for m in masks.values())
         row["cache_key"] = cache_key
-        done[cache_key] = row
         with done_path.open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
         results.append(row)
@@ -406,6 +404,7 @@ def prune_in_process(
         for (pat_key, pattern), seed in [(pt, s) for pt in patterns for s in seeds]:
             prune = dataclasses.replace(cfg.prune, pattern=pattern, calib_seed=seed)
             cache_key = json.dumps({CONTROL: dataclasses.asdict(prune)}, sort_keys=True)
+            done = finished()
             if cache_key in done:
                 results.append(done[cache_key])
                 continue
