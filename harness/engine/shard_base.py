@@ -78,6 +78,10 @@ class ParamShard:
         A replicated working copy is not re-gathered here (that is a collective: the caller's)."""
         working = self.working()
         working[mask] = values.to(working.dtype) if torch.is_tensor(values) else values
+        if self.storage == "replicated":
+            # A write through `.data` leaves the version counter alone; bump it so that whatever
+            # keys on it (the pruning probe's forward cache) sees the weights change.
+            torch.autograd.graph.increment_version(self.param)
         if master:
             self._write_master(mask, values)
 

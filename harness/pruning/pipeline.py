@@ -85,6 +85,8 @@ class PruneReport:
     exact_target: bool
     masks: MaskSet = field(repr=False)
     g0: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # local G0 shards (keep_g0)
+    # Of the fwd+bwd passes, the share whose blocks below the probed ones were replayed, not computed.
+    replayed_passes: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k not in ("masks", "g0", "layers")}
@@ -95,7 +97,8 @@ class PruneReport:
         return (
             f"pruned {self.method} {self.pattern}: sparsity {self.achieved_sparsity:.4f} (target {self.target_sparsity:g}) "
             f"over {len(self.layers)} matrices, K={self.group_size} ({self.groups} groups), "
-            f"passes fwd {self.fwd_passes:g} fwd+bwd {self.fwd_bwd_passes:g}, {self.wall_time_s:.2f}s, "
+            f"passes fwd {self.fwd_passes:g} fwd+bwd {self.fwd_bwd_passes:g} ({self.replayed_passes:g} with the lower blocks replayed), "
+            f"{self.wall_time_s:.2f}s, "
             f"probe memory {self.peak_probe_bytes / 2**20:.2f} MiB/rank"
         )
 
@@ -153,7 +156,7 @@ def run_pruning(
     views = build_views(model_or_engine, cfg.targets, comm)
     if not views:
         raise ValueError(f"no Linear layers match targets={cfg.targets}")
-    runner = Runner(model_or_engine, loss_fn, grad_accum)
+    runner = Runner(model_or_engine, loss_fn, grad_accum, comm)
     batches = list(calib_batches)
     if comm.all_reduce_min_int(len(batches)) != len(batches) or comm.all_reduce_min_int(-len(batches)) != -len(batches):
         raise ValueError("every rank must pass the same number of calibration micro-batches")
@@ -236,6 +239,7 @@ def run_pruning(
         exact_target=cfg.exact_target,
         masks=masks,
         g0=g0,
+        replayed_passes=runner.prefix.replays / n,
     )
     if comm.rank == 0:
         log.info(report.summary())

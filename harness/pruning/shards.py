@@ -177,6 +177,8 @@ def sync_views(views: list[ShardView], comm: Collectives) -> None:
         full = v.shard.full_working()
         if full is not None:
             full.view(-1).copy_(gather_full(v, v.lp().detach().clone(), comm))
+            if v.storage == "replicated":
+                torch.autograd.graph.increment_version(v.param)  # as `ParamShard.write` does
 
 
 def build_views(model_or_engine: Any, targets: str, comm: Collectives) -> list[ShardView]:

@@ -46,7 +46,11 @@ RUNS = {
         "gp_taylor": PruneConfig(method="gradprobe", base="taylor", sparsity=0.5, group_size=2),
     },
     "zero2": {"gp_wanda": GP_WANDA},
-    "ddp": {"gp_wanda": GP_WANDA},
+    # DDP computes the probed gradients alone and replays the blocks below them (`Runner`)
+    "ddp": {
+        "gp_wanda": GP_WANDA,
+        "gp_decision_original": PruneConfig(method="gradprobe", base="magnitude", decision="original", sparsity=0.5),
+    },
 }
 OVERRIDES = {"fsdp": None, "zero3": {"intermediate_size": 175}, "zero2": {"intermediate_size": 175}, "ddp": {"intermediate_size": 175}}
 SAMPLES, SEQ = 4, 16

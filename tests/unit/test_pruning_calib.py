@@ -8,8 +8,9 @@ from torch import nn
 
 from harness.config import PruneConfig
 from harness.distributed import Collectives
-from harness.models import build_model
-from harness.pruning import run_pruning, shard_calibration
+from harness.models import build_model, decoder_blocks
+from harness.pruning import build_views, run_pruning, shard_calibration
+from harness.pruning.calibration import Runner, gradient_max
 
 
 def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -41,9 +42,39 @@ def test_k1_and_kall_agree_on_g0_and_differ_in_passes() -> None:
     # the original per-layer streaming: 2 passes per layer; K=all: 2 for the whole model
     assert one.fwd_bwd_passes == 2 * layers
     assert everything.fwd_bwd_passes == 2
-    assert one.fwd_passes == 0 and everything.fwd_passes == 0
+    # K=1: block 1's G1 pass replays block 0's outputs from its G0 pass (checked once against
+    # a full forward of one micro-batch); K=all probes block 0 itself, so nothing is replayed.
+    assert one.replayed_passes == 1 and one.fwd_passes == 1 / len(calib())
+    assert everything.replayed_passes == 0 and everything.fwd_passes == 0
     # the probe memory of one group of one layer is smaller than that of the whole model
     assert one.peak_probe_bytes < everything.peak_probe_bytes
+
+
+def test_probing_one_block_computes_its_gradients_alone_and_bit_exactly() -> None:
+    """A probe of block 1 asks autograd for block 1's weights only: the backward never reaches
+    block 0, no other parameter gets a gradient, and the statistics equal the full backward's."""
+    model = build_model("tiny-llama")
+    views = [v for v in build_views(model, "decoder_linears", Collectives()) if v.target.unit == 1]
+    steps = Runner(model, lm_loss).steps(calib())
+    reached: list[int] = []
+    decoder_blocks(model)[0].register_full_backward_hook(lambda *_: reached.append(0))
+    full = gradient_max(Runner(model, lm_loss, probed_only=False), steps, views, torch.float32)
+    assert reached  # the hook does fire when the backward goes through block 0
+    reached.clear()
+    runner = Runner(model, lm_loss)
+    probed = {id(v.param) for v in views}
+    seen: list[str] = []
+    for name, p in model.named_parameters():
+        if id(p) not in probed:
+            p.register_hook(lambda g, name=name: seen.append(name))
+    fast = gradient_max(runner, steps, views, torch.float32)
+    assert not reached and not seen  # stopped above block 0; no other weight gradient computed
+    assert runner.fwd_bwd_batches == len(calib())
+    assert set(fast) == set(full) and len(fast) == 7
+    for name in full:
+        assert torch.equal(fast[name], full[name]), name
+        assert full[name].abs().sum() > 0
+    assert all(p.grad is None for p in model.parameters())  # zeroed after the pass, like the full path
 
 
 def test_all_linears_adds_the_lm_head_as_its_own_group() -> None:
