@@ -12,6 +12,8 @@ Passes over the calibration data, per method (K = layers per group, L = layers):
   sparsegpt  1 forward per group (each group is pruned and updated before the next)
   gradprobe  2 forward+backward per group: 2 when K = all, 2L when K = 1; decision=original:
              one group per matrix, so 2 per matrix (the original's low-memory streaming).
+             On whole weights (one process, DDP) a pass computes only the probed gradients
+             and replays the blocks below them (`Runner`, `PrefixCache`): deep groups cost less.
 """
 
 from __future__ import annotations
@@ -93,12 +95,14 @@ class PruneReport:
         out["layers"] = [{"name": x.name, "numel": x.numel, "pruned": x.pruned, "sparsity": x.sparsity} for x in self.layers]
         return out
 
+    def _replayed(self) -> str:
+        return f" ({self.replayed_passes:g} with the lower blocks replayed)" if self.replayed_passes else ""
+
     def summary(self) -> str:
         return (
             f"pruned {self.method} {self.pattern}: sparsity {self.achieved_sparsity:.4f} (target {self.target_sparsity:g}) "
             f"over {len(self.layers)} matrices, K={self.group_size} ({self.groups} groups), "
-            f"passes fwd {self.fwd_passes:g} fwd+bwd {self.fwd_bwd_passes:g} ({self.replayed_passes:g} with the lower blocks replayed), "
-            f"{self.wall_time_s:.2f}s, "
+            f"passes fwd {self.fwd_passes:g} fwd+bwd {self.fwd_bwd_passes:g}{self._replayed()}, {self.wall_time_s:.2f}s, "
             f"probe memory {self.peak_probe_bytes / 2**20:.2f} MiB/rank"
         )
 
