@@ -25,7 +25,7 @@ from safetensors import safe_open
 from harness.config import RunConfig, load_config, load_strategy
 from harness.distributed import Collectives, DistInfo, exit_process
 from harness.engine import EnginePlan
-from harness.errors import ConfigError
+from harness.errors import ConfigError, StopRequested
 from harness.runner import build_run, evaluate, parse_command_line, preflight, run_command, run_prune_stage
 
 
@@ -45,7 +45,15 @@ def exported_zeros(hf_dir: str, names: list[str]) -> dict[str, int]:
 def prune_model(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, Any]:
     """The command: build the run as `harness.train` does, prune, fine-tune, export."""
     trainer, _ = build_run(cfg, plan, info)
-    stats = run_prune_stage(trainer.engine, trainer.data, cfg, info, trainer.observer, 0, ckpt=trainer.ckpt)
+    try:
+        stats = run_prune_stage(trainer.engine, trainer.data, cfg, info, trainer.observer, 0, ckpt=trainer.ckpt)
+    except StopRequested as stop:
+        if cfg.checkpoint.overwrite:
+            raise
+        raise StopRequested(
+            f"{stop}, with checkpoint.overwrite=true: output_dir now holds this run's metrics.jsonl, which a new run "
+            "would otherwise refuse to replace"
+        ) from None
     trainer.after_step = stats.after_step
     steps = cfg.prune.finetune_steps
     if steps and not trainer.train(0, steps):

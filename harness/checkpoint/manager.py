@@ -231,6 +231,13 @@ class CheckpointManager:
             self.save(step, counters)
         return False
 
+    def ensure_saved(self, step: int, counters: dict[str, Any] | None = None) -> None:
+        """Save `step` unless it is already the newest checkpoint, where the run saves at all: before
+        a long stage that changes the weights in place (pruning), so a stop or crash in it loses
+        no training."""
+        if self.final_save and self.last_step != step:
+            self.save(step, counters)
+
     def finish(self, step: int, counters: dict[str, Any] | None = None) -> None:
         """The end-of-run save (if configured) and the HF export (if `checkpoint.export_hf`)."""
         if not self.final_save:

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harness.distributed import Collectives
 from harness.engine import is_deepspeed_engine, unwrap
+from harness.errors import StopRequested
 from harness.pruning.prefix import PrefixCache
 from harness.pruning.shards import ShardView
 
@@ -80,8 +81,12 @@ class Runner:
         grad_accum: int | None = None,
         comm: Collectives | None = None,
         probed_only: bool = True,
+        should_stop: Callable[[], bool] | None = None,
     ) -> None:
         self.target = model_or_engine
+        # Asked before every probe step and forward micro-batch, on every rank at the same point
+        # (it may be a collective): True ends the pruning there with StopRequested.
+        self.should_stop = should_stop
         self.comm = comm or Collectives()
         self.probed_only = probed_only  # False: every probe runs the full forward and backward (the reference for tests)
         self.loss_fn = loss_fn
@@ -113,7 +118,13 @@ class Runner:
         finally:
             self.module.train(was_training)
 
+    def _check_stop(self) -> None:
+        if self.should_stop is not None and self.should_stop():
+            done = self.fwd_batches + self.fwd_bwd_batches
+            raise StopRequested(f"stop requested while pruning, after {done} calibration micro-batches; the pruning was not finished")
+
     def forward(self, batch: Any) -> None:
+        self._check_stop()
         with torch.no_grad():
             self.loss_fn(self.target, batch)
         self.fwd_batches += 1
@@ -126,6 +137,7 @@ class Runner:
         replayed from the first pass that probed it (`_probed_backward`); other parameters'
         `.grad` is then left as it was.
         """
+        self._check_stop()
         params = [v.param for v in probed]
         if params and self._computes_probed_only(params):
             self._probed_backward(step, params, min(v.target.unit for v in probed))

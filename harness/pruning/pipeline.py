@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +121,7 @@ def run_pruning(
     keep_g0: bool = False,
     apply: bool = True,
     pool: float | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> PruneReport:
     """Prune the target Linears of `model_or_engine` in place and report.
 
@@ -134,7 +135,9 @@ def run_pruning(
     (`harness.config.prune_modes`); decision=original probes one matrix per group. `pool`:
     exact-target GradProbe's extra candidates (default `cfg.pool` if the config has it,
     else DEFAULT_POOL). `apply=False` returns masks without zeroing weights
-    (not for SparseGPT, which rewrites weights). Collective: every rank calls it with the
+    (not for SparseGPT, which rewrites weights). `should_stop`, asked before every
+    calibration step on every rank (it may be a collective), ends the pruning with
+    StopRequested, the weights left part-way. Collective: every rank calls it with the
     same config.
     """
     if cfg.method == "none":
@@ -160,7 +163,7 @@ def run_pruning(
     views = build_views(model_or_engine, cfg.targets, comm)
     if not views:
         raise ValueError(f"no Linear layers match targets={cfg.targets}")
-    runner = Runner(model_or_engine, loss_fn, grad_accum, comm)
+    runner = Runner(model_or_engine, loss_fn, grad_accum, comm, should_stop=should_stop)
     batches = list(calib_batches)
     if comm.all_reduce_min_int(len(batches)) != len(batches) or comm.all_reduce_min_int(-len(batches)) != -len(batches):
         raise ValueError("every rank must pass the same number of calibration micro-batches")

@@ -10,9 +10,11 @@ weights at exactly zero through further steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ from harness.config import RunConfig
 from harness.data import PackedData
 from harness.distributed import Collectives, DistInfo
 from harness.engine import Engine
-from harness.errors import ConfigError
+from harness.errors import ConfigError, StopRequested
 from harness.log import get_logger
 from harness.observability import Observer
 from harness.pruning import (
@@ -35,6 +37,7 @@ from harness.pruning import (
     run_schedule,
     shard_calibration,
 )
+from harness.reliability import signal_received
 from harness.runner.trainer import evaluate
 
 log = get_logger(__name__)
@@ -135,9 +138,10 @@ def run_prune_stage(
     kwargs: dict[str, Any] = dict(
         grad_accum=None if engine.owns_grad_accumulation else cfg.grad_accum,
         comm=comm,
+        should_stop=lambda: comm.any([signal_received()])[0],  # every rank stops at the same calibration step
     )  # sequential and stat_dtype: from `p`, unset keys filled by the decision mode inside run_pruning
     loss_fn = lambda _, batch: engine.forward_loss(batch)
-    with engine.backward_without_step():  # probe backwards must not step
+    with engine.backward_without_step(), _stopped_with_advice(ckpt, step):  # probe backwards must not step
         if p.schedule:
             val = dataclasses.replace(data, blocks={**data.blocks, HOLDOUT_SPLIT: holdout})
             if holdout.shape[0] == 0:
@@ -180,6 +184,24 @@ def run_prune_stage(
             _hand_to_checkpoints(ckpt, report.masks, comm)
     _publish(stats, cfg, info, observer, step, save=save_masks)
     return PruneStats(stats, enforcer, None if report is None else report.masks, hook)
+
+
+@contextlib.contextmanager
+def _stopped_with_advice(ckpt: CheckpointManager | None, step: int) -> Iterator[None]:
+    """A stop signal during pruning ends the run there (a long prune would otherwise outlast any
+    scheduler's grace period): say where a relaunch starts. `harness.train` saved the trained
+    model before the stage (`CheckpointManager.ensure_saved`); `harness.prune` starts from its
+    model directory, which pruning never writes."""
+    try:
+        yield
+    except StopRequested as stop:
+        if step == 0:
+            where = "nothing of it was saved: a relaunch prunes again from the start"
+        elif ckpt is not None and ckpt.last_step == step and ckpt.last_path:
+            where = f"{ckpt.last_path} holds the model as training left it: relaunch with checkpoint.resume=auto to prune from there"
+        else:
+            where = f"no checkpoint of step {step} was kept (checkpoints are off): a relaunch trains again from the start"
+        raise StopRequested(f"{stop}; {where}") from None
 
 
 def _install(engine: Engine, masks: MaskSet, targets: str, comm: Collectives) -> tuple[MaskEnforcer, Any]:

@@ -125,6 +125,74 @@ def test_sigterm_to_torchrun_saves_exits_cleanly_and_resume_is_bit_exact(ws):
     assert [got[s] for s in range(k + 1, steps + 1)] == [ref[s] for s in range(k + 1, steps + 1)]  # bit-exact, DDP
 
 
+def test_sigterm_while_pruning_stops_within_a_step_and_resume_prunes_the_same(ws):
+    """A long prune (GradProbe's original mode, 28 passes) after 3 trained steps, checkpoints every
+    2: the trained model is saved at step 3 before pruning starts; SIGTERM to torchrun while it
+    prunes ends both ranks at the same calibration step, exit 0, with a line saying where a
+    relaunch starts; the relaunch resumes at step 3 and prunes exactly as an unstopped run."""
+    prune = {
+        "prune.method": "gradprobe",
+        "prune.decision": "original",
+        "prune.calib_samples": 128,
+        "prune.finetune_steps": 1,
+        "data.calib_fraction": 0.4,
+        "checkpoint.every": 2,
+    }
+    ref_cfg, ref_out = config(ws, "prune_ref", **prune)
+    _run(launch_command("torchrun", 2, ref_cfg, ["strategy=ddp"]))
+    cfg, out = config(ws, "prune_stopped", **prune)
+    cmd = launch_command("torchrun", 2, cfg, ["strategy=ddp"])
+    log_path = ws["root"] / "prune_stopped.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log_file, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 180
+        while "prune: decision=original filled" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        proc.wait(timeout=120)
+    waited = time.monotonic() - signalled
+    log = log_path.read_text()
+    step3 = out / "checkpoints" / "step_00000003"
+    assert "stop requested while pruning, after" in log and f"{step3} holds the model as training left it" in log, log[-3000:]
+    assert "pruned gradprobe" not in log and waited < 60, (waited, log[-3000:])
+    for rank in (0, 1):  # every worker exited 0 (torchrun itself reports the signal it got)
+        assert f"rank      : {rank}" not in log, log[-3000:]
+    assert latest_checkpoint(str(out / "checkpoints")) == str(step3)
+    assert not [r for r in records(out) if "prune/achieved_sparsity" in r]
+
+    resumed = _run(cmd + ["checkpoint.resume=auto"])
+    assert f"resumed from {step3} at step 3" in resumed.stdout, resumed.stdout[-3000:]
+    final, ref_final = out / "checkpoints" / "step_00000004", ref_out / "checkpoints" / "step_00000004"
+    assert same_weights(final, ref_final)  # the same masks and the same fine-tuning step
+    assert same_weights(step3, ref_out / "checkpoints" / "step_00000003")  # the reference saved the trained model too
+
+
+def test_sigterm_while_the_prune_command_prunes_exits_0_and_says_how_to_relaunch(ws):
+    """`python -m harness.prune` on a saved model: SIGTERM mid-prune ends it at the next
+    calibration step, exit 0, one line naming the relaunch (which, as named, prunes and exports)."""
+    dense_cfg, dense = config(ws, "prune_cmd_dense", steps=2, **{"checkpoint.export_hf": True})
+    _run(launch_command("python", 1, dense_cfg, []))
+    prune = {"prune.method": "gradprobe", "prune.decision": "original", "prune.calib_samples": 128, "data.calib_fraction": 0.4}
+    cfg, out = config(ws, "prune_cmd", **{"model.name": str(dense / "hf"), **prune})
+    cmd = [sys.executable, "-m", "harness.prune", "--config", str(cfg)]
+    log_path = ws["root"] / "prune_cmd.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log_file, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while "prune: decision=original filled" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    log = log_path.read_text()
+    assert "nothing of it was saved: a relaunch prunes again from the start, with checkpoint.overwrite=true" in log, log[-3000:]
+    assert "pruned gradprobe" not in log and not (out / "hf").exists()
+    again = _run(cmd + ["checkpoint.overwrite=true"])
+    assert "pruned model exported to" in again.stdout, again.stdout[-3000:]
+
+
 def test_signal_on_one_rank_and_nan_on_one_rank_under_zero2(ws):
     """Rank 1 alone gets a NaN at step 2 and a SIGUSR1 at step 3: both ranks skip step 2, both save step 3 and exit."""
     cfg, out = config(ws, "zero2_faults", steps=6, **{"checkpoint.every": 1, "checkpoint.keep": 6})

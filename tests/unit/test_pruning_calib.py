@@ -3,11 +3,13 @@ calibration layout makes world x accumulation interchangeable."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from harness.config import PruneConfig
 from harness.distributed import Collectives
+from harness.errors import StopRequested
 from harness.models import build_model, decoder_blocks
 from harness.pruning import build_views, run_pruning, shard_calibration
 from harness.pruning.calibration import Runner, gradient_max
@@ -144,3 +146,21 @@ def test_apply_false_returns_the_masks_without_touching_weights() -> None:
     for name in a.masks.masks:
         assert torch.equal(a.masks[name], b.masks[name])
     assert all(torch.equal(p, q) for p, q in zip(dry.parameters(), build_model("tiny-llama").parameters()))
+
+
+@pytest.mark.parametrize("method", ["gradprobe", "wanda"])
+def test_a_stop_request_ends_the_pruning_at_the_next_calibration_step(method: str) -> None:
+    """Asked before every probe step (forward micro-batch for Wanda): the sixth answer "stop"
+    ends the run there, after exactly five micro-batches."""
+    asked: list[int] = []
+
+    def should_stop() -> bool:
+        asked.append(0)
+        return len(asked) > 5
+
+    cfg = PruneConfig(method=method, base="magnitude", decision="original", sparsity=0.5)
+    if method == "wanda":
+        cfg = PruneConfig(method="wanda", sparsity=0.5, sequential=True, group_size=1)  # one forward pass per block
+    with pytest.raises(StopRequested, match="after 5 calibration micro-batches; the pruning was not finished"):
+        run_pruning(build_model("tiny-llama"), calib(), cfg, lm_loss, should_stop=should_stop)
+    assert len(asked) == 6
