@@ -125,6 +125,24 @@ def test_sigterm_to_torchrun_saves_exits_cleanly_and_resume_is_bit_exact(ws):
     assert [got[s] for s in range(k + 1, steps + 1)] == [ref[s] for s in range(k + 1, steps + 1)]  # bit-exact, DDP
 
 
+PRUNING_STARTED = "prune: decision=original filled"  # the stage's first line, before its first probe pass
+
+
+def sigterm_once_logged(cmd: list[str], log_path: Path, line: str) -> tuple[int, float, str]:
+    """Start `cmd`, SIGTERM it once its output holds `line`; (exit code, seconds from the signal to
+    the exit, the output)."""
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log_file, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 180
+        while line not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code = proc.wait(timeout=120)
+    return code, time.monotonic() - signalled, log_path.read_text()
+
+
 def test_sigterm_while_pruning_stops_within_a_step_and_resume_prunes_the_same(ws):
     """A long prune (GradProbe's original mode, 28 passes) after 3 trained steps, checkpoints every
     2: the trained model is saved at step 3 before pruning starts; SIGTERM to torchrun while it
@@ -142,18 +160,7 @@ def test_sigterm_while_pruning_stops_within_a_step_and_resume_prunes_the_same(ws
     _run(launch_command("torchrun", 2, ref_cfg, ["strategy=ddp"]))
     cfg, out = config(ws, "prune_stopped", **prune)
     cmd = launch_command("torchrun", 2, cfg, ["strategy=ddp"])
-    log_path = ws["root"] / "prune_stopped.log"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log_file, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 180
-        while "prune: decision=original filled" not in log_path.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        proc.wait(timeout=120)
-    waited = time.monotonic() - signalled
-    log = log_path.read_text()
+    _, waited, log = sigterm_once_logged(cmd, ws["root"] / "prune_stopped.log", PRUNING_STARTED)
     step3 = out / "checkpoints" / "step_00000003"
     assert "stop requested while pruning, after" in log and f"{step3} holds the model as training left it" in log, log[-3000:]
     assert "pruned gradprobe" not in log and waited < 60, (waited, log[-3000:])
@@ -177,16 +184,8 @@ def test_sigterm_while_the_prune_command_prunes_exits_0_and_says_how_to_relaunch
     prune = {"prune.method": "gradprobe", "prune.decision": "original", "prune.calib_samples": 128, "data.calib_fraction": 0.4}
     cfg, out = config(ws, "prune_cmd", **{"model.name": str(dense / "hf"), **prune})
     cmd = [sys.executable, "-m", "harness.prune", "--config", str(cfg)]
-    log_path = ws["root"] / "prune_cmd.log"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log_file, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 120
-        while "prune: decision=original filled" not in log_path.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
-    log = log_path.read_text()
+    code, _, log = sigterm_once_logged(cmd, ws["root"] / "prune_cmd.log", PRUNING_STARTED)
+    assert code == 0, log[-3000:]
     assert "nothing of it was saved: a relaunch prunes again from the start, with checkpoint.overwrite=true" in log, log[-3000:]
     assert "pruned gradprobe" not in log and not (out / "hf").exists()
     again = _run(cmd + ["checkpoint.overwrite=true"])
