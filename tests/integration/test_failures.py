@@ -151,7 +151,7 @@ def test_sigterm_while_pruning_stops_within_a_step_and_resume_prunes_the_same(ws
     prune = {
         "prune.method": "gradprobe",
         "prune.decision": "original",
-        "prune.calib_samples": 128,
+        "prune.calib_samples": 64,
         "prune.finetune_steps": 1,
         "data.calib_fraction": 0.4,
         "checkpoint.every": 2,
@@ -181,7 +181,7 @@ def test_sigterm_while_the_prune_command_prunes_exits_0_and_says_how_to_relaunch
     calibration step, exit 0, one line naming the relaunch (which, as named, prunes and exports)."""
     dense_cfg, dense = config(ws, "prune_cmd_dense", steps=2, **{"checkpoint.export_hf": True})
     _run(launch_command("python", 1, dense_cfg, []))
-    prune = {"prune.method": "gradprobe", "prune.decision": "original", "prune.calib_samples": 128, "data.calib_fraction": 0.4}
+    prune = {"prune.method": "gradprobe", "prune.decision": "original", "prune.calib_samples": 64, "data.calib_fraction": 0.4}
     cfg, out = config(ws, "prune_cmd", **{"model.name": str(dense / "hf"), **prune})
     cmd = [sys.executable, "-m", "harness.prune", "--config", str(cfg)]
     code, _, log = sigterm_once_logged(cmd, ws["root"] / "prune_cmd.log", PRUNING_STARTED)
