@@ -22,6 +22,7 @@ from torch import nn
 
 from harness.distributed import Collectives
 from harness.engine import ParamShard, shard_of, unwrap
+from harness.memory import clean_fqn
 from harness.models import decoder_blocks
 from harness.pruning.layout import Layout, even_ranges, gather_ranges
 
@@ -61,7 +62,7 @@ def find_targets(module: nn.Module, targets: str) -> list[Target]:
             continue
         if owners.get(id(m.weight), 0) > 1:
             raise ValueError(f"{name}.weight is shared with another module (tied weights); prune with targets=decoder_linears")
-        out.append(Target(name, m, len(blocks) if unit is None else unit))
+        out.append(Target(clean_fqn(name), m, len(blocks) if unit is None else unit))  # as if no AC/compile wrapper
     return out
 
 

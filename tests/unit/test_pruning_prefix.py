@@ -7,9 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from harness.config import PruneConfig
 from harness.distributed import Collectives
+from harness.memory import apply_activation_checkpointing
 from harness.models import build_model, decoder_blocks
-from harness.pruning import build_views
+from harness.pruning import build_views, run_pruning
 from harness.pruning.calibration import Runner, gradient_max
 
 LAYERS = 3
@@ -91,3 +93,19 @@ def test_compiled_models_and_the_reference_path_never_replay() -> None:
     for _ in range(2):
         gradient_max(runner, steps(), views, torch.float32)
     assert runner.prefix.replays == 0 and not runner.prefix.outputs
+
+
+def test_activation_checkpointing_changes_neither_names_nor_masks() -> None:
+    """Blocks wrapped for activation checkpointing: the targets keep the model's own names (the
+    names of the exported HF weights), the lower blocks are still replayed, the masks are the same."""
+    g = torch.Generator().manual_seed(11)
+    calib = [torch.randint(0, 2048, (2, 16), generator=g) for _ in range(3)]
+    cfg = PruneConfig(method="gradprobe", base="magnitude", decision="original", sparsity=0.5)
+    plain = run_pruning(build_model("tiny-llama"), calib, cfg, lm_loss)
+    model = build_model("tiny-llama")
+    apply_activation_checkpointing(model, "full")
+    assert "_checkpoint_wrapped_module" in next(n for n, _ in model.named_parameters() if "layers.0" in n)
+    wrapped = run_pruning(model, calib, cfg, lm_loss)
+    assert list(wrapped.masks.masks) == list(plain.masks.masks) == [x.name for x in plain.layers]
+    assert all(torch.equal(wrapped.masks.masks[k], plain.masks.masks[k]) for k in plain.masks.masks)
+    assert wrapped.replayed_passes == plain.replayed_passes == 13
