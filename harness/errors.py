@@ -52,8 +52,9 @@ class CheckpointError(RuntimeError):
 
 
 class StopRequested(Exception):
-    """A stop signal (SIGTERM, SIGUSR1, Ctrl-C) arrived before the first step (during data
-    preparation): the work in progress is discarded, nothing needs saving, the command exits 0."""
+    """A stop signal (SIGTERM, SIGUSR1, Ctrl-C) arrived where there is no step to save at: during
+    data preparation, or while pruning (whose partial result is not kept; `harness.train` saved the
+    trained model before it). The work in progress is discarded, the command exits 0."""
 
 
 class NonFiniteError(RuntimeError):

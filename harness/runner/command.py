@@ -47,7 +47,7 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
             lock = run_dir.acquire(cfg, info)
             with Supervisor(cfg, info):
                 body(cfg, plan, info)
-        except StopRequested as stop:  # before the first step: nothing to save; exit 0 so the job may requeue
+        except StopRequested as stop:  # no step to save at (preparing data, pruning): exit 0 so the job may requeue
             log.info(f"{stop}; exiting", extra=ALL_RANKS if info.local_rank == 0 else {})
         finally:
             if lock is not None:
