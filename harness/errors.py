@@ -51,10 +51,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message says which and what to do."""
 
 
-class StopRequested(Exception):
-    """A stop signal (SIGTERM, SIGUSR1, Ctrl-C) arrived where there is no step to save at: during
-    data preparation, or while pruning (whose partial result is not kept; `harness.train` saved the
-    trained model before it). The work in progress is discarded, the command exits 0."""
+class StopRequested(BaseException):
+    """A stop signal (SIGTERM, SIGUSR1, Ctrl-C) arrived where there is no step to save at: before the
+    first step (loading, waiting, preparing data), or while pruning (whose partial result is not kept;
+    `harness.train` saved the trained model before it). The work in progress is discarded, the command
+    exits 0. A BaseException, as KeyboardInterrupt is: the stop handler raises it wherever the main
+    thread is, and no `except Exception` on the way (a reader's, a library's) may turn it into an error."""
 
 
 class NonFiniteError(RuntimeError):

@@ -6,10 +6,13 @@
 `kill@STEP[:RANK]` (the process sends itself SIGKILL in that step's forward: a lost worker),
 `save_pause=SECONDS[@STEP]` (a checkpoint is fully written but not committed for that long, or
 until the file named by `HARNESS_FAULT_RELEASE` exists: a test ends the window when done with it),
-`save_error@STEP[:RANK]` (writing that step's checkpoint fails as a full disk would: ENOSPC).
+`save_error@STEP[:RANK]` (writing that step's checkpoint fails as a full disk would: ENOSPC),
+`load_pause=SECONDS` (the model's load takes that much longer, as from a slow file system: a window
+in which to stop a run before its first step).
 
-The spec is read here, at the bottom of the layers, because two layers inject: the checkpoint
-(`save_pause`, `save_error`) and the step guard's forward hook (`harness.reliability.faults`).
+The spec is read here, at the bottom of the layers, because three layers inject: the engine's build
+(`load_pause`), the checkpoint (`save_pause`, `save_error`) and the step guard's forward hook
+(`harness.reliability.faults`).
 """
 
 from __future__ import annotations

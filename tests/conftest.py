@@ -77,3 +77,20 @@ def isolated_wandb(monkeypatch: pytest.MonkeyPatch, wandb_home: Path) -> None:
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(var, str(wandb_home / var.lower()))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Every test leaves the process's signal handlers and wakeup fd as it found them: a handler left
+    installed by one test changes what the next one in the same worker sees (a SIGINT handler that
+    records a stop instead of raising KeyboardInterrupt, say). A test that changes them must restore
+    them itself; this fails the one that did not, naming the signal, and restores them for the next."""
+    import signal
+
+    watched = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    before = {s: signal.getsignal(s) for s in watched}
+    yield
+    changed = [signal.Signals(s).name for s in watched if signal.getsignal(s) is not before[s]]
+    for s in watched:
+        signal.signal(s, before[s])
+    assert not changed, f"the test left its handler for {', '.join(changed)} installed"

@@ -285,3 +285,32 @@ def call_entry_point(
             code = exc.code
     shown = [w for w in caught if not issubclass(w.category, QUIET_WARNINGS)]
     return code, capfd.readouterr().err, shown
+
+
+def signal_once_logged(
+    cmds: list[list[str]], log_dir: Path, line: str, sig: int, env: dict[str, str], timeout: float = 180
+) -> list[tuple[int, float, str]]:
+    """Start each of `cmds` (the ranks of one run, or one process), send `sig` to every one once
+    each one's output holds `line`; per process: (exit code, seconds from its signal to its exit,
+    its output)."""
+    logs = [log_dir / f"proc{i}.log" for i in range(len(cmds))]
+    files = [open(p, "w") for p in logs]
+    procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True) for c, f in zip(cmds, files)]
+    try:
+        deadline = time.monotonic() + timeout
+        for proc, path in zip(procs, logs):
+            while line not in path.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, path.read_text()[-3000:]
+                time.sleep(0.02)
+        signalled = time.monotonic()
+        for proc in procs:
+            proc.send_signal(sig)
+        codes = [proc.wait(timeout=120) for proc in procs]
+        return [(code, time.monotonic() - signalled, path.read_text()) for code, path in zip(codes, logs)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for f in files:
+            f.close()

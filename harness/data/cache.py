@@ -154,6 +154,7 @@ def _prepare_locked(model_name: str, cfg: DataConfig, cache: str, progress: bool
             log.warning(f"data cache {cache} is damaged ({problem}); preparing it again")
         shutil.rmtree(cache)
     tmp = f"{cache}.tmp-{socket.gethostname()}-{os.getpid()}"
+    log.info(f"preparing the data cache {cache} from {cfg.source}")
     os.makedirs(tmp)
     try:
         done = _build(model_name, cfg, tmp, progress)

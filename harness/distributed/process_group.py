@@ -18,6 +18,9 @@ import torch
 import torch.distributed as dist
 
 from harness.errors import ConfigError
+from harness.log import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,9 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0, force_group
         kwargs = {}
         if dev.type == "cuda":
             kwargs["device_id"] = dev
+        if world > 1:  # a wait for every rank to arrive: said, so a user who stops it knows what it waited for
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            log.info(f"joining a process group of {world} ranks ({backend}) at {where}")
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return DistInfo(rank, world, local_rank, dev, backend)
 
@@ -131,11 +137,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def teardown() -> None:
-    """Destroy the process group so no engine aborts at interpreter exit (DeepSpeed ZeRO-3 does)."""
+def teardown(wait_for_peers: bool = True) -> None:
+    """Destroy the process group so no engine aborts at interpreter exit (DeepSpeed ZeRO-3 does);
+    `wait_for_peers=False` when this rank stops on its own (a stop request before the first step),
+    where a barrier would wait for ranks that may be anywhere."""
     if dist.is_available() and dist.is_initialized():
         try:
-            dist.barrier()
+            if wait_for_peers:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
 

@@ -10,7 +10,11 @@ from harness.engine.base import Engine, LossFn
 from harness.engine.deepspeed_engine import DeepSpeedEngine
 from harness.engine.plan import EnginePlan
 from harness.engine.torch_engine import TorchEngine
+from harness.faults import fault_seconds, hold
+from harness.log import get_logger
 from harness.models import ModelSpec
+
+log = get_logger(__name__)
 
 ENGINES: dict[EngineKind, type[Engine]] = {"single": TorchEngine, "ddp": TorchEngine, "fsdp": TorchEngine, "deepspeed": DeepSpeedEngine}
 
@@ -25,4 +29,8 @@ def build_engine(spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistIn
     """Load the model, then the engine around it (AC -> compile -> shard); `engine.startup_s` says how long each took."""
     if plan.world_size != info.world_size:
         raise ValueError(f"the engine plan is for world size {plan.world_size}, this process group has {info.world_size}")
+    pause = fault_seconds("load_pause", 0)
+    if pause:  # a drill's slow load (HARNESS_FAULT)
+        log.info(f"HARNESS_FAULT: the model's load is held for {pause:g} s")
+        hold(pause)
     return ENGINES[plan.kind].build(spec, cfg, plan, info, loss_fn)

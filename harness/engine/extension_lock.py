@@ -19,23 +19,52 @@ A build can also be killed while this process already waits inside torch's `File
 judges the locks the same way while DeepSpeed starts, removes one that becomes provably stale
 (the baton's poll then sees it gone and this process builds), says which lock it waits for after
 a minute, and ends a wait on a lock that no process on this host builds after
-`HARNESS_BUILD_LOCK_WAIT_S` with the same one line (it interrupts the main thread's poll).
+`HARNESS_BUILD_LOCK_WAIT_S` with the same one line (it raises an exception in the main thread's poll).
 """
 
 from __future__ import annotations
 
-import _thread
 import contextlib
+import ctypes
 import glob
+import hashlib
 import os
+import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
+
+import torch
 
 from harness.errors import ConfigError, env_seconds
 from harness.log import get_logger
 
 log = get_logger(__name__)
+
+
+def environment_extensions_dir() -> str:
+    """This Python environment's own build folder: `<cache>/torch_extensions/<py>_<cpu|cuXY>-<env>-<hash>`.
+
+    torch's default (`<cache>/torch_extensions/py311_cpu`) is shared by every environment of that
+    Python, but a build is keyed by the environment's include paths: two virtual environments (two
+    checkouts, a checkout and a benchmark's) rebuild the same op over each other, and each run waits
+    minutes on the other's build lock. One folder per environment (its prefix and torch version in
+    the hash) builds each op once per environment."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    accel = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    key = hashlib.sha256(f"{os.path.realpath(sys.prefix)}|{torch.__version__}".encode()).hexdigest()[:10]
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(os.path.realpath(sys.prefix)))
+    return os.path.join(cache, "torch_extensions", f"py{sys.version_info.major}{sys.version_info.minor}_{accel}-{name}-{key}")
+
+
+def use_environment_extensions_dir() -> None:
+    """Unless the user set `TORCH_EXTENSIONS_DIR`, point it at this environment's own folder
+    (`environment_extensions_dir`), said once in the log."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return
+    os.environ["TORCH_EXTENSIONS_DIR"] = folder = environment_extensions_dir()
+    log.info(f"DeepSpeed's JIT-built ops go to this environment's own folder {folder} (TORCH_EXTENSIONS_DIR chooses another)")
 
 
 def extension_roots() -> list[str]:
@@ -126,47 +155,78 @@ def _held_too_long(lock: str, waited: float) -> str:
     )
 
 
-def _watch(roots: list[str] | None, stop: threading.Event, failure: list[str], poll_s: float) -> None:
-    """The watchdog of `guarded_builds`: every `poll_s`, each lock present is judged as before start."""
-    stale_s = env_seconds("HARNESS_BUILD_LOCK_STALE_S", 300.0)
-    wait_s = env_seconds("HARNESS_BUILD_LOCK_WAIT_S", 900.0)
-    first_seen: dict[str, float] = {}
-    said: set[str] = set()
-    while not stop.wait(poll_s):
-        locks = build_locks(roots)
-        first_seen = {lock: first_seen.get(lock, time.monotonic()) for lock in locks}
-        for lock in locks:
-            if remove_if_stale(lock, stale_s, " while DeepSpeed waited on it"):
-                continue
-            held = time.monotonic() - first_seen[lock]
-            if held >= wait_s and not builders_here(os.path.dirname(lock)):
-                if not stop.is_set():  # the guarded block may have just ended
-                    failure.append(_held_too_long(lock, held))
-                    _thread.interrupt_main()
+class _LockWaitEnded(BaseException):
+    """Raised in the main thread by the watchdog: a BaseException, so no `except Exception` on the way
+    (torch's, DeepSpeed's) swallows it."""
+
+
+class _Watchdog:
+    """The watchdog of `guarded_builds`: every `poll_s`, each lock present is judged as before start.
+
+    It ends the main thread's wait with an exception set on that thread (`PyThreadState_SetAsyncExc`),
+    not with a signal: a signal would run whatever handler the process installed (harness's own turns
+    SIGINT into a stop request), and the wait would go on."""
+
+    def __init__(self, roots: list[str] | None, poll_s: float):
+        self.roots, self.poll_s = roots, poll_s
+        self.stale_s = env_seconds("HARNESS_BUILD_LOCK_STALE_S", 300.0)
+        self.wait_s = env_seconds("HARNESS_BUILD_LOCK_WAIT_S", 900.0)
+        self.failure = ""
+        self._main = threading.main_thread().ident
+        self._gate = threading.Lock()  # no exception is set on the main thread once it has left the guarded block
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="harness-build-lock-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        first_seen: dict[str, float] = {}
+        said: set[str] = set()
+        while not self._stopped.wait(self.poll_s):
+            locks = build_locks(self.roots)
+            first_seen = {lock: first_seen.get(lock, time.monotonic()) for lock in locks}
+            for lock in locks:
+                if remove_if_stale(lock, self.stale_s, " while DeepSpeed waited on it"):
+                    continue
+                held = time.monotonic() - first_seen[lock]
+                if held >= self.wait_s and not builders_here(os.path.dirname(lock)):
+                    self._end_main_wait(_held_too_long(lock, held))
+                    return
+                if held >= min(60.0, self.wait_s / 2) and lock not in said:
+                    log.warning(
+                        f"an extension build holds {lock} ({held:.0f} s so far; removed once stale, "
+                        f"at most {self.wait_s:.0f} s with no builder on this host, HARNESS_BUILD_LOCK_WAIT_S)"
+                    )
+                    said.add(lock)
+
+    def _end_main_wait(self, failure: str) -> None:
+        with self._gate:
+            if self._stopped.is_set():  # the guarded block has just ended
                 return
-            if held >= min(60.0, wait_s / 2) and lock not in said:
-                log.warning(
-                    f"an extension build holds {lock} ({held:.0f} s so far; removed once stale, "
-                    f"at most {wait_s:.0f} s with no builder on this host, HARNESS_BUILD_LOCK_WAIT_S)"
-                )
-                said.add(lock)
+            self.failure = failure
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._main), ctypes.py_object(_LockWaitEnded))
+
+    def stop(self) -> None:
+        with self._gate:
+            self._stopped.set()
+            if self.failure:  # set but perhaps not yet raised: the block ended first, nothing is left to end
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._main), None)
+        self._thread.join(timeout=self.poll_s + 1.0)
 
 
 @contextlib.contextmanager
 def guarded_builds(roots: list[str] | None = None, poll_s: float = 5.0) -> Iterator[None]:
     """Around code that may JIT-build an extension (DeepSpeed's start): stale locks cleared first
     (`clear_build_locks`), then a watchdog thread bounds torch's own wait on a lock (module doc).
-    ConfigError (one line, naming the file) when the watchdog ends that wait."""
+    ConfigError (one line, naming the file) when the watchdog ends that wait. With no `roots` given,
+    the builds go to this environment's own folder unless `TORCH_EXTENSIONS_DIR` says otherwise."""
+    if roots is None:
+        use_environment_extensions_dir()
     clear_build_locks(roots)
-    stop, failure = threading.Event(), []
-    watchdog = threading.Thread(target=_watch, args=(roots, stop, failure, poll_s), name="harness-build-lock-watch", daemon=True)
-    watchdog.start()
+    watchdog = _Watchdog(roots, poll_s)
     try:
-        yield
-    except KeyboardInterrupt:
-        if failure:
-            raise ConfigError(failure[0]) from None
-        raise
-    finally:
-        stop.set()
-        watchdog.join(timeout=poll_s + 1.0)
+        try:
+            yield
+        finally:
+            watchdog.stop()
+    except _LockWaitEnded:
+        raise ConfigError(watchdog.failure) from None

@@ -3,7 +3,16 @@ supervisor (exceptions to one line and an exit code, dead ranks named), the OOM 
 and fault injection for tests and drills."""
 
 from harness.reliability.guard import StepGuard
-from harness.reliability.signals import signal_received
+from harness.reliability.signals import entering, signal_received, steps_begin, stop_requests
 from harness.reliability.supervisor import PeerMonitor, Supervisor, collective_timeout_s
 
-__all__ = ["PeerMonitor", "StepGuard", "Supervisor", "collective_timeout_s", "signal_received"]
+__all__ = [
+    "PeerMonitor",
+    "StepGuard",
+    "Supervisor",
+    "collective_timeout_s",
+    "entering",
+    "signal_received",
+    "steps_begin",
+    "stop_requests",
+]

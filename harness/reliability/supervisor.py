@@ -23,7 +23,16 @@ import torch.distributed as dist
 
 from harness.config import RunConfig
 from harness.distributed import DistInfo, exit_process
-from harness.errors import EXIT_CHECKPOINT, EXIT_NONFINITE, EXIT_OOM, EXIT_PEER_LOST, CheckpointError, NonFiniteError, env_seconds
+from harness.errors import (
+    EXIT_CHECKPOINT,
+    EXIT_NONFINITE,
+    EXIT_OOM,
+    EXIT_PEER_LOST,
+    CheckpointError,
+    NonFiniteError,
+    StopRequested,
+    env_seconds,
+)
 from harness.reliability.guard import active_guard
 from harness.reliability.oom import is_oom, oom_report
 from harness.reliability.signals import install_signal_handlers
@@ -151,7 +160,7 @@ class Supervisor:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        if exc is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if exc is None or isinstance(exc, (KeyboardInterrupt, SystemExit, StopRequested)):
             if self.monitor is not None:
                 self.monitor.stop()
             return False

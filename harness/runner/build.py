@@ -31,7 +31,7 @@ from harness.log import get_logger
 from harness.memory import StepMemoryTracker
 from harness.models import model_spec
 from harness.observability import Observer
-from harness.reliability import StepGuard, signal_received
+from harness.reliability import StepGuard, entering, signal_received
 from harness.runner.trainer import Trainer
 from harness.training import causal_lm_loss, labelled_lm_loss
 
@@ -41,7 +41,8 @@ log = get_logger(__name__)
 def prepare(cfg: RunConfig, info: DistInfo) -> PackedData:
     """The data cache, prepared once per file system under its lock (the other ranks wait for
     it on the file system, not in a collective that would time out), then memory-mapped."""
-    stop_preparation_when(signal_received)  # SIGTERM/SIGUSR1/Ctrl-C while preparing: stop now, not after the corpus
+    entering("preparing the data")
+    stop_preparation_when(signal_received)  # a stop while a tokenizer pool runs: it ends the pool within a batch
     return load_packed(prepare_data(cfg.model.name, cfg.data, progress=info.local_rank == 0))
 
 
@@ -85,9 +86,11 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> tuple[Trainer
     loss_fn = functools.partial(labelled_lm_loss if labelled else causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
     if plan.taken and info.is_main:
         log.info(f"run config values taken from outside it: {'; '.join(plan.taken)}")
+    entering(f"building the {plan.kind} engine and loading the model (any extension build lock included)")
     engine = build_engine(spec, cfg, plan, info, loss_fn)  # built, sharded and filled (LoRA: adapters) inside
     sampler = make_sampler(cfg, data, info)
     ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir, per_rank={"data": sampler})
+    entering("restoring the checkpoint")
     resumed = ckpt.restore()  # step 0, or the checkpoint's step (= data position) with optimizer, RNG, schedule, stream position
     observer = Observer(
         cfg.output_dir,

@@ -13,7 +13,7 @@ from harness.distributed import configure_cuda_allocator, init_distributed, tear
 from harness.engine import EnginePlan
 from harness.errors import EXIT_CHECKPOINT, EXIT_OK, CheckpointError, StopRequested, command_errors
 from harness.log import ALL_RANKS, get_logger, set_rank
-from harness.reliability import Supervisor, collective_timeout_s
+from harness.reliability import Supervisor, collective_timeout_s, entering, stop_requests
 from harness.runner import run_dir
 
 log = get_logger(__name__)
@@ -38,21 +38,25 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
     @command_errors(prog)
     def run() -> int:
         allocator = configure_cuda_allocator()  # before anything can initialise CUDA
-        cfg, plan = load()
-        info = init_distributed(cfg.device, collective_timeout_s(), force_group=plan.strategy.needs_process_group)
-        set_rank(info.rank)
-        log.log(logging.INFO if info.device.type == "cuda" else logging.DEBUG, allocator)
-        lock = None
-        try:
-            lock = run_dir.acquire(cfg, info)
-            with Supervisor(cfg, info):
-                body(cfg, plan, info)
-        except StopRequested as stop:  # no step to save at (preparing data, pruning): exit 0 so the job may requeue
-            log.info(f"{stop}; exiting", extra=ALL_RANKS if info.local_rank == 0 else {})
-        finally:
-            if lock is not None:
-                lock.release()
-            teardown()
+        info, lock, stopped = None, None, False
+        with stop_requests("checking the run config"):  # a stop before the first step ends the run at once
+            try:
+                cfg, plan = load()
+                entering("joining the process group")
+                info = init_distributed(cfg.device, collective_timeout_s(), force_group=plan.strategy.needs_process_group)
+                set_rank(info.rank)
+                log.log(logging.INFO if info.device.type == "cuda" else logging.DEBUG, allocator)
+                entering("taking the output directory")
+                lock = run_dir.acquire(cfg, info)
+                with Supervisor(cfg, info):
+                    body(cfg, plan, info)
+            except StopRequested as stop:  # nothing to save (before the first step, or pruning): exit 0 so the job may requeue
+                stopped = True
+                log.info(f"{stop}; exiting", extra=ALL_RANKS)
+            finally:
+                if lock is not None:
+                    lock.release()
+                teardown(wait_for_peers=not stopped)
         return EXIT_OK
 
     return run()

@@ -37,7 +37,7 @@ from harness.pruning import (
     run_schedule,
     shard_calibration,
 )
-from harness.reliability import signal_received
+from harness.reliability import signal_received, steps_begin
 from harness.runner.trainer import evaluate
 
 log = get_logger(__name__)
@@ -126,6 +126,7 @@ def run_prune_stage(
     `enforce=False` / `save_masks=False` / `before` (the dense model's eval numbers, if
     known) are for callers that prune one engine many times (the benchmark). Collective.
     """
+    steps_begin()  # a stop from here ends the pruning at a calibration step all ranks agree on
     comm = Collectives()
     if resumed is not None and resumed.masks:
         return _restore(engine, cfg, info, resumed.masks, ckpt, comm)

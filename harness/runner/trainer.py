@@ -24,7 +24,7 @@ from harness.engine import Engine
 from harness.log import get_logger
 from harness.memory import COUNTER_KEYS, StepMemoryTracker
 from harness.observability import PEAK_RANK, Observer
-from harness.reliability import StepGuard
+from harness.reliability import StepGuard, steps_begin
 from harness.training import count_targets
 
 log = get_logger(__name__)
@@ -121,6 +121,7 @@ class Trainer:
             self.guard,
             self.observer,
         )
+        steps_begin()  # a stop from here is acted on at a step boundary, with a checkpoint
         tokens_per_step = sampler.global_batch * cfg.data.seq_len
         engine.train(True)
         state_points: list[dict[str, int]] = []

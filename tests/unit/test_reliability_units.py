@@ -148,14 +148,71 @@ def test_class2_no_locks_no_wait(tmp_path, monkeypatch):
 
 @pytest.fixture
 def harness_handlers():
-    """The run's stop handlers installed in this process (as the Supervisor does), then restored."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    signals.install_signal_handlers()
-    signals._SIGNAL["received"] = None
-    yield
-    signals._SIGNAL["received"] = None
-    for s, h in saved.items():
-        signal.signal(s, h)
+    """The run's stop handlers installed in this process as a run has them once steps run, then restored."""
+    with signals.stop_requests("a test"):
+        signals.steps_begin()
+        yield
+
+
+def test_class2_a_stop_before_the_first_step_ends_the_phase_at_once_naming_it():
+    """Loading, waiting, preparing: no step to save at, so the stop is not deferred to one."""
+    before = signal.getsignal(signal.SIGTERM)
+    with signals.stop_requests("loading the model"):
+        t0 = time.monotonic()
+        with pytest.raises(StopRequested, match=r"stop requested \(SIGTERM\) while loading the model; no step has run"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            while time.monotonic() - t0 < 10:  # a long Python-level phase
+                time.sleep(0.01)
+        assert time.monotonic() - t0 < 2
+        signals.entering("preparing the data")
+        with pytest.raises(StopRequested, match=r"\(SIGINT\) while preparing the data"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) is before and not signals.signal_received()  # restored for the next caller
+
+
+def test_class2_once_steps_run_a_stop_is_only_recorded_for_the_step_boundary():
+    with signals.stop_requests("building the engine"):
+        signals.steps_begin()
+        signals.entering("restoring")  # no way back to stopping at once: a checkpoint may be being written
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert signals.signal_received()
+
+
+def test_class2_the_guarded_build_wait_ends_under_the_runs_own_stop_handlers(tmp_path, monkeypatch):
+    """Every run installs its stop handlers before the engine is built: the bounded wait on a build
+    lock must not depend on which SIGINT handler is installed (a handler that turns SIGINT into a
+    stop request would swallow an interrupt and the wait would never end)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("HARNESS_BUILD_LOCK_WAIT_S", "0.5")
+    for phase in ("building the deepspeed engine", None):  # before the first step, and once steps run
+        with signals.stop_requests("a test"):
+            if phase is None:
+                signals.steps_begin()
+            t0 = time.monotonic()
+            with pytest.raises(ConfigError, match="is still held after"), guarded_builds(roots=[str(tmp_path)], poll_s=0.05):
+                lock = _lock(tmp_path, "cpu_adam")
+                _baton_wait(lock, 8)
+            assert time.monotonic() - t0 < 8 and lock.exists() and not signals.signal_received()
+        lock.unlink()
+
+
+def test_class2_each_python_environment_builds_extensions_in_its_own_folder(tmp_path, monkeypatch, caplog):
+    from harness.engine import extension_lock
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ours = extension_lock.environment_extensions_dir()
+    monkeypatch.setattr(extension_lock.sys, "prefix", str(tmp_path / "another-venv"))
+    theirs = extension_lock.environment_extensions_dir()
+    assert ours != theirs and os.path.dirname(ours) == os.path.dirname(theirs) == str(tmp_path / "torch_extensions")
+    with caplog.at_level(logging.INFO, logger="harness"), guarded_builds(poll_s=0.05):
+        assert os.environ["TORCH_EXTENSIONS_DIR"] == theirs
+    assert sum("this environment's own folder" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))  # the user's choice is kept, silently
+    with guarded_builds(poll_s=0.05):
+        assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mine")
 
 
 def test_class4_ctrl_c_is_a_stop_request_and_a_second_one_aborts(harness_handlers, capfd):
