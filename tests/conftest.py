@@ -32,9 +32,17 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Integration tests marked; with `HARNESS_TEST_ORDER=reverse` the modules run in reverse order
+    (each module's tests in their own order): a test that passes only after, or only before, another
+    module's tests in the same worker shows up as a failure in one of the two orders."""
     for item in items:
         if INTEGRATION in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.integration)
+    if os.environ.get("HARNESS_TEST_ORDER") == "reverse":
+        modules: dict[str, list[pytest.Item]] = {}
+        for item in items:
+            modules.setdefault(str(item.fspath), []).append(item)
+        items[:] = [item for module in reversed(list(modules.values())) for item in module]
 
 
 @pytest.fixture(scope="session")
