@@ -3,7 +3,8 @@
     python benchmarks/gpu_preflight.py [--cpu] [--import MODULE ...]
 
 Imports torch, deepspeed, datasets, transformers, accelerate and the harness's run stack, checks
-that CUDA sees a device, and takes one tiny bf16 training step on it (forward, backward, AdamW).
+that CUDA sees a device, takes one tiny bf16 training step on it (forward, backward, AdamW), and
+builds a `datasets.Dataset` as the harness does for the embedded corpus.
 Prints one JSON object (versions, device facts, seconds, which `harness.plan` options exist) on
 success; on the first failure prints one line, ``pre-flight: <what> failed: <why>``, and exits 1,
 so a call whose machine cannot run the suite ends in seconds instead of failing every part.
@@ -99,6 +100,8 @@ def main() -> int:
         torch = sys.modules["torch"]
         out.update(device_facts(torch, args.cpu))
         out["tiny_step_loss"] = check("one tiny step", lambda: tiny_step(torch, "cpu" if args.cpu else "cuda"))
+        # the embedded corpus goes through datasets.Dataset.from_dict (pyarrow underneath) in the harness
+        check("datasets.Dataset.from_dict", lambda: sys.modules["datasets"].Dataset.from_dict({"text": ["a", "b"]}))
         out["plan_options"] = check("harness.plan --help", plan_options)
     except Failed as exc:
         print(str(exc)[:300], flush=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_models as models
 import gpu_parts as parts
 import gpu_report
 from gpu_runs import Clock, State, on_term, tail
@@ -72,7 +73,7 @@ def part_preflight(ctx: parts.Ctx) -> None:
         ctx.state.item("preflight", {"status": "failed", "reason": line, "seconds": round(time.time() - t0, 1)})
         raise PreflightFailed(line)
     ctx.state.item("preflight", dict(json.loads(line), status="ok"))
-    parts.start_prep(ctx)
+    models.start_prep(ctx)
 
 
 def part_facts(ctx: parts.Ctx) -> None:
@@ -201,10 +202,10 @@ def main() -> int:
     parser.add_argument("--sim-clock", action="store_true", help="train nothing; each run spends its GPU estimate on a simulated clock")
     parser.add_argument("--report", nargs=2, metavar=("GPU_MD", "RESULTS_JSON"), help="write the report of --state and stop")
     parser.add_argument("--make-model", metavar="DIR")
-    parser.add_argument("--size", default="300m", choices=sorted(parts.VOCAB))
+    parser.add_argument("--size", default="300m", choices=sorted(models.VOCAB))
     args = parser.parse_args()
     if args.make_model:
-        parts.make_model(args.make_model, args.size)
+        models.make_model(args.make_model, args.size)
         return 0
     if args.report:
         state = State(Path(args.state).resolve(), args.dry_run)
@@ -218,7 +219,11 @@ def main() -> int:
     state.data["meta"].update(simulated_clock=args.sim_clock, order=order)
     ctx = parts.Ctx(state, clock, args.deadline or started + 600, args.dry_run)
     signal.signal(signal.SIGTERM, on_term)
+    call = {"started": started, "deadline": ctx.deadline, "simulated_clock": args.sim_clock}
+    state.data["meta"].setdefault("calls", []).append(call)
     rc = run_call(ctx, order)
+    call.update(used_s=round(clock.now() - started, 1), exit=rc)
+    state.save()
     print(f"[gpu_suite] call {'(simulated clock) ' if args.sim_clock else ''}used {clock.now() - started:.0f} s", flush=True)
     return rc
 
