@@ -70,7 +70,10 @@ class State:
 
     def item(self, key: str, value: dict[str, Any]) -> None:
         with self.lock:
-            value = dict(value, key=key, recorded_at=time.strftime("%Y-%m-%d %H:%M:%S"), call_clock_s=round(self.clock.now(), 1))
+            calls = len(self.data["meta"].get("calls", []))  # which call of this state folder recorded it
+            value = dict(
+                value, key=key, recorded_at=time.strftime("%Y-%m-%d %H:%M:%S"), call=calls, call_clock_s=round(self.clock.now(), 1)
+            )
             self.data["items"][key] = value
             self.save()
         status = value.get("status")

@@ -45,7 +45,8 @@ def rehearse(command: str, out, env: dict[str, str]) -> tuple[subprocess.Complet
 
 
 def rehearsal_env(tmp_path) -> dict[str, str]:
-    return dict(os.environ, GPU_SUITE_STATE=str(tmp_path / "state"), PY=sys.executable, PYTHONPATH=str(REPO))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SUITE_")}  # the plan's defaults, not a developer's knobs
+    return dict(env, GPU_SUITE_STATE=str(tmp_path / "state"), PY=sys.executable, PYTHONPATH=str(REPO))
 
 
 def test_the_two_planned_calls_run_in_value_order_within_their_deadlines(tmp_path):
@@ -69,8 +70,8 @@ def test_the_two_planned_calls_run_in_value_order_within_their_deadlines(tmp_pat
     items = results["items"]
     assert items["preflight"]["status"] == "ok" and items["preflight"]["torch"]  # imported for real
     assert not [k for k in items if k.startswith("matrix/") and k.removeprefix("matrix/") not in EAGER_ROWS], "compiled rows are opt-in"
-    # What ran, in the order it ran (the simulated clock), is a prefix of the value order; the rest was not reached.
-    ran = [k for k in sorted(items, key=lambda k: items[k]["call_clock_s"]) if items[k]["status"] in DONE]
+    # What ran, in the order it ran (call, then simulated clock), is a prefix of the value order; the rest was not reached.
+    ran = [k for k in sorted(items, key=lambda k: (items[k]["call"], items[k]["call_clock_s"])) if items[k]["status"] in DONE]
     assert ran == VALUE_ORDER[: len(ran)], ran
     assert all(final.get(k) == "not reached" for k in VALUE_ORDER[len(ran) :]), final
     # The budget's promise: the strategies in the first call, the MFU run by the end of the second.
