@@ -80,3 +80,16 @@ def test_an_item_the_call_has_no_time_for_is_left_to_the_next_call(kit, tmp_path
     suite.run_call(later, ["strategies_torch"])
     assert set(statuses(later, "strategies/").values()) == {"simulated"}
     assert later.state.get("strategies/ddp/w1")["call_clock_s"] == ctx.state.get("strategies/ddp/w1")["call_clock_s"]  # not re-run
+
+
+def test_a_second_call_on_a_cold_machine_starts_where_it_was_told(kit, tmp_path, monkeypatch):
+    suite, _, _ = kit
+    monkeypatch.setenv("GPU_SUITE_COLD_FROM", "throughput_eager")
+    ctx = sim_ctx(kit, tmp_path)  # a new state folder: the first call's state went with the machine
+    suite.run_call(ctx, ["strategies_torch", "strategies_deepspeed", "throughput_eager"])
+    assert statuses(ctx, "strategies/") == {}
+    assert ctx.state.data["parts"]["strategies_torch"]["status"] == "skipped"
+    assert ctx.state.get("throughput/eager, micro 8")["status"] == "simulated"
+    warm = sim_ctx(kit, tmp_path)  # the same folder again: not new, so nothing is left to another call
+    suite.run_call(warm, ["strategies_torch"])
+    assert set(statuses(warm, "strategies/").values()) == {"simulated"}
