@@ -4,7 +4,8 @@
 
 Imports torch, deepspeed, datasets, transformers, accelerate and the harness's run stack, checks
 that CUDA sees a device, takes one tiny bf16 training step on it (forward, backward, AdamW), and
-builds a `datasets.Dataset` as the harness does for the embedded corpus.
+builds a `datasets.Dataset` as the harness does for the embedded corpus, and runs one step of the
+harness's own train command on a tiny preset (in this process: the imports are paid once).
 Prints one JSON object (versions, device facts, seconds, which `harness.plan` options exist) on
 success; on the first failure prints one line, ``pre-flight: <what> failed: <why>``, and exits 1,
 so a call whose machine cannot run the suite ends in seconds instead of failing every part.
@@ -20,8 +21,11 @@ import io
 import json
 import platform
 import re
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 MODULES = ["torch", "deepspeed", "datasets", "transformers", "accelerate", "harness.runner", "harness.planner", "harness.plan"]
@@ -75,6 +79,41 @@ def tiny_step(torch: Any, device: str) -> float:
     return value
 
 
+def harness_step(cpu: bool) -> float:
+    """One step of the harness's own train command, in this process, on a tiny preset and a random token
+    file (no tokenizer to train): the harness itself runs on this torch, before any part relies on it."""
+    import numpy as np
+
+    import harness.train
+
+    work = Path(tempfile.mkdtemp(prefix="gpu_preflight_"))
+    tokens = np.random.default_rng(0).integers(1, 512, 100_000).astype(np.int32)
+    tokens[::50] = 0  # documents of 50 tokens, ended by id 0
+    np.save(work / "tokens.npy", tokens)
+    cfg = {
+        "model": {"name": "tiny-llama"},
+        "data": {"source": str(work / "tokens.npy"), "eos_id": 0, "seq_len": 32, "vocab_size": 512, "cache_dir": str(work / "cache")},
+        "strategy": "ddp",
+        "precision": "bf16",
+        "micro_batch_size": 2,
+        "steps": 1,
+        "eval_batches": 1,
+        "output_dir": str(work / "run"),
+        "logging": {"wandb": False, "progress": False, "plots": False},
+        **({"device": "cpu"} if cpu else {}),
+    }
+    (work / "config.json").write_text(json.dumps(cfg))
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        rc = harness.train.main(["--config", str(work / "config.json")])
+    lines = [ln for ln in said.getvalue().splitlines() if ln.strip()]
+    if rc != 0:
+        why = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else "")
+        raise RuntimeError(f"exit {rc}: {why.strip()}")
+    shutil.rmtree(work, ignore_errors=True)
+    return float(rc)
+
+
 def plan_options() -> list[str]:
     """The options `harness.plan --help` lists (capabilities later parts look for, e.g. --max-seq-len)."""
     import harness.plan
@@ -102,6 +141,7 @@ def main() -> int:
         out["tiny_step_loss"] = check("one tiny step", lambda: tiny_step(torch, "cpu" if args.cpu else "cuda"))
         # the embedded corpus goes through datasets.Dataset.from_dict (pyarrow underneath) in the harness
         check("datasets.Dataset.from_dict", lambda: sys.modules["datasets"].Dataset.from_dict({"text": ["a", "b"]}))
+        check("one harness step (harness.train)", lambda: harness_step(args.cpu))
         out["plan_options"] = check("harness.plan --help", plan_options)
     except Failed as exc:
         print(str(exc)[:300], flush=True)

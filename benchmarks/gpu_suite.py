@@ -63,11 +63,11 @@ def part_preflight(ctx: parts.Ctx) -> None:
     cmd += [a for m in os.environ.get("GPU_SUITE_PREFLIGHT_IMPORT", "").split(",") if m for a in ("--import", m)]
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=ctx.env())
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=ctx.env())
         lines = proc.stdout.strip().splitlines()
         ok, line = proc.returncode == 0, (lines[-1] if lines else tail(proc.stderr, 300).strip() or f"exit {proc.returncode}")
     except subprocess.TimeoutExpired:
-        ok, line = False, "pre-flight: timed out after 60 s"
+        ok, line = False, "pre-flight: timed out after 90 s"
     ctx.clock.spend(parts.ESTIMATE_S["preflight"])
     if not ok:
         ctx.state.item("preflight", {"status": "failed", "reason": line, "seconds": round(time.time() - t0, 1)})
