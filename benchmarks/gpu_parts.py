@@ -158,7 +158,7 @@ def run_train(
     ctx: Ctx, key: str, cfg: dict[str, Any], cap: float, warm: int, estimate: float, extra: dict[str, Any], minimum: float | None = None
 ) -> dict[str, Any] | None:
     """One harness.train run from a config dict (one process; world 1), recorded under `key`; its plan submitted."""
-    extra = dict(extra, world=1, config=cfg)
+    extra = dict(extra, world=1, config=cfg, estimate_s=estimate)
     if ctx.state.settled(key):
         return None
     timeout = ctx.budget(cap, minimum)
@@ -365,6 +365,7 @@ def part_matrix(ctx: Ctx, compiled: bool) -> None:
             ctx.not_reached(key, extra)
             continue
         est = ESTIMATE_S["matrix_compiled" if compiled else ("matrix_fp32" if "fp32" in name else "matrix_eager")]
+        extra["estimate_s"] = est
         item = simulate(ctx, key, est, timeout, extra) if ctx.sim else run_matrix_row(ctx, out, name, sets, timeout, extra)
         ctx.state.item(key, item)
         rule.note(item)

@@ -338,6 +338,18 @@ def failures(data: dict[str, Any]) -> list[str]:
     return lines or ["None."]
 
 
+def timing_table(data: dict[str, Any]) -> list[str]:
+    """Each run's wall time beside the estimate the call was planned with (gpu_parts.ESTIMATE_S):
+    the numbers the next plan's estimates come from."""
+    rows = [(k, it) for k, it in data["items"].items() if it.get("estimate_s") is not None]
+    if not rows:
+        return ["No run recorded an estimate."]
+    lines = ["| run | call | status | wall s | estimate s |", "|---|---:|---|---:|---:|"]
+    for key, it in rows:
+        lines.append(f"| {key} | {it.get('call', '-')} | {it.get('status')} | {num(it.get('wall_s'), '{:.1f}')} | {it['estimate_s']} |")
+    return lines
+
+
 def build(data: dict[str, Any]) -> str:
     dry = data["meta"].get("dry_run")
     facts = data["items"].get("facts") or {}
@@ -376,6 +388,10 @@ def build(data: dict[str, Any]) -> str:
         "## Load phase of a sharded load",
         "",
         *load_section(data),
+        "",
+        "## Time per run against the plan's estimate",
+        "",
+        *timing_table(data),
         "",
         "## Failures, timeouts and skips",
         "",
