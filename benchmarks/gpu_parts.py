@@ -275,8 +275,7 @@ def part_throughput(ctx: Ctx, variant: str) -> None:
     """llama-1.6b (saved once, loaded by path) in bf16, one process: tokens/s and the harness's MFU."""
     c, memory = ctx.cfg, THROUGHPUT_VARIANTS[variant]
     model = model_for(ctx, "tp") or c["tp_model"]  # the preset when saving failed: the run then pays the host init
-    micro = c["tp_micro"]
-    while True:
+    for micro in (c["tp_micro"], c["tp_micro"] // 2):
         name = f"{'eager' if not memory else 'compile=' + memory['compile']}, micro {micro}"
         cfg = {
             "model": {"name": model},
@@ -294,20 +293,20 @@ def part_throughput(ctx: Ctx, variant: str) -> None:
         if ctx.dry and not ctx.sim:
             cfg["device"] = "cpu"
         minimum = c["min_compiled_s"] if memory else None
+        key = f"throughput/{name}"
         item = run_train(
             ctx,
-            f"throughput/{name}",
+            key,
             cfg,
             c["tp_run_cap_s"],
             c["tp_warm"],
             ESTIMATE_S[f"throughput_{variant}"],
             {"candidate": name},
             minimum,
-        )
+        ) or ctx.state.get(key)  # an earlier call's, on this machine
         # The planner predicts ~58 GiB for micro 8; if the allocator disagrees, once more at half the micro-batch.
-        if not (item and item.get("status") == "failed" and micro > 2 and "out of memory" in item.get("log_tail", "").lower()):
+        if not (item and item.get("status") == "failed" and "out of memory" in item.get("log_tail", "").lower()):
             return
-        micro //= 2
 
 
 def load_matrix_runs(path: Path) -> list[dict[str, Any]]:
