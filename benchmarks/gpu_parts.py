@@ -1,10 +1,9 @@
 """The GPU suite's measuring parts: the strategy table, llama-1.6b throughput, the s004 matrix rows,
-and the saved models and data caches they read, prepared in the background while the GPU trains.
+each run's plan beside it, and the GPU estimates the simulated clock spends.
 
-Everything goes through the command lines (``python -m harness.train``, ``python -m
-torch.distributed.run harness/train.py``, ``python -m harness.plan``, ``python -m harness.data``,
-``python -m harness.experiments``) and the files a run writes; the one harness import is the public
-``harness.models.preset_config`` in the model maker, a process of its own.
+Everything goes through the command lines (``python -m harness.train``, ``python -m harness.plan``,
+``python -m harness.experiments``) and the files a run writes; nothing of the harness is imported
+here (the model maker in gpu_models.py does, in a process of its own).
 """
 
 from __future__ import annotations
