@@ -125,6 +125,8 @@ def part_deepspeed(ctx: parts.Ctx) -> None:
 def part_long_seq(ctx: parts.Ctx) -> None:
     """The long-sequence rung's place. It needs `harness.plan --max-seq-len` (pre-flight lists the
     options this checkout's planner has); until the checkout has it, the part says so."""
+    if ctx.state.settled("long_seq"):
+        return
     ctx.clock.spend(parts.ESTIMATE_S["long_seq"])
     options = (ctx.state.get("preflight") or {}).get("plan_options") or []
     if "--max-seq-len" not in options:
