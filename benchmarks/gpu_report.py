@@ -34,7 +34,7 @@ STUDY_4090 = {
     "bf16 + budget 0.60": (6.709, 0.683, 2.76),
 }
 STRATEGY_ORDER = ["ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp_grad_op", "fsdp_offload", "zero2_offload", "zero3_offload"]
-RANK_ORDER = {"ok": 3, "timeout": 2, "failed": 2, "running": 1, "skipped": 0}
+RANK_ORDER = {"ok": 3, "timeout": 2, "failed": 2, "running": 1, "simulated": 1, "skipped": 0, "not reached": 0}
 
 
 def merge(datas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def strategy_table(data: dict[str, Any]) -> list[str]:
     first = next(iter(items.values()))
     cfg = first.get("config") or {}
     lines = [
-        f"Model: {sm.get('params', '?'):,} parameters saved as {sm.get('dtype_on_disk', '?')} safetensors and loaded from disk "
+        f"Model: {num(sm.get('params'))} parameters saved as {sm.get('dtype_on_disk', '?')} safetensors and loaded from disk "
         f"({sm.get('path', cfg.get('model', {}).get('name'))}); {cfg.get('precision')}, seq {cfg.get('data', {}).get('seq_len')}, "
         f"micro-batch {cfg.get('micro_batch_size')}, {cfg.get('steps')} steps, embedded corpus. Bytes per rank from "
         "`state_bytes/rank0.json` (storages held in step 0); max allocated = max over steps of `memory/max_allocated_bytes` "
@@ -338,10 +338,24 @@ def failures(data: dict[str, Any]) -> list[str]:
     return lines or ["None."]
 
 
+def timing_table(data: dict[str, Any]) -> list[str]:
+    """Each run's wall time beside the estimate the call was planned with (gpu_parts.ESTIMATE_S):
+    the numbers the next plan's estimates come from."""
+    rows = [(k, it) for k, it in data["items"].items() if it.get("estimate_s") is not None]
+    if not rows:
+        return ["No run recorded an estimate."]
+    lines = ["| run | call | status | wall s | estimate s |", "|---|---:|---|---:|---:|"]
+    for key, it in rows:
+        lines.append(f"| {key} | {it.get('call', '-')} | {it.get('status')} | {num(it.get('wall_s'), '{:.1f}')} | {it['estimate_s']} |")
+    return lines
+
+
 def build(data: dict[str, Any]) -> str:
     dry = data["meta"].get("dry_run")
     facts = data["items"].get("facts") or {}
     title = f"# GPU measurements: {facts.get('gpu_name') or 'no GPU'}" + (" (DRY RUN on CPU: plumbing only, no GPU numbers)" if dry else "")
+    if data["meta"].get("simulated_clock"):
+        title += " (REHEARSAL: nothing trained; each run spent its GPU estimate on a simulated clock)"
     parts = [
         title,
         "",
@@ -374,6 +388,10 @@ def build(data: dict[str, Any]) -> str:
         "## Load phase of a sharded load",
         "",
         *load_section(data),
+        "",
+        "## Time per run against the plan's estimate",
+        "",
+        *timing_table(data),
         "",
         "## Failures, timeouts and skips",
         "",
