@@ -132,7 +132,9 @@ setup() {
     # the background; the offload rows come last among the strategies, minutes later.
     if command -v nvcc >/dev/null; then export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}; fi
     export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-    echo "export CUDA_HOME=\"${CUDA_HOME:-}\" TORCH_CUDA_ARCH_LIST=\"$TORCH_CUDA_ARCH_LIST\"" >> "$STATE/env.sh"
+    # one build folder for the background build and every run (harness would otherwise pick its environment's own)
+    export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$STATE/torch_extensions}
+    echo "export CUDA_HOME=\"${CUDA_HOME:-}\" TORCH_CUDA_ARCH_LIST=\"$TORCH_CUDA_ARCH_LIST\" TORCH_EXTENSIONS_DIR=\"$TORCH_EXTENSIONS_DIR\"" >> "$STATE/env.sh"
     rm -f "$STATE/cpu_adam_build.rc"
     ( timeout 400 "$PY" -c "import time; t=time.time(); from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('CPUAdamBuilder loaded in %.0f s' % (time.time()-t))" \
         >"$STATE/logs/cpu_adam_build.log" 2>&1; echo $? >"$STATE/cpu_adam_build.rc" ) &
