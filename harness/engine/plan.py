@@ -49,6 +49,8 @@ class EnginePlan:
     # Checkpoints keep the trainable parameters only (LoRA: the adapters); the frozen base is rebuilt
     # from model.name on resume and export, so a checkpoint is the adapters' size.
     trainable_only: bool = False
+    # DeepSpeed steps the offloaded optimizer with its own DeepSpeedCPUAdam (`host_adam`)
+    cpu_adam: bool = False
 
     @property
     def checkpoint_format(self) -> CheckpointFormat:
@@ -60,6 +62,20 @@ class EnginePlan:
         if self.deepspeed is None:
             return 0
         return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def cpu_adam_forced(self) -> bool:
+        """DeepSpeedCPUAdam because the file asks for it (`zero_force_ds_cpu_optimizer: true`), on any machine."""
+        return self.cpu_adam and self.strategy.raw.get("zero_force_ds_cpu_optimizer") is True
+
+    @property
+    def host_optimizer(self) -> str:
+        """What steps the offloaded optimizer, for the start-up line ("" when nothing is said)."""
+        if not self.cpu_adam:
+            return ""
+        if self.cpu_adam_forced:
+            return f"DeepSpeedCPUAdam, as {self.strategy.name}'s zero_force_ds_cpu_optimizer asks"
+        return "DeepSpeedCPUAdam on the host"
 
     def deepspeed_config(self) -> dict[str, Any]:
         """A private copy of the resolved DeepSpeed dict: `deepspeed.initialize` and the client
@@ -92,6 +108,7 @@ def plan_engine(
     ignored: list[str] = []
     ds = None
     if kind == "deepspeed":
+        problems += forced_cpu_adam_problems(cfg, strategy)
         ds = resolve_deepspeed_config(
             strategy,
             cfg,
@@ -117,7 +134,37 @@ def plan_engine(
         optimizer_in_backward=cfg.memory.optimizer_in_backward,
         activation_offload=cfg.memory.activation_offload,
         trainable_only=cfg.lora.enabled,
+        cpu_adam=ds is not None and host_adam(cfg, strategy, ds, accelerator, env),
     )
+
+
+def forced_cpu_adam_problems(cfg: RunConfig, strategy: Strategy) -> list[str]:
+    """A file's `zero_force_ds_cpu_optimizer: true` with the optimizer offloaded asks for DeepSpeed's
+    CPU optimizer, which is Adam/AdamW: any other optimizer is refused here, not by DeepSpeed's
+    traceback after the model is loaded."""
+    forced = strategy.raw.get("zero_force_ds_cpu_optimizer") is True and strategy.offload_optimizer != "none"
+    if not forced or "optimizer" in strategy.raw or cfg.optim.name in CPU_ADAM_OPTIMIZERS:
+        return []
+    return [
+        f"zero_force_ds_cpu_optimizer: true asks for DeepSpeed's CPU optimizer (DeepSpeedCPUAdam: Adam/AdamW) but optim.name="
+        f"{cfg.optim.name!r}; use optim.name=adamw, or set it false to step {cfg.optim.name} on the host"
+    ]
+
+
+CPU_ADAM_OPTIMIZERS = ("adam", "adamw")
+
+
+def host_adam(cfg: RunConfig, strategy: Strategy, ds: dict[str, Any], accelerator: bool, env: dict[str, str]) -> bool:
+    """Whether DeepSpeed steps the offloaded optimizer with DeepSpeedCPUAdam (built from the run's
+    AdamW settings): where the file asks for it (`zero_force_ds_cpu_optimizer: true`), and by
+    default on a GPU machine, where it is the fast path (`HARNESS_DS_CPU_ADAM=0` turns the default
+    off). On a CPU-only machine without the key, torch's AdamW steps on the host: the model and its
+    optimizer already share it, and the op costs minutes of JIT build."""
+    if strategy.offload_optimizer == "none" or "optimizer" in ds or cfg.optim.name not in CPU_ADAM_OPTIMIZERS:
+        return False
+    if strategy.raw.get("zero_force_ds_cpu_optimizer") is True:
+        return True
+    return accelerator and env.get("HARNESS_DS_CPU_ADAM", "1") == "1"
 
 
 def hidden_size_of(shape: dict[str, Any] | Any) -> int | None:

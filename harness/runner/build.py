@@ -111,7 +111,8 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> tuple[Trainer
     guard = StepGuard(cfg, info, engine, tracker, lambda: ckpt.last_path, resumed.step)  # NaN policy, stop signals
     log.info(
         f"{strategy.name} ({plan.kind}) x{info.world_size} on {info.device}, {cfg.precision} "
-        f"({plan.precision.master_weights}), optim {cfg.optim.name}{' (CPU-offloaded)' if cfg.optim.cpu_offload else ''}, "
+        f"({plan.precision.master_weights}), optim {cfg.optim.name}{' (CPU-offloaded)' if cfg.optim.cpu_offload else ''}"
+        f"{f' ({plan.host_optimizer})' if plan.host_optimizer else ''}, "
         f"{engine.num_parameters():,} params, "
         f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens, {describe_lr(cfg)}"
     )
