@@ -340,3 +340,26 @@ def test_deepspeed_checks_across_blocks_run_on_the_resolved_dict(tmp_path):
     path = _file(tmp_path, {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
     with pytest.raises(ConfigError, match=r"DeepSpeed refuses the config: Bf16_master_weights_and_grads is only supported with ZeRO"):
         _plan(path)
+
+
+def test_forced_ds_cpu_optimizer_is_deepspeed_cpu_adam_on_any_machine(tmp_path):
+    fp8 = str(DROPIN / "llama-factory" / "ds_z3_fp8_config.json")
+    plan, _ = _plan(fp8)
+    assert plan.cpu_adam and plan.host_optimizer == "DeepSpeedCPUAdam, as ds_z3_fp8_config's zero_force_ds_cpu_optimizer asks"
+    raw = json.loads(Path(fp8).read_text())
+    del raw["zero_force_ds_cpu_optimizer"]
+    without = _file(tmp_path, raw)
+    assert not _plan(without)[0].cpu_adam  # CPU-only machine: torch's AdamW on the host
+    assert _plan(without, accelerator=True)[0].cpu_adam  # a GPU machine: DeepSpeed's CPU Adam by default
+    assert not _plan(without, env={"HARNESS_DS_CPU_ADAM": "0"}, accelerator=True)[0].cpu_adam
+    with pytest.raises(ConfigError, match=r"zero_force_ds_cpu_optimizer: true asks for DeepSpeed's CPU optimizer .* optim.name='sgd'"):
+        _plan(fp8, ["optim.name=sgd"])
+    assert _plan(fp8, ["optim.name=adam"])[0].cpu_adam  # Adam too (DeepSpeedCPUAdam's adamw_mode off)
+
+
+def test_nvme_offload_from_the_launcher_takes_accelerates_path_variable(tmp_path):
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"}
+    with pytest.raises(ConfigError, match=r"nvme needs an NVMe path: export ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH"):
+        _plan(None, env=env)
+    plan, _ = _plan(None, env={**env, "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH": str(tmp_path)})
+    assert plan.deepspeed["zero_optimization"]["offload_param"] == {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
