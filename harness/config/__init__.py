@@ -9,7 +9,7 @@ a DeepSpeed dict from the run config), `drop_in` (what the launcher and a DeepSp
 and the run config leaves to defaults), `accelerate_launch` (what harness does with each
 `accelerate launch` flag, config-file key and variable), `checks` (every rule on a config)."""
 
-from harness.config.accelerate_launch import wrap_class_problem
+from harness.config.accelerate_launch import launcher_settings, wrap_class_problem
 from harness.config.checks import check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
 from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.drop_in import adopt_settings
@@ -53,6 +53,7 @@ from harness.errors import ConfigError
 
 __all__ = [
     "AC_MODES",
+    "launcher_settings",
     "wrap_class_problem",
     "COMPILE_MODES",
     "DATA_FORMATS",

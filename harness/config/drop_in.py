@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from harness.config.accelerate_launch import launcher_settings, launcher_values
+from harness.config.accelerate_launch import launcher_values
 from harness.config.deepspeed_auto import is_auto
 from harness.config.schema import RunConfig, choice_fields, is_given
 from harness.config.strategies import Strategy
@@ -118,7 +118,8 @@ def adopt_settings(
     """Take into `cfg` what the launcher and the DeepSpeed file set and the run config leaves to
     its defaults. Returns (notes: one per value taken, problems: one line per contradiction or
     unsupported setting); the caller raises the problems together with the file's others."""
-    notes, problems = launcher_settings(env, world, strategy.kind)
+    problems: list[str] = []
+    notes: list[str] = []
     launcher = launcher_values(env, problems)
     from_file = file_values(strategy) if strategy.kind == "deepspeed" else {}
     fixed: set[str] = set()

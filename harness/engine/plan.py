@@ -25,6 +25,7 @@ from harness.config import (
     adopt_settings,
     checkpoint_format,
     engine_kind,
+    launcher_settings,
     resolve_deepspeed_config,
 )
 from harness.training import PrecisionPolicy, precision_policy
@@ -44,6 +45,8 @@ class EnginePlan:
     deepspeed_filled: tuple[str, ...] = ()  # one entry per value filled, logged once when the engine starts
     deepspeed_ignored: tuple[str, ...] = ()  # keys of the file DeepSpeed ignores, warned once when the engine starts
     taken: tuple[str, ...] = ()  # run config values taken from the launcher or the DeepSpeed file (`adopt_settings`)
+    # `accelerate launch` settings harness does its own way (`launcher_settings`), said once at start-up
+    launcher_said: tuple[str, ...] = ()
     optimizer_in_backward: bool = False  # the torch engine steps each parameter's optimizer inside backward
     activation_offload: bool = False  # saved activations go to host memory (memory.activation_offload)
     # Checkpoints keep the trainable parameters only (LoRA: the adapters); the frozen base is rebuilt
@@ -103,7 +106,9 @@ def plan_engine(
     env = dict(os.environ) if env is None else env
     accelerator = device.type != "cpu" if has_accelerator is None else has_accelerator
     kind = engine_kind(strategy.kind, world_size)
-    taken, problems = adopt_settings(cfg, strategy, world_size, accelerator, env)
+    said, problems = launcher_settings(env, world_size, strategy.kind)
+    taken, adopt_problems = adopt_settings(cfg, strategy, world_size, accelerator, env)
+    problems += adopt_problems
     filled: list[str] = []
     ignored: list[str] = []
     ds = None
@@ -131,6 +136,7 @@ def plan_engine(
         deepspeed_filled=tuple(filled),
         deepspeed_ignored=tuple(ignored),
         taken=tuple(taken),
+        launcher_said=tuple(said),
         optimizer_in_backward=cfg.memory.optimizer_in_backward,
         activation_offload=cfg.memory.activation_offload,
         trainable_only=cfg.lora.enabled,

@@ -85,6 +85,8 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> tuple[Trainer
     loss_fn = functools.partial(labelled_lm_loss if labelled else causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
     if plan.taken and info.is_main:
         log.info(f"run config values taken from outside it: {'; '.join(plan.taken)}")
+    if plan.launcher_said and info.is_main:
+        log.info(f"accelerate launch settings harness does its own way: {'; '.join(plan.launcher_said)}")
     engine = build_engine(spec, cfg, plan, info, loss_fn)  # built, sharded and filled (LoRA: adapters) inside
     sampler = make_sampler(cfg, data, info)
     ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir, per_rank={"data": sampler})
