@@ -190,11 +190,11 @@ class DeepSpeedEngine(Engine):
         if "optimizer" not in ds_config:
             written = strategy.raw.get("zero_force_ds_cpu_optimizer")
             optimizer = _client_optimizer(model, cfg, plan, ds_config)
-            if plan.cpu_adam:
-                pass  # DeepSpeed's own CPU optimizer: the file's setting (or DeepSpeed's default, true) accepts it
-            elif written is not None:  # the file's own value stands (DeepSpeed then says why it refuses our optimizer)
+            # DeepSpeed's own CPU optimizer needs no word on the key: the file's true (or DeepSpeed's default) accepts it
+            ours = type(optimizer).__name__ != "DeepSpeedCPUAdam"
+            if written is not None and ours:  # the file's own value stands (DeepSpeed then says why it refuses ours)
                 ds_config["zero_force_ds_cpu_optimizer"] = written
-            elif "zero_force_ds_cpu_optimizer" in ds_config:
+            elif "zero_force_ds_cpu_optimizer" in ds_config and ours:
                 filled.append(
                     f"zero_force_ds_cpu_optimizer={ds_config['zero_force_ds_cpu_optimizer']} "
                     f"(the client optimizer {type(optimizer).__name__} runs on the host)"

@@ -30,6 +30,8 @@ from harness.config import (
 )
 from harness.training import PrecisionPolicy, precision_policy
 
+CPU_ADAM_OPTIMIZERS = ("adam", "adamw")  # what DeepSpeedCPUAdam steps (adamw_mode on or off)
+
 
 @dataclass(frozen=True)
 class EnginePlan:
@@ -155,9 +157,6 @@ def forced_cpu_adam_problems(cfg: RunConfig, strategy: Strategy) -> list[str]:
         f"zero_force_ds_cpu_optimizer: true asks for DeepSpeed's CPU optimizer (DeepSpeedCPUAdam: Adam/AdamW) but optim.name="
         f"{cfg.optim.name!r}; use optim.name=adamw, or set it false to step {cfg.optim.name} on the host"
     ]
-
-
-CPU_ADAM_OPTIMIZERS = ("adam", "adamw")
 
 
 def host_adam(cfg: RunConfig, strategy: Strategy, ds: dict[str, Any], accelerator: bool, env: dict[str, str]) -> bool:
