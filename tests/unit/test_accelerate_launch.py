@@ -1,5 +1,5 @@
 """`accelerate launch`: every flag, config-file key and variable has one verdict
-(harness.config.accelerate_launch), README's table is that table, and the verdicts hold.
+(harness.config.accelerate_table), README's table is that table, and the verdicts hold.
 
 The lists are taken from accelerate's own code (its launch parser, its config dataclass, the
 variables its launcher sets), so a flag a new accelerate adds fails here until it has a verdict.
@@ -22,18 +22,9 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils import launch as accelerate_launch_env
 from accelerate.utils.launch import prepare_multi_gpu_env
 
-from harness.config import load_config, load_strategy
-from harness.config.accelerate_launch import (
-    CONFIG_KEYS,
-    FLAGS,
-    REFUSED,
-    SECTION_ONLY_KEYS,
-    VARIABLES,
-    flag_of,
-    launcher_settings,
-    launcher_values,
-    parallelism_problems,
-)
+from harness.config import accelerate_launch, load_config, load_strategy
+from harness.config.accelerate_launch import launcher_settings, launcher_values, parallelism_problems
+from harness.config.accelerate_table import CONFIG_KEYS, FLAGS, REFUSED, SECTION_ONLY_KEYS, VARIABLES, flag_of
 from harness.engine import plan_engine
 from harness.errors import ConfigError
 from harness.runner.preflight import check_wrap_classes
@@ -246,3 +237,12 @@ def test_compile_and_cpu_flags_are_run_config_values():
     assert launcher_values(env, problems)["memory.compile"][0] == "block"
     launcher_values({"ACCELERATE_DYNAMO_BACKEND": "EAGER"}, problems)
     assert len(problems) == 1 and "--dynamo_backend eager: harness compiles with inductor only" in problems[0]
+
+
+def test_sequence_parallel_size_has_its_place_once_harness_has_a_key(monkeypatch):
+    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_SP_SIZE": "2"}
+    assert "(sequence parallelism) is not in harness yet" in parallelism_problems(env, 2, "fsdp")[0]
+    assert launcher_values(env, []) == {}
+    monkeypatch.setattr(accelerate_launch, "SEQUENCE_PARALLEL_KEY", "a_future_key")
+    assert parallelism_problems(env, 2, "fsdp") == []
+    assert launcher_values(env, []) == {"a_future_key": (2, "accelerate launch --parallelism_config_sp_size 2")}
