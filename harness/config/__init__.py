@@ -6,8 +6,10 @@ what is trained), `loading` (files and overrides), `presets` (the model presets'
 shapes), `strategies` (strategy files, the `EngineKind` vocabulary and its one rule
 `engine_kind`), `deepspeed_keys` (DeepSpeed's key schema), `deepspeed_auto` ("auto" filling of
 a DeepSpeed dict from the run config), `drop_in` (what the launcher and a DeepSpeed file set
-and the run config leaves to defaults), `checks` (every rule on a config)."""
+and the run config leaves to defaults), `accelerate_table` (the verdict on each
+`accelerate launch` flag and config-file key), `accelerate_launch` (the reading of its variables), `checks` (every rule on a config)."""
 
+from harness.config.accelerate_launch import launcher_settings, wrap_class_problem
 from harness.config.checks import check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
 from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.drop_in import adopt_settings
@@ -51,6 +53,8 @@ from harness.errors import ConfigError
 
 __all__ = [
     "AC_MODES",
+    "launcher_settings",
+    "wrap_class_problem",
     "COMPILE_MODES",
     "DATA_FORMATS",
     "DS_CONFIG_DIR",

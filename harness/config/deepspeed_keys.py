@@ -182,6 +182,12 @@ def layout_problems(raw: dict[str, Any]) -> list[str]:
         )
     if _int(raw.get("sequence_parallel_size")) > 1:
         problems.append("sequence_parallel_size > 1 (Ulysses sequence parallelism) is not supported by harness: remove it")
+    sp = raw.get("sequence_parallel")  # the ALST block (LLaMA-Factory's ds_z3_alst_config.json)
+    if isinstance(sp, dict) and sp.get("enabled", True) is not False and _int(sp.get("size", 1)) > 1:
+        problems.append(
+            f"sequence_parallel (ALST/Ulysses, size {_int(sp['size'])}) splits each sequence across ranks, which harness does "
+            "not do yet: remove the block (or set enabled false)"
+        )
     return problems
 
 

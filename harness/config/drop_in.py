@@ -7,11 +7,11 @@ to its default is taken from the launcher or the file, and each one taken is log
 that give different values are a contradiction, named with both. Nothing is dropped silently:
 a launcher setting harness cannot honour is refused in one line.
 
-accelerate hands its flags to the script only as environment variables (`prepare_deepspeed_cmd_env`
-and `prepare_multi_gpu_env` in accelerate.utils.launch); their names are listed here. The ZeRO
-stage, offload devices and config file choose the strategy file (`strategies.load_strategy`);
-`--zero3_save_16bit_model` fills the file's `stage3_gather_16bit_weights_on_model_save`
-(`deepspeed_auto`).
+accelerate hands its flags to the script only as environment variables; `accelerate_launch`
+holds what harness does with each (its verdict table) and reads the run config values among
+them. The ZeRO stage, offload devices and config file choose the strategy file
+(`strategies.load_strategy`); `--zero3_save_16bit_model` fills the file's
+`stage3_gather_16bit_weights_on_model_save` (`deepspeed_auto`).
 """
 
 from __future__ import annotations
@@ -19,22 +19,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from harness.config.accelerate_launch import launcher_values
 from harness.config.deepspeed_auto import is_auto
-from harness.config.schema import PRECISIONS, RunConfig, choice_fields, is_given
+from harness.config.schema import RunConfig, choice_fields, is_given
 from harness.config.strategies import Strategy
 
-# accelerate's variable → (the run config key it sets, the flag a user wrote)
-LAUNCHER_SETTINGS: dict[str, tuple[str, str]] = {
-    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": ("grad_accum", "--gradient_accumulation_steps"),
-    "ACCELERATE_GRADIENT_CLIPPING": ("optim.grad_clip", "--gradient_clipping"),
-    "ACCELERATE_MIXED_PRECISION": ("precision", "--mixed_precision"),
-}
-# accelerate's variables for what harness does not do: refused, never dropped
-LAUNCHER_UNSUPPORTED: dict[str, str] = {
-    "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES": "--deepspeed_moe_layer_cls_names (MoE leaf modules): harness builds no MoE leaves",
-    "ACCELERATE_CPU_AFFINITY": "--enable_cpu_affinity: harness does not pin ranks to cores",
-    "ACCELERATE_USE_PARALLELISM_CONFIG": "--parallelism_config (tensor/context parallel sizes): harness trains data-parallel only",
-}
 # A DeepSpeed file's top-level numbers harness owns → the run config key each one is
 FILE_NUMBERS = {
     "train_micro_batch_size_per_gpu": "micro_batch_size",
@@ -71,34 +60,6 @@ def _set(cfg: RunConfig, key: str, value: Any) -> None:
     elif isinstance(current, int) and not isinstance(current, bool):
         value = int(value)
     setattr(functools.reduce(getattr, section, cfg), leaf, value)
-
-
-def launcher_values(env: dict[str, str], problems: list[str]) -> dict[str, tuple[Any, str]]:
-    """The run config keys an `accelerate launch` command set: key → (value, "accelerate launch --flag X")."""
-    out: dict[str, tuple[Any, str]] = {}
-    for var, (key, flag) in LAUNCHER_SETTINGS.items():
-        raw = env.get(var)
-        if raw is None or raw == "":
-            continue
-        source = f"accelerate launch {flag} {raw}"
-        if key == "precision":
-            if raw.lower() == "no":  # accelerate's default: the flag was not given
-                continue
-            if raw.lower() not in PRECISIONS:
-                problems.append(f"{source}: harness trains in {', '.join(PRECISIONS)}; use one of them")
-                continue
-            out[key] = (raw.lower(), source)
-            continue
-        try:
-            value = float(raw) if key == "optim.grad_clip" else int(raw)
-        except ValueError:
-            problems.append(f"{source} is not a number")
-            continue
-        out[key] = (value, source)
-    for var, what in LAUNCHER_UNSUPPORTED.items():
-        if env.get(var, "").lower() not in ("", "0", "false", "none"):
-            problems.append(f"accelerate launch {what}; remove it")
-    return out
 
 
 def file_values(strategy: Strategy) -> dict[str, tuple[Any, str]]:

@@ -114,6 +114,8 @@ def strategy_from_launcher(env: dict[str, str] | None = None) -> str | None:
         if env.get("FSDP_OFFLOAD_PARAMS", "").lower() == "true":
             return "fsdp_offload"
         sharding = env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
+        if sharding in ("NO_SHARD", "3"):  # every rank holds everything: DDP
+            return "ddp"
         reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower()
         return "fsdp_grad_op" if sharding in ("SHARD_GRAD_OP", "2") or reshard == "false" else "fsdp"
     return None
@@ -137,10 +139,10 @@ def launcher_deepspeed_settings(raw: dict[str, Any], env: dict[str, str]) -> lis
             f"accelerate launch --zero_stage {stage} contradicts zero_optimization.stage={zero.get('stage', 0)}; drop one of the two"
         )
     for var, block, flag in (
-        ("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer", "--offload_optimizer_device"),
-        ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "offload_param", "--offload_param_device"),
+        ("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER", "offload_optimizer", "--offload_optimizer_device"),
+        ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM", "offload_param", "--offload_param_device"),
     ):
-        device = env.get(var, "").lower()
+        device = env.get(f"{var}_DEVICE", "").lower()
         if not device:
             continue
         current = ((zero.get(block) or {}) if isinstance(zero.get(block), dict) else {}).get("device", "none") or "none"
@@ -150,9 +152,12 @@ def launcher_deepspeed_settings(raw: dict[str, Any], env: dict[str, str]) -> lis
             problems.append(
                 f"accelerate launch {flag} {device} contradicts zero_optimization.{block}.device={current!r}; drop one of the two"
             )
+        elif device == "nvme" and env.get(f"{var}_NVME_PATH", "none").lower() not in ("", "none"):
+            zero[block] = {"device": "nvme", "nvme_path": env[f"{var}_NVME_PATH"], "pin_memory": True}
         elif device == "nvme":
             problems.append(
-                f"accelerate launch {flag} nvme needs an NVMe path, which only a DeepSpeed file gives: use --deepspeed_config_file"
+                f"accelerate launch {flag} nvme needs an NVMe path: export {var}_NVME_PATH "
+                "(accelerate's launcher does not pass --*_nvme_path) or use --deepspeed_config_file"
             )
         elif device != "none":
             zero[block] = {"device": device, "pin_memory": True}

@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.config import RunConfig, Strategy
+from harness.config import RunConfig
 from harness.distributed import DistInfo
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.extension_lock import guarded_builds
 from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, lora_base
 from harness.engine.plan import EnginePlan
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
-from harness.errors import CheckpointError
+from harness.errors import CheckpointError, ConfigError
 from harness.log import get_logger
 from harness.models import (
     ModelSpec,
@@ -189,10 +189,12 @@ class DeepSpeedEngine(Engine):
         optimizer = None
         if "optimizer" not in ds_config:
             written = strategy.raw.get("zero_force_ds_cpu_optimizer")
-            optimizer = _client_optimizer(model, cfg, strategy, ds_config)
-            if written is not None:  # the file's own value stands (DeepSpeed then says why it refuses our optimizer)
+            optimizer = _client_optimizer(model, cfg, plan, ds_config)
+            # DeepSpeed's own CPU optimizer needs no word on the key: the file's true (or DeepSpeed's default) accepts it
+            ours = type(optimizer).__name__ != "DeepSpeedCPUAdam"
+            if written is not None and ours:  # the file's own value stands (DeepSpeed then says why it refuses ours)
                 ds_config["zero_force_ds_cpu_optimizer"] = written
-            elif "zero_force_ds_cpu_optimizer" in ds_config:
+            elif "zero_force_ds_cpu_optimizer" in ds_config and ours:
                 filled.append(
                     f"zero_force_ds_cpu_optimizer={ds_config['zero_force_ds_cpu_optimizer']} "
                     f"(the client optimizer {type(optimizer).__name__} runs on the host)"
@@ -299,30 +301,31 @@ def _deepspeed_dtype(ds_config: dict[str, Any]) -> torch.dtype:
     return torch.float32
 
 
-def _client_optimizer(model: nn.Module, cfg: RunConfig, strategy: Strategy, ds_config: dict[str, Any]):
-    """Our optimizer for DeepSpeed; with optimizer offload on a GPU machine, DeepSpeed's CPU Adam.
-
-    DeepSpeedCPUAdam is the fast path when the model lives on a GPU and its optimizer on the
-    host. On a CPU-only machine both already share the host, and its C++ op costs a minute of
-    JIT build, so we pass torch's AdamW and tell DeepSpeed to accept it; likewise where the
-    op cannot be built (`zero_force_ds_cpu_optimizer: false`).
-    """
+def _client_optimizer(model: nn.Module, cfg: RunConfig, plan: EnginePlan, ds_config: dict[str, Any]):
+    """Our optimizer for DeepSpeed: DeepSpeed's CPU Adam where the plan says so (`host_adam`), else
+    the run's optimizer, which DeepSpeed is told to accept on the host when the optimizer is offloaded."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if strategy.offload_optimizer != "none" and cfg.optim.name in ("adamw", "adam"):
-        if torch.cuda.is_available() and os.environ.get("HARNESS_DS_CPU_ADAM", "1") == "1":
-            try:
-                from deepspeed.ops.adam import DeepSpeedCPUAdam
+    if plan.cpu_adam:
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-                return DeepSpeedCPUAdam(
-                    params,
-                    lr=cfg.optim.lr,
-                    betas=cfg.optim.betas,
-                    eps=cfg.optim.eps,
-                    weight_decay=cfg.optim.weight_decay,
-                    adamw_mode=cfg.optim.name == "adamw",
-                )
-            except Exception as exc:  # the op needs a compiler and DeepSpeed's build deps
-                log.warning(f"DeepSpeedCPUAdam unavailable ({type(exc).__name__}); using torch AdamW on CPU")
+            return DeepSpeedCPUAdam(
+                params,
+                lr=cfg.optim.lr,
+                betas=cfg.optim.betas,
+                eps=cfg.optim.eps,
+                weight_decay=cfg.optim.weight_decay,
+                adamw_mode=cfg.optim.name == "adamw",
+            )
+        except Exception as exc:  # the op needs a compiler and DeepSpeed's build deps
+            if plan.cpu_adam_forced:
+                raise ConfigError(
+                    f"{plan.strategy.path}: zero_force_ds_cpu_optimizer: true asks for DeepSpeedCPUAdam, which could not be "
+                    f"built here ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}); "
+                    "set it false to step torch's AdamW on the host"
+                ) from None
+            log.warning(f"DeepSpeedCPUAdam unavailable ({type(exc).__name__}); using torch AdamW on CPU")
+    if plan.strategy.offload_optimizer != "none":
         ds_config["zero_force_ds_cpu_optimizer"] = False
     return build_optimizer(params, cfg.optim, fused=False)
 

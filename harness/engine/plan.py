@@ -25,9 +25,12 @@ from harness.config import (
     adopt_settings,
     checkpoint_format,
     engine_kind,
+    launcher_settings,
     resolve_deepspeed_config,
 )
 from harness.training import PrecisionPolicy, precision_policy
+
+CPU_ADAM_OPTIMIZERS = ("adam", "adamw")  # what DeepSpeedCPUAdam steps (adamw_mode on or off)
 
 
 @dataclass(frozen=True)
@@ -44,11 +47,15 @@ class EnginePlan:
     deepspeed_filled: tuple[str, ...] = ()  # one entry per value filled, logged once when the engine starts
     deepspeed_ignored: tuple[str, ...] = ()  # keys of the file DeepSpeed ignores, warned once when the engine starts
     taken: tuple[str, ...] = ()  # run config values taken from the launcher or the DeepSpeed file (`adopt_settings`)
+    # `accelerate launch` settings harness does its own way (`launcher_settings`), said once at start-up
+    launcher_said: tuple[str, ...] = ()
     optimizer_in_backward: bool = False  # the torch engine steps each parameter's optimizer inside backward
     activation_offload: bool = False  # saved activations go to host memory (memory.activation_offload)
     # Checkpoints keep the trainable parameters only (LoRA: the adapters); the frozen base is rebuilt
     # from model.name on resume and export, so a checkpoint is the adapters' size.
     trainable_only: bool = False
+    # DeepSpeed steps the offloaded optimizer with its own DeepSpeedCPUAdam (`host_adam`)
+    cpu_adam: bool = False
 
     @property
     def checkpoint_format(self) -> CheckpointFormat:
@@ -60,6 +67,20 @@ class EnginePlan:
         if self.deepspeed is None:
             return 0
         return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def cpu_adam_forced(self) -> bool:
+        """DeepSpeedCPUAdam because the file asks for it (`zero_force_ds_cpu_optimizer: true`), on any machine."""
+        return self.cpu_adam and self.strategy.raw.get("zero_force_ds_cpu_optimizer") is True
+
+    @property
+    def host_optimizer(self) -> str:
+        """What steps the offloaded optimizer, for the start-up line ("" when nothing is said)."""
+        if not self.cpu_adam:
+            return ""
+        if self.cpu_adam_forced:
+            return f"DeepSpeedCPUAdam, as {self.strategy.name}'s zero_force_ds_cpu_optimizer asks"
+        return "DeepSpeedCPUAdam on the host"
 
     def deepspeed_config(self) -> dict[str, Any]:
         """A private copy of the resolved DeepSpeed dict: `deepspeed.initialize` and the client
@@ -87,11 +108,14 @@ def plan_engine(
     env = dict(os.environ) if env is None else env
     accelerator = device.type != "cpu" if has_accelerator is None else has_accelerator
     kind = engine_kind(strategy.kind, world_size)
-    taken, problems = adopt_settings(cfg, strategy, world_size, accelerator, env)
+    said, problems = launcher_settings(env, world_size, strategy.kind)
+    taken, adopt_problems = adopt_settings(cfg, strategy, world_size, accelerator, env)
+    problems += adopt_problems
     filled: list[str] = []
     ignored: list[str] = []
     ds = None
     if kind == "deepspeed":
+        problems += forced_cpu_adam_problems(cfg, strategy)
         ds = resolve_deepspeed_config(
             strategy,
             cfg,
@@ -114,10 +138,38 @@ def plan_engine(
         deepspeed_filled=tuple(filled),
         deepspeed_ignored=tuple(ignored),
         taken=tuple(taken),
+        launcher_said=tuple(said),
         optimizer_in_backward=cfg.memory.optimizer_in_backward,
         activation_offload=cfg.memory.activation_offload,
         trainable_only=cfg.lora.enabled,
+        cpu_adam=ds is not None and host_adam(cfg, strategy, ds, accelerator, env),
     )
+
+
+def forced_cpu_adam_problems(cfg: RunConfig, strategy: Strategy) -> list[str]:
+    """A file's `zero_force_ds_cpu_optimizer: true` with the optimizer offloaded asks for DeepSpeed's
+    CPU optimizer, which is Adam/AdamW: any other optimizer is refused here, not by DeepSpeed's
+    traceback after the model is loaded."""
+    forced = strategy.raw.get("zero_force_ds_cpu_optimizer") is True and strategy.offload_optimizer != "none"
+    if not forced or "optimizer" in strategy.raw or cfg.optim.name in CPU_ADAM_OPTIMIZERS:
+        return []
+    return [
+        f"zero_force_ds_cpu_optimizer: true asks for DeepSpeed's CPU optimizer (DeepSpeedCPUAdam: Adam/AdamW) but optim.name="
+        f"{cfg.optim.name!r}; use optim.name=adamw, or set it false to step {cfg.optim.name} on the host"
+    ]
+
+
+def host_adam(cfg: RunConfig, strategy: Strategy, ds: dict[str, Any], accelerator: bool, env: dict[str, str]) -> bool:
+    """Whether DeepSpeed steps the offloaded optimizer with DeepSpeedCPUAdam (built from the run's
+    AdamW settings): where the file asks for it (`zero_force_ds_cpu_optimizer: true`), and by
+    default on a GPU machine, where it is the fast path (`HARNESS_DS_CPU_ADAM=0` turns the default
+    off). On a CPU-only machine without the key, torch's AdamW steps on the host: the model and its
+    optimizer already share it, and the op costs minutes of JIT build."""
+    if strategy.offload_optimizer == "none" or "optimizer" in ds or cfg.optim.name not in CPU_ADAM_OPTIMIZERS:
+        return False
+    if strategy.raw.get("zero_force_ds_cpu_optimizer") is True:
+        return True
+    return accelerator and env.get("HARNESS_DS_CPU_ADAM", "1") == "1"
 
 
 def hidden_size_of(shape: dict[str, Any] | Any) -> int | None:

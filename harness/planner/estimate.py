@@ -176,6 +176,7 @@ def specs_for(
     off = zero.offload_param
     engine = EngineSpec(
         **common,
+        cpu_adam=True if plan.cpu_adam_forced else None,  # else by target: the planner's plan assumes a GPU
         reduce_bucket=int(zero.reduce_bucket_size),
         contiguous_gradients=bool(zero.contiguous_gradients),
         persistence_threshold=int(zero.param_persistence_threshold),

@@ -102,7 +102,10 @@ def adam_states(optimizer: str) -> int:
 
 
 def cpu_adam(spec: EngineSpec) -> bool:
-    """On a GPU machine the trainer steps an offloaded Adam with DeepSpeedCPUAdam, in place."""
+    """DeepSpeedCPUAdam steps the offloaded optimizer in place: the engine plan says where (on a GPU
+    machine by default; on any where the file forces it); a bare spec decides by its target."""
+    if spec.cpu_adam is not None:
+        return spec.cpu_adam
     return spec.target == "cuda" and spec.optimizer in ("adam", "adamw")
 
 

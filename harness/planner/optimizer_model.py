@@ -44,6 +44,7 @@ class EngineSpec:
     torch_param_bytes: int = 4  # single/DDP parameter dtype bytes (bf16 casts the module)
     frozen_param_bytes: int = 4  # a frozen parameter's bytes (PrecisionPolicy.frozen_dtype: FSDP2 bf16 holds it in bf16)
     compiled_step: bool = False  # torchao compiles its step (its default; `harness.training.name_compiles_step`)
+    cpu_adam: bool | None = None  # DeepSpeedCPUAdam steps the offloaded optimizer (the engine plan's); None: by target
 
 
 # torchao's step compiled by inductor on CPU (torch 2.13, torchao 0.18), bytes it allocates per element

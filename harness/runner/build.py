@@ -86,6 +86,8 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> tuple[Trainer
     loss_fn = functools.partial(labelled_lm_loss if labelled else causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
     if plan.taken and info.is_main:
         log.info(f"run config values taken from outside it: {'; '.join(plan.taken)}")
+    if plan.launcher_said and info.is_main:
+        log.info(f"accelerate launch settings harness does its own way: {'; '.join(plan.launcher_said)}")
     entering(f"building the {plan.kind} engine and loading the model (any extension build lock included)")
     engine = build_engine(spec, cfg, plan, info, loss_fn)  # built, sharded and filled (LoRA: adapters) inside
     sampler = make_sampler(cfg, data, info)
@@ -114,7 +116,8 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> tuple[Trainer
     guard = StepGuard(cfg, info, engine, tracker, lambda: ckpt.last_path, resumed.step)  # NaN policy, stop signals
     log.info(
         f"{strategy.name} ({plan.kind}) x{info.world_size} on {info.device}, {cfg.precision} "
-        f"({plan.precision.master_weights}), optim {cfg.optim.name}{' (CPU-offloaded)' if cfg.optim.cpu_offload else ''}, "
+        f"({plan.precision.master_weights}), optim {cfg.optim.name}{' (CPU-offloaded)' if cfg.optim.cpu_offload else ''}"
+        f"{f' ({plan.host_optimizer})' if plan.host_optimizer else ''}, "
         f"{engine.num_parameters():,} params, "
         f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens, {describe_lr(cfg)}"
     )

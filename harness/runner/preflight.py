@@ -37,7 +37,7 @@ from harness.checkpoint import (
     resume_path,
     verified_meta,
 )
-from harness.config import RunConfig, Strategy, check_run
+from harness.config import RunConfig, Strategy, check_run, wrap_class_problem
 from harness.data import EMBEDDED_SOURCES, cache_dir_for, check_cache_root, data_files, is_complete, read_records
 from harness.engine import EnginePlan, hidden_size_of, plan_engine
 from harness.errors import ConfigError
@@ -175,6 +175,21 @@ def check_architecture(cfg: RunConfig, strategy: Strategy) -> None:
             f"model.name '{name}': {exc}; needed by {', '.join(users)}: turn those off (e.g. strategy=ddp or zero3, "
             "memory.activation_checkpointing=none)"
         ) from None
+
+
+def check_wrap_classes(cfg: RunConfig, env: dict[str, str]) -> None:
+    """`accelerate launch --fsdp_transformer_layer_cls_to_wrap` names classes of this model: its
+    decoder block, which harness wraps (built on the meta device: no memory)."""
+    if not env.get("FSDP_TRANSFORMER_CLS_TO_WRAP"):
+        return
+    template = empty_model(model_config(cfg.model.name))
+    try:
+        blocks = {type(block).__name__ for block in decoder_block_list(template)}
+    except BlocksNotFound:
+        blocks = set()  # refused by check_architecture, which names what needs the blocks
+    problem = wrap_class_problem(env, {type(m).__name__ for m in template.modules()}, blocks)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def check_model(cfg: RunConfig) -> None:
@@ -384,6 +399,7 @@ def preflight(cfg: RunConfig, strategy: Strategy, world: int | None = None) -> E
         raise ConfigError(f"precision={cfg.precision} but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
     check_model(cfg)
     check_architecture(cfg, strategy)
+    check_wrap_classes(cfg, dict(os.environ))
     check_data(cfg)
     check_output_and_resume(cfg, strategy, world)
     return plan

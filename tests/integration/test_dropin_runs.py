@@ -11,11 +11,20 @@
   `--offload_optimizer_device cpu` the offload, `--zero3_save_16bit_model true` the file's
   16-bit save setting; each rank holds half the bf16 parameters and half the fp32 masters.
 
+- LLaMA-Factory's `ds_z3_fp8_config.json` (ZeRO-3, optimizer offloaded, no optimizer block,
+  `zero_force_ds_cpu_optimizer: true`) under torchrun: DeepSpeedCPUAdam steps (said in the
+  start-up line) and the losses are those of the same file without the key (torch's AdamW).
+- TRL's `fsdp2_sharding_2gpus.yaml` under `accelerate launch --config_file`: its
+  `parallelism_config` (dp_shard 2) runs as FSDP2 over both ranks, its
+  `fsdp_activation_checkpointing: true` becomes the run's activation checkpointing, its bf16 the
+  run's precision; each rank holds half the fp32 parameters.
+
 The verdict on every collected file is tests/unit/test_dropin.py (in-process).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -94,3 +103,50 @@ def test_accelerate_yaml_settings_are_the_runs(runs):
         held = state_bytes(out, rank)
         # half of the bf16 parameters and of the fp32 masters per rank (DeepSpeed pads partitions a little)
         assert held["params"] == pytest.approx(N_PARAMS, rel=0.05) and held["master_params"] == pytest.approx(2 * N_PARAMS, rel=0.05), held
+
+
+@pytest.fixture(scope="module")
+def cpu_adam_and_fsdp_runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path, tiny_data) -> dict:
+    root = tmp_path_factory.mktemp("dropin2")
+    fp8 = DROPIN / "llama-factory" / "ds_z3_fp8_config.json"
+    without = json.loads(fp8.read_text())
+    del without["zero_force_ds_cpu_optimizer"]
+    (root / "without_key.json").write_text(json.dumps(without))
+
+    def torchrun(name: str, strategy: Path):
+        out = root / name
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", TRAIN]
+        cmd += ["--config", str(_config(root / f"{name}.yaml", data_cache, out)), f"strategy={strategy}", "steps=3"]
+        return lambda: (out, run(cmd, timeout=420))
+
+    fsdp_out = root / "fsdp"
+    accelerate = [
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        str(REPO / "tests" / "data" / "accelerate_fsdp" / "trl_fsdp2_sharding_2gpus.yaml"),
+    ]
+    accelerate += ["--main_process_port", str(free_port()), TRAIN, "--config", str(_config(root / "fsdp.yaml", data_cache, fsdp_out))]
+    jobs = [torchrun("forced", fp8), torchrun("without", root / "without_key.json"), lambda: (fsdp_out, run(accelerate, timeout=420))]
+    return {name: (out, p.stdout + p.stderr) for name, (out, p) in zip(("forced", "without", "fsdp"), side_by_side(*jobs))}
+
+
+def test_forced_ds_cpu_optimizer_builds_deepspeed_cpu_adam_with_the_same_losses(cpu_adam_and_fsdp_runs):
+    (forced, log), (without, log_without) = cpu_adam_and_fsdp_runs["forced"], cpu_adam_and_fsdp_runs["without"]
+    assert "optim adamw (DeepSpeedCPUAdam, as ds_z3_fp8_config's zero_force_ds_cpu_optimizer asks)" in log, log[-3000:]
+    assert "DeepSpeedCPUAdam" not in log_without and "zero_force_ds_cpu_optimizer=False (the client optimizer AdamW" in log_without
+    losses, reference = step_losses(forced), step_losses(without)
+    assert len(losses) == 3 and losses == pytest.approx(reference, rel=1e-6), (losses, reference)
+    assert losses[2] < losses[0]  # the optimizer stepped
+
+
+def test_trl_fsdp2_parallelism_file_shards_and_checkpoints_activations(cpu_adam_and_fsdp_runs):
+    out, log = cpu_adam_and_fsdp_runs["fsdp"]
+    assert "memory.activation_checkpointing='full' (from accelerate launch --fsdp_activation_checkpointing true" in log, log[-3000:]
+    assert "precision='bf16' (from accelerate launch --mixed_precision bf16" in log
+    assert "accelerate launch --fsdp_state_dict_type FULL_STATE_DICT: checkpoints are sharded" in log
+    assert "fsdp (fsdp) x2 on cpu, bf16" in log
+    assert len(step_losses(out)) == 2
+    for rank in (0, 1):
+        held = state_bytes(out, rank)
+        assert held["params"] == pytest.approx(2 * N_PARAMS, rel=0.05), held  # half of the fp32 parameters

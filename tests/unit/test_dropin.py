@@ -29,6 +29,7 @@ from harness.errors import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 DROPIN = REPO / "tests" / "data" / "dropin"
 HIDDEN = 64  # tiny-llama's width: fills the files' "auto" bucket sizes
+BF16_EXTRA = ("auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
 FP16_CPU = "under DeepSpeed needs a GPU (DeepSpeed's fp16 optimizer and loss scaler run on CUDA) and this machine has none"
 
 # file -> None (accepted) or the problem lines of its refusal, in order (a substring each)
@@ -37,12 +38,21 @@ VERDICTS: dict[str, list[str] | None] = {
     "tests/data/dropin/accelerate/zero_stage2_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
     "tests/data/dropin/accelerate/zero_stage3_offload_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
     "tests/data/dropin/accelerate/deepspeed.yaml": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
+    "tests/data/dropin/accelerate/zero_stage2_offload_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
+    "tests/data/dropin/accelerate/zero_stage3_config.json": [f"precision=fp16 (from {{path}}'s fp16.enabled) {FP16_CPU}"],
     "tests/data/dropin/axolotl/zero1.json": None,
     "tests/data/dropin/axolotl/zero1_torch_compile.json": [
         "unknown DeepSpeed key 'compile.disable' (DeepSpeed's CompileConfig has no such field)",
         "unknown DeepSpeed key 'compile.backend' (DeepSpeed's CompileConfig has no such field)",
     ],
     "tests/data/dropin/axolotl/zero2.json": None,
+    "tests/data/dropin/axolotl/zero2_torch_compile.json": [
+        "unknown DeepSpeed key 'compile.disable' (DeepSpeed's CompileConfig has no such field)",
+        "unknown DeepSpeed key 'compile.backend' (DeepSpeed's CompileConfig has no such field)",
+    ],
+    "tests/data/dropin/axolotl/zero3.json": None,
+    "tests/data/dropin/axolotl/zero3_bf16_cpuoffload_params.json": None,
+    "tests/data/dropin/axolotl/zero3_cpuoffload.json": None,
     "tests/data/dropin/axolotl/zero3_bf16.json": None,
     "tests/data/dropin/axolotl/zero3_bf16_cpuoffload_all.json": None,
     "tests/data/dropin/deepspeedexamples/autotuning_ds_config_z1.json": None,
@@ -51,6 +61,15 @@ VERDICTS: dict[str, list[str] | None] = {
     "tests/data/dropin/llama-factory/ds_z0_config.json": None,
     "tests/data/dropin/llama-factory/ds_z2_config.json": None,
     "tests/data/dropin/llama-factory/ds_z3_offload_config.json": None,
+    "tests/data/dropin/llama-factory/ds_z1_config_gaudi.json": None,
+    "tests/data/dropin/llama-factory/ds_z2_offload_config.json": None,
+    "tests/data/dropin/llama-factory/ds_z3_config.json": None,
+    "tests/data/dropin/llama-factory/ds_z3_partial_offload_config.json": None,  # zero_force_ds_cpu_optimizer: DeepSpeedCPUAdam
+    "tests/data/dropin/llama-factory/ds_z3_fp8_config.json": None,  # the same, and its `fp8` block DeepSpeed ignores (warned)
+    "tests/data/dropin/llama-factory/ds_z3_alst_config.json": [
+        "sequence_parallel (ALST/Ulysses, size 4) splits each sequence across ranks, which harness does not do yet",
+        *(f"unknown DeepSpeed key 'bf16.{key}' (DeepSpeed's DeepSpeedBF16Config has no such field)" for key in BF16_EXTRA),
+    ],
     "tests/data/dropin/llama-factory/ds_z2_autotp_config.json": ["tensor_parallel (AutoTP, size 2) splits each layer across ranks"],
     "tests/data/dropin/llama-factory/deepspeed_zero2_dpo.yaml": None,
     "tests/data/dropin/transformers/ds_config_zero2.json": None,
@@ -177,6 +196,7 @@ def test_every_collected_file_has_a_verdict_and_a_source():
     assert all(f"| {f} |" in sources for f in files)
     projects = {f.split("/")[0] for f in files}
     assert len(files) >= 15 and len(projects) >= 4
+    assert len([f for f in files if f.endswith(".json")]) >= 24  # DeepSpeed files of 5 projects, besides the accelerate YAMLs
     assert {p.suffix for p in DROPIN.glob("*/*")} >= {".json", ".yaml"}
 
 
@@ -320,3 +340,26 @@ def test_deepspeed_checks_across_blocks_run_on_the_resolved_dict(tmp_path):
     path = _file(tmp_path, {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
     with pytest.raises(ConfigError, match=r"DeepSpeed refuses the config: Bf16_master_weights_and_grads is only supported with ZeRO"):
         _plan(path)
+
+
+def test_forced_ds_cpu_optimizer_is_deepspeed_cpu_adam_on_any_machine(tmp_path):
+    fp8 = str(DROPIN / "llama-factory" / "ds_z3_fp8_config.json")
+    plan, _ = _plan(fp8)
+    assert plan.cpu_adam and plan.host_optimizer == "DeepSpeedCPUAdam, as ds_z3_fp8_config's zero_force_ds_cpu_optimizer asks"
+    raw = json.loads(Path(fp8).read_text())
+    del raw["zero_force_ds_cpu_optimizer"]
+    without = _file(tmp_path, raw)
+    assert not _plan(without)[0].cpu_adam  # CPU-only machine: torch's AdamW on the host
+    assert _plan(without, accelerator=True)[0].cpu_adam  # a GPU machine: DeepSpeed's CPU Adam by default
+    assert not _plan(without, env={"HARNESS_DS_CPU_ADAM": "0"}, accelerator=True)[0].cpu_adam
+    with pytest.raises(ConfigError, match=r"zero_force_ds_cpu_optimizer: true asks for DeepSpeed's CPU optimizer .* optim.name='sgd'"):
+        _plan(fp8, ["optim.name=sgd"])
+    assert _plan(fp8, ["optim.name=adam"])[0].cpu_adam  # Adam too (DeepSpeedCPUAdam's adamw_mode off)
+
+
+def test_nvme_offload_from_the_launcher_takes_accelerates_path_variable(tmp_path):
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"}
+    with pytest.raises(ConfigError, match=r"nvme needs an NVMe path: export ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH"):
+        _plan(None, env=env)
+    plan, _ = _plan(None, env={**env, "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH": str(tmp_path)})
+    assert plan.deepspeed["zero_optimization"]["offload_param"] == {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
