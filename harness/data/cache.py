@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from harness.config import DataConfig, is_preset
+from harness.config import INSTRUCTION_FORMATS, DataConfig, is_preset
 from harness.data import tokens as tokenization
 from harness.data.documents import EMBEDDED_SOURCES, SPLITS, is_token_file, open_documents, open_stream, pretokenized
 from harness.data.instructions import EXAMPLES, LAYOUT_VERSION, load_examples, prepare_instructions
@@ -180,7 +180,7 @@ def _build(model_name: str, cfg: DataConfig, tmp: str, progress: bool) -> str:
     if cfg.streaming:
         stats = _prepare_stream(model_name, cfg, tmp)
         tok = stats.pop("tokenizer")
-    elif cfg.format == "instruction":  # (input_ids, labels) blocks, loss on the responses only
+    elif cfg.format in INSTRUCTION_FORMATS:  # (input_ids, labels) blocks, loss on the responses only
         stats = prepare_instructions(model_name, cfg, tmp)
         tok = stats.pop("tokenizer")
     elif is_token_file(cfg.source):

@@ -41,6 +41,7 @@ import numpy as np
 
 from harness.config import DataConfig
 from harness.data.documents import SPLITS, split_of
+from harness.data.formats import as_messages, layout_of
 from harness.data.tokenizer import eos_id, given_tokenizer, leading_specials, train_bpe_tokenizer
 from harness.errors import ConfigError
 from harness.log import get_logger
@@ -69,13 +70,14 @@ def check_record(record: Any, where: str) -> None:
     if record_kind(record) is None:
         fields = ", ".join(record) if isinstance(record, dict) else type(record).__name__
         raise ConfigError(
-            f"{where}: data.format=instruction needs records with 'prompt' and 'response' strings or a "
-            f"'messages' list of {{role, content}} (got: {fields})"
+            f"{where}: data.format=instruction needs records with 'prompt' and 'response' strings, a "
+            f"'messages' list of {{role, content}}, Alpaca's instruction/input/output or ShareGPT's conversations (got: {fields})"
         )
 
 
-def read_records(source: str) -> list[dict[str, Any]]:
-    """Every record of a JSON lines file (or a directory of them, or JSON arrays), in file order."""
+def read_records(source: str, fmt: str = "instruction") -> list[dict[str, Any]]:
+    """Every record of a JSON lines file (or a directory of them, or JSON arrays), in file order;
+    Alpaca and ShareGPT records as `messages` (`fmt` names the layout, or "instruction": each record's fields)."""
     if not os.path.exists(source):
         raise ConfigError(f"data.source '{source}' does not exist; data.format=instruction reads a local JSON lines file")
     files = sorted(glob.glob(os.path.join(source, "**", "*.json*"), recursive=True)) if os.path.isdir(source) else [source]
@@ -94,8 +96,10 @@ def read_records(source: str) -> list[dict[str, Any]]:
                         except json.JSONDecodeError as e:
                             raise ConfigError(f"data.source file '{path}' line {n} is not JSON ({e.msg})") from None
         for i, row in enumerate(rows):
-            check_record(row, f"{path} record {i + 1}")
-            records.append(row)
+            where = f"{path} record {i + 1}"
+            record = as_messages(row, where, fmt if fmt in ("alpaca", "sharegpt") else layout_of(row) or "")
+            check_record(record, where)
+            records.append(record)
     if not records:
         raise ConfigError(f"data.source '{source}' holds no instruction records")
     return records
@@ -229,7 +233,7 @@ def to_blocks(examples: list[tuple[list[int], list[int]]], seq_len: int, packing
 
 def prepare_instructions(model_name: str, cfg: DataConfig, out: str) -> dict[str, Any]:
     """Write `<out>/<split>.examples.npy` for every split; returns the cache statistics (with the tokenizer)."""
-    records = read_records(cfg.source)
+    records = read_records(cfg.source, cfg.format)
     splits = [split_of(json.dumps(r, sort_keys=True), cfg) for r in records]
     tok = given_tokenizer(model_name, cfg)
     if tok is None:

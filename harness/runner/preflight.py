@@ -37,7 +37,7 @@ from harness.checkpoint import (
     resume_path,
     verified_meta,
 )
-from harness.config import RunConfig, Strategy, check_run
+from harness.config import INSTRUCTION_FORMATS, RunConfig, Strategy, check_run
 from harness.data import EMBEDDED_SOURCES, cache_dir_for, check_cache_root, data_files, is_complete, read_records
 from harness.engine import EnginePlan, hidden_size_of, plan_engine
 from harness.errors import ConfigError
@@ -219,8 +219,8 @@ def check_data(cfg: RunConfig) -> None:
         check_tokenizer_dir(cfg.data.tokenizer, "data.tokenizer")
     elif not cfg.data.tokenizer and os.path.isfile(os.path.join(cfg.model.name, "tokenizer.json")):
         check_tokenizer_dir(cfg.model.name, f"the tokenizer of model.name '{cfg.model.name}'")
-    if cfg.data.format == "instruction":
-        read_records(source)  # every record must be prompt/response or messages: one line naming the first that is not
+    if cfg.data.format in INSTRUCTION_FORMATS:
+        read_records(source, cfg.data.format)  # every record must be prompt/response or messages: one line naming the first that is not
         return
     if source in EMBEDDED_SOURCES:
         return
