@@ -42,7 +42,17 @@ from tqdm import tqdm
 
 from harness.config import INSTRUCTION_FORMATS, DataConfig, is_preset
 from harness.data import tokens as tokenization
-from harness.data.documents import EMBEDDED_SOURCES, SPLITS, is_token_file, open_documents, open_stream, pretokenized
+from harness.data.documents import (
+    EMBEDDED_SOURCES,
+    SPLITS,
+    check_columns,
+    data_files,
+    is_token_file,
+    open_documents,
+    open_stream,
+    pretokenized,
+)
+from harness.data.folders import check_arrow_files, folder_layout, open_folder
 from harness.data.instructions import EXAMPLES, LAYOUT_VERSION, load_examples, prepare_instructions
 from harness.data.integrity import cache_problem, check_cache_root, source_fingerprint
 from harness.data.tokenizer import eos_id, given_tokenizer, train_bpe_tokenizer
@@ -228,7 +238,14 @@ def _read_corpus(cfg: DataConfig) -> datasets.Dataset:
     """The documents; a source the loaders cannot read (an undecodable line, broken JSON or
     parquet) is one line naming it, not a loader's traceback on every rank."""
     try:
-        return open_documents(cfg)
+        layout = folder_layout(cfg.source) if cfg.source not in EMBEDDED_SOURCES else None
+        if layout is None:
+            if os.path.exists(cfg.source):
+                check_arrow_files([f for f in data_files(cfg.source) if f.endswith(".arrow")])
+            return open_documents(cfg)
+        ds = open_folder(cfg.source, layout, cfg)
+        check_columns(ds.column_names, cfg)
+        return ds
     except ConfigError:
         raise
     except Exception as exc:

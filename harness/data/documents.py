@@ -107,7 +107,7 @@ def split_codes(texts: list[str], cfg: DataConfig) -> np.ndarray:
     return np.fromiter((SPLIT_CODE[split_of(t, cfg)] for t in texts), dtype=np.int8, count=len(texts))
 
 
-LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # anything else: text
+LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}  # anything else: text
 DOC_FILES = ("readme", "license", "licence", "changelog", "citation", ".gitattributes", ".gitignore")  # a dataset's own documentation
 
 

@@ -38,7 +38,17 @@ from harness.checkpoint import (
     verified_meta,
 )
 from harness.config import INSTRUCTION_FORMATS, RunConfig, Strategy, check_run
-from harness.data import EMBEDDED_SOURCES, cache_dir_for, check_cache_root, data_files, is_complete, read_records
+from harness.data import (
+    EMBEDDED_SOURCES,
+    cache_dir_for,
+    check_arrow_files,
+    check_cache_root,
+    check_saved_folder,
+    data_files,
+    folder_layout,
+    is_complete,
+    read_records,
+)
 from harness.engine import EnginePlan, hidden_size_of, plan_engine
 from harness.errors import ConfigError
 from harness.log import get_logger
@@ -224,6 +234,13 @@ def check_data(cfg: RunConfig) -> None:
         return
     if source in EMBEDDED_SOURCES:
         return
+    layout = folder_layout(source)
+    if layout is not None:  # a save_to_disk folder, or one laid out as a Hub dataset repository
+        if cfg.data.streaming:
+            raise ConfigError(f"data.source '{source}' is a datasets folder, read memory-mapped: set data.streaming=false")
+        if layout == "saved":
+            check_saved_folder(source, cfg.data)
+        return
     if os.path.exists(source):
         files = [os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs] if os.path.isdir(source) else [source]
         if not files:
@@ -232,6 +249,7 @@ def check_data(cfg: RunConfig) -> None:
         if all(os.path.getsize(f) == 0 for f in files):
             raise ConfigError(f"data.source '{source}' holds only empty files")
         check_decodable(files)
+        check_arrow_files([f for f in files if f.endswith(".arrow")])
         first = sorted(files)[0]
         if first.endswith((".npy", ".bin")) and os.path.isfile(source):
             check_token_file(source, cfg)
