@@ -121,6 +121,7 @@ class DataConfig:
     stream_eval_blocks: int = 256  # streaming: eval and calib blocks read from the start of the stream
     format: DataFormat = "text"  # text (pretraining) | instruction | alpaca | sharegpt (JSON lines records, loss on the answers)
     packing: bool = True  # instruction: pack examples into full blocks (else one example per block, padded)
+    block_bos: bool = True  # text: where the tokenizer puts a BOS before every text, every block starts with it
 
 
 @dataclass

@@ -42,7 +42,7 @@ def prepare(cfg: RunConfig, info: DistInfo) -> PackedData:
     """The data cache, prepared once per file system under its lock (the other ranks wait for
     it on the file system, not in a collective that would time out), then memory-mapped."""
     stop_preparation_when(signal_received)  # SIGTERM/SIGUSR1/Ctrl-C while preparing: stop now, not after the corpus
-    return load_packed(prepare_data(cfg.model.name, cfg.data, progress=info.local_rank == 0))
+    return load_packed(prepare_data(cfg.model.name, cfg.data, progress=info.local_rank == 0), block_bos=cfg.data.block_bos)
 
 
 def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampler | StreamSampler:
