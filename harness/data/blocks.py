@@ -22,16 +22,29 @@ def cut(stream: np.ndarray, at: int, seq_len: int, bos: int) -> tuple[np.ndarray
     return np.concatenate(([bos], np.asarray(stream[at : at + seq_len - 1]))).astype(stream.dtype, copy=False), seq_len - 1
 
 
+STARTS_PER_READ = 256  # block starts looked at per read of the stream
+
+
 def block_starts(stream: np.ndarray, seq_len: int, bos: int) -> np.ndarray:
-    """Where each whole block starts in the stream (the last partial block is left out, as without BOS)."""
-    starts, at, n = [], 0, len(stream)
+    """Where each whole block starts in the stream (the last partial block is left out, as without BOS).
+
+    Blocks step `seq_len - 1` tokens until one starts on a document's own BOS (it takes `seq_len`);
+    the candidates are read `STARTS_PER_READ` at a time, so a corpus of billions of tokens costs
+    seconds, not a Python step per block."""
+    n, step, at = len(stream), seq_len - 1, 0
+    found: list[np.ndarray] = []
     while at < n:
-        take = seq_len if stream[at] == bos else seq_len - 1
-        if at + take > n:
-            break
-        starts.append(at)
-        at += take
-    return np.asarray(starts, dtype=np.int64)
+        candidates = np.arange(at, min(n, at + STARTS_PER_READ * step), step, dtype=np.int64)
+        on_bos = np.flatnonzero(np.asarray(stream[candidates]) == bos)
+        if not on_bos.size:
+            found.append(candidates)
+            at = int(candidates[-1]) + step
+            continue
+        found.append(candidates[: on_bos[0] + 1])
+        at = int(candidates[on_bos[0]]) + seq_len
+    starts = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+    lengths = np.where(np.asarray(stream[starts]) == bos, seq_len, step)
+    return starts[starts + lengths <= n]
 
 
 class BosBlocks:

@@ -102,3 +102,18 @@ def test_streamed_blocks_start_with_bos(source, tmp_path):
 
 def test_a_tokenizer_without_bos_keeps_plain_blocks(tiny_data):
     assert isinstance(tiny_data.blocks["train"], np.memmap)
+
+
+def test_block_starts_follow_the_rule_on_any_stream():
+    """Read many starts at a time, the same as one block after another: `seq_len` tokens from a
+    document's own BOS, else a BOS and `seq_len - 1` tokens; the last partial block left out."""
+    from harness.data.blocks import block_starts
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        seq, stream = int(rng.integers(2, 40)), rng.integers(0, int(rng.integers(2, 30)), size=int(rng.integers(0, 3000)))
+        expected, at = [], 0
+        while at < len(stream) and at + (seq if stream[at] == 1 else seq - 1) <= len(stream):
+            expected.append(at)
+            at += seq if stream[at] == 1 else seq - 1
+        np.testing.assert_array_equal(block_starts(stream, seq, 1), expected)
