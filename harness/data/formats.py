@@ -37,6 +37,12 @@ def layout_of(record: Any) -> str | None:
     return None
 
 
+def format_hint(columns: list[str]) -> str:
+    """What to set when a text source's columns are an instruction layout (empty otherwise)."""
+    layout = layout_of(dict.fromkeys(columns))
+    return f"; its columns are {layout} records: set data.format=instruction" if layout else ""
+
+
 def _string(record: dict[str, Any], key: str, where: str, layout: str) -> str:
     value = record.get(key)
     if not isinstance(value, str):
@@ -88,4 +94,4 @@ def as_messages(record: Any, where: str, layout: str) -> Any:
     return record
 
 
-__all__ = ["SHAREGPT_ROLES", "alpaca_messages", "as_messages", "layout_of", "sharegpt_messages"]
+__all__ = ["SHAREGPT_ROLES", "alpaca_messages", "as_messages", "format_hint", "layout_of", "sharegpt_messages"]

@@ -46,6 +46,7 @@ from harness.data import (
     check_saved_folder,
     data_files,
     folder_layout,
+    format_hint,
     is_complete,
     read_records,
 )
@@ -270,6 +271,7 @@ def check_data(cfg: RunConfig) -> None:
             elif isinstance(record, dict) and cfg.data.text_field not in record:
                 raise ConfigError(
                     f"data.source '{first}' has no field '{cfg.data.text_field}' (fields: {', '.join(record)}); set data.text_field"
+                    + format_hint(list(record))
                 )
         return
     if _looks_like_path(source):

@@ -129,6 +129,7 @@ CASES = [
     ("data_not_utf8", {}, ["data.source={root}/latin1.txt"], "is not UTF-8 text"),
     ("pretokenized_without_eos", {}, ["data.source={root}/ids.jsonl"], "set data.eos_id"),
     ("alpaca_without_output", {}, ["data.source={root}/alpaca.jsonl", "data.format=instruction"], "record 1: field 'output' is missing"),
+    ("alpaca_as_text", {}, ["data.source={root}/alpaca.jsonl"], "its columns are alpaca records: set data.format=instruction"),
     ("sharegpt_unknown_role", {}, ["data.source={root}/sharegpt.jsonl", "data.format=sharegpt"], "'from' is 'function_call'"),
     ("datasetdict_without_train", {}, ["data.source={root}/dict_no_train"], "is a DatasetDict without a 'train' split"),
     ("arrow_file_damaged", {}, ["data.source={root}/damaged.arrow"], "damaged.arrow' is not a readable Arrow file"),
