@@ -41,6 +41,7 @@ import numpy as np
 
 from harness.config import DataConfig
 from harness.data.documents import SPLITS, split_of
+from harness.data.folders import folder_layout
 from harness.data.formats import as_messages, layout_of
 from harness.data.tokenizer import eos_id, given_tokenizer, leading_specials, train_bpe_tokenizer
 from harness.errors import ConfigError
@@ -80,6 +81,11 @@ def read_records(source: str, fmt: str = "instruction") -> list[dict[str, Any]]:
     Alpaca and ShareGPT records as `messages` (`fmt` names the layout, or "instruction": each record's fields)."""
     if not os.path.exists(source):
         raise ConfigError(f"data.source '{source}' does not exist; data.format=instruction reads a local JSON lines file")
+    if folder_layout(source):
+        raise ConfigError(
+            f"data.source '{source}' is a datasets folder; instruction records are read from JSON lines: "
+            "write them with Dataset.to_json('records.jsonl') and point data.source at that file"
+        )
     files = sorted(glob.glob(os.path.join(source, "**", "*.json*"), recursive=True)) if os.path.isdir(source) else [source]
     records: list[dict[str, Any]] = []
     for path in files:

@@ -130,3 +130,11 @@ def test_a_bad_record_is_one_line_naming_file_record_and_field_and_nothing_is_ca
     message = str(err.value)
     assert "\n" not in message and str(source) in message and expected in message, message
     assert not [p for p in cache.iterdir() if p.is_dir()], "a failed preparation left a directory in the cache"
+
+
+def test_instruction_records_in_a_datasets_folder_are_refused_in_one_line(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"instruction": ["Sort"], "output": ["a b"]}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(ConfigError, match="is a datasets folder; instruction records are read from JSON lines"):
+        read_records(str(tmp_path / "saved"))
