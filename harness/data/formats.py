@@ -51,13 +51,20 @@ def _string(record: dict[str, Any], key: str, where: str, layout: str) -> str:
     return value
 
 
+def _system(record: dict[str, Any], where: str, layout: str) -> list[dict[str, str]]:
+    """The record's `system` prompt as the first turn (none when absent or empty)."""
+    if record.get("system") in (None, ""):
+        return []
+    return [{"role": "system", "content": _string(record, "system", where, layout)}]
+
+
 def alpaca_messages(record: dict[str, Any], where: str) -> list[dict[str, str]]:
     instruction = _string(record, "instruction", where, "an Alpaca record")
     output = _string(record, "output", where, "an Alpaca record")
     extra = record.get("input") or ""
     if not isinstance(extra, str):
         raise ConfigError(f"{where}: an Alpaca record's 'input' must be a string (got a {type(extra).__name__})")
-    messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+    messages = _system(record, where, "an Alpaca record")
     for n, pair in enumerate(record.get("history") or []):
         if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
             raise ConfigError(f"{where}: 'history' item {n + 1} must be a [user, assistant] pair of strings")
@@ -70,7 +77,7 @@ def sharegpt_messages(record: dict[str, Any], where: str) -> list[dict[str, str]
     turns = record.get("conversations")
     if not isinstance(turns, list) or not turns:
         raise ConfigError(f"{where}: a ShareGPT record needs 'conversations' as a non-empty list of {{from, value}}")
-    messages = [{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) and record["system"] else []
+    messages = _system(record, where, "a ShareGPT record")
     for n, turn in enumerate(turns):
         at = f"{where}, conversations[{n}]"
         if not isinstance(turn, dict):
