@@ -11,7 +11,7 @@ import functools
 import importlib.util
 
 from harness.config.prune_modes import check_prune_mode
-from harness.config.schema import BF16_WEIGHT_OPTIMIZERS, EMBEDDED_CORPORA, OPTIMIZER_LIBRARY, RunConfig, choice_fields
+from harness.config.schema import BF16_WEIGHT_OPTIMIZERS, EMBEDDED_CORPORA, INSTRUCTION_FORMATS, OPTIMIZER_LIBRARY, RunConfig, choice_fields
 from harness.config.strategies import Strategy
 from harness.errors import ConfigError, did_you_mean
 
@@ -97,9 +97,9 @@ def check_values(cfg: RunConfig) -> None:
     if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
         raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1 (or unset: the machine's cores)")
     check_lora_values(cfg)
-    if cfg.data.format == "instruction" and (cfg.data.source in EMBEDDED_CORPORA or cfg.data.streaming):
+    if cfg.data.format in INSTRUCTION_FORMATS and (cfg.data.source in EMBEDDED_CORPORA or cfg.data.streaming):
         raise ConfigError(
-            "data.format=instruction reads a local JSON lines file of prompt/response or messages records "
+            f"data.format={cfg.data.format} reads a local JSON lines file of prompt/response, messages, Alpaca or ShareGPT records "
             f"(data.source={cfg.data.source!r}{', streaming' if cfg.data.streaming else ''}); "
             "set data.source to it and data.streaming=false"
         )
@@ -126,9 +126,9 @@ def check_lora_values(cfg: RunConfig) -> None:
 def check_lora(cfg: RunConfig, strategy_kind: str, zero_stage: int = 0) -> None:
     """What LoRA/QLoRA can run with, decided before any process group starts."""
     lo = cfg.lora
-    if cfg.data.format == "instruction" and cfg.prune.method != "none":
+    if cfg.data.format in INSTRUCTION_FORMATS and cfg.prune.method != "none":
         raise ConfigError(
-            "data.format=instruction cannot calibrate pruning (its blocks carry labels); prune on text data, "
+            f"data.format={cfg.data.format} cannot calibrate pruning (its blocks carry labels); prune on text data, "
             "export, then fine-tune the pruned model"
         )
     if not lo.enabled:

@@ -19,7 +19,9 @@ Precision = Literal["fp32", "bf16", "fp16", "bf16_pure"]
 AcMode = Literal["none", "full", "selective", "op"]
 CompileMode = Literal["none", "block", "model"]
 LoraQuantize = Literal["none", "int8", "nf4"]
-DataFormat = Literal["text", "instruction"]
+# text: loss on every token; the others (harness.data.instructions): records with labels - instruction detects
+# prompt/response, messages, Alpaca or ShareGPT from each record's fields, alpaca and sharegpt name the layout
+DataFormat = Literal["text", "instruction", "alpaca", "sharegpt"]
 TokenDtype = Literal["uint16", "uint32"]  # element type of a raw .bin token file
 Device = Literal["auto", "cpu", "cuda"]
 # adamw/adam/sgd: torch, fp32 (parameter-dtype) state; adamw_bf16/_8bit/_4bit: torchao's optimizers
@@ -58,6 +60,7 @@ COMPILE_MODES = get_args(CompileMode)
 LORA_QUANTIZE = get_args(LoraQuantize)
 EMBEDDED_CORPORA = get_args(EmbeddedCorpus)
 DATA_FORMATS = get_args(DataFormat)
+INSTRUCTION_FORMATS = tuple(f for f in DATA_FORMATS if f != "text")  # blocks of (input_ids, labels)
 PRUNE_METHODS = get_args(PruneMethod)
 PRUNE_BASES = get_args(PruneBase)
 PRUNE_DECISIONS = get_args(PruneDecision)
@@ -116,8 +119,9 @@ class DataConfig:
     eos_id: int | None = None  # document separator for pre-tokenized input without a tokenizer
     token_dtype: TokenDtype = "uint16"  # element type of a raw .bin token file
     stream_eval_blocks: int = 256  # streaming: eval and calib blocks read from the start of the stream
-    format: DataFormat = "text"  # text (pretraining: loss on every token) | instruction (JSON lines prompt/response or messages)
+    format: DataFormat = "text"  # text (pretraining) | instruction | alpaca | sharegpt (JSON lines records, loss on the answers)
     packing: bool = True  # instruction: pack examples into full blocks (else one example per block, padded)
+    block_bos: bool = True  # text: where the tokenizer puts a BOS before every text, every block starts with it
 
 
 @dataclass

@@ -7,6 +7,8 @@ sampled identically at any world size; or streamed and tokenized on the fly.
 
 from harness.data.cache import PackedData, cache_dir_for, is_complete, load_packed, prepare_data, stop_preparation_when
 from harness.data.documents import EMBEDDED_SOURCES, EOS, SPLITS, data_files, embedded_documents, open_documents, split_of
+from harness.data.folders import check_arrow_files, check_saved_folder, folder_layout
+from harness.data.formats import format_hint
 from harness.data.instructions import read_records
 from harness.data.integrity import check_cache_root
 from harness.data.sampling import BatchSampler, StreamSampler, describe_consumption, split_batches
@@ -20,7 +22,11 @@ __all__ = [
     "PackedData",
     "StreamSampler",
     "cache_dir_for",
+    "check_arrow_files",
     "check_cache_root",
+    "check_saved_folder",
+    "folder_layout",
+    "format_hint",
     "data_files",
     "stop_preparation_when",
     "describe_consumption",

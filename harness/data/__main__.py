@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, overrides)
     cache = prepare_data(cfg.model.name, cfg.data, progress=True)
     seconds = time.perf_counter() - t0
-    data = load_packed(cache)
+    data = load_packed(cache, block_bos=cfg.data.block_bos)
     with open(f"{cache}/meta.json") as f:
         meta = json.load(f)
     tokens = sum(data.tokens.values())

@@ -40,12 +40,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from harness.config import DataConfig, is_preset
+from harness.config import INSTRUCTION_FORMATS, DataConfig, is_preset
 from harness.data import tokens as tokenization
-from harness.data.documents import EMBEDDED_SOURCES, SPLITS, is_token_file, open_documents, open_stream, pretokenized
+from harness.data.blocks import BosBlocks
+from harness.data.documents import (
+    EMBEDDED_SOURCES,
+    SPLITS,
+    check_columns,
+    data_files,
+    is_token_file,
+    open_documents,
+    open_stream,
+    pretokenized,
+)
+from harness.data.folders import check_arrow_files, folder_layout, open_folder
 from harness.data.instructions import EXAMPLES, LAYOUT_VERSION, load_examples, prepare_instructions
 from harness.data.integrity import cache_problem, check_cache_root, source_fingerprint
-from harness.data.tokenizer import eos_id, given_tokenizer, train_bpe_tokenizer
+from harness.data.tokenizer import eos_id, given_tokenizer, saved_bos, train_bpe_tokenizer
 from harness.distributed import FileLock
 from harness.errors import ConfigError, StopRequested
 from harness.log import ALL_RANKS, get_logger
@@ -61,7 +72,7 @@ DOCS_PER_STEP_IN_PROCESS = 128  # smaller in one process: a capped train split s
 
 @dataclass
 class PackedData:
-    blocks: dict[str, np.ndarray]  # split -> (n_blocks, seq_len) memory-mapped view of its token stream
+    blocks: dict[str, Any]  # split -> (n_blocks, seq_len) memory-mapped view of its token stream (or `BosBlocks` over it)
     vocab_size: int
     tokenizer_dir: str | None
     cache_dir: str
@@ -74,6 +85,7 @@ class PackedData:
 def cache_dir_for(model_name: str, cfg: DataConfig) -> str:
     root = cfg.cache_dir or os.environ.get("HARNESS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "harness")
     content = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes what is written
+    del content["block_bos"]  # decided when the blocks are cut from the streams, not written
     if cfg.format == "text":  # keys added with instruction data: text caches keep the names they had before
         del content["format"], content["packing"]
         if cfg.tokenizer or not is_preset(model_name):  # caches that keep a given tokenizer's BOS (`leading_specials`)
@@ -181,7 +193,7 @@ def _build(model_name: str, cfg: DataConfig, tmp: str, progress: bool) -> str:
     if cfg.streaming:
         stats = _prepare_stream(model_name, cfg, tmp)
         tok = stats.pop("tokenizer")
-    elif cfg.format == "instruction":  # (input_ids, labels) blocks, loss on the responses only
+    elif cfg.format in INSTRUCTION_FORMATS:  # (input_ids, labels) blocks, loss on the responses only
         stats = prepare_instructions(model_name, cfg, tmp)
         tok = stats.pop("tokenizer")
     elif is_token_file(cfg.source):
@@ -229,7 +241,14 @@ def _read_corpus(cfg: DataConfig) -> datasets.Dataset:
     """The documents; a source the loaders cannot read (an undecodable line, broken JSON or
     parquet) is one line naming it, not a loader's traceback on every rank."""
     try:
-        return open_documents(cfg)
+        layout = folder_layout(cfg.source) if cfg.source not in EMBEDDED_SOURCES else None
+        if layout is None:
+            if os.path.exists(cfg.source):
+                check_arrow_files([f for f in data_files(cfg.source) if f.endswith(".arrow")])
+            return open_documents(cfg)
+        ds = open_folder(cfg.source, layout, cfg)
+        check_columns(ds.column_names, cfg)
+        return ds
     except ConfigError:
         raise
     except Exception as exc:
@@ -353,16 +372,28 @@ def check_stop(doing: str) -> None:
 # ----------------------------------------------------------------------------- loading
 
 
-def load_packed(cache: str) -> PackedData:
+def load_packed(cache: str, block_bos: bool = True) -> PackedData:
+    """The cache's blocks; `block_bos`: where its tokenizer puts a BOS before every text, every
+    text block starts with one (`harness.data.blocks`)."""
     with open(os.path.join(cache, "meta.json")) as f:
         meta = json.load(f)
     seq, dtype = int(meta["seq_len"]), np.dtype(meta["dtype"])
+    tok_dir = os.path.join(cache, "tokenizer")
     blocks = load_examples(cache) if meta.get("layout") == EXAMPLES else {}
+    bos = saved_bos(tok_dir) if block_bos and not blocks else None
     for split in SPLITS if not blocks else ():
         n = int(meta["tokens"][split]) // seq
         path = os.path.join(cache, f"{split}.bin")
-        blocks[split] = np.memmap(path, dtype=dtype, mode="r", shape=(n, seq)) if n else np.zeros((0, seq), dtype=dtype)
-    tok_dir = os.path.join(cache, "tokenizer")
+        if bos is not None and int(meta["tokens"][split]):
+            blocks[split] = BosBlocks(np.memmap(path, dtype=dtype, mode="r"), seq, bos)
+        else:
+            blocks[split] = np.memmap(path, dtype=dtype, mode="r", shape=(n, seq)) if n else np.zeros((0, seq), dtype=dtype)
+    if bos is not None:
+        train = blocks["train"]
+        log.info(
+            f"data: the tokenizer puts BOS (id {bos}) before every text: every block starts with it "
+            f"({getattr(train, 'gained', 0):,} of {len(train):,} train blocks gained one); data.block_bos=false turns this off"
+        )
     return PackedData(
         blocks, int(meta["vocab_size"]), tok_dir if os.path.isdir(tok_dir) else None, cache, {s: int(meta["tokens"][s]) for s in SPLITS}
     )

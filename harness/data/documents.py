@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from harness.config import EMBEDDED_CORPORA, DataConfig
+from harness.data.formats import format_hint
 from harness.errors import ConfigError
 from harness.log import get_logger
 
@@ -107,7 +108,7 @@ def split_codes(texts: list[str], cfg: DataConfig) -> np.ndarray:
     return np.fromiter((SPLIT_CODE[split_of(t, cfg)] for t in texts), dtype=np.int8, count=len(texts))
 
 
-LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # anything else: text
+LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}  # anything else: text
 DOC_FILES = ("readme", "license", "licence", "changelog", "citation", ".gitattributes", ".gitignore")  # a dataset's own documentation
 
 
@@ -193,7 +194,7 @@ def check_columns(columns: list[str], cfg: DataConfig) -> None:
     if cfg.text_field not in columns and "input_ids" not in columns:
         raise ConfigError(
             f"data.source '{cfg.source}' has no column '{cfg.text_field}' (columns: {', '.join(columns)}); "
-            "set data.text_field, or give pre-tokenized data with an 'input_ids' column"
+            f"set data.text_field, or give pre-tokenized data with an 'input_ids' column{format_hint(columns)}"
         )
 
 

@@ -14,10 +14,12 @@ these blocks like any other (a block is a row of the array).
 - `{"prompt": ..., "response": ...}`: the tokenizer's leading specials (a BOS, where it adds
   one), prompt tokens, then response tokens and EOS (labelled).
 - `{"messages": [{"role": ..., "content": ...}, ...]}`: rendered with the tokenizer's chat
-  template when it has one. Labelled: each assistant turn's content and its end-of-turn token -
-  the template's `{% generation %}` mask where it has one, else the tokens after the rendering
-  with `add_generation_prompt=True` (the assistant header) up to the turn's last special token.
-  Without a template, a plain `role: content` line per turn (logged).
+  template when it has one. Labelled: what TRL's assistant-only loss labels - the template's
+  `{% generation %}` mask where it has one, else each assistant turn after the rendering with
+  `add_generation_prompt=True` (the assistant header; ChatML's `\n` after `assistant` is labelled,
+  as in TRL's ChatML training templates) through its end-of-turn token and the whitespace after it.
+  Without a template, a plain `role: content` line per turn (logged), labelled from the content
+  of each assistant turn through its EOS, never its `assistant:` header.
 
 `data.packing: true` packs whole examples into blocks, best-fit decreasing (TRL's BFD, axolotl's
 multipack): no example is cut at a block boundary and none is dropped; `false` gives one example
@@ -39,6 +41,8 @@ import numpy as np
 
 from harness.config import DataConfig
 from harness.data.documents import SPLITS, split_of
+from harness.data.folders import folder_layout
+from harness.data.formats import as_messages, layout_of
 from harness.data.tokenizer import eos_id, given_tokenizer, leading_specials, train_bpe_tokenizer
 from harness.errors import ConfigError
 from harness.log import get_logger
@@ -47,7 +51,9 @@ log = get_logger(__name__)
 IGNORE = -100
 EXAMPLES = "examples"  # the cache layout name in meta.json: (n, 3, seq_len) input_ids, labels, position_ids
 # What an instruction cache holds, in its key: a cache written by other rules is never read as this one.
-LAYOUT_VERSION = "examples-1: whole-example BFD packing, positions per example, assistant-content labels, leading specials"
+LAYOUT_VERSION = (
+    "examples-2: whole-example BFD packing, positions per example, TRL's assistant spans, no plain-chat header, leading specials"
+)
 
 
 def record_kind(record: Any) -> str | None:
@@ -65,15 +71,21 @@ def check_record(record: Any, where: str) -> None:
     if record_kind(record) is None:
         fields = ", ".join(record) if isinstance(record, dict) else type(record).__name__
         raise ConfigError(
-            f"{where}: data.format=instruction needs records with 'prompt' and 'response' strings or a "
-            f"'messages' list of {{role, content}} (got: {fields})"
+            f"{where}: data.format=instruction needs records with 'prompt' and 'response' strings, a "
+            f"'messages' list of {{role, content}}, Alpaca's instruction/input/output or ShareGPT's conversations (got: {fields})"
         )
 
 
-def read_records(source: str) -> list[dict[str, Any]]:
-    """Every record of a JSON lines file (or a directory of them, or JSON arrays), in file order."""
+def read_records(source: str, fmt: str = "instruction") -> list[dict[str, Any]]:
+    """Every record of a JSON lines file (or a directory of them, or JSON arrays), in file order;
+    Alpaca and ShareGPT records as `messages` (`fmt` names the layout, or "instruction": each record's fields)."""
     if not os.path.exists(source):
         raise ConfigError(f"data.source '{source}' does not exist; data.format=instruction reads a local JSON lines file")
+    if folder_layout(source):
+        raise ConfigError(
+            f"data.source '{source}' is a datasets folder; instruction records are read from JSON lines: "
+            "write them with Dataset.to_json('records.jsonl') and point data.source at that file"
+        )
     files = sorted(glob.glob(os.path.join(source, "**", "*.json*"), recursive=True)) if os.path.isdir(source) else [source]
     records: list[dict[str, Any]] = []
     for path in files:
@@ -90,8 +102,10 @@ def read_records(source: str) -> list[dict[str, Any]]:
                         except json.JSONDecodeError as e:
                             raise ConfigError(f"data.source file '{path}' line {n} is not JSON ({e.msg})") from None
         for i, row in enumerate(rows):
-            check_record(row, f"{path} record {i + 1}")
-            records.append(row)
+            where = f"{path} record {i + 1}"
+            record = as_messages(row, where, fmt if fmt in ("alpaca", "sharegpt") else layout_of(row) or "")
+            check_record(record, where)
+            records.append(record)
     if not records:
         raise ConfigError(f"data.source '{source}' holds no instruction records")
     return records
@@ -103,41 +117,55 @@ def _texts(record: dict[str, Any]) -> list[str]:
     return [str(m.get("content", "")) for m in record["messages"]]
 
 
-def _plain_turn(message: dict[str, Any]) -> str:
-    return f"{message.get('role', 'user')}: {message.get('content', '')}\n"
+def _plain_turn(message: dict[str, Any]) -> tuple[str, str]:
+    """A turn without a chat template: its header (`role:`) and its body (` content` and a newline)."""
+    return f"{message.get('role', 'user')}:", f" {message.get('content', '')}\n"
 
 
 def _ids(rendered: Any) -> list[int]:
     return list(rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered)
 
 
-def _special_ids(tok: Any) -> set[int]:
-    ids = set(tok.all_special_ids)
-    ids.update(i for i, added in getattr(tok, "added_tokens_decoder", {}).items() if getattr(added, "special", False))
-    return ids
-
-
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
+# The generation prompt after which TRL's training templates (qwen2.5, qwen3: ChatML) label the
+# separator too: `\n` + answer + `<|im_end|>` + `\n`. Elsewhere (Llama 3, Gemma, Phi-3) they label
+# from the answer on; everywhere through the whitespace after the end-of-turn token.
+TRL_LABELLED_SEPARATOR = {"<|im_start|>assistant\n": "\n"}
+
+
+def _assistant_header(messages: list[dict[str, Any]], i: int, ids: list[int], upto: list[int], tok: Any) -> list[int]:
+    """The tokens before assistant turn i's labels: the rendering with the generation prompt
+    (TRL's header), less the separator TRL labels; `ids` when the template renders no prompt."""
+    if not i:
+        return ids
+    header = _ids(tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True))
+    if upto[: len(header)] != header:
+        return ids  # the template does not render a generation prompt as its turn begins
+    prompt = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+    for opening, labelled in TRL_LABELLED_SEPARATOR.items():
+        sep = tok(labelled, add_special_tokens=False)["input_ids"]
+        if prompt.endswith(opening) and header[-len(sep) :] == sep:
+            return header[: -len(sep)]
+    return header
+
+
 def _template_labels(messages: list[dict[str, Any]], tok: Any) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of a conversation through the tokenizer's chat template."""
+    """(input_ids, labels) of a conversation through the tokenizer's chat template: the template's
+    `{% generation %}` mask where it has one, else what TRL's training templates label - each
+    assistant turn after its header, through its end-of-turn token and the whitespace after it."""
     if GENERATION_TAG.search(tok.chat_template or ""):  # the template marks what the assistant generates
         out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids = list(out["input_ids"])
         return ids, [t if m else IGNORE for t, m in zip(ids, out["assistant_masks"])]
     ids: list[int] = []
     labels: list[int] = []
-    specials = _special_ids(tok)
     for i, message in enumerate(messages):
         # The template renders a prefix of the conversation the same way whatever follows: the
         # tokens added by turn i are the difference between the renderings up to i and i + 1.
         upto = _ids(tok.apply_chat_template(messages[: i + 1], tokenize=True, add_generation_prompt=False))
-        header = ids
-        if message.get("role") == "assistant":  # what the template writes before the assistant's words
-            header = _ids(tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True)) if i else ids
-            if upto[: len(header)] != header:
-                header = ids  # the template does not render a generation prompt as its turn begins
+        header = _assistant_header(messages, i, ids, upto, tok) if message.get("role") == "assistant" else ids
         if upto[: len(ids)] != ids or header[: len(ids)] != ids:
             raise ConfigError(
                 "the tokenizer's chat template renders a conversation prefix differently once more turns "
@@ -145,12 +173,7 @@ def _template_labels(messages: list[dict[str, Any]], tok: Any) -> tuple[list[int
             )
         labels += [IGNORE] * (len(header) - len(ids))
         added = upto[len(header) :]
-        if message.get("role") == "assistant":
-            ends = [j for j, t in enumerate(added) if t in specials]
-            stop = ends[-1] + 1 if ends else len(added)  # through the end-of-turn token, not the whitespace after it
-            labels += added[:stop] + [IGNORE] * (len(added) - stop)
-        else:
-            labels += [IGNORE] * len(added)
+        labels += added if message.get("role") == "assistant" else [IGNORE] * len(added)
         ids = upto
     return ids, labels
 
@@ -167,12 +190,12 @@ def encode_record(record: dict[str, Any], tok: Any, eos: int, prefix: list[int] 
     if getattr(tok, "chat_template", None):
         return _template_labels(messages, tok)  # the template writes its own specials
     ids, labels = prefix, [IGNORE] * len(prefix)
-    for message in messages:
-        piece = tok(_plain_turn(message), add_special_tokens=False)["input_ids"]
+    for message in messages:  # `role: content` lines; an assistant's header is never a target
+        header, body = (tok(text, add_special_tokens=False)["input_ids"] for text in _plain_turn(message))
         if message.get("role") == "assistant":
-            piece = piece + [eos]
-        ids += piece
-        labels += piece if message.get("role") == "assistant" else [IGNORE] * len(piece)
+            body = body + [eos]
+        ids += header + body
+        labels += [IGNORE] * len(header) + (body if message.get("role") == "assistant" else [IGNORE] * len(body))
     return ids, labels
 
 
@@ -216,7 +239,7 @@ def to_blocks(examples: list[tuple[list[int], list[int]]], seq_len: int, packing
 
 def prepare_instructions(model_name: str, cfg: DataConfig, out: str) -> dict[str, Any]:
     """Write `<out>/<split>.examples.npy` for every split; returns the cache statistics (with the tokenizer)."""
-    records = read_records(cfg.source)
+    records = read_records(cfg.source, cfg.format)
     splits = [split_of(json.dumps(r, sort_keys=True), cfg) for r in records]
     tok = given_tokenizer(model_name, cfg)
     if tok is None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from harness.config import DataConfig
+from harness.data.blocks import cut
 from harness.data.cache import PackedData
 from harness.data.documents import SPLIT_CODE, open_stream, split_codes
 from harness.data.tokenizer import leading_specials
@@ -83,6 +84,7 @@ class StreamSampler:
     def __init__(self, cfg: DataConfig, tokenizer: Any, eos: int, micro: int, accum: int, world: int, rank: int):
         self.cfg, self.tok, self.eos = cfg, tokenizer, eos
         self.prefix = leading_specials(tokenizer)  # a BOS the tokenizer puts before every text
+        self.bos = self.prefix[0] if cfg.block_bos and len(self.prefix) == 1 else None  # every block starts with it
         self.micro, self.accum, self.world, self.rank = micro, accum, world, rank
         from datasets.distributed import split_dataset_by_node  # lazily, see harness.data.documents
 
@@ -127,12 +129,15 @@ class StreamSampler:
         wanted = step * self.accum + micro_index
         if wanted != self.position:
             raise RuntimeError(f"a streamed batch is read in order: asked for micro-batch {wanted}, next is {self.position}")
-        need = self.micro * self.cfg.seq_len
-        while self.buffer.size < need:
-            self._read()
-        out, self.buffer = self.buffer[:need], self.buffer[need:]
+        seq, rows = self.cfg.seq_len, []
+        for _ in range(self.micro):
+            while self.buffer.size < seq:
+                self._read()
+            row, took = cut(self.buffer, 0, seq, self.bos) if self.bos is not None else (self.buffer[:seq], seq)
+            rows.append(row)
+            self.buffer = self.buffer[took:]
         self.position += 1
-        return torch.from_numpy(out.reshape(self.micro, self.cfg.seq_len).copy())
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -71,6 +71,18 @@ def leading_specials(tok: Any) -> list[int]:
     return []
 
 
+def saved_bos(directory: str) -> int | None:
+    """The BOS a saved tokenizer (`tokenizer.json`) puts before every text, else None; read with
+    `tokenizers` alone, so a run whose cache is ready loads no tokenizer class for it."""
+    path = os.path.join(directory, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    tok = Tokenizer.from_file(path)
+    full, plain = tok.encode("a").ids, tok.encode("a", add_special_tokens=False).ids
+    lead = full[: len(full) - len(plain)] if full[len(full) - len(plain) :] == plain else []
+    return lead[0] if len(lead) == 1 else None
+
+
 def load_tokenizer(directory: str) -> Any:
     """The tokenizer saved in a directory (a cache's, a model's)."""
     from transformers import AutoTokenizer  # lazily, see harness.data.documents

@@ -12,13 +12,14 @@ import numpy as np
 
 from harness.config import DataConfig
 from harness.data.documents import SPLIT_CODE, SPLITS, split_codes, split_of
+from harness.data.folders import GIVEN_SPLIT, TRAIN_PART
 from harness.data.tokenizer import leading_specials
 from harness.errors import ConfigError
 
 if TYPE_CHECKING:
     import datasets
 
-TRAIN = SPLIT_CODE["train"]
+TRAIN, EVAL = SPLIT_CODE["train"], SPLIT_CODE["eval"]
 TOKEN_FILE_CHUNK = 1 << 24  # tokens read at a time from a flat token file
 TOKEN_FILE_DOC = 4096  # document length assumed in a flat token file without an end-of-document id
 
@@ -52,26 +53,47 @@ def doc_key(ids: np.ndarray) -> bytes:
     return np.asarray(ids, dtype=np.int64).tobytes()
 
 
+def _kept(batch: list[Any]) -> list[int]:
+    """The documents that are text with something in it."""
+    return [i for i, t in enumerate(batch) if isinstance(t, str) and t.strip()]
+
+
 def _texts(batch: list[Any]) -> list[str]:
-    return [t for t in batch if isinstance(t, str) and t.strip()]
+    return [batch[i] for i in _kept(batch)]
+
+
+def given_codes(codes: np.ndarray, given: list[int] | None) -> np.ndarray:
+    """The split codes where the source names the split (a DatasetDict's, `GIVEN_SPLIT`): its eval
+    documents evaluate, its train documents are train or calib by their hash, never eval."""
+    if given is None:
+        return codes
+    given_arr = np.asarray(given, dtype=np.int8)
+    return np.where(given_arr != TRAIN_PART, given_arr, np.where(codes == EVAL, TRAIN, codes)).astype(np.int8)
 
 
 def encode(work: Work, task: tuple[int, int], skip_train: bool) -> Encoded:
     """Tokenize documents [start, end) with one batch call; `skip_train`: the train split is full."""
     start, end = task
+    rows = work.ds[start:end]
     if work.pretokenized:
-        docs = [np.asarray(ids, dtype=np.int64) for ids in work.ds[start:end]["input_ids"] if ids is not None and len(ids)]
+        kept = [i for i, ids in enumerate(rows["input_ids"]) if ids is not None and len(ids)]
+        docs = [np.asarray(rows["input_ids"][i], dtype=np.int64) for i in kept]
         codes = np.fromiter((SPLIT_CODE[split_of(doc_key(d), work.cfg)] for d in docs), dtype=np.int8, count=len(docs))
+        codes = given_codes(codes, [rows[GIVEN_SPLIT][i] for i in kept] if GIVEN_SPLIT in rows else None)
         keep = [i for i in range(len(docs)) if not (skip_train and codes[i] == TRAIN)]
         ids_list: list[Any] = [docs[i] for i in keep]
         nbytes = sum(d.nbytes for d in docs)
         return _pack(ids_list, codes[keep], nbytes, work.eos, work.dtype)
-    texts = _texts(work.ds[start:end][work.cfg.text_field])
-    return encode_texts(texts, work.tok, work.cfg, work.eos, work.dtype, skip_train)
+    kept = _kept(rows[work.cfg.text_field])
+    texts = [rows[work.cfg.text_field][i] for i in kept]
+    given = [rows[GIVEN_SPLIT][i] for i in kept] if GIVEN_SPLIT in rows else None
+    return encode_texts(texts, work.tok, work.cfg, work.eos, work.dtype, skip_train, given)
 
 
-def encode_texts(texts: list[str], tok: Any, cfg: DataConfig, eos: int, dtype: type, skip_train: bool) -> Encoded:
-    codes = split_codes(texts, cfg)
+def encode_texts(
+    texts: list[str], tok: Any, cfg: DataConfig, eos: int, dtype: type, skip_train: bool, given: list[int] | None = None
+) -> Encoded:
+    codes = given_codes(split_codes(texts, cfg), given)
     keep = [i for i in range(len(texts)) if not (skip_train and codes[i] == TRAIN)]
     ids_list = tok([texts[i] for i in keep], add_special_tokens=False)["input_ids"] if keep else []
     prefix = leading_specials(tok)  # a BOS the tokenizer puts before every text: every document keeps it
@@ -161,6 +183,14 @@ class SplitWriter:
 
 def train_text_batches(ds: datasets.Dataset | datasets.IterableDataset, cfg: DataConfig, batch: int = 1000) -> Iterator[list[str]]:
     """The train split's texts in document order (what a locally trained tokenizer learns from)."""
+    if GIVEN_SPLIT in (ds.column_names or []):  # a DatasetDict's (map-style) eval split never trains the tokenizer
+        for start in range(0, len(ds), batch):
+            rows = ds[start : start + batch]
+            kept = _kept(rows[cfg.text_field])
+            texts = [rows[cfg.text_field][i] for i in kept]
+            codes = given_codes(split_codes(texts, cfg), [rows[GIVEN_SPLIT][i] for i in kept])
+            yield [t for t, c in zip(texts, codes) if c == TRAIN]
+        return
     for texts in text_batches(ds, cfg, batch):
         yield [t for t, c in zip(texts, split_codes(texts, cfg)) if c == TRAIN]
 

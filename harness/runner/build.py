@@ -12,7 +12,7 @@ import time
 import torch
 
 from harness.checkpoint import CheckpointManager, ResumeState
-from harness.config import RunConfig, config_to_dict, default_lr
+from harness.config import INSTRUCTION_FORMATS, RunConfig, config_to_dict, default_lr
 from harness.data import (
     BatchSampler,
     PackedData,
@@ -43,7 +43,7 @@ def prepare(cfg: RunConfig, info: DistInfo) -> PackedData:
     it on the file system, not in a collective that would time out), then memory-mapped."""
     entering("preparing the data")
     stop_preparation_when(signal_received)  # a stop while a tokenizer pool runs: it ends the pool within a batch
-    return load_packed(prepare_data(cfg.model.name, cfg.data, progress=info.local_rank == 0))
+    return load_packed(prepare_data(cfg.model.name, cfg.data, progress=info.local_rank == 0), block_bos=cfg.data.block_bos)
 
 
 def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampler | StreamSampler:
@@ -82,7 +82,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> tuple[Trainer
     data = prepare(cfg, info)
     started = time.perf_counter()
     spec = model_spec(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
-    labelled = cfg.data.format == "instruction"  # blocks carry (input_ids, labels): loss on the responses only
+    labelled = cfg.data.format in INSTRUCTION_FORMATS  # blocks carry (input_ids, labels): loss on the responses only
     loss_fn = functools.partial(labelled_lm_loss if labelled else causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
     if plan.taken and info.is_main:
         log.info(f"run config values taken from outside it: {'; '.join(plan.taken)}")

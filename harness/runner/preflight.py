@@ -37,8 +37,19 @@ from harness.checkpoint import (
     resume_path,
     verified_meta,
 )
-from harness.config import RunConfig, Strategy, check_run, wrap_class_problem
-from harness.data import EMBEDDED_SOURCES, cache_dir_for, check_cache_root, data_files, is_complete, read_records
+from harness.config import INSTRUCTION_FORMATS, RunConfig, Strategy, check_run, wrap_class_problem
+from harness.data import (
+    EMBEDDED_SOURCES,
+    cache_dir_for,
+    check_arrow_files,
+    check_cache_root,
+    check_saved_folder,
+    data_files,
+    folder_layout,
+    format_hint,
+    is_complete,
+    read_records,
+)
 from harness.engine import EnginePlan, hidden_size_of, plan_engine
 from harness.errors import ConfigError
 from harness.log import get_logger
@@ -234,10 +245,17 @@ def check_data(cfg: RunConfig) -> None:
         check_tokenizer_dir(cfg.data.tokenizer, "data.tokenizer")
     elif not cfg.data.tokenizer and os.path.isfile(os.path.join(cfg.model.name, "tokenizer.json")):
         check_tokenizer_dir(cfg.model.name, f"the tokenizer of model.name '{cfg.model.name}'")
-    if cfg.data.format == "instruction":
-        read_records(source)  # every record must be prompt/response or messages: one line naming the first that is not
+    if cfg.data.format in INSTRUCTION_FORMATS:
+        read_records(source, cfg.data.format)  # every record must be prompt/response or messages: one line naming the first that is not
         return
     if source in EMBEDDED_SOURCES:
+        return
+    layout = folder_layout(source)
+    if layout is not None:  # a save_to_disk folder, or one laid out as a Hub dataset repository
+        if cfg.data.streaming:
+            raise ConfigError(f"data.source '{source}' is a datasets folder, read memory-mapped: set data.streaming=false")
+        if layout == "saved":
+            check_saved_folder(source, cfg.data)
         return
     if os.path.exists(source):
         files = [os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs] if os.path.isdir(source) else [source]
@@ -247,6 +265,7 @@ def check_data(cfg: RunConfig) -> None:
         if all(os.path.getsize(f) == 0 for f in files):
             raise ConfigError(f"data.source '{source}' holds only empty files")
         check_decodable(files)
+        check_arrow_files([f for f in files if f.endswith(".arrow")])
         first = sorted(files)[0]
         if first.endswith((".npy", ".bin")) and os.path.isfile(source):
             check_token_file(source, cfg)
@@ -267,6 +286,7 @@ def check_data(cfg: RunConfig) -> None:
             elif isinstance(record, dict) and cfg.data.text_field not in record:
                 raise ConfigError(
                     f"data.source '{first}' has no field '{cfg.data.text_field}' (fields: {', '.join(record)}); set data.text_field"
+                    + format_hint(list(record))
                 )
         return
     if _looks_like_path(source):

@@ -66,6 +66,14 @@ def ws(tmp_path_factory, data_cache):
     (root / "ids.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
     np.save(root / "floats.npy", np.zeros(100, dtype=np.float32))
     (root / "odd.bin").write_bytes(bytes(3))
+    (root / "alpaca.jsonl").write_text(json.dumps({"instruction": "Sort: b a", "input": ""}) + "\n")
+    turns = [{"from": "human", "value": "What is 2+2?"}, {"from": "function_call", "value": "{}"}]
+    (root / "sharegpt.jsonl").write_text(json.dumps({"conversations": turns}) + "\n")
+    import datasets  # here, not at collection (2 s)
+
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": ["a document"]})}).save_to_disk(str(root / "dict_no_train"))
+    datasets.Dataset.from_dict({"text": ["a document"] * 50}).save_to_disk(str(root / "saved"))
+    (root / "damaged.arrow").write_bytes((root / "saved" / "data-00000-of-00001.arrow").read_bytes()[:300])
     return {"root": root, "cache": cache, "done": done}
 
 
@@ -120,6 +128,11 @@ CASES = [
     ("model_weights_corrupt", {}, ["model.name={root}/corrupt_weights"], "are not a readable safetensors file"),
     ("data_not_utf8", {}, ["data.source={root}/latin1.txt"], "is not UTF-8 text"),
     ("pretokenized_without_eos", {}, ["data.source={root}/ids.jsonl"], "set data.eos_id"),
+    ("alpaca_without_output", {}, ["data.source={root}/alpaca.jsonl", "data.format=instruction"], "record 1: field 'output' is missing"),
+    ("alpaca_as_text", {}, ["data.source={root}/alpaca.jsonl"], "its columns are alpaca records: set data.format=instruction"),
+    ("sharegpt_unknown_role", {}, ["data.source={root}/sharegpt.jsonl", "data.format=sharegpt"], "'from' is 'function_call'"),
+    ("datasetdict_without_train", {}, ["data.source={root}/dict_no_train"], "is a DatasetDict without a 'train' split"),
+    ("arrow_file_damaged", {}, ["data.source={root}/damaged.arrow"], "damaged.arrow' is not a readable Arrow file"),
     ("token_file_of_floats", {}, ["data.source={root}/floats.npy"], "one flat array of integer token ids"),
     ("token_file_partial_element", {}, ["data.source={root}/odd.bin"], "not a whole number of uint16 tokens"),
     ("output_dir_under_a_file", {}, ["output_dir={root}/a_file/run"], "is a file, not a directory"),

@@ -9,11 +9,13 @@ A per-micro-batch mean (each micro-batch weighing the same) differs from it by ~
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 
 import pytest
 import torch
-from launching import final_eval, instruction_file, launch_command, run, side_by_side, step_losses, tiny_config
+from launching import INSTRUCTION_WORDS, final_eval, instruction_file, launch_command, run, side_by_side, step_losses, tiny_config
 
 from harness.config import load_config
 from harness.data import BatchSampler, cache_dir_for, load_packed, prepare_data
@@ -35,10 +37,25 @@ SPLITS = {
 }
 
 
+def uneven_instructions(path: Path, n: int) -> Path:
+    """`instruction_file`'s records with answers of 1 to 10 words: packed longest first, blocks of
+    long answers carry several times the labels of blocks of short ones."""
+    rng = random.Random(1)
+    records = [json.loads(line) for line in instruction_file(path, n).read_text().splitlines()]
+    for rec in records:
+        words = [rng.choice(INSTRUCTION_WORDS) for _ in range(rng.randint(1, 10))]
+        if "messages" in rec:
+            rec["messages"][-1]["content"] = " ".join(words)
+        else:
+            rec["response"] = " " + " ".join(words)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory, data_cache):
     root = tmp_path_factory.mktemp("token-weighting")
-    return {"root": root, "data": instruction_file(root / "instructions.jsonl", 400), "cache": data_cache}
+    return {"root": root, "data": uneven_instructions(root / "instructions.jsonl", 400), "cache": data_cache}
 
 
 def config(ws, name: str, micro: int, accum: int) -> Path:

@@ -81,16 +81,20 @@ def test_a_packed_examples_loss_equals_the_example_alone(attn):
     assert compared == 12 and leaked > 0  # every example checked; without positions they see each other
 
 
+# The generation marks where TRL's training templates put them (trl/chat_templates: qwen2_5_training
+# for ChatML, llama3_training): ChatML labels `\n` + answer + `<|im_end|>` + `\n`, Llama 3 the answer
+# and `<|eot_id|>`. Harness must label the same on the shipped templates, which have no marks.
 CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
-    "{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant' }}"
+    "{% generation %}{{ '\\n' + m['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 LLAMA3 = (
-    "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
-    "{% else %}{{ m['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% generation %}{{ m['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    "{% else %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -112,9 +116,9 @@ def bpe(tmp_path_factory):
 
 
 @pytest.mark.parametrize("template", [CHATML, LLAMA3], ids=["chatml", "llama3"])
-def test_chat_labels_equal_hfs_assistant_mask(bpe, template):
-    """HF's mask comes from the template's {% generation %} marks; ours, from the same template
-    without them (as most shipped templates are): the assistant content and its end-of-turn token."""
+def test_chat_labels_equal_trls(bpe, template):
+    """HF's mask comes from the template's {% generation %} marks, placed as TRL's training templates
+    place them; ours, from the same template without them (as shipped templates are)."""
     bpe.chat_template = template
     hf = bpe.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     expected = [t if m else IGNORE for t, m in zip(hf["input_ids"], hf["assistant_masks"])]
@@ -126,6 +130,26 @@ def test_chat_labels_equal_hfs_assistant_mask(bpe, template):
     assert "assistant" not in labelled and labelled.count("apple pear") == 1
     bpe.chat_template = template  # with the marks: HF's own mask
     assert encode_record({"messages": CONVERSATION}, bpe, eos=bpe.eos_token_id)[1] == expected
+
+
+def test_the_plain_chat_fallback_never_labels_the_role_header(bpe):
+    """Without a template: `role: content` lines; labelled are each answer and what follows it up to EOS."""
+    bpe.chat_template = None
+    ids, labels = encode_record({"messages": CONVERSATION}, bpe, eos=bpe.eos_token_id, prefix=[bpe.bos_token_id])
+    assert ids[0] == bpe.bos_token_id and labels[0] == IGNORE
+    assert bpe.decode(ids[1:]) == "".join(
+        f"{m['role']}: {m['content']}\n" + ("<|endoftext|>" if m["role"] == "assistant" else "") for m in CONVERSATION
+    )
+    spans, current = [], []
+    for t, lab in zip(ids, labels):
+        if lab != IGNORE:
+            assert lab == t
+            current.append(t)
+        elif current:
+            spans.append(bpe.decode(current))
+            current = []
+    spans += [bpe.decode(current)] if current else []
+    assert spans == [" apple pear\n<|endoftext|>", " date fig\n<|endoftext|>"]
 
 
 def test_a_tokenizers_bos_is_kept(bpe, tmp_path):
