@@ -14,6 +14,7 @@ from harness.models.build import (
     model_directory,
     model_spec,
     preset_config,
+    twin_spec,
 )
 from harness.models.lora import (
     LoraWeights,
@@ -78,6 +79,7 @@ __all__ = [
     "preset_config",
     "resolve_target_modules",
     "trainable_counts",
+    "twin_spec",
     "whole_part",
     "wrap_peft",
     "without_quantization_state",
