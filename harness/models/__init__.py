@@ -7,6 +7,7 @@ from harness.models.blocks import BlocksNotFound, block_class_names, decoder_blo
 from harness.models.build import (
     ModelSpec,
     build_model,
+    build_spec_model,
     construct_model,
     count_parameters,
     empty_model,
@@ -54,6 +55,7 @@ __all__ = [
     "apply_lora",
     "block_class_names",
     "build_model",
+    "build_spec_model",
     "build_run_model",
     "cast_except_quantized",
     "hold_frozen_in",

@@ -155,6 +155,11 @@ def build_model(
     in `dtype`; `qlora.dequantize` turns them back into plain linears holding what they encode.
     """
     spec = model_spec(name_or_path, vocab_size=vocab_size, seed=seed, config_overrides=config_overrides)
+    return build_spec_model(spec, dtype, quantize)
+
+
+def build_spec_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, quantize: str = "none") -> nn.Module:
+    """`build_model` of a spec already made (a run's, or its twin's)."""
     template = empty_model(spec.config)
     if quantize == "none":
         model = materialize(template, "cpu", dtype)

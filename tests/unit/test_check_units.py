@@ -43,3 +43,6 @@ def test_the_first_parameter_beyond_its_bound_is_named_with_its_largest_differen
     assert verdict.compared == 3 and verdict.first is not None
     assert verdict.first.name == "b" and "at b[1, 2]" in verdict.first.line() and "largest |difference| 4" in verdict.first.line()
     assert totals["c"][5] == 1.0  # the run has no gradient where the reference has one
+    renamed = Verdict()  # a parameter the run does not have by the reference's name is a difference, not skipped
+    judge(renamed, 1, "gradient", {"a": totals["a"]}, ["a", "d"], 1e-3, {})
+    assert renamed.first is not None and renamed.first.name == "d" and "no rank of the run" in renamed.first.line()
