@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from harness.config import RunConfig
 from harness.data import unpack_examples
+from harness.errors import ConfigError
+from harness.runner.check import check_config, reference_config
 from harness.runner.check_compare import Part, Verdict, grad_bound, judge, merge, sums, update_bound
 from harness.training import count_targets
 
@@ -46,3 +50,25 @@ def test_the_first_parameter_beyond_its_bound_is_named_with_its_largest_differen
     renamed = Verdict()  # a parameter the run does not have by the reference's name is a difference, not skipped
     judge(renamed, 1, "gradient", {"a": totals["a"]}, ["a", "d"], 1e-3, {})
     assert renamed.first is not None and renamed.first.name == "d" and "no rank of the run" in renamed.first.line()
+
+
+def test_what_the_check_cannot_compare_is_refused_and_the_rest_is_the_users_run() -> None:
+    for key, value, words in [("streaming", True, "data.streaming"), ("fp16", None, "fp16"), ("oib", None, "optimizer_in_backward")]:
+        cfg = RunConfig()
+        if key == "streaming":
+            cfg.data.streaming = value
+        elif key == "fp16":
+            cfg.precision = "fp16"
+        else:
+            cfg.memory.optimizer_in_backward = True
+        with pytest.raises(ConfigError, match=words):
+            check_config(cfg)
+    cfg = RunConfig(strategy="zero3", precision="bf16", micro_batch_size=3, grad_accum=4, output_dir="/runs/x")
+    cfg.memory.activation_checkpointing = "full"
+    twin = check_config(cfg)
+    assert (twin.strategy, twin.precision, twin.micro_batch_size, twin.grad_accum, twin.steps) == ("zero3", "bf16", 3, 4, 2)
+    assert twin.output_dir == "/runs/x/check/run" and twin.memory.activation_checkpointing == "full"
+    ref = reference_config(twin, world=2, rank=1)
+    assert (ref.strategy, ref.precision, ref.micro_batch_size, ref.grad_accum) == ("ddp", "fp32", 24, 1)
+    assert ref.memory.activation_checkpointing == "none" and ref.output_dir == "/runs/x/check/reference-rank1"
+    assert cfg.steps == 50 and cfg.output_dir == "/runs/x"  # the user's config is left as it was
