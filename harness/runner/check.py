@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +106,7 @@ class Record:
     weights: list[list[Part]] = field(default_factory=list)
     order: list[str] = field(default_factory=list)  # parameter names in model order
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    seconds: float = 0.0  # building and running it
 
 
 def grad_parts(engine: Engine) -> list[Part]:
@@ -178,11 +180,13 @@ def compare(run: Record, ref: Record, plan: EnginePlan, tokens: int, comm: Colle
 
 def reference_run(ref: RunConfig, local_rank: int) -> Record:
     """The reference on this rank alone, before any process group exists (module docstring)."""
+    started = time.perf_counter()
     device = pick_device(ref.device, local_rank)
     plan = plan_engine(ref, load_strategy("ddp"), 1, device, None, env={})
     trainer, _ = build_run(ref, plan, DistInfo(0, 1, local_rank, device, None), twin_layers=TWIN_LAYERS)
     trainer.sampler = UnpackedSampler(trainer.sampler)
     rec = record(trainer)
+    rec.seconds = time.perf_counter() - started
     steps_discarded("joining the process group after the check's reference")
     del trainer
     gc.collect()
@@ -210,12 +214,13 @@ def describe(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> str:
     )
 
 
-def check_body(cfg: RunConfig, plan: EnginePlan, info: DistInfo, ref: Record) -> int:
+def check_body(cfg: RunConfig, plan: EnginePlan, info: DistInfo, ref: Record, began: float) -> int:
     trainer, _ = build_run(cfg, plan, info, twin_layers=TWIN_LAYERS)
     run = record(trainer)
     tokens = cfg.micro_batch_size * cfg.grad_accum * info.world_size * cfg.data.seq_len
     verdict = compare(run, ref, plan, tokens, Collectives())
     worst = verdict.summary()
+    log.info(f"check: {time.perf_counter() - began:.1f} s from the config read to the verdict (reference {ref.seconds:.1f} s)")
     if verdict.first is None:
         log.info(
             f"check passed: {describe(cfg, plan, info)}: {verdict.compared} quantities within bounds (largest relative errors: {worst})"
@@ -230,6 +235,7 @@ def run_check(config: str | None, overrides: list[str]) -> int:
     """`harness.train --check`: pre-flight of the user's run, the reference on every rank alone,
     then the run under the launcher's world size, compared (exit 0, or `EXIT_WRONG_RESULTS`)."""
     refs: list[Record] = []
+    began = time.perf_counter()
 
     def load() -> tuple[RunConfig, EnginePlan]:
         twin = check_config(load_config(config, overrides))
@@ -239,7 +245,7 @@ def run_check(config: str | None, overrides: list[str]) -> int:
         refs.append(reference_run(reference_config(twin, world, rank), local_rank))
         return twin, plan
 
-    return run_command("harness", load, lambda cfg, plan, info: check_body(cfg, plan, info, refs[0]))
+    return run_command("harness", load, lambda cfg, plan, info: check_body(cfg, plan, info, refs[0], began))
 
 
 __all__ = ["CHECK_STEPS", "TWIN_LAYERS", "check_config", "reference_config", "run_check"]
