@@ -13,6 +13,7 @@ actionable line on stderr (rank 0 for agreed failures; the affected rank otherwi
 | 4 | out of memory (with a report of what was held) |
 | 5 | a peer rank died or hangs |
 | 6 | a checkpoint could not be written or read (`harness.checkpoint`: none found) |
+| 7 | `harness.train --check`: the run computes something else than its world-1 reference (the first parameter that differs is named) |
 | 10 | `harness.plan`: the config does not fit (another would: `--recommend`) |
 | 11 | `harness.plan`: nothing fits, even with full offload |
 
@@ -37,6 +38,7 @@ EXIT_NONFINITE = 3
 EXIT_OOM = 4
 EXIT_PEER_LOST = 5
 EXIT_CHECKPOINT = 6
+EXIT_WRONG_RESULTS = 7
 EXIT_PLAN_DOES_NOT_FIT = 10
 EXIT_PLAN_NOTHING_FITS = 11
 

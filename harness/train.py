@@ -4,6 +4,10 @@ accelerate launch harness/train.py --config <file> [key=value ...]
 deepspeed --num_gpus=8 harness/train.py --config <file> [key=value ...]
 torchrun --nproc_per_node=2 harness/train.py --config <file>
 python -m harness.train --config <file>
+
+Any of these with --check: first check, in seconds, that the run computes what it should (a
+small twin of the model, 2 steps, compared with the same batch at world 1; exit 7 names the
+first parameter that differs).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ if __package__ in (None, ""):  # run as a file by a launcher: make `harness` imp
 from harness.config import RunConfig, load_config, load_strategy
 from harness.distributed import DistInfo, exit_process
 from harness.engine import EnginePlan
-from harness.runner import build_run, evaluate, parse_command_line, preflight, run_command, run_prune_stage
+from harness.runner import build_run, evaluate, parse_command_line, preflight, run_check, run_command, run_prune_stage
 
 
 def train(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, float]:
@@ -54,7 +58,10 @@ def train(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse_command_line("harness.train", __doc__, argv)
+    check = ("--check", "check the run's results against the same batch at world 1 on a small twin of the model, then exit")
+    args, overrides = parse_command_line("harness.train", __doc__, argv, flags=(check,))
+    if args.check:
+        return run_check(args.config, overrides)
 
     def load() -> tuple[RunConfig, EnginePlan]:
         cfg = load_config(args.config, overrides)

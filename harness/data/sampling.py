@@ -20,6 +20,7 @@ from harness.config import DataConfig
 from harness.data.blocks import cut
 from harness.data.cache import PackedData
 from harness.data.documents import SPLIT_CODE, open_stream, split_codes
+from harness.data.instructions import IGNORE
 from harness.data.tokenizer import leading_specials
 from harness.errors import CheckpointError, ConfigError
 from harness.log import get_logger
@@ -57,6 +58,28 @@ class BatchSampler:
         for i in range(start, start + self.micro):
             rows.append(self.train[self._perm(i // self.n)[i % self.n]])
         return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def unpack_examples(batch: torch.Tensor) -> torch.Tensor:
+    """Packed instruction blocks `(B, 3, S)` as one example per row: every segment of a block
+    (its positions restart at 0) that holds a labelled token becomes a row of its own, padded
+    with unlabelled tokens. The same counted targets as the packed blocks, with no other
+    example in the row to attend to: what packing must compute. Blocks without positions
+    (text, `(B, S)`) are returned as they are."""
+    if batch.dim() != 3 or batch.shape[1] < 3:
+        return batch
+    length = batch.shape[-1]
+    rows = []
+    for block in batch:
+        starts = (block[2] == 0).nonzero().flatten().tolist()
+        for a, b in zip(starts, [*starts[1:], length]):
+            if not bool((block[1, a + 1 : b] != IGNORE).any()):  # a segment's first label is never a target
+                continue
+            row = torch.empty_like(block)
+            row[0], row[1], row[2] = block[0, b - 1], IGNORE, torch.arange(length)
+            row[0, : b - a], row[1, : b - a] = block[0, a:b], block[1, a:b]
+            rows.append(row)
+    return torch.stack(rows) if rows else batch
 
 
 def split_batches(data: PackedData, split: str, micro: int, max_batches: int, world: int, rank: int) -> Iterator[tuple[torch.Tensor, bool]]:

@@ -105,7 +105,7 @@ def lora_base(spec: ModelSpec, cfg: RunConfig, device: torch.device, dtype: torc
     and its QLoRA path at ZeRO-3 (built on the host, then partitioned onto the device a tensor at
     a time; ZeRO-3's plain LoRA builds its base partitioned, `DeepSpeedEngine.load_model`)."""
     # a quantized base's codes are stored in `dtype`: DeepSpeed casts every floating weight to it
-    model = build_run_model(cfg, spec.config.vocab_size, dtype if cfg.lora.quantize != "none" else torch.float32)
+    model = build_run_model(cfg, spec.config.vocab_size, dtype if cfg.lora.quantize != "none" else torch.float32, spec=spec)
     model.to(device=device)
     cast_except_quantized(model, dtype)
     apply_memory_techniques(model, cfg)

@@ -7,6 +7,7 @@ from harness.models.blocks import BlocksNotFound, block_class_names, decoder_blo
 from harness.models.build import (
     ModelSpec,
     build_model,
+    build_spec_model,
     construct_model,
     count_parameters,
     empty_model,
@@ -14,6 +15,7 @@ from harness.models.build import (
     model_directory,
     model_spec,
     preset_config,
+    twin_spec,
 )
 from harness.models.lora import (
     LoraWeights,
@@ -53,6 +55,7 @@ __all__ = [
     "apply_lora",
     "block_class_names",
     "build_model",
+    "build_spec_model",
     "build_run_model",
     "cast_except_quantized",
     "hold_frozen_in",
@@ -78,6 +81,7 @@ __all__ = [
     "preset_config",
     "resolve_target_modules",
     "trainable_counts",
+    "twin_spec",
     "whole_part",
     "wrap_peft",
     "without_quantization_state",

@@ -7,6 +7,7 @@ Peak Memory study (32 layers, hidden 2048).
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -128,6 +129,17 @@ def model_spec(
     return ModelSpec(name_or_path, model_config(directory, **(config_overrides or {})), seed, directory)
 
 
+def twin_spec(spec: ModelSpec, layers: int) -> ModelSpec:
+    """A small twin of `spec`: the same architecture and widths, `layers` decoder blocks, the
+    world-invariant seeded init (a checkpoint's weights are not read: the twin checks how a run
+    computes, not what it starts from). Per-layer lists in the config (`layer_types`) are cut to match."""
+    config = copy.deepcopy(spec.config)
+    config.num_hidden_layers = min(layers, config.num_hidden_layers)
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[: config.num_hidden_layers]
+    return ModelSpec(spec.name, config, spec.seed, None)
+
+
 def build_model(
     name_or_path: str,
     *,
@@ -143,6 +155,11 @@ def build_model(
     in `dtype`; `qlora.dequantize` turns them back into plain linears holding what they encode.
     """
     spec = model_spec(name_or_path, vocab_size=vocab_size, seed=seed, config_overrides=config_overrides)
+    return build_spec_model(spec, dtype, quantize)
+
+
+def build_spec_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, quantize: str = "none") -> nn.Module:
+    """`build_model` of a spec already made (a run's, or its twin's)."""
     template = empty_model(spec.config)
     if quantize == "none":
         model = materialize(template, "cpu", dtype)

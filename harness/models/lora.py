@@ -27,7 +27,7 @@ from harness.config import LoraConfig, RunConfig
 from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.models.blocks import decoder_blocks
-from harness.models.build import build_model, count_parameters
+from harness.models.build import ModelSpec, build_spec_model, count_parameters, model_spec
 from harness.models.weights import clean_name, module_seed
 
 log = get_logger(__name__)
@@ -140,14 +140,16 @@ class LoraWeights:
         return full.reshape(-1)[start:end]
 
 
-def build_run_model(cfg: RunConfig, vocab_size: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_run_model(cfg: RunConfig, vocab_size: int, dtype: torch.dtype = torch.float32, spec: ModelSpec | None = None) -> nn.Module:
     """The model a run trains, built whole in one process: the preset or pretrained model (its
     linears quantized for QLoRA, computing in fp32), with LoRA adapters on a frozen base when
     `lora.enabled` (DeepSpeed's LoRA path at ZeRO-0/1/2, and the tests' world-1 reference; the torch engines
     build on the meta device instead). Resume rebuilds the same base, which is why a LoRA
     checkpoint needs only the adapters. `dtype`: what the model is built in, a quantized base's
     codes stored in it (the same codes in any dtype: they are quantized from fp32)."""
-    model = build_model(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed, dtype=dtype, quantize=cfg.lora.quantize)
+    if spec is None:  # `spec`: the engine's, which may be a twin of the named model (`twin_spec`)
+        spec = model_spec(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
+    model = build_spec_model(spec, dtype=dtype, quantize=cfg.lora.quantize)
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora, seed=cfg.model.seed)
         init_adapters(model, cfg.model.seed)

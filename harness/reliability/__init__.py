@@ -3,7 +3,7 @@ supervisor (exceptions to one line and an exit code, dead ranks named), the OOM 
 and fault injection for tests and drills."""
 
 from harness.reliability.guard import StepGuard
-from harness.reliability.signals import entering, signal_received, steps_begin, stop_requests
+from harness.reliability.signals import entering, signal_received, steps_begin, steps_discarded, stop_requests
 from harness.reliability.supervisor import PeerMonitor, Supervisor, collective_timeout_s
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "entering",
     "signal_received",
     "steps_begin",
+    "steps_discarded",
     "stop_requests",
 ]

@@ -68,6 +68,11 @@ def steps_begin() -> None:
     _SIGNAL["phase"] = None
 
 
+def steps_discarded(phase: str) -> None:
+    """Steps that ran are not kept (the check's reference): a stop ends the command at once again, naming `phase`."""
+    _SIGNAL["phase"] = phase
+
+
 def install_signal_handlers() -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:

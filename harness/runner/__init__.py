@@ -2,6 +2,7 @@
 step 1, the trainer and evaluation, the pruning stage, and the supervised command around them."""
 
 from harness.runner.build import build_run, prepare
+from harness.runner.check import run_check
 from harness.runner.command import parse_command_line, run_command
 from harness.runner.preflight import preflight
 from harness.runner.prune_stage import PruneStats, run_prune_stage
@@ -15,6 +16,7 @@ __all__ = [
     "parse_command_line",
     "preflight",
     "prepare",
+    "run_check",
     "run_command",
     "run_prune_stage",
     "write_state_bytes",

@@ -29,7 +29,7 @@ from harness.engine import EnginePlan, build_engine
 from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.memory import StepMemoryTracker
-from harness.models import model_spec
+from harness.models import model_spec, twin_spec
 from harness.observability import Observer
 from harness.reliability import StepGuard, entering, signal_received
 from harness.runner.trainer import Trainer
@@ -74,14 +74,17 @@ def describe_lr(cfg: RunConfig) -> str:
     return f"lr {cfg.optim.lr:g}" + (f" (optim.lr's default for {why})" if cfg.optim.lr == value else "")
 
 
-def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> tuple[Trainer, ResumeState]:
+def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int | None = None) -> tuple[Trainer, ResumeState]:
     """Data, model, engine, checkpoint restore, observer: everything before the first step
-    (shared with `python -m harness.prune`), the engine from pre-flight's plan. Returns the trainer and the restored state."""
+    (shared with `python -m harness.prune`), the engine from pre-flight's plan. Returns the trainer and the restored state.
+    `twin_layers`: build the model's small twin instead (`harness.models.twin_spec`; the check for silent wrong results)."""
     strategy = plan.strategy
     torch.manual_seed(cfg.seed)
     data = prepare(cfg, info)
     started = time.perf_counter()
     spec = model_spec(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
+    if twin_layers is not None:
+        spec = twin_spec(spec, twin_layers)
     labelled = cfg.data.format in INSTRUCTION_FORMATS  # blocks carry (input_ids, labels): loss on the responses only
     loss_fn = functools.partial(labelled_lm_loss if labelled else causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
     if plan.taken and info.is_main:

@@ -19,11 +19,16 @@ from harness.runner import run_dir
 log = get_logger(__name__)
 
 
-def parse_command_line(prog: str, doc: str | None, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    """`--config <file>` and `key=value` overrides; `--local_rank` (from the deepspeed launcher) is accepted."""
+def parse_command_line(
+    prog: str, doc: str | None, argv: list[str] | None, flags: tuple[tuple[str, str], ...] = ()
+) -> tuple[argparse.Namespace, list[str]]:
+    """`--config <file>` and `key=value` overrides; `--local_rank` (from the deepspeed launcher) is accepted;
+    `flags`: the command's own on/off switches, (flag, help)."""
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="run config (YAML or JSON); omitted: the embedded default")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    for flag, text in flags:
+        parser.add_argument(flag, action="store_true", help=text)
     return parser.parse_known_args(argv)
 
 
@@ -38,7 +43,7 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
     @command_errors(prog)
     def run() -> int:
         allocator = configure_cuda_allocator()  # before anything can initialise CUDA
-        info, lock, stopped = None, None, False
+        info, lock, stopped, result = None, None, False, None
         with stop_requests("checking the run config"):  # a stop before the first step ends the run at once
             try:
                 cfg, plan = load()
@@ -49,7 +54,7 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
                 entering("taking the output directory")
                 lock = run_dir.acquire(cfg, info)
                 with Supervisor(cfg, info):
-                    body(cfg, plan, info)
+                    result = body(cfg, plan, info)
             except StopRequested as stop:  # nothing to save (before the first step, or pruning): exit 0 so the job may requeue
                 stopped = True
                 log.info(f"{stop}; exiting", extra=ALL_RANKS)
@@ -57,6 +62,6 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
                 if lock is not None:
                     lock.release()
                 teardown(wait_for_peers=not stopped)
-        return EXIT_OK
+        return result if isinstance(result, int) else EXIT_OK  # a body may end with a code of its own (the check)
 
     return run()

@@ -107,6 +107,7 @@ class Trainer:
     loss_mean: float = float("nan")
     stopped_at: int | None = None  # the step a stop request ended the run at (checkpoint saved)
     after_step: Callable[[], None] | None = None  # run after every engine.step(), e.g. the pruning stage's mask enforcer
+    before_step: Callable[[int], None] | None = None  # run with the step's reduced gradients, before engine.step() (the check's recorder)
     started_at: float | None = None  # time.perf_counter() when the run began building: time to first step is part of its cost
     comm: Collectives = field(default_factory=Collectives)  # the logged loss and memory peaks over ranks
 
@@ -138,6 +139,8 @@ class Trainer:
                     if step == 0:
                         state_points.append(engine.state_bytes())
                 lr = engine.lr
+                if self.before_step is not None:
+                    self.before_step(step)
                 result = engine.step(skip=guard.pre_step(step_loss))  # all ranks agree on a non-finite loss first
                 if self.after_step is not None:
                     self.after_step()

@@ -1,0 +1,251 @@
+"""The check for silent wrong results: `harness.train --check`, seconds before a long job.
+
+A run that is wrong without failing (gradients never reduced across ranks, a loss scaled by
+the wrong accumulation factor, a tied weight never updated on uneven shards, packed examples
+attending to each other) trains on and ends with a worse model and no error. The check runs
+the user's command on a small twin of the model (`harness.models.twin_spec`: the same
+architecture and widths, `TWIN_LAYERS` blocks) for `CHECK_STEPS` steps, under the user's
+exact strategy, precision, accumulation, packing and LoRA/QLoRA at the launcher's world
+size, through the same `build_run` and `Trainer` as training; and compares every step's
+loss, every parameter's reduced gradient and update with a reference: the same global batch
+computed the plainest way (`reference_config`: fp32, one process, one micro-batch, packed
+examples unpacked into rows of their own).
+
+The reference is computed by every rank alone, in its own process, before the process group
+starts (`run_check`): with no group, every collective harness issues falls back to a world of
+one by itself, so the reference is a world-1 run of the same code and nothing in it can
+depend on the launch under test; no tensor travels between ranks or nodes (each rank compares
+its own shards against its own copy; only per-parameter sums are gathered); and it costs the
+wall time of one small run, in parallel on every rank's device. The price, the twin whole on
+each rank's device for a few seconds, is small by construction (two blocks).
+
+Not covered (refused in one line): streaming data (each rank reads its own stream: no global
+batch to recompute), fp16 (the gradients read before the step are loss-scaled), the optimizer
+stepped inside backward (no gradient survives backward). A parallelism that splits a sequence
+(sequence or context parallelism) is undone in `reference_config`: the one place to set its
+degree to 1 once it is a config key; the run's gradients are read through `Engine.shards()`,
+which covers any engine that reports its shards.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.config import INSTRUCTION_FORMATS, RunConfig, load_config, load_strategy
+from harness.data import unpack_examples
+from harness.distributed import Collectives, DistInfo, launch_env, pick_device
+from harness.engine import Engine, EnginePlan, plan_engine
+from harness.errors import EXIT_OK, EXIT_WRONG_RESULTS, ConfigError, StopRequested
+from harness.log import get_logger
+from harness.models import clean_name
+from harness.reliability import entering, steps_discarded
+from harness.runner.build import build_run
+from harness.runner.check_compare import Part, Verdict, grad_bound, judge, merge, sums, update_bound
+from harness.runner.command import run_command
+from harness.runner.preflight import preflight
+from harness.runner.trainer import Trainer
+
+log = get_logger(__name__)
+TWIN_LAYERS = 2
+CHECK_STEPS = 2
+
+
+def check_config(cfg: RunConfig) -> RunConfig:
+    """The user's run as the check runs it: the same training recipe, `CHECK_STEPS` steps, its
+    outputs under `<output_dir>/check/run` (nothing of the run's own directory is touched)."""
+    if cfg.data.streaming:
+        raise ConfigError(
+            "--check needs map-style data (data.streaming=false): a streamed step has no global batch to recompute at world 1"
+        )
+    if cfg.precision == "fp16":
+        raise ConfigError("--check does not cover precision=fp16 (its gradients are loss-scaled until the step); check with bf16 or fp32")
+    if cfg.memory.optimizer_in_backward:
+        raise ConfigError("--check does not cover memory.optimizer_in_backward=true (no gradient survives backward); check without it")
+    twin = copy.deepcopy(cfg)
+    twin.steps, twin.eval_every = CHECK_STEPS, 0
+    twin.output_dir = os.path.join(cfg.output_dir, "check", "run")
+    twin.logging.wandb = twin.logging.plots = twin.logging.progress = False
+    twin.memory.track = False
+    twin.checkpoint.every, twin.checkpoint.save_final, twin.checkpoint.export_hf = 0, False, False
+    twin.checkpoint.resume, twin.checkpoint.overwrite = "none", True
+    twin.prune.method = "none"
+    if twin.lora.dropout:
+        log.info(f"check: lora.dropout {twin.lora.dropout:g} -> 0 (random masks differ between a sharded run and its reference)")
+        twin.lora.dropout = 0.0
+    return twin
+
+
+def reference_config(twin: RunConfig, world: int, rank: int) -> RunConfig:
+    """The same global batch, computed the plainest way: one process, fp32, the whole batch as one
+    micro-batch (`micro_batch_size * grad_accum * world`: the sampler's global batch is the same
+    blocks at any split), no memory technique that changes how the step is computed."""
+    ref = copy.deepcopy(twin)
+    ref.strategy, ref.precision = "ddp", "fp32"
+    ref.micro_batch_size, ref.grad_accum, ref.global_batch_size = twin.micro_batch_size * twin.grad_accum * world, 1, None
+    m = ref.memory
+    m.activation_checkpointing, m.activation_offload, m.compile, m.activation_memory_budget = "none", False, "none", None
+    m.optimizer_in_backward, m.loss_chunk_size = False, 0
+    ref.optim.cpu_offload = False
+    # A parallelism that splits sequences (sequence/context parallel) gets its degree set to 1 here.
+    ref.output_dir = os.path.join(os.path.dirname(twin.output_dir), f"reference-rank{rank}")
+    return ref
+
+
+@dataclass
+class Record:
+    """One rank's view of a run: losses, and its part of each gradient (per step) and weight (initial, then after each step)."""
+
+    losses: list[float] = field(default_factory=list)
+    grads: list[list[Part]] = field(default_factory=list)
+    weights: list[list[Part]] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)  # parameter names in model order
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    seconds: float = 0.0  # building and running it
+
+
+def grad_parts(engine: Engine) -> list[Part]:
+    parts = []
+    for shard in engine.shards():
+        if shard.param.requires_grad:
+            g = shard.grad()
+            parts.append(Part(clean_name(shard.name), shard.start, shard.end, None if g is None else g.detach().float().cpu().clone()))
+    return parts
+
+
+def weight_parts(engine: Engine) -> list[Part]:
+    """This rank's weights: the fp32 master where the engine keeps one (what the optimizer steps)."""
+    parts = []
+    for shard in engine.shards():
+        master = shard.master()
+        values = master if master is not None else shard.working()
+        if values.is_floating_point():  # a quantized base's codes are bit patterns
+            parts.append(Part(clean_name(shard.name), shard.start, shard.end, values.detach().float().cpu().clone()))
+    return parts
+
+
+def record(trainer: Trainer) -> Record:
+    """Train the check's steps, recording gradients before each step and weights after it."""
+    engine, rec = trainer.engine, Record()
+    for shard in engine.shards():  # names as the model's own (activation checkpointing and compile wrap modules)
+        rec.order.append(clean_name(shard.name))
+        rec.shapes[clean_name(shard.name)] = tuple(shard.shape)
+    rec.weights.append(weight_parts(engine))
+    trainer.before_step = lambda step: rec.grads.append(grad_parts(engine))
+    for step in range(CHECK_STEPS):
+        if not trainer.train(step, step + 1):
+            raise StopRequested("a stop request ended the check")
+        trainer.started_at = None  # time to first step: said once
+        rec.losses.append(trainer.loss_mean)
+        rec.weights.append(weight_parts(engine))
+    trainer.close()
+    return rec
+
+
+def whole(parts: list[Part]) -> dict[str, torch.Tensor | None]:
+    """The reference's parts are whole tensors (one process)."""
+    return {p.name: p.values for p in parts}
+
+
+def updates(after: list[Part], before: list[Part]) -> list[Part]:
+    prior = {(p.name, p.start): p.values for p in before}
+    return [Part(p.name, p.start, p.end, p.values - prior[(p.name, p.start)]) for p in after if p.values is not None]
+
+
+def compare(run: Record, ref: Record, plan: EnginePlan, tokens: int, comm: Collectives) -> Verdict:
+    """The initial weights, then each step's gradients, updates and loss, each parameter in model order."""
+    verdict = Verdict()
+    g_bound = grad_bound(plan.precision.compute_dtype, tokens, TWIN_LAYERS)
+    u_bound = update_bound(g_bound)
+
+    def judge_parts(step: int, what: str, mine: list[Part], reference: list[Part], bound: float) -> None:
+        expected = whole(reference)
+        totals = merge(comm.gather_object(sums(mine, expected)))
+        judge(verdict, step, what, totals, [n for n in ref.order if expected.get(n) is not None], bound, ref.shapes)
+
+    judge_parts(0, "initial weights", run.weights[0], ref.weights[0], g_bound)
+    for step in range(CHECK_STEPS):  # parameters first: a difference is named where it is
+        judge_parts(step + 1, "gradient", run.grads[step], ref.grads[step], g_bound)
+        ref_update = updates(ref.weights[step + 1], ref.weights[step])
+        judge_parts(step + 1, "update", updates(run.weights[step + 1], run.weights[step]), ref_update, u_bound)
+        loss, ref_loss = run.losses[step], ref.losses[step]
+        verdict.add(step + 1, "loss", "the loss", abs(loss - ref_loss) / abs(ref_loss), g_bound, f" ({loss:.7g} vs {ref_loss:.7g})")
+    return verdict
+
+
+def reference_run(ref: RunConfig, local_rank: int) -> Record:
+    """The reference on this rank alone, before any process group exists (module docstring)."""
+    started = time.perf_counter()
+    device = pick_device(ref.device, local_rank)
+    plan = plan_engine(ref, load_strategy("ddp"), 1, device, None, env={})
+    trainer, _ = build_run(ref, plan, DistInfo(0, 1, local_rank, device, None), twin_layers=TWIN_LAYERS)
+    trainer.sampler = UnpackedSampler(trainer.sampler)
+    rec = record(trainer)
+    rec.seconds = time.perf_counter() - started
+    steps_discarded("joining the process group after the check's reference")
+    del trainer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rec
+
+
+class UnpackedSampler:
+    """The reference's batches: every packed example in a row of its own (`harness.data.unpack_examples`)."""
+
+    def __init__(self, sampler) -> None:
+        self.inner, self.global_batch = sampler, sampler.global_batch
+
+    def batch(self, step: int, micro_index: int) -> torch.Tensor:
+        return unpack_examples(self.inner.batch(step, micro_index))
+
+
+def describe(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> str:
+    packing = f", instruction data {'packed' if cfg.data.packing else 'unpacked'}" if cfg.data.format in INSTRUCTION_FORMATS else ""
+    lora = f", LoRA r={cfg.lora.r}{' ' + cfg.lora.quantize if cfg.lora.quantize != 'none' else ''}" if cfg.lora.enabled else ""
+    return (
+        f"{plan.strategy.name} ({plan.kind}) x{info.world_size}, {cfg.precision}, micro-batch {cfg.micro_batch_size} x "
+        f"grad_accum {cfg.grad_accum}{packing}{lora}; twin of {cfg.model.name} with {TWIN_LAYERS} layers, {CHECK_STEPS} steps"
+    )
+
+
+def check_body(cfg: RunConfig, plan: EnginePlan, info: DistInfo, ref: Record, began: float) -> int:
+    trainer, _ = build_run(cfg, plan, info, twin_layers=TWIN_LAYERS)
+    run = record(trainer)
+    tokens = cfg.micro_batch_size * cfg.grad_accum * info.world_size * cfg.data.seq_len
+    verdict = compare(run, ref, plan, tokens, Collectives())
+    worst = verdict.summary()
+    log.info(f"check: {time.perf_counter() - began:.1f} s from the config read to the verdict (reference {ref.seconds:.1f} s)")
+    if verdict.first is None:
+        log.info(
+            f"check passed: {describe(cfg, plan, info)}: {verdict.compared} quantities within bounds (largest relative errors: {worst})"
+        )
+    elif info.is_main:  # every rank reached the same verdict from the same gathered sums: one line
+        log.error(f"check failed: {describe(cfg, plan, info)}: {verdict.first.line()}")
+        log.error(f"check: largest relative errors: {worst}")
+    return EXIT_OK if verdict.first is None else EXIT_WRONG_RESULTS
+
+
+def run_check(config: str | None, overrides: list[str]) -> int:
+    """`harness.train --check`: pre-flight of the user's run, the reference on every rank alone,
+    then the run under the launcher's world size, compared (exit 0, or `EXIT_WRONG_RESULTS`)."""
+    refs: list[Record] = []
+    began = time.perf_counter()
+
+    def load() -> tuple[RunConfig, EnginePlan]:
+        twin = check_config(load_config(config, overrides))
+        plan = preflight(twin, load_strategy(twin.strategy))  # adopts the launcher's and the strategy file's settings
+        rank, world, local_rank = launch_env()
+        entering("computing the check's world-1 reference")
+        refs.append(reference_run(reference_config(twin, world, rank), local_rank))
+        return twin, plan
+
+    return run_command("harness", load, lambda cfg, plan, info: check_body(cfg, plan, info, refs[0], began))
+
+
+__all__ = ["CHECK_STEPS", "TWIN_LAYERS", "check_config", "reference_config", "run_check"]

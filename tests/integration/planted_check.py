@@ -1,0 +1,79 @@
+"""`harness/train.py` with one bug planted (`HARNESS_TEST_PLANT`), for the check's tests: each bug
+is one that leaves a run training without an error, and the check must name it.
+
+- `unreduced`: DDP never all-reduces the gradients (every rank steps on its own half of the batch);
+- `accum_scale`: the loss is not divided by the accumulation steps (gradients grad_accum times too large);
+- `tied_not_updated`: the tied input/output embedding's gradient is dropped before the optimizer step;
+- `packing_leak`: the position ids of packed examples are not passed (each example attends to the ones before it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+
+from harness.distributed import exit_process
+from harness.engine.torch_engine import TorchEngine
+
+
+def unreduced() -> None:
+    build = TorchEngine.build.__func__
+
+    def never_reduce(state, bucket):  # DDP's communication hook: hand back this rank's gradients as they are
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    def build_unreduced(cls, *args, **kwargs):
+        engine = build(cls, *args, **kwargs)
+        if engine.kind == "ddp":
+            engine.model.register_comm_hook(None, never_reduce)
+        return engine
+
+    TorchEngine.build = classmethod(build_unreduced)
+
+
+def accum_scale() -> None:
+    def backward(self: TorchEngine, loss, last_micro: bool) -> None:
+        with self._sync_context(last_micro):
+            loss.backward()
+
+    TorchEngine.backward = backward
+
+
+def tied_not_updated() -> None:
+    step = TorchEngine.step
+
+    def drop_tied_grad(self: TorchEngine, skip: bool = False):
+        embed, head = self.module.get_input_embeddings(), self.module.get_output_embeddings()
+        if self.kind == "fsdp" and head is not None and head.weight is embed.weight:  # sharded, unevenly: 515 rows
+            embed.weight.grad = None
+        return step(self, skip)
+
+    TorchEngine.step = drop_tied_grad
+
+
+def packing_leak() -> None:
+    import harness.runner.build as build
+    from harness.training import causal_lm_loss
+
+    def without_positions(model, batch, chunk_size=0, num_items=None):
+        return causal_lm_loss(model, batch[:, 0].contiguous(), batch[:, 1].contiguous(), chunk_size=chunk_size, num_items=num_items)
+
+    build.labelled_lm_loss = functools.wraps(build.labelled_lm_loss)(without_positions)
+
+
+PLANTS = {"unreduced": unreduced, "accum_scale": accum_scale, "tied_not_updated": tied_not_updated, "packing_leak": packing_leak}
+
+if __name__ == "__main__":
+    plant = os.environ.get("HARNESS_TEST_PLANT", "none")
+    if plant != "none":
+        PLANTS[plant]()
+    from harness.train import main
+
+    exit_process(main())
