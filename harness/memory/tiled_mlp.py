@@ -13,13 +13,14 @@ The MLP is applied per position, so the tiled output and its gradients are those
 untiled MLP (sums over the tiles in another order: equal to rounding).
 
 Why not DeepSpeed's ``deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP`` (ALST's,
-the same idea): its backward runs a nested ``torch.autograd.backward`` once per tile, so
-each weight's gradient is accumulated once per tile. ZeRO is told to wait through its
-``ds_grad_is_ready`` flag, but DDP's reducer and harness's optimizer-in-backward react to
-every accumulation (a DDP step fails with "mark a variable ready only once", an optimizer
-in backward would step on the first tile). Checkpointing each tile leaves the graph one
-graph: every weight's gradient is summed over the tiles before it is accumulated, once,
-so every engine sees the backward it expects, and the same checkpoint nests inside the
+the same idea; installed with DeepSpeed 0.19.8): its backward runs a nested
+``torch.autograd.backward`` once per tile, so each weight's gradient is accumulated once
+per tile (a post-accumulate-grad hook fires 4 times for 4 tiles, measured). ZeRO is told to
+wait through its ``ds_grad_is_ready`` flag; harness's optimizer-in-backward, which steps a
+parameter from that hook, would step on the first tile, and its own docstring leaves DDP and
+FSDP "needing something similar". Checkpointing each tile leaves the step one graph: every
+weight's gradient is summed over the tiles and accumulated once (the hook fires once), so
+every engine sees the backward it expects, and the same checkpoint nests inside the
 block-level activation checkpointing and compiles.
 
 The module is changed from outside (its ``forward`` replaced on the instance): parameter

@@ -162,3 +162,13 @@ def test_tiled_mlp_compiles_per_block_to_the_same_gradients(ac: str) -> None:
     assert loss == pytest.approx(base_loss, rel=1e-5)
     for g, b in zip(grads, base, strict=True):
         torch.testing.assert_close(g, b, rtol=1e-4, atol=1e-6)
+
+
+def test_each_weight_gradient_is_accumulated_once_over_all_tiles() -> None:
+    """What optimizer-in-backward (a step per parameter from this hook) and DDP's reducer rely on."""
+    model = _model(tiles=4, ac="full")
+    calls: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    _grads(model)
+    assert calls and set(calls.values()) == {1}, calls
