@@ -147,6 +147,7 @@ def specs_for(
         ac_mode=cfg.memory.activation_checkpointing,
         ac_every=cfg.memory.ac_every,
         loss_chunk_size=cfg.memory.loss_chunk_size,
+        mlp_tiles=(cfg.memory.tiled_mlp if cfg.memory.tiled_mlp > 1 else 0, cfg.memory.tiled_mlp_tokens),
         micro_batches=2 if cfg.grad_accum > 1 else 1,
         autocast=policy.autocast and kind != "deepspeed",
         lora=(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules) if lora.target_modules else None) if lora.enabled else None,

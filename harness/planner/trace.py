@@ -36,7 +36,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from harness.config import LoraConfig, Strategy
 from harness.distributed import DistInfo, local_tensor
 from harness.engine import fsdp_wrap
-from harness.memory import apply_activation_checkpointing
+from harness.memory import apply_activation_checkpointing, apply_tiled_mlp
 from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config
 from harness.planner.packed import pack_block_linears
 from harness.planner.timeline import CAT_INDEX, CATS, tracker_class
@@ -64,6 +64,7 @@ class TraceSpec:
     ac_mode: str = "none"
     ac_every: int = 2
     loss_chunk_size: int = 0
+    mlp_tiles: tuple[int, int] = (0, 0)  # tiled MLP: (tile count, tile tokens), one of them set; (0, 0) untiled
     micro_batches: int = 1  # traced micro-batches: 2 when gradient accumulation keeps grads across them
     autocast: bool = False  # fp16 torch engines run under autocast with fp32 weights
     lora: tuple[int, float, float, tuple[str, ...] | None] | None = None  # (r, alpha, dropout, targets): peft adapters, base frozen
@@ -289,6 +290,8 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     Timeline = tracker_class()
     try:
         with fake_process_group(spec.world_size):
+            if any(spec.mlp_tiles):
+                apply_tiled_mlp(model, *spec.mlp_tiles)
             if spec.ac_mode != "none":
                 apply_activation_checkpointing(model, spec.ac_mode, spec.ac_every)
             if spec.wrap == "fsdp":
