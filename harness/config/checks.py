@@ -75,6 +75,18 @@ def check_values(cfg: RunConfig) -> None:
             f"memory.tiled_mlp={cfg.memory.tiled_mlp} and memory.tiled_mlp_tokens={cfg.memory.tiled_mlp_tokens}: "
             "give the MLP's tile count or its tile size, not both"
         )
+    if cfg.memory.offload_checkpoint_inputs:
+        why = (
+            "there are none without memory.activation_checkpointing"
+            if cfg.memory.activation_checkpointing == "none"
+            else "memory.activation_offload=true already offloads every saved tensor, these included"
+            if cfg.memory.activation_offload
+            else "not supported with torch.compile (saved-tensor hooks in compiled blocks, untested); set memory.compile=none"
+            if cfg.memory.compile != "none" or cfg.memory.activation_memory_budget is not None
+            else None
+        )
+        if why:
+            raise ConfigError(f"memory.offload_checkpoint_inputs=true: {why}")
     budget = cfg.memory.activation_memory_budget
     if budget is not None and not 0.0 <= budget <= 1.0:
         raise ConfigError(f"memory.activation_memory_budget={budget} must be in [0, 1]")

@@ -141,6 +141,7 @@ class MemoryConfig:
     activation_checkpointing: AcMode = "none"
     ac_every: int = 2  # selective: checkpoint every k-th block
     activation_offload: bool = False
+    offload_checkpoint_inputs: bool = False  # only the inputs activation checkpointing keeps go to host memory (side stream, prefetch)
     compile: CompileMode = "none"
     activation_memory_budget: float | None = None  # in [0, 1]; implies compile
     optimizer_in_backward: bool = False

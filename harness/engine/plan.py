@@ -46,6 +46,7 @@ class EnginePlan:
     taken: tuple[str, ...] = ()  # run config values taken from the launcher or the DeepSpeed file (`adopt_settings`)
     optimizer_in_backward: bool = False  # the torch engine steps each parameter's optimizer inside backward
     activation_offload: bool = False  # saved activations go to host memory (memory.activation_offload)
+    offload_checkpoint_inputs: bool = False  # only the checkpointed blocks' inputs do (memory.offload_checkpoint_inputs)
     # Checkpoints keep the trainable parameters only (LoRA: the adapters); the frozen base is rebuilt
     # from model.name on resume and export, so a checkpoint is the adapters' size.
     trainable_only: bool = False
@@ -116,6 +117,7 @@ def plan_engine(
         taken=tuple(taken),
         optimizer_in_backward=cfg.memory.optimizer_in_backward,
         activation_offload=cfg.memory.activation_offload,
+        offload_checkpoint_inputs=cfg.memory.offload_checkpoint_inputs,
         trainable_only=cfg.lora.enabled,
     )
 

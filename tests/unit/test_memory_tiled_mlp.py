@@ -125,7 +125,8 @@ def _fsdp_run(overrides: list[str]) -> tuple[list[float], list[torch.Tensor]]:
     spec = model_spec("tiny-llama", vocab_size=VOCAB)
     plan = plan_engine(cfg, load_strategy(cfg.strategy, env={}), 1, info.device, hidden_size_of(spec.config))
     engine = build_engine(spec, cfg, plan, info, functools.partial(causal_lm_loss, chunk_size=0))
-    assert tiled_mlps(engine.module) == (len(engine.module.model.layers) if overrides else 0)
+    assert tiled_mlps(engine.module) == (len(engine.module.model.layers) if cfg.memory.tiled_mlp_tokens else 0)
+    assert engine.offload_checkpoint_inputs == cfg.memory.offload_checkpoint_inputs
     batch = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
     losses = []
     for _ in range(3):
@@ -136,11 +137,13 @@ def _fsdp_run(overrides: list[str]) -> tuple[list[float], list[torch.Tensor]]:
     return losses, [p.detach().full_tensor().clone() for p in engine.module.parameters()]
 
 
-def test_fsdp2_with_checkpointing_trains_the_same_with_a_tiled_mlp(group_of_one) -> None:
-    """Through the engine's own load path (tiled MLP -> AC -> FSDP2): the same steps as untiled."""
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp2_with_checkpointing_trains_the_same_with_a_tiled_mlp(group_of_one, offload: bool) -> None:
+    """Through the engine's own load path (tiled MLP -> AC -> FSDP2), with the checkpointed blocks'
+    inputs offloaded too (on CPU: held by reference, the hooks and prefetch order run): the same steps."""
     assert os.environ["WORLD_SIZE"] == "1"
     base_losses, base = _fsdp_run([])
-    losses, weights = _fsdp_run(["memory.tiled_mlp_tokens=16"])
+    losses, weights = _fsdp_run(["memory.tiled_mlp_tokens=16", f"memory.offload_checkpoint_inputs={str(offload).lower()}"])
     assert losses == pytest.approx(base_losses, rel=1e-5) and losses[-1] < losses[0]
     for w, b in zip(weights, base, strict=True):
         torch.testing.assert_close(w, b, rtol=1e-4, atol=1e-6)
