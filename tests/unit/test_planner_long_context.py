@@ -63,3 +63,26 @@ def test_nothing_fits_and_a_too_long_start(monkeypatch) -> None:
     need = lambda s: 1000 * s * 1000
     search = _search(monkeypatch, need, start=1 << 20)  # the config's own length is over: search below it
     assert search.longest == _brute(lambda s: need(s) <= 80 * GIB, 256)
+
+
+def test_the_trace_costs_the_tiled_mlp_and_the_checkpoint_input_offload() -> None:
+    """The planner traces both knobs through the trainer's own code (tiny model, intermediates dominant)."""
+    from harness.planner import estimate
+    from harness.planner.ladder import relative_time
+
+    base = ["model.name=tiny-llama", "micro_batch_size=1", "memory.activation_checkpointing=full", "memory.loss_chunk_size=256"]
+    base += ["data.seq_len=2048", "precision=fp32"]
+
+    def planned(*extra: str):
+        cfg = load_config(None, [*base, *extra])
+        return estimate(cfg, 1, target="cuda", vocab_size=256), relative_time(cfg)
+
+    (plain, t0), (tiled, t1) = planned(), planned("memory.tiled_mlp=8")
+    offloaded, t2 = planned("memory.offload_checkpoint_inputs=true")
+    assert tiled.peak.categories["activations"] < plain.peak.categories["activations"]
+    assert t1 > t0 and t2 > t0  # each costs step time
+    block_input = 2048 * 64 * 4  # one block's input: seq x hidden, fp32
+    assert offloaded.host == {"checkpoint_inputs": 2 * block_input}  # tiny-llama's two blocks
+    assert offloaded.peak.categories["activations"] < plain.peak.categories["activations"]
+    cpu = estimate(load_config(None, [*base, "memory.offload_checkpoint_inputs=true"]), 1, target="cpu", vocab_size=256)
+    assert cpu.host == {} and cpu.total == estimate(load_config(None, base), 1, target="cpu", vocab_size=256).total
