@@ -1,5 +1,4 @@
-"""Plan a run before launching it: per-rank peak memory, and the fastest config that fits. --max-seq-len finds the longest ``data.seq_len`` the config fits at
-(``harness.planner.long_context``), every other knob as written.
+"""Plan a run before launching it: per-rank peak memory, the fastest config that fits, the longest sequence.
 
     python -m harness.plan --config run.yaml --gpus 8 --gpu-mem 48GiB [--cpu-mem 512GiB] [--nvme]
     python -m harness.plan --config run.yaml --gpus 8 --gpu-mem 48GiB --recommend [--out best.yaml]
@@ -11,8 +10,9 @@ storage and one training step is traced on rank 0 of a fake process group (see
 ``harness.planner``). Overrides are the trainer's ``key=value`` ones.
 
 --recommend walks the memory ladder (``harness.planner.ladder``: precision, sharding, recomputation,
-chunked loss, tiled MLP, checkpoint-input offload, optimizer in backward, offload, LoRA, QLoRA), prints every rung and writes the first
-that fits.
+chunked loss, tiled MLP, checkpoint-input offload, optimizer in backward, offload, LoRA, QLoRA),
+prints every rung and writes the first that fits. --max-seq-len finds the longest
+``data.seq_len`` the config fits at (``harness.planner.long_context``), every other knob as written.
 
 Exit status (the table in harness/errors.py): 0 the config fits (or --recommend wrote one
 that does); 10 it does not fit (something else would: see --recommend); 11 nothing fits

@@ -219,8 +219,7 @@ class ActivationOffload:
             stream = self._stream if self.scope == "checkpoint_inputs" else None
             if stream is None:
                 handle.fetched = handle.host.to(handle.device, non_blocking=True)
-            else:
-                stream.wait_stream(torch.cuda.current_stream(handle.device))
+            else:  # the host copy was made on this stream: stream order has it complete; compute goes on meanwhile
                 with torch.cuda.stream(stream):
                     handle.fetched = handle.host.to(handle.device, non_blocking=True)
                     handle.event = torch.cuda.Event()
