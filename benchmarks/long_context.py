@@ -3,7 +3,9 @@
     python benchmarks/long_context.py > table.md
     python benchmarks/long_context.py --seq-lens 8192 16384 --model small-llama
 
-For each sequence length x knob (activation checkpointing + chunked loss as the base; the tiled
+First the MLP alone (hidden 64, intermediate 1024, seq 8192): its activation peak by harness's
+own per-category tracker (``StepMemoryTracker``) untiled and at 2 to 16 tiles. Then, for
+each sequence length x knob (activation checkpointing + chunked loss as the base; the tiled
 MLP; checkpoint-input offload; both), one rank, fp32: the real step measured with MemTracker
 over every storage (``harness.planner.measure``: the trainer's engine and loss), beside the
 planner's estimate of the same config for a CPU run (``target=cpu``: one memory, so the offload
@@ -26,7 +28,7 @@ import torch
 
 from harness.config import load_config
 from harness.engine import apply_memory_techniques
-from harness.memory import ActivationOffload
+from harness.memory import ActivationOffload, StepMemoryTracker, apply_tiled_mlp
 from harness.models import build_model
 from harness.planner import estimate
 from harness.planner.measure import launch
@@ -53,13 +55,41 @@ def offloaded_for_real(overrides: list[str], vocab: int) -> tuple[int, int, int]
     return offload.stats.offloaded_bytes, offload.stats.peak_fetched_bytes, offload.stats.offloaded
 
 
+def mlp_activation_peak(tiles: int, seq: int, intermediate: int) -> int:
+    """Activation peak of one decoder MLP's forward + backward by harness's own tracker (hidden 64, fp32)."""
+    model = build_model("tiny-llama", seed=0, config_overrides={"num_hidden_layers": 1, "intermediate_size": intermediate})
+    if tiles:
+        apply_tiled_mlp(model, tiles)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(1, seq, 64, requires_grad=True)
+    tracker = StepMemoryTracker(mlp, None)
+    with tracker.step():
+        mlp(x).sum().backward()
+    return tracker.last_category_maxima()["activations"]
+
+
+def mlp_table(seq: int = 8192, intermediate: int = 1024) -> None:
+    io = 2 * seq * 64 * 4  # the MLP's output and its input's gradient: whole-sequence at any tiling
+    untiled = mlp_activation_peak(0, seq, intermediate)
+    print(f"| MLP tiles (seq {seq}, hidden 64, intermediate {intermediate}) | activation peak | minus in/out | vs untiled |")
+    print("|---:|---:|---:|---:|")
+    for tiles in (0, 2, 4, 8, 16):
+        peak = mlp_activation_peak(tiles, seq, intermediate) if tiles else untiled
+        print(f"| {tiles or 'untiled'} | {peak:,} | {peak - io:,} | {(untiled - io) / (peak - io):.2f}x smaller |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small-llama")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--timeout", type=float, default=1200.0)
+    parser.add_argument("--mlp-only", action="store_true", help="only the MLP table (one process, seconds)")
     args = parser.parse_args()
+    mlp_table()
+    if args.mlp_only:
+        return
     base = [
         f"model.name={args.model}",
         "micro_batch_size=1",
