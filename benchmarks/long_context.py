@@ -1,7 +1,7 @@
 """Long-sequence knobs on CPU: the planner's prediction against a measured step, and the offloaded bytes.
 
     python benchmarks/long_context.py > table.md
-    python benchmarks/long_context.py --seq-lens 8192 16384 --model small-llama
+    python benchmarks/long_context.py --seq-lens 8192 16384 --model small-llama --vocab-size 4096
 
 First the MLP alone (hidden 64, intermediate 1024, seq 8192): its activation peak by harness's
 own per-category tracker (``StepMemoryTracker``) untiled and at 2 to 16 tiles. Then, for
@@ -81,9 +81,9 @@ def mlp_table(seq: int = 8192, intermediate: int = 1024) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small-llama")
+    parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384])
-    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--mlp-only", action="store_true", help="only the MLP table (one process, seconds)")
     args = parser.parse_args()
