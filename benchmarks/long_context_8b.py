@@ -55,11 +55,11 @@ def line_answer(world: int, overrides: list[str], lengths: tuple[int, int], mach
         by_host = s0 + (cpu_b - (v0.host_need_per_node or 0)) / host_slope if host_slope > 0 else float("inf")
         answer = int(min(by_device, by_host)) // 1024 * 1024
         bound = "device" if by_device <= by_host else "host"
-        rows.append(
-            f"| {machine} | {' '.join(o for o in overrides if o not in COMMON)} | {s0:,}: {gib(v0.device_need)} / host {gib(v0.host_need_per_node or 0)} | "
-            f"{s1:,}: {gib(v1.device_need)} / host {gib(v1.host_need_per_node or 0)} | {dev_slope / 1024:,.1f} KiB | "
-            f"{host_slope / 1024:,.1f} KiB | **{answer:,}** ({bound}) |"
-        )
+        config = " ".join(o for o in overrides if o not in COMMON)
+        first = f"{s0:,}: {gib(v0.device_need)} / host {gib(v0.host_need_per_node or 0)}"
+        second = f"{s1:,}: {gib(v1.device_need)} / host {gib(v1.host_need_per_node or 0)}"
+        slopes = f"{dev_slope / 1024:,.1f} KiB | {host_slope / 1024:,.1f} KiB"
+        rows.append(f"| {machine} | {config} | {first} | {second} | {slopes} | **{answer:,}** ({bound}) |")
     return rows
 
 
