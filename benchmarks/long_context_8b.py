@@ -68,9 +68,7 @@ def main() -> None:
     parser.add_argument("--at", type=int, nargs=2, default=[16384, 32768])
     parser.add_argument("--variant", choices=("long", "base"), default="long", help="base: without the tiled MLP and the offload")
     args = parser.parse_args()
-    print(
-        "| machine | config | device / host at the first length | at the second | device per token | host per token (node) | longest seq_len |"
-    )
+    print("| machine | config | device / host at the first length | at the second | device/token | host/token (node) | longest seq_len |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for _, world, strategy, machines in SETUPS:
         overrides = [*COMMON, *strategy, *(LONG if args.variant == "long" else [])]
