@@ -228,7 +228,15 @@ def _max_seq_len(args: argparse.Namespace, cfg: Any, gpu_mem: int, cpu_mem: int 
             "--max-seq-len answers for the config as written: drop --recommend" if args.recommend else "--seq-step must be >= 1"
         )
     search = max_seq_len(
-        cfg, args.gpus, gpu_mem, cpu_mem=cpu_mem, per_node=per_node, target=args.target, vocab_size=vocab, step=args.seq_step
+        cfg,
+        args.gpus,
+        gpu_mem,
+        cpu_mem=cpu_mem,
+        per_node=per_node,
+        target=args.target,
+        vocab_size=vocab,
+        step=args.seq_step,
+        on_probe=lambda p: print(f"  probe seq_len={p.seq_len:,}: {p.reason}", file=sys.stderr, flush=True),
     )
     title = (
         f"Longest sequence: {cfg.model.name} x {args.gpus} rank(s) of {gib(gpu_mem)}, strategy {cfg.strategy or 'ddp'}, {cfg.precision}, "

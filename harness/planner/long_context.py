@@ -101,8 +101,10 @@ def max_seq_len(
     step: int = SEQ_STEP,
     limit: int = SEQ_LIMIT,
     estimate_fn: Callable[..., Estimate] = estimate,
+    on_probe: Callable[[Probe], None] | None = None,
 ) -> SeqSearch:
-    """The longest multiple of ``step`` tokens (at most ``limit``) at which ``cfg`` fits, and the probes that found it."""
+    """The longest multiple of ``step`` tokens (at most ``limit``) at which ``cfg`` fits, and the probes
+    that found it; ``on_probe`` hears of each as it is made (a probe at 8B traces for a minute or more)."""
     per_node = per_node or world
     probes: dict[int, Probe] = {}
 
@@ -113,6 +115,8 @@ def max_seq_len(
             est = estimate_fn(at, world, target=target, vocab_size=vocab_size)
             v: Verdict = verdict(est, gpu_mem, cpu_mem, per_node)
             probes[seq] = Probe(seq, v.fits, v.device_need, v.host_need_per_node or 0, v.reason, est)
+            if on_probe is not None:
+                on_probe(probes[seq])
         return probes[seq]
 
     start = max(step, cfg.data.seq_len // step * step)
