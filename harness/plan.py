@@ -1,16 +1,18 @@
-"""Plan a run before launching it: per-rank peak memory, and the fastest config that fits.
+"""Plan a run before launching it: per-rank peak memory, the fastest config that fits, the longest sequence.
 
     python -m harness.plan --config run.yaml --gpus 8 --gpu-mem 48GiB [--cpu-mem 512GiB] [--nvme]
     python -m harness.plan --config run.yaml --gpus 8 --gpu-mem 48GiB --recommend [--out best.yaml]
     python -m harness.plan --config run.yaml --gpus 2 --gpu-mem 80GiB precision=bf16 micro_batch_size=2
+    python -m harness.plan --config run.yaml --gpus 8 --gpu-mem 80GiB --cpu-mem 1TiB --max-seq-len
 
 No GPU is needed and no weights are loaded: the model is built from its config with fake
 storage and one training step is traced on rank 0 of a fake process group (see
 ``harness.planner``). Overrides are the trainer's ``key=value`` ones.
 
 --recommend walks the memory ladder (``harness.planner.ladder``: precision, sharding, recomputation,
-chunked loss, optimizer in backward, offload, LoRA, QLoRA), prints every rung and writes the first
-that fits.
+chunked loss, tiled MLP, checkpoint-input offload, optimizer in backward, offload, LoRA, QLoRA),
+prints every rung and writes the first that fits. --max-seq-len finds the longest
+``data.seq_len`` the config fits at (``harness.planner.long_context``), every other knob as written.
 
 Exit status (the table in harness/errors.py): 0 the config fits (or --recommend wrote one
 that does); 10 it does not fit (something else would: see --recommend); 11 nothing fits
@@ -32,6 +34,7 @@ from harness.errors import EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, EXIT_PLAN_NOTHING_FI
 from harness.planner import PlanError
 from harness.planner.estimate import estimate, resolve_vocab
 from harness.planner.ladder import CPU_ADAM_PARAMS_PER_S, PCIE_BYTES_PER_S, first_fit, format_ladder, offload_seconds, walk_ladder
+from harness.planner.long_context import SEQ_STEP, format_search, max_seq_len
 from harness.planner.recommend import (
     Candidate,
     evaluate_lora,
@@ -64,6 +67,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         type=float,
         default=CPU_ADAM_PARAMS_PER_S,
         help="parameters per second the host's CPU Adam steps (offload rungs' step time; default: a published server figure)",
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="find the longest data.seq_len this config fits at (device and host memory), by bisection over traced steps",
+    )
+    parser.add_argument(
+        "--seq-step", type=int, default=SEQ_STEP, help=f"with --max-seq-len: the answer's granularity in tokens (default {SEQ_STEP})"
     )
     parser.add_argument("--out", help="where --recommend writes the config (default: <config>.recommended.yaml)")
     parser.add_argument("--json", help="also write the result as JSON here")
@@ -171,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = args.vocab_size or resolve_vocab(cfg)
     if args.fastest and not args.recommend:
         raise PlanError("--fastest chooses how --recommend searches: give --recommend too")
+    if args.max_seq_len:
+        return _max_seq_len(args, cfg, gpu_mem, cpu_mem, per_node, vocab)
     if args.recommend and args.fastest:
         return _fastest(args, overrides, cfg, gpu_mem, cpu_mem, per_node, vocab)
     if args.recommend:
@@ -206,6 +219,39 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     print("hint: run with --recommend for the fastest configuration that fits")
     return EXIT_PLAN_DOES_NOT_FIT
+
+
+def _max_seq_len(args: argparse.Namespace, cfg: Any, gpu_mem: int, cpu_mem: int | None, per_node: int, vocab: int | None) -> int:
+    """The longest sequence the config fits at (`harness.planner.long_context`); exit 10 when not even one step of tokens does."""
+    if args.recommend or args.seq_step < 1:
+        raise PlanError(
+            "--max-seq-len answers for the config as written: drop --recommend" if args.recommend else "--seq-step must be >= 1"
+        )
+    search = max_seq_len(
+        cfg,
+        args.gpus,
+        gpu_mem,
+        cpu_mem=cpu_mem,
+        per_node=per_node,
+        target=args.target,
+        vocab_size=vocab,
+        step=args.seq_step,
+        on_probe=lambda p: print(f"  probe seq_len={p.seq_len:,}: {p.reason}", file=sys.stderr, flush=True),
+    )
+    title = (
+        f"Longest sequence: {cfg.model.name} x {args.gpus} rank(s) of {gib(gpu_mem)}, strategy {cfg.strategy or 'ddp'}, {cfg.precision}, "
+        f"micro-batch {cfg.micro_batch_size}, AC {cfg.memory.activation_checkpointing}, loss chunk {cfg.memory.loss_chunk_size}, "
+        f"tiled MLP {cfg.memory.tiled_mlp or cfg.memory.tiled_mlp_tokens and f'{cfg.memory.tiled_mlp_tokens} tokens' or 'off'}"
+    )
+    print(format_search(search, gpu_mem, title))
+    if args.json:
+        with open(args.json, "w") as f:
+            probes = [
+                {"seq_len": p.seq_len, "fits": p.fits, "device_bytes": p.device_need, "host_bytes_per_node": p.host_need}
+                for p in search.probes
+            ]
+            json.dump({"max_seq_len": search.longest, "step": search.step, "probes": probes}, f, indent=1)
+    return EXIT_OK if search.longest else EXIT_PLAN_DOES_NOT_FIT
 
 
 def _recommend(

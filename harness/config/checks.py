@@ -63,11 +63,30 @@ def check_values(cfg: RunConfig) -> None:
         "memory.track_every": (cfg.memory.track_every, 0),
         "logging.log_every": (cfg.logging.log_every, 1),
         "memory.loss_chunk_size": (cfg.memory.loss_chunk_size, 0),
+        "memory.tiled_mlp": (cfg.memory.tiled_mlp, 0),
+        "memory.tiled_mlp_tokens": (cfg.memory.tiled_mlp_tokens, 0),
         "eval_every": (cfg.eval_every, 0),
     }
     for key, (value, low) in at_least.items():
         if value < low:
             raise ConfigError(f"{key}={value} must be >= {low}")
+    if cfg.memory.tiled_mlp and cfg.memory.tiled_mlp_tokens:
+        raise ConfigError(
+            f"memory.tiled_mlp={cfg.memory.tiled_mlp} and memory.tiled_mlp_tokens={cfg.memory.tiled_mlp_tokens}: "
+            "give the MLP's tile count or its tile size, not both"
+        )
+    if cfg.memory.offload_checkpoint_inputs:
+        why = (
+            "there are none without memory.activation_checkpointing"
+            if cfg.memory.activation_checkpointing == "none"
+            else "memory.activation_offload=true already offloads every saved tensor, these included"
+            if cfg.memory.activation_offload
+            else "not supported with torch.compile (saved-tensor hooks in compiled blocks, untested); set memory.compile=none"
+            if cfg.memory.compile != "none" or cfg.memory.activation_memory_budget is not None
+            else None
+        )
+        if why:
+            raise ConfigError(f"memory.offload_checkpoint_inputs=true: {why}")
     budget = cfg.memory.activation_memory_budget
     if budget is not None and not 0.0 <= budget <= 1.0:
         raise ConfigError(f"memory.activation_memory_budget={budget} must be in [0, 1]")

@@ -145,10 +145,13 @@ class MemoryConfig:
     activation_checkpointing: AcMode = "none"
     ac_every: int = 2  # selective: checkpoint every k-th block
     activation_offload: bool = False
+    offload_checkpoint_inputs: bool = False  # only the inputs activation checkpointing keeps go to host memory (side stream, prefetch)
     compile: CompileMode = "none"
     activation_memory_budget: float | None = None  # in [0, 1]; implies compile
     optimizer_in_backward: bool = False
     loss_chunk_size: int = 0  # 0: plain fp32 cross-entropy; >0: chunked over the sequence
+    tiled_mlp: int = 0  # >1: each block's MLP runs over this many sequence tiles, recomputed in backward (0: untiled)
+    tiled_mlp_tokens: int = 0  # or tiles of this many tokens (the count follows the sequence); one of the two
     track: bool = True  # per-step peak memory: the platform's peak counters every step, the split by category on sampled steps
     track_every: int = 100  # split by category on steps 0, 1 and every k-th (0: 0 and 1 only); a split step costs ~2x on CPU
     snapshot: bool = False  # memory snapshot (GPU pickle / CPU per-module report)

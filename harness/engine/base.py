@@ -56,6 +56,7 @@ class Engine:
         self.grad_accum = grad_accum
         self.device = device
         self.activation_offload = plan.activation_offload  # saved activations go to host memory
+        self.offload_checkpoint_inputs = plan.offload_checkpoint_inputs  # only the checkpointed blocks' inputs do
         # Checkpoints keep the trainable parameters only (LoRA: the adapters); see EnginePlan.trainable_only.
         self.trainable_only = plan.trainable_only
         self.startup_s = dict(startup_s)  # seconds spent loading the model and initialising the engine
@@ -85,7 +86,11 @@ class Engine:
     def forward_loss(self, batch: torch.Tensor, num_items: float | None = None) -> torch.Tensor:
         """The loss of one micro-batch: its summed token losses over ``num_items`` (default: its
         own counted tokens, a mean). `backward` then averages over accumulation and ranks."""
-        offload = ActivationOffload() if self.activation_offload and torch.is_grad_enabled() else contextlib.nullcontext()
+        offload: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if torch.is_grad_enabled() and self.activation_offload:
+            offload = ActivationOffload()
+        elif torch.is_grad_enabled() and self.offload_checkpoint_inputs:
+            offload = ActivationOffload(scope="checkpoint_inputs", model=self.model)
         with self.policy.autocast_context(self.device), offload:
             if num_items is None:
                 return self.loss_fn(self.model, batch)

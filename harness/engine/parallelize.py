@@ -19,7 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from harness.config import RunConfig, Strategy
 from harness.distributed import DistInfo
 from harness.engine.storage import local_part
-from harness.memory import apply_activation_checkpointing, apply_compile
+from harness.memory import apply_activation_checkpointing, apply_compile, apply_tiled_mlp
 from harness.models import (
     LoraWeights,
     ModelSpec,
@@ -37,8 +37,10 @@ from harness.training import PrecisionPolicy
 
 
 def apply_memory_techniques(model: nn.Module, cfg: RunConfig) -> None:
-    """Activation checkpointing and compile, before any sharding wraps the blocks."""
+    """Tiled MLP, activation checkpointing and compile, before any sharding wraps the blocks."""
     mem = cfg.memory
+    if mem.tiled_mlp > 1 or mem.tiled_mlp_tokens:
+        apply_tiled_mlp(model, mem.tiled_mlp if mem.tiled_mlp > 1 else 0, mem.tiled_mlp_tokens)
     if mem.activation_checkpointing != "none":
         apply_activation_checkpointing(model, mem.activation_checkpointing, mem.ac_every)
     if mem.compile != "none" or mem.activation_memory_budget is not None:

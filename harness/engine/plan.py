@@ -51,6 +51,7 @@ class EnginePlan:
     launcher_said: tuple[str, ...] = ()
     optimizer_in_backward: bool = False  # the torch engine steps each parameter's optimizer inside backward
     activation_offload: bool = False  # saved activations go to host memory (memory.activation_offload)
+    offload_checkpoint_inputs: bool = False  # only the checkpointed blocks' inputs do (memory.offload_checkpoint_inputs)
     # Checkpoints keep the trainable parameters only (LoRA: the adapters); the frozen base is rebuilt
     # from model.name on resume and export, so a checkpoint is the adapters' size.
     trainable_only: bool = False
@@ -141,6 +142,7 @@ def plan_engine(
         launcher_said=tuple(said),
         optimizer_in_backward=cfg.memory.optimizer_in_backward,
         activation_offload=cfg.memory.activation_offload,
+        offload_checkpoint_inputs=cfg.memory.offload_checkpoint_inputs,
         trainable_only=cfg.lora.enabled,
         cpu_adam=ds is not None and host_adam(cfg, strategy, ds, accelerator, env),
     )

@@ -1,7 +1,7 @@
 """Memory techniques and memory measurement.
 
-Techniques, each in its own module and applied in `harness.engine.parallelize` (AC ->
-compile -> sharding): activation checkpointing, activation offload, torch.compile with an
+Techniques, each in its own module and applied in `harness.engine.parallelize` (tiled MLP ->
+AC -> compile -> sharding): the tiled MLP, activation checkpointing, activation offload, torch.compile with an
 activation-memory budget, optimizer-in-backward. Measurement: `StepMemoryTracker` (peak by
 category per step) over torch's memory trackers. `categories` is the one vocabulary.
 
@@ -15,6 +15,7 @@ from harness.memory.activation_offload import ActivationOffload
 from harness.memory.categories import CATEGORIES, REPORTED, STATE_CATEGORIES, category_of
 from harness.memory.compile import CompileTimer, apply_compile, set_activation_memory_budget
 from harness.memory.optimizer_in_backward import OptimizerInBackward
+from harness.memory.tiled_mlp import apply_tiled_mlp, mlp_tiles, tiled_mlps
 from harness.memory.tracking import (
     COUNTER_KEYS,
     AllocatorTrace,
@@ -38,10 +39,13 @@ __all__ = [
     "StepMemoryTracker",
     "apply_activation_checkpointing",
     "apply_compile",
+    "apply_tiled_mlp",
     "blocks_to_wrap",
     "category_of",
     "checkpointed_blocks",
     "clean_fqn",
+    "mlp_tiles",
     "optimizer_state_bytes",
     "set_activation_memory_budget",
+    "tiled_mlps",
 ]

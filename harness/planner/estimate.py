@@ -147,6 +147,9 @@ def specs_for(
         ac_mode=cfg.memory.activation_checkpointing,
         ac_every=cfg.memory.ac_every,
         loss_chunk_size=cfg.memory.loss_chunk_size,
+        # on a CPU run the host is the device: the offload holds the same bytes by reference
+        offload_checkpoint_inputs=cfg.memory.offload_checkpoint_inputs and target == "cuda",
+        mlp_tiles=(cfg.memory.tiled_mlp if cfg.memory.tiled_mlp > 1 else 0, cfg.memory.tiled_mlp_tokens),
         micro_batches=2 if cfg.grad_accum > 1 else 1,
         autocast=policy.autocast and kind != "deepspeed",
         lora=(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules) if lora.target_modules else None) if lora.enabled else None,
@@ -370,15 +373,18 @@ def estimate(
             f"includes {race:,} B of one collective buffer gloo's worker thread may still hold "
             f"(a run peaks between {peak.total - race:,} and {peak.total:,} B)"
         )
+    host = dict(em.host)
+    if trace.offloaded_bytes:
+        host["checkpoint_inputs"] = trace.offloaded_bytes  # pinned, all of them at the end of forward
     host_extra = max((p.host_extra for p in em.phases), default=0)
-    host_total = sum(em.host.values())
+    host_total = sum(host.values())
     return Estimate(
         engine=em.name,
         world_size=world_size,
         rank=rank,
         peak=peak,
         moments=moments,
-        host=dict(em.host),
+        host=host,
         host_peak=host_total + host_extra if host_total else 0,
         load_device=load_device,
         load_host=load_host,

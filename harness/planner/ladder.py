@@ -39,6 +39,7 @@ class Rung:
 
 
 LOSS_CHUNK = 1024  # tokens per chunk of the chunked loss: logits of 1024 positions at a time
+MLP_TILE_TOKENS = 4096  # tokens per MLP tile: ALST's rule (tiles of hidden-size tokens) at Llama-3-8B's 4096
 
 RUNGS: tuple[Rung, ...] = (
     Rung("as configured", ()),
@@ -46,6 +47,11 @@ RUNGS: tuple[Rung, ...] = (
     Rung("FSDP2: shard parameters, gradients and optimizer state", ("strategy=fsdp",), min_world=2),
     Rung("activation checkpointing (every block)", ("memory.activation_checkpointing=full",)),
     Rung("chunked loss (no full logits)", (f"memory.loss_chunk_size={LOSS_CHUNK}",)),
+    # long sequences: activations that grow with seq_len, in cost order
+    Rung("tiled MLP (its intermediates a tile at a time)", (f"memory.tiled_mlp_tokens={MLP_TILE_TOKENS}",)),
+    Rung("checkpoint-input offload (block inputs on the host)", ("memory.offload_checkpoint_inputs=true",)),
+    # sequence parallelism (each sample's sequence split over ranks) belongs here, before the
+    # model-state rungs and parameter/optimizer offload: a Rung with its overrides and min_world=2
     Rung("optimizer step inside backward (no gradient clipping)", ("memory.optimizer_in_backward=true", "optim.grad_clip=0")),
     Rung("bf16 optimizer states (torchao, stochastic rounding)", ("optim.name=adamw_bf16",)),
     Rung("pure bf16 weights: no fp32 master (stochastic rounding)", ("precision=bf16_pure",)),
@@ -122,9 +128,13 @@ def relative_time(cfg: RunConfig) -> float:
     """Expected step time relative to bf16 / DDP / no recomputation (`SPEED`: stated heuristics)."""
     mode = "none" if not cfg.lora.enabled else "lora" if cfg.lora.quantize == "none" else "nf4"
     strategy = SPEED["strategy"].get(cfg.strategy or "ddp", 1.0)
+    mem = cfg.memory
+    tiled = mem.tiled_mlp > 1 or mem.tiled_mlp_tokens > 0
     return (
         SPEED["precision"].get(cfg.precision, 1.0)
         * SPEED["ac"].get(cfg.memory.activation_checkpointing, 1.0)
+        * (SPEED["memory"]["tiled_mlp"] if tiled else 1.0)
+        * (SPEED["memory"]["offload_checkpoint_inputs"] if mem.offload_checkpoint_inputs else 1.0)
         * strategy
         * SPEED["lora"][mode]
     )

@@ -36,7 +36,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from harness.config import LoraConfig, Strategy
 from harness.distributed import DistInfo, local_tensor
 from harness.engine import fsdp_wrap
-from harness.memory import apply_activation_checkpointing
+from harness.memory import ActivationOffload, apply_activation_checkpointing, apply_tiled_mlp
 from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config
 from harness.planner.packed import pack_block_linears
 from harness.planner.timeline import CAT_INDEX, CATS, tracker_class
@@ -64,6 +64,8 @@ class TraceSpec:
     ac_mode: str = "none"
     ac_every: int = 2
     loss_chunk_size: int = 0
+    mlp_tiles: tuple[int, int] = (0, 0)  # tiled MLP: (tile count, tile tokens), one of them set; (0, 0) untiled
+    offload_checkpoint_inputs: bool = False  # checkpointed blocks' inputs on the host (the offload's own hooks, simulated)
     micro_batches: int = 1  # traced micro-batches: 2 when gradient accumulation keeps grads across them
     autocast: bool = False  # fp16 torch engines run under autocast with fp32 weights
     lora: tuple[int, float, float, tuple[str, ...] | None] | None = None  # (r, alpha, dropout, targets): peft adapters, base frozen
@@ -120,6 +122,7 @@ class TraceResult:
     # already reduce-scattered. The rest of a row's gradients are the unsharded ones of the groups in backward.
     sharded_grads: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    offloaded_bytes: int = 0  # host bytes of the offloaded checkpoint inputs at most (per rank)
 
     def total(self, i: int) -> int:
         return sum(self.rows[i])
@@ -289,6 +292,8 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     Timeline = tracker_class()
     try:
         with fake_process_group(spec.world_size):
+            if any(spec.mlp_tiles):
+                apply_tiled_mlp(model, *spec.mlp_tiles)
             if spec.ac_mode != "none":
                 apply_activation_checkpointing(model, spec.ac_mode, spec.ac_every)
             if spec.wrap == "fsdp":
@@ -302,6 +307,9 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                 ids = [torch.randint(0, vocab, (spec.micro_batch, spec.seq_len)) for _ in range(spec.micro_batches)]
                 tracker.track_external(*ids)
                 autocast = torch.autocast("cpu", dtype=_dtype(spec.precision)) if spec.autocast else contextlib.nullcontext()
+                # the trainer's own offload, simulated: the device copy is released at pack time and an empty one
+                # comes back when backward (or the prefetch ahead of it) asks for it
+                offload = ActivationOffload(scope="checkpoint_inputs", model=model, simulate=True)
                 with warnings.catch_warnings(), real_run_masking(), tracker:
                     warnings.simplefilter("ignore")
                     for micro, batch in enumerate(ids):
@@ -310,7 +318,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                             model.set_requires_gradient_sync(last)
                         if micro:
                             tracker.reset_mod_stats()
-                        with autocast:
+                        with autocast, offload if spec.offload_checkpoint_inputs else contextlib.nullcontext():
                             loss = causal_lm_loss(model, batch, chunk_size=spec.loss_chunk_size)
                         (loss / max(1, spec.micro_batches)).backward()
                         del loss
@@ -334,6 +342,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         tracker.largest_collective_buffer,
         held_param_bytes=held,
         sharded_grads=tracker.sharded_grads,
+        offloaded_bytes=offload.stats.peak_store_bytes,
     )
     result.trace_seconds = time.perf_counter() - start
     return result

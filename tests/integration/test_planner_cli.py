@@ -40,6 +40,8 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
         (["--gpus", "0", "--gpu-mem", "48GiB"], "--gpus must be >= 1"),
         (["--gpu-mem", "48GiB", "model.name=/nonexistent/model"], "cannot build model '/nonexistent/model'"),
         (["--gpu-mem", "48GiB", "strategy=zero9"], "strategy 'zero9'"),
+        (["--gpu-mem", "48GiB", "--max-seq-len", "--recommend"], "drop --recommend"),
+        (["--gpu-mem", "48GiB", "--max-seq-len", "--seq-step", "0"], "--seq-step must be >= 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -122,6 +124,24 @@ def test_recommend_fastest_searches_by_speed_and_writes_a_config_that_fits(tmp_p
     best = load_config(out)
     assert best.steps == 7 and verdict(estimate(best, 2, vocab_size=2048), ddp_need - 1, None, 2).fits
     assert main(["--gpu-mem", "8GiB", "--vocab-size", "2048", "--fastest", *TINY]) == EXIT_BAD_INPUT  # without --recommend
+
+
+def test_max_seq_len_answers_the_longest_length_that_fits(tmp_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The answer fits and one step more does not, by the planner's own estimate and verdict (a CPU run: fast traces)."""
+    out = os.path.join(tmp_path, "seq.json")
+    base = ["model.name=tiny-llama", "micro_batch_size=1", "memory.activation_checkpointing=full", "memory.tiled_mlp=4"]
+    argv = ["--gpu-mem", "48MiB", "--target", "cpu", "--vocab-size", "2048", "--max-seq-len", "--seq-step", "128", "--json", out, *base]
+    assert main(argv) == EXIT_OK
+    assert "Longest seq_len that fits" in capsys.readouterr().out
+    with open(out) as f:
+        answer = json.load(f)["max_seq_len"]
+    assert answer > 128 and answer % 128 == 0
+
+    def fits(seq: int) -> bool:
+        est = estimate(load_config(None, [*base, f"data.seq_len={seq}"]), 1, target="cpu", vocab_size=2048)
+        return verdict(est, parse_size("48MiB"), None, 1).fits
+
+    assert fits(answer) and not fits(answer + 128)
 
 
 def test_module_entry_point_runs() -> None:

@@ -10,6 +10,8 @@ device *is* the host), pinned-memory allocation and the asynchronous device<->ho
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -95,3 +97,78 @@ def test_offload_composes_with_activation_checkpointing() -> None:
     # Inside checkpointed blocks checkpointing owns the saved tensors: less is offloaded.
     _, _, held_plain = _loss_and_grads(plain, ActivationOffload(min_bytes=1024, copy_on_host=True))
     assert 0 < held < held_plain
+
+
+LAYERS = 4
+
+
+def _checkpointed(seq: int = 64) -> tuple[torch.nn.Module, int]:
+    """A full-AC model and the bytes of one block's input (micro-batch 2 x seq x hidden 64, fp32)."""
+    model = build_model("tiny-llama", seed=0, vocab_size=256, config_overrides={"num_hidden_layers": LAYERS})
+    apply_activation_checkpointing(model, "full")
+    return model, 2 * seq * 64 * 4
+
+
+def _ids(seq: int = 64) -> torch.Tensor:
+    return torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_checkpoint_inputs_alone_move_and_come_back_a_bounded_few_at_a_time(prefetch: int) -> None:
+    model, block_bytes = _checkpointed()
+    ref = causal_lm_loss(model, _ids())
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    offload = ActivationOffload(copy_on_host=True, scope="checkpoint_inputs", model=model, prefetch=prefetch)
+    with offload:
+        loss = causal_lm_loss(model, _ids())
+    held = offload.store_bytes
+    loss.backward()
+    assert loss.item() == ref.item()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), ref_grads))
+    stats = offload.stats
+    # exactly one input per checkpointed block went to the host; everything else saved outside the blocks stayed
+    assert stats.offloaded == LAYERS and held == stats.offloaded_bytes == LAYERS * block_bytes
+    assert stats.reasons["not a checkpoint input"] > 0
+    assert stats.prefetched == (LAYERS - 1 if prefetch else 0)
+    assert stats.peak_fetched_bytes == min(prefetch + 1, LAYERS) * block_bytes  # the one unpacked and those ahead
+    assert offload.store_bytes == 0 and offload.fetched_bytes == 0
+
+
+def test_simulated_offload_releases_the_inputs_until_backward_fetches_them() -> None:
+    """The planner's mode: device bytes held after forward drop by exactly what went to the host."""
+    from harness.memory import StepMemoryTracker
+
+    def held_after_forward(simulate: bool) -> tuple[int, ActivationOffload | None]:
+        model, _ = _checkpointed()
+        offload = ActivationOffload(scope="checkpoint_inputs", model=model, simulate=True) if simulate else None
+        tracker = StepMemoryTracker(model, None)
+        with tracker.step():
+            with offload or contextlib.nullcontext():
+                loss = causal_lm_loss(model, _ids())
+            held = tracker.current()["activations"]
+            loss.backward()
+        return held, offload
+
+    (plain, _), (held, offload) = held_after_forward(False), held_after_forward(True)
+    block_bytes = _checkpointed()[1]
+    assert offload.stats.offloaded_bytes == LAYERS * block_bytes
+    assert held == plain - LAYERS * block_bytes
+
+
+def test_checkpoint_input_offload_config_rules() -> None:
+    from harness.config import load_config
+    from harness.errors import ConfigError
+
+    ok = ["memory.offload_checkpoint_inputs=true", "memory.activation_checkpointing=full"]
+    assert load_config(None, ok).memory.offload_checkpoint_inputs
+    for extra, why in (
+        (["memory.activation_checkpointing=none"], "none without memory.activation_checkpointing"),
+        (["memory.activation_offload=true"], "already offloads every saved tensor"),
+        (["memory.compile=block"], "memory.compile=none"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            load_config(None, [*ok, *extra])
+    with pytest.raises(ValueError, match="needs the model"):
+        ActivationOffload(scope="checkpoint_inputs")

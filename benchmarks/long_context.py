@@ -1,0 +1,126 @@
+"""Long-sequence knobs on CPU: the planner's prediction against a measured step, and the offloaded bytes.
+
+    python benchmarks/long_context.py > table.md
+    python benchmarks/long_context.py --seq-lens 8192 16384 --model small-llama --vocab-size 4096
+
+First the MLP alone (hidden 64, intermediate 1024, seq 8192): its activation peak by harness's
+own per-category tracker (``StepMemoryTracker``) untiled and at 2 to 16 tiles. Then, for
+each sequence length x knob (activation checkpointing + chunked loss as the base; the tiled
+MLP; checkpoint-input offload; both), one rank, fp32: the real step measured with MemTracker
+over every storage (``harness.planner.measure``: the trainer's engine and loss), beside the
+planner's estimate of the same config for a CPU run (``target=cpu``: one memory, so the offload
+moves nothing and its bytes stay in the peak) and its activation category. Then, for the
+offload, one real forward + backward under the trainer's ``ActivationOffload`` (checkpoint
+inputs, the copy path run on the host): the bytes it moved and the most it held fetched ahead,
+beside the planner's host bytes for a GPU run (``target=cuda``, the offload simulated in the
+trace). A CPU cannot show the device saving itself; notes/long_context.md says what was shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from harness.config import load_config
+from harness.engine import apply_memory_techniques
+from harness.memory import ActivationOffload, StepMemoryTracker, apply_tiled_mlp
+from harness.models import build_model
+from harness.planner import estimate
+from harness.planner.measure import launch
+from harness.training import causal_lm_loss
+
+KNOBS = {
+    "AC + chunked loss": [],
+    "+ tiled MLP (8 tiles)": ["memory.tiled_mlp=8"],
+    "+ checkpoint-input offload": ["memory.offload_checkpoint_inputs=true"],
+    "+ both": ["memory.tiled_mlp=8", "memory.offload_checkpoint_inputs=true"],
+}
+
+
+def offloaded_for_real(overrides: list[str], vocab: int) -> tuple[int, int, int]:
+    """(bytes moved to the host, most held fetched ahead, blocks) of one real step under the trainer's offload."""
+    cfg = load_config(None, overrides)
+    model = build_model(cfg.model.name, seed=0, vocab_size=vocab)
+    apply_memory_techniques(model, cfg)
+    ids = torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), generator=torch.Generator().manual_seed(0))
+    offload = ActivationOffload(copy_on_host=True, scope="checkpoint_inputs", model=model)
+    with offload:
+        loss = causal_lm_loss(model, ids, chunk_size=cfg.memory.loss_chunk_size)
+    loss.backward()
+    return offload.stats.offloaded_bytes, offload.stats.peak_fetched_bytes, offload.stats.offloaded
+
+
+def mlp_activation_peak(tiles: int, seq: int, intermediate: int) -> int:
+    """Activation peak of one decoder MLP's forward + backward by harness's own tracker (hidden 64, fp32)."""
+    model = build_model("tiny-llama", seed=0, config_overrides={"num_hidden_layers": 1, "intermediate_size": intermediate})
+    if tiles:
+        apply_tiled_mlp(model, tiles)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(1, seq, 64, requires_grad=True)
+    tracker = StepMemoryTracker(mlp, None)
+    with tracker.step():
+        mlp(x).sum().backward()
+    return tracker.last_category_maxima()["activations"]
+
+
+def mlp_table(seq: int = 8192, intermediate: int = 1024) -> None:
+    io = 2 * seq * 64 * 4  # the MLP's output and its input's gradient: whole-sequence at any tiling
+    untiled = mlp_activation_peak(0, seq, intermediate)
+    print(f"| MLP tiles (seq {seq}, hidden 64, intermediate {intermediate}) | activation peak | minus in/out | vs untiled |")
+    print("|---:|---:|---:|---:|")
+    for tiles in (0, 2, 4, 8, 16):
+        peak = mlp_activation_peak(tiles, seq, intermediate) if tiles else untiled
+        print(f"| {tiles or 'untiled'} | {peak:,} | {peak - io:,} | {(untiled - io) / (peak - io):.2f}x smaller |")
+    print()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--timeout", type=float, default=1200.0)
+    parser.add_argument("--mlp-only", action="store_true", help="only the MLP table (one process, seconds)")
+    args = parser.parse_args()
+    mlp_table()
+    if args.mlp_only:
+        return
+    base = [
+        f"model.name={args.model}",
+        "micro_batch_size=1",
+        "precision=fp32",
+        "strategy=ddp",
+        "memory.activation_checkpointing=full",
+        "memory.loss_chunk_size=1024",
+    ]
+    runs = [[*base, f"data.seq_len={seq}", *extra] for seq in args.seq_lens for extra in KNOBS.values()]
+    results = launch(runs, 1, steps=2, vocab_size=args.vocab_size, trainer_view=False, timeout=args.timeout)
+    print("| seq_len | knobs | measured peak | planned peak | error | measured activations | planned activations |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    names = list(KNOBS) * len(args.seq_lens)
+    for name, overrides, ranks in zip(names, runs, results):
+        measured = ranks[0]["peak"]
+        acts = ranks[0]["peak_by_category"].get("activations", 0)
+        est = estimate(load_config(None, overrides), 1, target="cpu", vocab_size=args.vocab_size)
+        seq = overrides[len(base)].split("=")[1]
+        print(
+            f"| {seq} | {name} | {measured:,} | {est.total:,} | {(est.total - measured) / measured:+.2%} | "
+            f"{acts:,} | {est.peak.categories['activations']:,} |"
+        )
+    print()
+    print("| seq_len | checkpoint inputs moved (real step) | planned host bytes (GPU run) | blocks | most fetched ahead |")
+    print("|---:|---:|---:|---:|---:|")
+    for seq in args.seq_lens:
+        overrides = [*base, f"data.seq_len={seq}", "memory.offload_checkpoint_inputs=true"]
+        moved, fetched, blocks = offloaded_for_real(overrides, args.vocab_size)
+        planned = estimate(load_config(None, overrides), 1, target="cuda", vocab_size=args.vocab_size).host.get("checkpoint_inputs", 0)
+        print(f"| {seq} | {moved:,} | {planned:,} | {blocks} | {fetched:,} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Tiled MLP: each decoder block's MLP runs over sequence tiles, recomputed in backward.
+
+At long sequence lengths the MLP's up-projection intermediates (gate, up, their product:
+``micro_batch x seq x intermediate`` each, ~3.5x the hidden size in Llama) are the largest
+activations of a block, and under full activation checkpointing they are what the
+recomputation of one block materialises at once. Tiling cuts the sequence into ``n``
+pieces; each piece runs through the MLP under torch's non-reentrant checkpoint, which keeps
+only the piece's input for backward and recomputes the MLP when its backward needs it. The
+intermediates then exist for one tile at a time, in forward and in backward: the MLP's
+share of the activation peak is divided by ``n`` for the price of one more MLP forward.
+
+The MLP is applied per position, so the tiled output and its gradients are those of the
+untiled MLP (sums over the tiles in another order: equal to rounding).
+
+Why not DeepSpeed's ``deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP`` (ALST's,
+the same idea; installed with DeepSpeed 0.19.8): its backward runs a nested
+``torch.autograd.backward`` once per tile, so each weight's gradient is accumulated once
+per tile (a post-accumulate-grad hook fires 4 times for 4 tiles, measured). ZeRO is told to
+wait through its ``ds_grad_is_ready`` flag; harness's optimizer-in-backward, which steps a
+parameter from that hook, would step on the first tile, and its own docstring leaves DDP and
+FSDP "needing something similar". Checkpointing each tile leaves the step one graph: every
+weight's gradient is summed over the tiles and accumulated once (the hook fires once), so
+every engine sees the backward it expects, and the same checkpoint nests inside the
+block-level activation checkpointing and compiles.
+
+The module is changed from outside (its ``forward`` replaced on the instance): parameter
+names, state dicts and checkpoints are those of the untiled model.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from harness.models import decoder_blocks
+
+_TILED_ATTR = "_harness_mlp_tiles"
+
+
+def mlp_tiles(seq_len: int, tiles: int = 0, tile_tokens: int = 0) -> int:
+    """The number of sequence tiles for ``seq_len`` tokens: ``tiles`` or ``ceil(seq_len / tile_tokens)``,
+    at most one tile per token; 1 means untiled."""
+    if tiles and tile_tokens:
+        raise ValueError("give the MLP's tile count or its tile size, not both")
+    n = tiles if tiles else math.ceil(seq_len / tile_tokens) if tile_tokens else 1
+    return max(1, min(n, seq_len))
+
+
+def tiled_forward(forward: Callable[..., torch.Tensor], tiles: int, tile_tokens: int) -> Callable[..., torch.Tensor]:
+    """``forward`` of an MLP (hidden states ``(..., seq, hidden)`` in, same shape out) run over sequence tiles."""
+
+    @functools.wraps(forward)
+    def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        n = mlp_tiles(x.shape[-2], tiles, tile_tokens)
+        if n == 1:
+            return forward(x, *args, **kwargs)
+        pieces = x.chunk(n, dim=-2)
+        if not torch.is_grad_enabled():  # evaluation: nothing is kept for backward, tiling alone bounds the peak
+            return torch.cat([forward(p, *args, **kwargs) for p in pieces], dim=-2)
+        return torch.cat([checkpoint(forward, p, *args, use_reentrant=False, **kwargs) for p in pieces], dim=-2)
+
+    return run
+
+
+def apply_tiled_mlp(model: nn.Module, tiles: int = 0, tile_tokens: int = 0) -> int:
+    """Make every decoder block's MLP (its ``mlp`` child) run over sequence tiles, in place.
+
+    ``tiles``: a fixed tile count; ``tile_tokens``: tokens per tile (the count follows the
+    sequence). Apply before activation checkpointing, compile and sharding wrap the blocks.
+    Returns the number of MLPs tiled.
+    """
+    if tiles < 0 or tile_tokens < 0 or bool(tiles) == bool(tile_tokens):
+        raise ValueError(f"tiled MLP needs exactly one of a tile count or a tile size > 0 (got {tiles}, {tile_tokens})")
+    mlps = [getattr(block, "mlp", None) for block in decoder_blocks(model)]
+    if any(m is None for m in mlps):
+        raise ValueError(f"{type(model).__name__}'s decoder blocks have no `mlp` module to tile")
+    for mlp in mlps:
+        if getattr(mlp, _TILED_ATTR, None) is not None:
+            raise ValueError("the MLPs of this model are already tiled")
+        mlp.forward = tiled_forward(mlp.forward, tiles, tile_tokens)
+        setattr(mlp, _TILED_ATTR, (tiles, tile_tokens))
+    return len(mlps)
+
+
+def tiled_mlps(model: nn.Module) -> int:
+    """How many MLPs of ``model`` run tiled."""
+    return sum(getattr(m, _TILED_ATTR, None) is not None for m in model.modules())
+
+
+__all__ = ["apply_tiled_mlp", "mlp_tiles", "tiled_forward", "tiled_mlps"]

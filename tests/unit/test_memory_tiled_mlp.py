@@ -1,0 +1,177 @@
+"""Tiled MLP: the untiled MLP's outputs and gradients, a tile's worth of its activations at a time."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.config import load_config, load_strategy
+from harness.distributed import DistInfo
+from harness.engine import build_engine, hidden_size_of, plan_engine
+from harness.errors import ConfigError
+from harness.memory import StepMemoryTracker, apply_activation_checkpointing, apply_tiled_mlp, mlp_tiles, tiled_mlps
+from harness.models import build_model, model_spec
+from harness.training import causal_lm_loss
+
+VOCAB = 256
+
+
+def _model(tiles: int = 0, ac: str = "none", **overrides: int) -> torch.nn.Module:
+    model = build_model("tiny-llama", seed=0, vocab_size=VOCAB, config_overrides={"num_hidden_layers": 2, **overrides})
+    if tiles:
+        apply_tiled_mlp(model, tiles)
+    apply_activation_checkpointing(model, ac)
+    return model
+
+
+def _grads(model: torch.nn.Module, seq: int = 96) -> tuple[float, list[torch.Tensor]]:
+    ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
+    loss = causal_lm_loss(model, ids)
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_tile_count_from_a_count_or_a_size() -> None:
+    assert mlp_tiles(100, tiles=4) == 4
+    assert mlp_tiles(100, tile_tokens=32) == 4  # 32 + 32 + 32 + 4
+    assert mlp_tiles(3, tiles=8) == 3  # never an empty tile
+    assert mlp_tiles(100) == 1
+    with pytest.raises(ValueError, match="not both"):
+        mlp_tiles(100, tiles=2, tile_tokens=8)
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "op"])
+def test_tiled_mlp_gives_the_untiled_loss_and_gradients(ac: str) -> None:
+    base_loss, base = _grads(_model(ac=ac))
+    model = _model(tiles=5, ac=ac)  # 96 tokens in 5 tiles: the last one shorter
+    assert tiled_mlps(model) == 2
+    loss, grads = _grads(model)
+    assert loss == pytest.approx(base_loss, rel=1e-6)
+    for g, b in zip(grads, base, strict=True):
+        torch.testing.assert_close(g, b, rtol=1e-5, atol=1e-7)
+
+
+def test_tiled_mlp_with_lora_trains_the_same_adapters() -> None:
+    from harness.models import apply_lora
+
+    cfg = load_config(None, ["lora.enabled=true", "lora.r=4", "lora.target_modules=[gate_proj,up_proj,down_proj,q_proj]"]).lora
+
+    def adapters(tiles: int) -> tuple[float, list[torch.Tensor]]:
+        model = build_model("tiny-llama", seed=0, vocab_size=VOCAB, config_overrides={"num_hidden_layers": 2})
+        model = apply_lora(model, cfg, seed=0)
+        if tiles:
+            apply_tiled_mlp(model, tiles)
+        apply_activation_checkpointing(model, "full")
+        return _grads(model)
+
+    (base_loss, base), (loss, grads) = adapters(0), adapters(3)
+    assert loss == pytest.approx(base_loss, rel=1e-6) and len(grads) == len(base) > 0
+    for g, b in zip(grads, base, strict=True):
+        torch.testing.assert_close(g, b, rtol=1e-5, atol=1e-7)
+
+
+def test_tiled_mlp_keeps_names_and_refuses_a_second_tiling() -> None:
+    plain, tiled = _model(), _model(tiles=4, ac="full")
+    assert list(tiled.state_dict()) == list(plain.state_dict())
+    with pytest.raises(ValueError, match="already tiled"):
+        apply_tiled_mlp(tiled, 2)
+    with pytest.raises(ValueError, match="exactly one"):
+        apply_tiled_mlp(plain, 2, 16)
+
+
+def _mlp_activation_peak(tiles: int) -> int:
+    """Activation peak of one MLP's forward + backward (hidden 64, intermediate 1024: the intermediates dominate)."""
+    mlp = _model(tiles, intermediate_size=1024).model.layers[0].mlp
+    x = torch.randn(2, 512, 64, requires_grad=True)
+    tracker = StepMemoryTracker(mlp, None)
+    with tracker.step():
+        mlp(x).sum().backward()
+    return tracker.last_category_maxima()["activations"]
+
+
+def test_tiled_mlp_divides_the_mlps_activation_peak_by_its_tiles() -> None:
+    io = 2 * 2 * 512 * 64 * 4  # the output and the input's gradient: whole-sequence tensors at any tiling
+    untiled = _mlp_activation_peak(0)
+    assert untiled > 16 * io  # the four (2, 512, 1024) fp32 intermediates held for backward
+    for tiles in (2, 4, 8):
+        assert _mlp_activation_peak(tiles) - io <= (untiled - io) / tiles
+
+
+def test_config_takes_a_count_or_a_size_not_both() -> None:
+    assert load_config(None, ["memory.tiled_mlp=4"]).memory.tiled_mlp == 4
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(None, ["memory.tiled_mlp=4", "memory.tiled_mlp_tokens=128"])
+    with pytest.raises(ConfigError, match="memory.tiled_mlp_tokens=-1 must be >= 0"):
+        load_config(None, ["memory.tiled_mlp_tokens=-1"])
+
+
+@pytest.fixture
+def group_of_one(tmp_path, monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _fsdp_run(overrides: list[str]) -> tuple[list[float], list[torch.Tensor]]:
+    args = ["strategy=fsdp", "memory.activation_checkpointing=full", "micro_batch_size=2", "optim.lr=0.01", *overrides]
+    cfg = load_config(None, args)
+    info = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")
+    spec = model_spec("tiny-llama", vocab_size=VOCAB)
+    plan = plan_engine(cfg, load_strategy(cfg.strategy, env={}), 1, info.device, hidden_size_of(spec.config))
+    engine = build_engine(spec, cfg, plan, info, functools.partial(causal_lm_loss, chunk_size=0))
+    assert tiled_mlps(engine.module) == (len(engine.module.model.layers) if cfg.memory.tiled_mlp_tokens else 0)
+    assert engine.offload_checkpoint_inputs == cfg.memory.offload_checkpoint_inputs
+    batch = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(3):
+        loss = engine.forward_loss(batch)
+        engine.backward(loss, last_micro=True)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses, [p.detach().full_tensor().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp2_with_checkpointing_trains_the_same_with_a_tiled_mlp(group_of_one, offload: bool) -> None:
+    """Through the engine's own load path (tiled MLP -> AC -> FSDP2), with the checkpointed blocks'
+    inputs offloaded too (on CPU: held by reference, the hooks and prefetch order run): the same steps."""
+    assert os.environ["WORLD_SIZE"] == "1"
+    base_losses, base = _fsdp_run([])
+    losses, weights = _fsdp_run(["memory.tiled_mlp_tokens=16", f"memory.offload_checkpoint_inputs={str(offload).lower()}"])
+    assert losses == pytest.approx(base_losses, rel=1e-5) and losses[-1] < losses[0]
+    for w, b in zip(weights, base, strict=True):
+        torch.testing.assert_close(w, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_tiled_mlp_compiles_per_block_to_the_same_gradients(ac: str) -> None:
+    """torch.compile (the AOTAutograd partitioner, without inductor's code generation) traces the tiles' checkpoints."""
+    from harness.memory import apply_compile
+
+    torch._dynamo.reset()
+    try:
+        base_loss, base = _grads(_model(ac=ac))
+        model = _model(tiles=4, ac=ac)
+        assert apply_compile(model, "block", backend="aot_eager_decomp_partition") == "block"
+        loss, grads = _grads(model)
+    finally:
+        torch._dynamo.reset()
+    assert loss == pytest.approx(base_loss, rel=1e-5)
+    for g, b in zip(grads, base, strict=True):
+        torch.testing.assert_close(g, b, rtol=1e-4, atol=1e-6)
+
+
+def test_each_weight_gradient_is_accumulated_once_over_all_tiles() -> None:
+    """What optimizer-in-backward (a step per parameter from this hook) and DDP's reducer rely on."""
+    model = _model(tiles=4, ac="full")
+    calls: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    _grads(model)
+    assert calls and set(calls.values()) == {1}, calls

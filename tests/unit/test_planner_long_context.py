@@ -1,0 +1,88 @@
+"""The longest-sequence search: the exact boundary, found in a handful of traced steps."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from harness.config import load_config
+from harness.planner import long_context
+from harness.planner.report import Verdict
+
+GIB = 1 << 30
+
+
+def _search(monkeypatch, device_bytes, host_bytes=lambda s: 0, gpu=80 * GIB, cpu=None, step=256, start=4096):
+    """`max_seq_len` over a stand-in for the traced estimate: bytes as functions of seq_len, the verdict's rule."""
+
+    def fake_verdict(est, gpu_mem, cpu_mem, per_node):
+        dev, host = device_bytes(est.seq), host_bytes(est.seq) * per_node
+        fits = dev <= gpu_mem and (cpu_mem is None or host <= cpu_mem)
+        return Verdict(fits, dev, host, "fits" if fits else "over")
+
+    monkeypatch.setattr(long_context, "verdict", fake_verdict)
+    calls: list[int] = []
+
+    def fake_estimate(cfg, world, target, vocab_size):
+        calls.append(cfg.data.seq_len)
+        return SimpleNamespace(seq=cfg.data.seq_len)
+
+    cfg = load_config(None, [f"data.seq_len={start}"])
+    search = long_context.max_seq_len(cfg, 1, gpu, cpu_mem=cpu, step=step, estimate_fn=fake_estimate)
+    assert [p.seq_len for p in search.probes] == calls  # every probe is one estimate, none repeated
+    return search
+
+
+def _brute(fits, step, limit=1 << 21):
+    return max((s for s in range(step, limit, step) if fits(s)), default=0)
+
+
+def test_a_linear_step_is_found_to_the_step_in_few_probes(monkeypatch) -> None:
+    need = lambda s: 30 * GIB + 180_000 * s  # model state + activations linear in the sequence
+    search = _search(monkeypatch, need)
+    assert search.longest == _brute(lambda s: need(s) <= 80 * GIB, 256)
+    assert search.longest % 256 == 0 and need(search.longest + 256) > 80 * GIB
+    assert len(search.probes) <= 8, [p.seq_len for p in search.probes]
+    assert search.first_too_long().seq_len == search.longest + 256
+
+
+def test_a_curved_step_falls_back_to_bisection_and_stays_exact(monkeypatch) -> None:
+    need = lambda s: 10 * GIB + 4 * s * s  # an s x s term: the line overshoots
+    search = _search(monkeypatch, need, step=128)
+    assert search.longest == _brute(lambda s: need(s) <= 80 * GIB, 128)
+    assert len(search.probes) <= 20
+
+
+def test_host_memory_bounds_the_answer_too(monkeypatch) -> None:
+    device, host = (lambda s: 20 * GIB + 1000 * s), (lambda s: 8 * GIB + 50_000 * s)  # offloaded bytes grow on the host
+    search = _search(monkeypatch, device, host, cpu=64 * GIB)
+    assert search.longest == _brute(lambda s: device(s) <= 80 * GIB and host(s) <= 64 * GIB, 256)
+
+
+def test_nothing_fits_and_a_too_long_start(monkeypatch) -> None:
+    assert _search(monkeypatch, lambda s: 90 * GIB).longest == 0
+    need = lambda s: 1000 * s * 1000
+    search = _search(monkeypatch, need, start=1 << 20)  # the config's own length is over: search below it
+    assert search.longest == _brute(lambda s: need(s) <= 80 * GIB, 256)
+
+
+def test_the_trace_costs_the_tiled_mlp_and_the_checkpoint_input_offload() -> None:
+    """The planner traces both knobs through the trainer's own code (tiny model, intermediates dominant)."""
+    from harness.planner import estimate
+    from harness.planner.ladder import relative_time
+
+    base = ["model.name=tiny-llama", "micro_batch_size=1", "memory.activation_checkpointing=full", "memory.loss_chunk_size=256"]
+    base += ["data.seq_len=2048", "precision=fp32"]
+
+    def planned(*extra: str):
+        cfg = load_config(None, [*base, *extra])
+        return estimate(cfg, 1, target="cuda", vocab_size=256), relative_time(cfg)
+
+    (plain, t0), (tiled, t1) = planned(), planned("memory.tiled_mlp=8")
+    offloaded, t2 = planned("memory.offload_checkpoint_inputs=true")
+    assert tiled.peak.categories["activations"] < plain.peak.categories["activations"]
+    assert t1 > t0 and t2 > t0  # each costs step time
+    block_input = 2048 * 64 * 4  # one block's input: seq x hidden, fp32
+    assert offloaded.host == {"checkpoint_inputs": 2 * block_input}  # tiny-llama's two blocks
+    assert offloaded.peak.categories["activations"] < plain.peak.categories["activations"]
+    cpu = estimate(load_config(None, [*base, "memory.offload_checkpoint_inputs=true"]), 1, target="cpu", vocab_size=256)
+    assert cpu.host == {} and cpu.total == estimate(load_config(None, base), 1, target="cpu", vocab_size=256).total
