@@ -8,7 +8,7 @@ shapes), `strategies` (strategy files, the `EngineKind` vocabulary and its one r
 a DeepSpeed dict from the run config), `drop_in` (what the launcher and a DeepSpeed file set
 and the run config leaves to defaults), `checks` (every rule on a config)."""
 
-from harness.config.checks import check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
+from harness.config.checks import check_optimizer_in_backward, check_run, check_sequence_heads, check_strategy_against_run, check_values
 from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.drop_in import adopt_settings
 from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
@@ -32,6 +32,7 @@ from harness.config.schema import (
     MemoryConfig,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     PruneConfig,
     RunConfig,
     default_lr,
@@ -71,6 +72,7 @@ __all__ = [
     "LoggingConfig",
     "LoraConfig",
     "MemoryConfig",
+    "ParallelConfig",
     "ModelConfig",
     "OptimConfig",
     "Preset",
@@ -83,6 +85,7 @@ __all__ = [
     "check_optimizer_in_backward",
     "check_original",
     "check_run",
+    "check_sequence_heads",
     "check_strategy_against_run",
     "checkpoint_format",
     "check_values",

@@ -9,7 +9,7 @@ from harness.data.cache import PackedData, cache_dir_for, is_complete, load_pack
 from harness.data.documents import EMBEDDED_SOURCES, EOS, SPLITS, data_files, embedded_documents, open_documents, split_of
 from harness.data.instructions import read_records
 from harness.data.integrity import check_cache_root
-from harness.data.sampling import BatchSampler, StreamSampler, describe_consumption, split_batches
+from harness.data.sampling import BatchSampler, SequenceSlice, StreamSampler, describe_consumption, split_batches
 from harness.data.tokenizer import eos_id, given_tokenizer, load_tokenizer
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "SPLITS",
     "BatchSampler",
     "PackedData",
+    "SequenceSlice",
     "StreamSampler",
     "cache_dir_for",
     "check_cache_root",
