@@ -244,7 +244,7 @@ def sequence_shard_loss(
 ) -> torch.Tensor:
     """The loss of this rank's slice of every sample under sequence parallelism: `(B, 3, L+1)`
     blocks of (input_ids, labels, position_ids) over its L tokens plus the next slice's first
-    (`harness.data.sampling.sequence_shard`), whose label is the slice's last target and whose
+    (`harness.data.sampling.SequenceSlice`), whose label is the slice's last target and whose
     input is never fed. Positions are the whole sequence's. Summed over the slice's counted
     tokens and divided by ``num_items`` (default: their count): the trainer's count over all
     ranks is then the whole samples' count, each token counted once."""
