@@ -216,6 +216,7 @@ def check_strategy_against_run(strategy: Strategy, cfg: RunConfig, has_accelerat
     """Cross-checks between a strategy and the run config, before any process group starts."""
     check_optimizer_in_backward_engine(cfg, strategy.kind, strategy.name)
     check_optimizer_engine(cfg, strategy.kind, strategy.name, has_accelerator)
+    check_sequence_engine(cfg, strategy)
     if cfg.precision == "fp16" and strategy.kind == "fsdp" and not has_accelerator:
         raise ConfigError("precision=fp16 with FSDP2 needs a GPU (its gradient scaler is CUDA-only); use bf16 or fp32 on CPU")
 
@@ -318,13 +319,7 @@ def check_sequence_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> N
     n = cfg.parallel.sequence
     if n == 1:
         return
-    what = f"parallel.sequence={n}"
-    if strategy.kind == "deepspeed":
-        raise ConfigError(
-            f"{what} is harness's Ulysses for the torch engines; under DeepSpeed ({strategy.name}) it would need DeepSpeed's own "
-            "ALST (deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF with its UlyssesSPDataLoaderAdapter), "
-            "which harness does not build: use strategy=fsdp or ddp"
-        )
+    what = f"parallel.sequence={n}"  # the engine: `check_sequence_engine`, through check_strategy_against_run
     if world % n:
         raise ConfigError(f"{what} must divide the world size ({world}): each group of {n} ranks shares its samples")
     if cfg.data.seq_len % n:
@@ -341,6 +336,17 @@ def check_sequence_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> N
     if cfg.memory.optimizer_in_backward:
         raise ConfigError(
             f"{what} with memory.optimizer_in_backward: that optimizer steps before the sequence shards' gradients are reduced"
+        )
+
+
+def check_sequence_engine(cfg: RunConfig, strategy: Strategy) -> None:
+    """Sequence parallelism is harness's own for the torch engines (the planner skips the strategies this refuses)."""
+    n = cfg.parallel.sequence
+    if n > 1 and strategy.kind == "deepspeed":
+        raise ConfigError(
+            f"parallel.sequence={n} is harness's Ulysses for the torch engines; under DeepSpeed ({strategy.name}) it would need "
+            "DeepSpeed's own ALST (deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF with its "
+            "UlyssesSPDataLoaderAdapter), which harness does not build: use strategy=fsdp or ddp"
         )
 
 

@@ -158,3 +158,13 @@ def test_only_models_whose_attention_goes_through_transformers_registry_are_swap
         empty_model(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
     )
     assert not attention_is_swappable(empty_model(BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=64)))  # eager only
+
+
+def test_the_engine_rule_is_part_of_the_strategy_cross_check_the_planner_filters_candidates_by():
+    """`harness.plan` walks DeepSpeed strategies too; it skips those `check_strategy_against_run`
+    refuses, so a config with parallel.sequence is planned on the torch engines instead of stopping."""
+    from harness.config import check_strategy_against_run
+
+    with pytest.raises(ConfigError, match="ALST"):
+        check_strategy_against_run(load_strategy("zero3_offload"), _cfg(), False)
+    check_strategy_against_run(load_strategy("fsdp"), _cfg(), False)
