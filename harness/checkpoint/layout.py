@@ -211,7 +211,8 @@ def check_compatible(
     if cfg.data.streaming and (meta.world_size, saved_split) != (world_given, cfg.parallel.sequence):
         raise ConfigError(
             f"checkpoint '{path}' streamed its data at world size {meta.world_size} (parallel.sequence={saved_split}); a streamed "
-            f"run resumes at those (each rank's position is in its own part of the stream), not {world_given} ({cfg.parallel.sequence})"
+            f"run resumes at that world size and split (each rank's position is in its own part of the stream), not "
+            f"{world_given} ({cfg.parallel.sequence})"
         )
     for key in ("enabled", "r", "alpha", "target_modules", "quantize"):  # a LoRA checkpoint holds only these adapters
         saved = meta.config.get("lora", {}).get(key, getattr(LoraConfig(), key))
