@@ -1,13 +1,13 @@
 """Ulysses sequence parallelism against one process, on one model and sequence length: the same
-run (same data, seed and steps, fp32) at world 1 and at world 2 with `parallel.sequence=2`
-(a data-parallel size of 1: the two ranks share every sample, each holding half of its tokens).
+run (same data, seed and steps, fp32) at world 1 and at world N with `parallel.sequence=N`
+(a data-parallel size of 1: the N ranks share every sample, each holding 1/N of its tokens).
 
-    python benchmarks/sequence_parallel.py [--model real|<preset or dir>] [--seq-len 4096] [--steps 2] [--strategy fsdp]
+    python benchmarks/sequence_parallel.py [--model real|<preset or dir>] [--seq-len 4096] [--steps 2] [--strategy fsdp] [--sequence 2]
 
 Reported per step: both runs' losses and gradient norms and their largest relative
 difference, and the per-rank activation peak measured by harness's own per-category tracker
 (`memory.track`, every step split by category: `memory/activations_max_bytes`, the largest over
-the ranks) with the ratio N=2 / N=1, and the step times. `--model real` is SmolLM2-135M-Instruct
+the ranks) with the ratio N / 1, and the step times. `--model real` is SmolLM2-135M-Instruct
 (benchmarks/real_model.py). Each run goes through the user's entry points (`python -m
 harness.train`, `torchrun harness/train.py`). The last line is JSON.
 """
@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp"])
+    parser.add_argument("--sequence", type=int, default=2, help="N: the world-N run's parallel.sequence (SmolLM2's 9 heads, 3 kv heads: 3)")
     parser.add_argument("--work", type=Path, default=None, help="where runs and the data cache go (default: a temp dir)")
     args = parser.parse_args()
     model = str(real_model.prepare()) if args.model == "real" else args.model
@@ -76,8 +77,8 @@ def main() -> None:
     run([sys.executable, "-m", "harness.data", "--config", str(one)])  # prepared once, outside both timings
     run([sys.executable, "-m", "harness.train", "--config", str(one)])
     two = write_config(work / "sp2.yaml", model, args.seq_len, args.steps, cache, work / "sp2")
-    run([str(BIN / "torchrun"), "--nproc_per_node=2", "--master_port=29651", "harness/train.py", "--config", str(two),
-         f"strategy={args.strategy}", "parallel.sequence=2"])  # fmt: skip
+    run([str(BIN / "torchrun"), f"--nproc_per_node={args.sequence}", "--master_port=29651", "harness/train.py", "--config", str(two),
+         f"strategy={args.strategy}", f"parallel.sequence={args.sequence}"])  # fmt: skip
     a, b = steps_of(work / "w1"), steps_of(work / "sp2")
     rows = []
     for step, (x, y) in enumerate(zip(a, b), start=1):
@@ -97,7 +98,8 @@ def main() -> None:
     loss_rel = max(abs(r["loss_sp2"] - r["loss_w1"]) / abs(r["loss_w1"]) for r in rows)
     norm_rel = max(abs(r["grad_norm_sp2"] - r["grad_norm_w1"]) / abs(r["grad_norm_w1"]) for r in rows)
     ratio = max(r["act_sp2"] / r["act_w1"] for r in rows if r["act_w1"] and r["act_sp2"])
-    print(f"model {model}, seq {args.seq_len}, {args.strategy} x2 parallel.sequence=2 vs one process, fp32, micro-batch 1")
+    n = args.sequence
+    print(f"model {model}, seq {args.seq_len}, {args.strategy} x{n} parallel.sequence={n} vs one process, fp32, micro-batch 1")
     print("| step | loss N=1 | loss N=2 | grad norm N=1 | grad norm N=2 | activations N=1 (MiB) | N=2 per rank (MiB) | ratio | step s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -107,7 +109,7 @@ def main() -> None:
             f"{r['step_s_w1']:.1f} / {r['step_s_sp2']:.1f} |"
         )
     print(f"largest relative difference: loss {loss_rel:.2e}, grad norm {norm_rel:.2e}; activation peak ratio (worst step) {ratio:.3f}")
-    print(json.dumps({"model": model, "seq_len": args.seq_len, "strategy": args.strategy, "rows": rows, "loss_rel": loss_rel,
+    print(json.dumps({"model": model, "seq_len": args.seq_len, "strategy": args.strategy, "sequence": n, "rows": rows, "loss_rel": loss_rel,
                       "grad_norm_rel": norm_rel, "activation_ratio": ratio}))  # fmt: skip
 
 
