@@ -100,7 +100,8 @@ def main() -> None:
     ratio = max(r["act_sp2"] / r["act_w1"] for r in rows if r["act_w1"] and r["act_sp2"])
     n = args.sequence
     print(f"model {model}, seq {args.seq_len}, {args.strategy} x{n} parallel.sequence={n} vs one process, fp32, micro-batch 1")
-    print(f"| step | loss N=1 | loss N={n} | grad norm N=1 | grad norm N={n} | activations N=1 (MiB) | N={n} per rank (MiB) | ratio | step s |")
+    columns = ["step", "loss N=1", f"loss N={n}", "grad norm N=1", f"grad norm N={n}", "activations N=1 (MiB)", f"N={n} per rank (MiB)"]
+    print("| " + " | ".join([*columns, "ratio", "step s"]) + " |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
