@@ -196,19 +196,23 @@ def check_compatible(
         )
     if meta.model != cfg.model.name:
         raise ConfigError(f"checkpoint '{path}' is of model '{meta.model}' but model.name='{cfg.model.name}'")
+    world_given = world
+    world //= cfg.parallel.sequence  # the data-parallel world: a sequence group reads one rank's samples
     global_batch = cfg.micro_batch_size * cfg.grad_accum * world
     if meta.global_batch != global_batch:
         accum = meta.global_batch / (cfg.micro_batch_size * world)
         hint = f"set grad_accum={int(accum)}" if accum == int(accum) and accum >= 1 else "change micro_batch_size/grad_accum"
         raise ConfigError(
             f"checkpoint '{path}' was trained with global batch {meta.global_batch} but this run has {global_batch} "
-            f"(micro_batch_size*grad_accum*world = {cfg.micro_batch_size}*{cfg.grad_accum}*{world}); the data position would "
+            f"(micro_batch_size*grad_accum*data-parallel world = {cfg.micro_batch_size}*{cfg.grad_accum}*{world}); the data position would "
             f"not match: {hint}"
         )
-    if cfg.data.streaming and meta.world_size != world:
+    saved_split = meta.config.get("parallel", {}).get("sequence", 1)
+    if cfg.data.streaming and (meta.world_size, saved_split) != (world_given, cfg.parallel.sequence):
         raise ConfigError(
-            f"checkpoint '{path}' streamed its data at world size {meta.world_size}; a streamed run resumes at that "
-            f"world size (each rank's position is in its own part of the stream), not {world}"
+            f"checkpoint '{path}' streamed its data at world size {meta.world_size} (parallel.sequence={saved_split}); a streamed "
+            f"run resumes at that world size and split (each rank's position is in its own part of the stream), not "
+            f"{world_given} ({cfg.parallel.sequence})"
         )
     for key in ("enabled", "r", "alpha", "target_modules", "quantize"):  # a LoRA checkpoint holds only these adapters
         saved = meta.config.get("lora", {}).get(key, getattr(LoraConfig(), key))

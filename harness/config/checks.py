@@ -53,6 +53,7 @@ def check_values(cfg: RunConfig) -> None:
         "steps": cfg.steps,
         "data.seq_len": cfg.data.seq_len,
         "eval_batches": cfg.eval_batches,
+        "parallel.sequence": cfg.parallel.sequence,
     }
     for key, value in positive.items():
         if value < 1:
@@ -234,6 +235,7 @@ def check_strategy_against_run(strategy: Strategy, cfg: RunConfig, has_accelerat
     """Cross-checks between a strategy and the run config, before any process group starts."""
     check_optimizer_in_backward_engine(cfg, strategy.kind, strategy.name)
     check_optimizer_engine(cfg, strategy.kind, strategy.name, has_accelerator)
+    check_sequence_engine(cfg, strategy)
     if cfg.precision == "fp16" and strategy.kind == "fsdp" and not has_accelerator:
         raise ConfigError("precision=fp16 with FSDP2 needs a GPU (its gradient scaler is CUDA-only); use bf16 or fp32 on CPU")
 
@@ -322,11 +324,69 @@ def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: b
     check_strategy_against_run(strategy, cfg, has_accelerator)
     check_optimizer_in_backward(cfg, strategy.kind, world)
     check_cpu_offload_world(cfg, strategy.kind, world)
-    check_batch(cfg, world)
+    check_sequence_parallel(cfg, strategy, world)
+    check_batch(cfg, world // cfg.parallel.sequence)  # the data-parallel world: a sequence group reads one rank's samples
     check_prune_config(cfg, world)
     check_lora(cfg, strategy.kind, strategy.zero_stage)
     # A DeepSpeed file's contradictions and 'auto' holes are refused where its dict is resolved, once:
     # `harness.engine.plan_engine`, called by pre-flight.
+
+
+def check_sequence_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> None:
+    """What Ulysses sequence parallelism (`parallel.sequence`) runs with; the model's heads are
+    checked against it where the model's shape is known (`check_sequence_heads`)."""
+    n = cfg.parallel.sequence
+    if n == 1:
+        return
+    what = f"parallel.sequence={n}"  # the engine: `check_sequence_engine`, through check_strategy_against_run
+    if world % n:
+        raise ConfigError(f"{what} must divide the world size ({world}): each group of {n} ranks shares its samples")
+    if cfg.data.seq_len % n:
+        raise ConfigError(f"{what} must divide data.seq_len={cfg.data.seq_len}: each rank holds an equal slice of every sample")
+    if cfg.data.format == "instruction" and cfg.data.packing:
+        raise ConfigError(
+            f"{what} with packed instruction data (data.packing=true) would let attention cross examples (each rank sees "
+            "only its slice of the positions that keep them apart); set data.packing=false"
+        )
+    if cfg.prune.method != "none":
+        raise ConfigError(
+            f"{what} with prune.method={cfg.prune.method}: pruning's calibration runs whole sequences; set parallel.sequence=1"
+        )
+    if cfg.memory.optimizer_in_backward:
+        raise ConfigError(
+            f"{what} with memory.optimizer_in_backward: that optimizer steps before the sequence shards' gradients are reduced"
+        )
+
+
+def check_sequence_engine(cfg: RunConfig, strategy: Strategy) -> None:
+    """Sequence parallelism is harness's own for the torch engines (the planner skips the strategies this refuses)."""
+    n = cfg.parallel.sequence
+    if n > 1 and strategy.kind == "deepspeed":
+        raise ConfigError(
+            f"parallel.sequence={n} is harness's Ulysses for the torch engines; under DeepSpeed ({strategy.name}) it would need "
+            "DeepSpeed's own ALST (deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF with its "
+            "UlyssesSPDataLoaderAdapter), which harness does not build: use strategy=fsdp or ddp"
+        )
+
+
+def check_sequence_heads(cfg: RunConfig, shape: dict) -> None:
+    """Ulysses gives each rank of a sequence group a whole share of the attention heads (and of
+    the key/value heads under grouped-query attention), and runs them with sdpa: a model whose
+    attention windows slide cannot (sdpa is given a plain causal mask)."""
+    n = cfg.parallel.sequence
+    if n == 1:
+        return
+    heads = shape.get("num_attention_heads")
+    kv_heads = shape.get("num_key_value_heads") or heads
+    for key, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if count and count % n:
+            raise ConfigError(f"parallel.sequence={n} must divide the model's {key}={count}: each rank takes a whole share of the heads")
+    sliding = shape.get("sliding_window") and shape.get("use_sliding_window", True)
+    if sliding or "sliding_attention" in (shape.get("layer_types") or ()):
+        raise ConfigError(
+            f"parallel.sequence={n}: the model uses sliding-window attention, which harness's Ulysses (sdpa, causal) does not "
+            "apply; set parallel.sequence=1"
+        )
 
 
 def check_optimizer_values(cfg: RunConfig) -> None:

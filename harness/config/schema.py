@@ -159,6 +159,15 @@ class MemoryConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the world's ranks split the work beyond data parallelism (`harness.engine`)."""
+
+    # Ulysses sequence parallelism: each sample's sequence is split over this many ranks of the
+    # world (a data x sequence mesh); attention swaps sequence shards for head shards and back.
+    sequence: int = 1
+
+
+@dataclass
 class LoggingConfig:
     log_every: int = 1
     wandb: bool = True  # rank 0 only; offline without an API key
@@ -231,6 +240,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)

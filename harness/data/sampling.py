@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,16 +30,49 @@ log = get_logger(__name__)
 STREAM_DOCS_PER_READ = 64
 
 
+@dataclass(frozen=True)
+class SequenceSlice:
+    """Which slice of every sample's sequence a rank trains under sequence parallelism (`parts`
+    ranks share each sample; `parts == 1`: the whole sample). The world is a data x sequence
+    mesh, ranks grouped consecutively: rank = data_rank * parts + index. A group of `parts`
+    ranks reads the samples of one data-parallel rank."""
+
+    index: int = 0
+    parts: int = 1
+
+    @classmethod
+    def of_rank(cls, rank: int, world: int, parts: int) -> tuple[SequenceSlice, int, int]:
+        """This rank's slice, and its data-parallel (world, rank): what the samplers are given."""
+        return cls(rank % parts, parts), world // parts, rank // parts
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        """`batch` ((B, S) text, (B, 2, S) or (B, 3, S) instruction blocks) -> this rank's `(B, 3, L+1)`
+        slice of (input_ids, labels, position_ids), L = S / parts: its L tokens and the next
+        slice's first one, whose label is the slice's last next-token target (the last slice's is
+        padding: label -100). Positions are the whole sequence's. Unchanged when `parts == 1`."""
+        if self.parts == 1:
+            return batch
+        rows = torch.stack([batch, batch], dim=1) if batch.dim() == 2 else batch[:, :2]
+        positions = batch[:, 2] if batch.dim() == 3 and batch.shape[1] > 2 else torch.arange(batch.shape[-1]).expand(batch.shape[0], -1)
+        full = torch.cat([rows, positions.unsqueeze(1)], dim=1)
+        pad = torch.tensor([0, IGNORE, 0], dtype=full.dtype).view(1, 3, 1).expand(full.shape[0], 3, 1)
+        full = torch.cat([full, pad], dim=2)
+        width = batch.shape[-1] // self.parts
+        return full[:, :, self.index * width : (self.index + 1) * width + 1].contiguous()
+
+
 class BatchSampler:
     """Deterministic global order of training blocks; each rank takes its slice.
 
     Global sample index i of the run maps to epoch i // n and position i % n of that
     epoch's seeded permutation. Step s, micro-batch a, rank r reads the `micro` samples
-    starting at s*G + (a*world + r)*micro, with G = micro*accum*world.
+    starting at s*G + (a*world + r)*micro, with G = micro*accum*world. World and rank are the
+    data-parallel ones; under sequence parallelism `piece` cuts each batch to this rank's slice.
     """
 
-    def __init__(self, data: PackedData, micro: int, accum: int, world: int, rank: int, seed: int):
+    def __init__(self, data: PackedData, micro: int, accum: int, world: int, rank: int, seed: int, piece: SequenceSlice = SequenceSlice()):
         self.train = data.blocks["train"]
+        self.piece = piece
         self.micro, self.accum, self.world, self.rank, self.seed = micro, accum, world, rank, seed
         self.n = self.train.shape[0]
         self._perms: dict[int, np.ndarray] = {}
@@ -57,7 +91,7 @@ class BatchSampler:
         rows = []
         for i in range(start, start + self.micro):
             rows.append(self.train[self._perm(i // self.n)[i % self.n]])
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        return self.piece(torch.from_numpy(np.stack(rows).astype(np.int64)))
 
 
 def unpack_examples(batch: torch.Tensor) -> torch.Tensor:
@@ -82,11 +116,14 @@ def unpack_examples(batch: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows) if rows else batch
 
 
-def split_batches(data: PackedData, split: str, micro: int, max_batches: int, world: int, rank: int) -> Iterator[tuple[torch.Tensor, bool]]:
+def split_batches(
+    data: PackedData, split: str, micro: int, max_batches: int, world: int, rank: int, piece: SequenceSlice = SequenceSlice()
+) -> Iterator[tuple[torch.Tensor, bool]]:
     """This rank's part of the first `max_batches * micro` blocks of a fixed split (the same global
     set at any world size), strided over ranks, as (batch, counted) pairs. Every rank runs the same
     number of forwards (sharded engines gather in them): a rank with fewer blocks gets filler
-    batches (`counted` False: a copy of the split's first block, whose result must be discarded)."""
+    batches (`counted` False: a copy of the split's first block, whose result must be discarded).
+    World and rank are the data-parallel ones; `piece`: this rank's slice of each sample."""
     arr = data.blocks[split]
     total = min(arr.shape[0], max_batches * micro)
     mine = np.arange(rank, total, world)
@@ -94,7 +131,7 @@ def split_batches(data: PackedData, split: str, micro: int, max_batches: int, wo
     for i in range(forwards):
         idx = mine[i * micro : (i + 1) * micro]
         counted = len(idx) > 0
-        yield torch.from_numpy(np.asarray(arr[idx if counted else [0]]).astype(np.int64)), counted
+        yield piece(torch.from_numpy(np.asarray(arr[idx if counted else [0]]).astype(np.int64))), counted
 
 
 class StreamSampler:
@@ -104,8 +141,18 @@ class StreamSampler:
     (the dataset's own state and the tokens read but not yet batched).
     """
 
-    def __init__(self, cfg: DataConfig, tokenizer: Any, eos: int, micro: int, accum: int, world: int, rank: int):
-        self.cfg, self.tok, self.eos = cfg, tokenizer, eos
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Any,
+        eos: int,
+        micro: int,
+        accum: int,
+        world: int,
+        rank: int,
+        piece: SequenceSlice = SequenceSlice(),
+    ):
+        self.cfg, self.tok, self.eos, self.piece = cfg, tokenizer, eos, piece
         self.prefix = leading_specials(tokenizer)  # a BOS the tokenizer puts before every text
         self.bos = self.prefix[0] if cfg.block_bos and len(self.prefix) == 1 else None  # every block starts with it
         self.micro, self.accum, self.world, self.rank = micro, accum, world, rank
@@ -160,7 +207,7 @@ class StreamSampler:
             rows.append(row)
             self.buffer = self.buffer[took:]
         self.position += 1
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        return self.piece(torch.from_numpy(np.stack(rows).astype(np.int64)))
 
     def state_dict(self) -> dict[str, Any]:
         return {

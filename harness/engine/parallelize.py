@@ -47,6 +47,15 @@ def apply_memory_techniques(model: nn.Module, cfg: RunConfig) -> None:
         apply_compile(model, mem.compile if mem.compile != "none" else "model", mem.activation_memory_budget)
 
 
+def sequence_group(info: DistInfo, parts: int) -> torch.distributed.ProcessGroup:
+    """This rank's sequence group in the world's data x sequence mesh (ranks grouped
+    consecutively, as `harness.data.SequenceSlice` reads them). Gradients are still reduced
+    over the whole world (DDP, or FSDP2's mesh of every rank), also at data-parallel size 1:
+    the group's ranks hold different parts of the gradient, which only that reduction sums."""
+    mesh = init_device_mesh(info.device.type, (info.world_size // parts, parts), mesh_dim_names=("data", "sequence"))
+    return mesh.get_group("sequence")
+
+
 def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
     """FSDP2: shard the embeddings, each decoder block, the LM head, and the root.
 

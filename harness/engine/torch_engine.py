@@ -31,11 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 from harness.config import RunConfig
 from harness.distributed import DistInfo, local_tensor
 from harness.engine.base import Engine, LossFn, StepResult
-from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, empty_model_to_train, fsdp_wrap
+from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, empty_model_to_train, fsdp_wrap, sequence_group
 from harness.engine.plan import EnginePlan
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
 from harness.memory import OptimizerInBackward
-from harness.models import ModelSpec, materialize, quant_state_tensors, quantized_codes
+from harness.models import ModelSpec, materialize, quant_state_tensors, quantized_codes, use_ulysses
 from harness.training import build_optimizer, build_scheduler
 
 
@@ -159,6 +159,8 @@ class TorchEngine(Engine):
         and only this rank's part of its codes kept."""
         strategy, policy = plan.strategy, plan.precision
         model = empty_model_to_train(spec, cfg, policy)
+        if cfg.parallel.sequence > 1:
+            use_ulysses(model, sequence_group(info, cfg.parallel.sequence))
         weights = WeightsToLoad(spec, lora=cfg.lora.enabled, model=model)
         if plan.kind == "fsdp":
             apply_memory_techniques(model, cfg)

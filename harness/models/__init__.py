@@ -39,9 +39,13 @@ from harness.models.qlora import (
     quantized_codes,
     without_quantization_state,
 )
+from harness.models.ulysses import ULYSSES, attention_is_swappable, use_ulysses
 from harness.models.weights import CheckpointWeights, InitWeights, Part, WeightSource, clean_name, fill, materialize, whole_part
 
 __all__ = [
+    "ULYSSES",
+    "attention_is_swappable",
+    "use_ulysses",
     "PRESETS",
     "QuantizedWeights",
     "LoraWeights",

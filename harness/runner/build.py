@@ -16,6 +16,7 @@ from harness.config import INSTRUCTION_FORMATS, RunConfig, config_to_dict, defau
 from harness.data import (
     BatchSampler,
     PackedData,
+    SequenceSlice,
     StreamSampler,
     describe_consumption,
     eos_id,
@@ -33,7 +34,7 @@ from harness.models import model_spec, twin_spec
 from harness.observability import Observer
 from harness.reliability import StepGuard, entering, signal_received
 from harness.runner.trainer import Trainer
-from harness.training import causal_lm_loss, labelled_lm_loss
+from harness.training import causal_lm_loss, labelled_lm_loss, sequence_shard_loss
 
 log = get_logger(__name__)
 
@@ -47,18 +48,20 @@ def prepare(cfg: RunConfig, info: DistInfo) -> PackedData:
 
 
 def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampler | StreamSampler:
-    """The training batches: from the cache (world-size invariant) or streamed (`data.streaming`)."""
+    """The training batches: from the cache (world-size invariant) or streamed (`data.streaming`);
+    read per data-parallel rank, each rank of a sequence group its slice (`parallel.sequence`)."""
+    piece, world, rank = SequenceSlice.of_rank(info.rank, info.world_size, cfg.parallel.sequence)
     if cfg.data.streaming:
         tok = load_tokenizer(data.tokenizer_dir)
         sampler: BatchSampler | StreamSampler = StreamSampler(
-            cfg.data, tok, eos_id(tok, cfg.data), cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank
+            cfg.data, tok, eos_id(tok, cfg.data), cfg.micro_batch_size, cfg.grad_accum, world, rank, piece
         )
     else:
-        sampler = BatchSampler(data, cfg.micro_batch_size, cfg.grad_accum, info.world_size, info.rank, cfg.data.seed)
+        sampler = BatchSampler(data, cfg.micro_batch_size, cfg.grad_accum, world, rank, cfg.data.seed, piece)
     if not cfg.data.streaming and sampler.global_batch > data.n_blocks("train"):
         raise ConfigError(
             f"one step's global batch ({sampler.global_batch} blocks = micro_batch_size*grad_accum*world "
-            f"{cfg.micro_batch_size}*{cfg.grad_accum}*{info.world_size}) exceeds the {data.n_blocks('train')} "
+            f"{cfg.micro_batch_size}*{cfg.grad_accum}*{world}) exceeds the {data.n_blocks('train')} "
             f"training blocks of {cfg.data.seq_len} tokens; lower micro_batch_size/grad_accum or give more data"
         )
     line, repeats = describe_consumption(data, cfg.data, cfg.steps, sampler.global_batch, cfg.data.streaming)
@@ -86,7 +89,9 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
     if twin_layers is not None:
         spec = twin_spec(spec, twin_layers)
     labelled = cfg.data.format in INSTRUCTION_FORMATS  # blocks carry (input_ids, labels): loss on the responses only
-    loss_fn = functools.partial(labelled_lm_loss if labelled else causal_lm_loss, chunk_size=cfg.memory.loss_chunk_size)
+    # sequence parallelism: every block is a rank's slice (input_ids, labels, positions), text or instruction alike
+    base_loss = sequence_shard_loss if cfg.parallel.sequence > 1 else labelled_lm_loss if labelled else causal_lm_loss
+    loss_fn = functools.partial(base_loss, chunk_size=cfg.memory.loss_chunk_size)
     if plan.taken and info.is_main:
         log.info(f"run config values taken from outside it: {'; '.join(plan.taken)}")
     if plan.launcher_said and info.is_main:
@@ -123,6 +128,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
         f"{f' ({plan.host_optimizer})' if plan.host_optimizer else ''}, "
         f"{engine.num_parameters():,} params, "
         f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens, {describe_lr(cfg)}"
+        + (f", each sequence split over {cfg.parallel.sequence} ranks (Ulysses)" if cfg.parallel.sequence > 1 else "")
     )
     trainer = Trainer(
         cfg,

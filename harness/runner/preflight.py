@@ -37,7 +37,7 @@ from harness.checkpoint import (
     resume_path,
     verified_meta,
 )
-from harness.config import INSTRUCTION_FORMATS, RunConfig, Strategy, check_run, wrap_class_problem
+from harness.config import INSTRUCTION_FORMATS, RunConfig, Strategy, check_run, check_sequence_heads, wrap_class_problem
 from harness.data import (
     EMBEDDED_SOURCES,
     cache_dir_for,
@@ -53,7 +53,16 @@ from harness.data import (
 from harness.engine import EnginePlan, hidden_size_of, plan_engine
 from harness.errors import ConfigError
 from harness.log import get_logger
-from harness.models import PRESETS, BlocksNotFound, CheckpointWeights, decoder_block_list, empty_model, is_preset, model_config
+from harness.models import (
+    PRESETS,
+    BlocksNotFound,
+    CheckpointWeights,
+    attention_is_swappable,
+    decoder_block_list,
+    empty_model,
+    is_preset,
+    model_config,
+)
 from harness.runner.inputs import check_environment, check_index, check_tokenizer_dir
 from harness.runner.run_dir import check_not_in_use
 
@@ -84,6 +93,8 @@ def model_shape(cfg: RunConfig) -> dict[str, Any] | None:
             "max_position_embeddings": p.max_position_embeddings,
             "hidden_size": p.hidden_size,
             "intermediate_size": p.intermediate_size,
+            "num_attention_heads": p.num_attention_heads,
+            "num_key_value_heads": p.num_key_value_heads,
         }
     if os.path.isdir(name):
         path = os.path.join(name, "config.json")
@@ -168,6 +179,11 @@ def check_architecture(cfg: RunConfig, strategy: Strategy) -> None:
             f"{transformers.__version__} (AutoModelForCausalLM); harness trains causal LMs"
         )
     template = empty_model(config)
+    if cfg.parallel.sequence > 1 and not attention_is_swappable(template):
+        raise ConfigError(
+            f"model.name '{name}': parallel.sequence={cfg.parallel.sequence} runs attention through transformers' "
+            f"AttentionInterface with sdpa, which {type(template).__name__} does not use (eager attention only); set parallel.sequence=1"
+        )
     weights = CheckpointWeights(name, getattr(template, "base_model_prefix", ""))
     weights.follow_conversions(template)
     if weights.merged:
@@ -215,6 +231,7 @@ def check_model(cfg: RunConfig) -> None:
         raise ConfigError(
             f"data.seq_len={seq} exceeds the model's {positions} positions (max_position_embeddings); set data.seq_len <= {positions}"
         )
+    check_sequence_heads(cfg, shape)
     if cfg.prune.method != "none" and cfg.prune.pattern != "unstructured":
         m = int(cfg.prune.pattern.split(":")[1])
         heads, hidden = shape.get("num_attention_heads"), shape.get("hidden_size")

@@ -18,7 +18,7 @@ import torch
 
 from harness.checkpoint import CheckpointManager
 from harness.config import RunConfig
-from harness.data import BatchSampler, PackedData, split_batches
+from harness.data import BatchSampler, PackedData, SequenceSlice, split_batches
 from harness.distributed import Collectives, DistInfo
 from harness.engine import Engine
 from harness.log import get_logger
@@ -62,10 +62,12 @@ def worst_rank_memory(tracker: StepMemoryTracker, comm: Collectives) -> dict[str
 
 def evaluate(engine: Engine, data: PackedData, cfg: RunConfig, info: DistInfo, split: str = "eval") -> dict[str, float]:
     """Mean token loss and perplexity over the same global set of blocks at any world size:
-    every rank's summed token losses and counted tokens, summed over ranks, then divided."""
+    every rank's summed token losses and counted tokens, summed over ranks, then divided (under
+    sequence parallelism each rank its slice of its group's blocks: each token counted once)."""
     engine.train(False)
     total, count = 0.0, 0.0
-    for batch, counted in split_batches(data, split, cfg.micro_batch_size, cfg.eval_batches, info.world_size, info.rank):
+    piece, world, rank = SequenceSlice.of_rank(info.rank, info.world_size, cfg.parallel.sequence)
+    for batch, counted in split_batches(data, split, cfg.micro_batch_size, cfg.eval_batches, world, rank, piece):
         loss_sum = float(engine.eval_loss_sum(batch.to(info.device)))  # a filler's forward still runs: sharded engines gather in it
         if counted:
             total += loss_sum

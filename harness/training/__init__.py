@@ -8,6 +8,7 @@ from harness.training.loss import (
     count_targets,
     install_loss_forward,
     labelled_lm_loss,
+    sequence_shard_loss,
     shift_targets,
     unwrap_model,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "count_targets",
     "install_loss_forward",
     "labelled_lm_loss",
+    "sequence_shard_loss",
     "lr_lambda",
     "name_compiles_step",
     "optimizer_shared_bytes",

@@ -195,22 +195,32 @@ def causal_lm_loss(
     example.
     """
     targets = shift_targets(input_ids if labels is None else labels)
+    return loss_of_targets(model, input_ids, targets, chunk_size, attention_mask, num_items, position_ids)
+
+
+def loss_of_targets(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    num_items: float | torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`causal_lm_loss` against targets already shifted (position t predicts ``targets[t]``)."""
     kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
+    denom = (targets != IGNORE_INDEX).sum() if num_items is None else num_items
     if chunk_size > 0:
         install_loss_forward(model)
-        total = model(**kwargs, harness_targets=targets, harness_chunk_size=chunk_size)
-    else:
-        out = model(**kwargs)
-        logits = out.logits if hasattr(out, "logits") else out[0]
-        del out  # the logits are not needed after the loss: let them go
-        denom = (targets != IGNORE_INDEX).sum() if num_items is None else num_items
-        return _ce_sum(logits, targets, scale=1.0 / denom)
-    denom = (targets != IGNORE_INDEX).sum() if num_items is None else num_items
-    return total / denom
+        return model(**kwargs, harness_targets=targets, harness_chunk_size=chunk_size) / denom
+    out = model(**kwargs)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    del out  # the logits are not needed after the loss: let them go
+    return _ce_sum(logits, targets, scale=1.0 / denom)
 
 
 def labelled_lm_loss(
@@ -229,6 +239,22 @@ def labelled_lm_loss(
     return causal_lm_loss(model, input_ids, labels, chunk_size=chunk_size, num_items=num_items, position_ids=positions)
 
 
+def sequence_shard_loss(
+    model: nn.Module, batch: torch.Tensor, chunk_size: int = 0, num_items: float | torch.Tensor | None = None
+) -> torch.Tensor:
+    """The loss of this rank's slice of every sample under sequence parallelism: `(B, 3, L+1)`
+    blocks of (input_ids, labels, position_ids) over its L tokens plus the next slice's first
+    (`harness.data.sampling.SequenceSlice`), whose label is the slice's last target and whose
+    input is never fed. Positions are the whole sequence's. Summed over the slice's counted
+    tokens and divided by ``num_items`` (default: their count): the trainer's count over all
+    ranks is then the whole samples' count, each token counted once."""
+    input_ids, positions = batch[:, 0, :-1].contiguous(), batch[:, 2, :-1].contiguous()
+    targets = shift_targets(batch[:, 1])[:, :-1].contiguous()
+    if num_items is None:
+        num_items = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    return loss_of_targets(model, input_ids, targets, chunk_size=chunk_size, num_items=num_items, position_ids=positions)
+
+
 def count_targets(batch: torch.Tensor) -> int:
     """The tokens a batch's loss counts: every next-token target of `(B, S)` text blocks, the
     labelled ones of `(B, 3, S)` (input_ids, labels, position_ids) blocks. The denominator that weights every
@@ -242,6 +268,8 @@ __all__ = [
     "causal_lm_loss",
     "count_targets",
     "labelled_lm_loss",
+    "loss_of_targets",
+    "sequence_shard_loss",
     "chunked_ce_sum",
     "install_loss_forward",
     "shift_targets",

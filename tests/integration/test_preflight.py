@@ -62,6 +62,9 @@ def ws(tmp_path_factory, data_cache):
     for name in ("no_weights", "corrupt_weights"):
         config.save_pretrained(root / name)
     (root / "corrupt_weights" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header" + bytes(64))
+    from transformers import BloomConfig, BloomForCausalLM  # attention of its own (eager only)
+
+    BloomForCausalLM(BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=512)).save_pretrained(root / "bloom")
     (root / "latin1.txt").write_bytes("caf\u00e9 au lait, cr\u00e8me br\u00fbl\u00e9e\n".encode("latin-1") * 50)
     (root / "ids.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
     np.save(root / "floats.npy", np.zeros(100, dtype=np.float32))
@@ -116,6 +119,11 @@ CASES = [
     ("tokenizer_missing", {}, ["data.tokenizer=/no/such/tokenizer"], "does not exist"),
     ("seq_len_beyond_positions", {}, ["data.seq_len=1024"], "exceeds the model's 512 positions"),
     ("global_batch_not_divisible_by_world", {}, ["global_batch_size=6"], "not divisible by micro_batch_size*world (2*2=4)"),
+    # Ulysses sequence parallelism (parallel.sequence): what it cannot split or run under
+    ("sequence_under_deepspeed", {}, ["strategy=zero2", "parallel.sequence=2"], "DeepSpeed's own ALST"),
+    ("sequence_not_dividing_world", {}, ["strategy=fsdp", "parallel.sequence=3"], "must divide the world size (2)"),
+    ("sequence_not_dividing_kv_heads", {"WORLD_SIZE": "4"}, ["strategy=fsdp", "parallel.sequence=4"], "num_key_value_heads=2"),
+    ("sequence_eager_only_model", {}, ["model.name={root}/bloom", "parallel.sequence=2"], "(eager attention only)"),
     ("global_batch_disagrees", {}, ["global_batch_size=16"], "set grad_accum=4"),
     ("accelerate_precision_disagrees", {"ACCELERATE_MIXED_PRECISION": "bf16"}, ["precision=fp32"], "contradicts the run config"),
     ("output_dir_is_a_file", {}, ["output_dir={root}/a_file"], "is not a directory"),

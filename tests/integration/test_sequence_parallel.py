@@ -1,0 +1,118 @@
+"""Ulysses sequence parallelism (`parallel.sequence`) trains what one process trains.
+
+Two launches of 2 gloo ranks (tiny Llama: 4 heads, 2 key/value heads, so grouped-query
+attention is split too):
+
+- the gradients: each rank runs its slice of every sample through the model with Ulysses
+  attention (with activation checkpointing and the chunked loss), and the group's summed
+  gradients equal those of the whole sequences in one process, parameter by parameter, as do
+  the summed loss and the logits of each slice;
+- the train command: a world-1 run (grad_accum 2) saves a checkpoint at step 2; a world-2 run
+  with parallel.sequence=2 under FSDP2 (data-parallel size 1: every gradient is reduced over the
+  sequence group only) resumes from it at that other N and trains steps 3-4 with the same
+  losses, gradient norms and eval loss as the world-1 run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+RTOL = 1e-5  # fp32; the slices' reductions run in another order than the whole sequence's
+
+
+def _worker(out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from harness.data import SequenceSlice
+    from harness.memory import apply_activation_checkpointing
+    from harness.models import build_model, use_ulysses
+    from harness.training import causal_lm_loss, count_targets, sequence_shard_loss
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = build_model("tiny-llama", vocab_size=512, seed=3)
+    model = build_model("tiny-llama", vocab_size=512, seed=3)
+    apply_activation_checkpointing(model, "full")
+    use_ulysses(model, dist.new_group(list(range(world))))
+    batch = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(7))
+    batch[1, 40:] = (batch[1, 40:] + 1) % 512  # two different samples
+    whole = causal_lm_loss(reference, batch)
+    whole.backward()
+    piece = SequenceSlice(rank, world)(batch)
+    # the trainer's rule: the step's counted tokens over all ranks, per micro-batch and rank; the
+    # engine then averages the ranks' gradients (here: summed, then divided by the world)
+    count = torch.tensor(float(count_targets(piece)))
+    dist.all_reduce(count)
+    loss = sequence_shard_loss(model, piece, chunk_size=24, num_items=count / world)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = {}
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        grads[name] = (g / world, q.grad)
+    with torch.no_grad():
+        width = batch.shape[1] // world
+        mine = model(input_ids=piece[:, 0, :-1], position_ids=piece[:, 2, :-1]).logits
+        theirs = reference(input_ids=batch).logits[:, rank * width : (rank + 1) * width]
+    if rank == 0:
+        worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() for a, b in grads.values())
+        result = {
+            "whole": float(whole),
+            "sum": float(total / world),
+            "count": float(count),
+            "targets": int(count_targets(batch)),
+            "worst_grad_rel": worst,
+            "grads_close": all(torch.allclose(a, b, rtol=RTOL, atol=1e-7) for a, b in grads.values()),
+            "n_grads": len(grads),
+            "logits_diff": float((mine - theirs).abs().max()),
+        }
+        Path(out_path).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_sequence_slices_give_the_whole_sequences_gradients(tmp_path):
+    from launching import launch
+
+    out = tmp_path / "result.json"
+    launch(__file__, ["--worker", str(out)], world=2, timeout=120)
+    r = json.loads(out.read_text())
+    assert r["count"] == r["targets"]  # every next-token target counted once, across the slices
+    assert r["sum"] == pytest.approx(r["whole"], rel=RTOL)
+    assert r["n_grads"] > 10 and r["grads_close"], r
+    assert r["logits_diff"] < 1e-5, r
+
+
+def _losses(output: Path, key: str) -> list[float]:
+    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r[key] for r in rows if key in r]
+
+
+@pytest.mark.integration
+def test_a_run_resumed_at_another_sequence_split_trains_as_world_one(tmp_path, data_cache):
+    from launching import final_eval, launch_command, run, tiny_config
+
+    common = {"steps": 4, "eval_batches": 4, "optim.grad_clip": 0.0}
+    ref_cfg = tiny_config(tmp_path / "w1.yaml", data_cache, tmp_path / "w1", **common, **{"checkpoint.every": 2})
+    run(launch_command("python", 1, ref_cfg, []))
+    saved = tmp_path / "w1" / "checkpoints" / "step_00000002"
+    assert saved.is_dir(), sorted(p.name for p in (tmp_path / "w1").iterdir())
+    sp_cfg = tiny_config(tmp_path / "sp.yaml", data_cache, tmp_path / "sp", **common)
+    proc = run(launch_command("torchrun", 2, sp_cfg, ["strategy=fsdp", "parallel.sequence=2", f"checkpoint.resume={saved}"]))
+    assert "each sequence split over 2 ranks (Ulysses)" in proc.stdout + proc.stderr
+    for key in ("train/loss", "train/grad_norm"):
+        assert _losses(tmp_path / "sp", key) == pytest.approx(_losses(tmp_path / "w1", key)[2:], rel=RTOL), key
+    assert final_eval(tmp_path / "sp") == pytest.approx(final_eval(tmp_path / "w1"), rel=RTOL)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    from launching import run_rank
+
+    run_rank(_worker, sys.argv[sys.argv.index("--worker") + 1])
