@@ -17,11 +17,11 @@ from typing import Any
 from harness.config.accelerate_table import REFUSED, SAID
 from harness.config.schema import PRECISIONS
 
-# Sequence parallelism: the run config key accelerate's `--parallelism_config_sp_size` maps to once
-# harness splits a sequence across ranks (`launcher_values` then takes the size into it, under the
-# drop-in rule); while it is None, an sp size above 1 is refused (`parallelism_problems`), as are a
-# DeepSpeed file's `sequence_parallel_size` and ALST `sequence_parallel` block (`deepspeed_keys`).
-SEQUENCE_PARALLEL_KEY: str | None = None
+# Sequence parallelism: the run config key accelerate's `--parallelism_config_sp_size` maps to
+# (harness's Ulysses; `launcher_values` takes the size into it, under the drop-in rule). A DeepSpeed
+# file's `sequence_parallel_size` and ALST `sequence_parallel` block stay refused (`deepspeed_keys`):
+# harness's sequence parallelism runs under the torch engines only.
+SEQUENCE_PARALLEL_KEY: str | None = "parallel.sequence"
 
 _TRUE = ("true", "1", "yes")
 
@@ -185,7 +185,26 @@ def launcher_settings(env: dict[str, str], world: int, strategy_kind: str) -> tu
     if _on(env, "ACCELERATE_USE_FSDP"):
         _fsdp_settings(env, notes, problems)
     problems += parallelism_problems(env, world, strategy_kind)
+    _sequence_settings(env, notes, problems)
     return notes, problems
+
+
+def _sequence_settings(env: dict[str, str], notes: list[str], problems: list[str]) -> None:
+    """accelerate's other `sp_*` keys, read when its sequence-parallel size is above 1."""
+    sp = env.get("PARALLELISM_CONFIG_SP_SIZE", "1").strip()
+    if not (_on(env, "ACCELERATE_USE_PARALLELISM_CONFIG") and sp.isdigit() and int(sp) > 1):
+        return
+    backend = env.get("PARALLELISM_CONFIG_SP_BACKEND", "").strip()
+    if backend:
+        notes.append(f"accelerate launch --parallelism_config_sp_backend {backend}: runs as harness's own Ulysses (all-to-all around sdpa)")
+    for var in ("PARALLELISM_CONFIG_SP_SEQ_LENGTH", "PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE"):
+        if env.get(var, "").strip():
+            notes.append(f"accelerate launch --{var.lower()} {env[var].strip()}: harness splits every block of data.seq_len")
+    attn = env.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION", "").strip()
+    if attn and attn.lower() != "sdpa":
+        problems.append(
+            f"accelerate launch --parallelism_config_sp_attn_implementation {attn}: harness's sequence parallelism runs sdpa; use sdpa"
+        )
 
 
 def wrap_class_problem(env: dict[str, str], model_classes: set[str], block_classes: set[str]) -> str | None:

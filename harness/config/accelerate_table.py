@@ -121,11 +121,14 @@ FLAGS: dict[str, tuple[str, str]] = {
     "parallelism_config_cp_size": (REFUSED, "context parallelism (ring attention) is not in harness; above `1` refused"),
     "parallelism_config_cp_backend": (REFUSED, "read only with `cp_size` above 1, which is refused"),
     "parallelism_config_cp_comm_strategy": (REFUSED, "read only with `cp_size` above 1, which is refused"),
-    "parallelism_config_sp_size": (REFUSED, "sequence parallelism: refused until harness has it (`SEQUENCE_PARALLEL_KEY`)"),
-    "parallelism_config_sp_backend": (REFUSED, "read only with `sp_size` above 1"),
-    "parallelism_config_sp_seq_length": (REFUSED, "read only with `sp_size` above 1"),
-    "parallelism_config_sp_seq_length_is_variable": (REFUSED, "read only with `sp_size` above 1"),
-    "parallelism_config_sp_attn_implementation": (REFUSED, "read only with `sp_size` above 1"),
+    "parallelism_config_sp_size": (
+        HONOURED,
+        "the run config's `parallel.sequence` (harness's Ulysses sequence parallelism, torch engines)",
+    ),
+    "parallelism_config_sp_backend": (SAID, "`deepspeed` (accelerate's one choice) runs as harness's own Ulysses; said in the log"),
+    "parallelism_config_sp_seq_length": (SAID, "harness splits every block of `data.seq_len`; said in the log"),
+    "parallelism_config_sp_seq_length_is_variable": (SAID, "harness's blocks are all `data.seq_len` long; said in the log"),
+    "parallelism_config_sp_attn_implementation": (HONOURED, "`sdpa` is what harness's Ulysses runs; another value is refused"),
 }
 
 # Keys of a config file's sections that accelerate reads with no flag of their own

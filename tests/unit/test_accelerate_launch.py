@@ -22,7 +22,7 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils import launch as accelerate_launch_env
 from accelerate.utils.launch import prepare_multi_gpu_env
 
-from harness.config import accelerate_launch, load_config, load_strategy
+from harness.config import load_config, load_strategy
 from harness.config.accelerate_launch import launcher_settings, launcher_values, parallelism_problems
 from harness.config.accelerate_table import CONFIG_KEYS, FLAGS, REFUSED, SECTION_ONLY_KEYS, VARIABLES, flag_of
 from harness.engine import plan_engine
@@ -100,15 +100,10 @@ REFUSE: dict[str, tuple[str, str]] = {
     "fsdp_ignored_modules": ("FSDP_IGNORED_MODULES", "LlamaMLP"),
     "parallelism_config_tp_size": ("PARALLELISM_CONFIG_TP_SIZE", "2"),
     "parallelism_config_cp_size": ("PARALLELISM_CONFIG_CP_SIZE", "2"),
-    "parallelism_config_sp_size": ("PARALLELISM_CONFIG_SP_SIZE", "2"),
 }
 READ_ONLY_WITH_A_REFUSED_SIZE = {
     "parallelism_config_cp_backend",
     "parallelism_config_cp_comm_strategy",
-    "parallelism_config_sp_backend",
-    "parallelism_config_sp_seq_length",
-    "parallelism_config_sp_seq_length_is_variable",
-    "parallelism_config_sp_attn_implementation",
     "megatron_lm_*",  # set only with --use_megatron_lm
     "fp8_*",  # set only with --mixed_precision fp8
 }
@@ -148,7 +143,7 @@ def test_every_refused_flag_is_refused_in_one_line_naming_it():
         ({"DP_REPLICATE": "2", "DP_SHARD": "1"}, 2, "fsdp", "keeps the whole model on every rank (DDP) but the strategy shards"),
         ({"DP_SHARD": "2"}, 4, "fsdp", "sizes multiply to 2 but the launch started 4 processes"),
         ({"DP_SHARD": "2"}, 2, "ddp", "shards the model, but the strategy is DDP: launch with --use_fsdp"),
-        ({"DP_SHARD": "1", "SP": "2"}, 2, "fsdp", "(sequence parallelism) is not in harness yet"),
+        ({"DP_SHARD": "2", "SP": "2"}, 2, "fsdp", "sizes multiply to 4 but the launch started 2 processes"),
         ({"DP_SHARD": "1", "CP": "2"}, 2, "fsdp", "(context parallelism, ring attention) is not in harness"),
         ({"DP_SHARD": "1", "TP": "2"}, 2, "fsdp", "(tensor parallelism): harness trains data-parallel only"),
     ],
@@ -239,10 +234,13 @@ def test_compile_and_cpu_flags_are_run_config_values():
     assert len(problems) == 1 and "--dynamo_backend eager: harness compiles with inductor only" in problems[0]
 
 
-def test_sequence_parallel_size_has_its_place_once_harness_has_a_key(monkeypatch):
+def test_sequence_parallel_size_is_the_run_configs_parallel_sequence():
     env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_SP_SIZE": "2"}
-    assert "(sequence parallelism) is not in harness yet" in parallelism_problems(env, 2, "fsdp")[0]
-    assert launcher_values(env, []) == {}
-    monkeypatch.setattr(accelerate_launch, "SEQUENCE_PARALLEL_KEY", "a_future_key")
     assert parallelism_problems(env, 2, "fsdp") == []
-    assert launcher_values(env, []) == {"a_future_key": (2, "accelerate launch --parallelism_config_sp_size 2")}
+    assert launcher_values(env, []) == {"parallel.sequence": (2, "accelerate launch --parallelism_config_sp_size 2")}
+    notes, problems = launcher_settings(
+        env | {"PARALLELISM_CONFIG_SP_BACKEND": "deepspeed", "PARALLELISM_CONFIG_SP_SEQ_LENGTH": "4096"}, 2, "fsdp"
+    )
+    assert problems == [] and len(notes) == 2 and "harness's own Ulysses" in notes[0]
+    _, problems = launcher_settings(env | {"PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "flash_attention_2"}, 2, "fsdp")
+    assert len(problems) == 1 and "--parallelism_config_sp_attn_implementation flash_attention_2" in problems[0]
