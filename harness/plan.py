@@ -29,7 +29,7 @@ from typing import Any
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness.config import load_config, read_config_file
+from harness.config import Strategy, StrategyFacts, load_config, load_strategy, read_config_file, shipped_equivalent
 from harness.errors import EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, EXIT_PLAN_NOTHING_FITS, ConfigError, command_errors
 from harness.planner import PlanError
 from harness.planner.estimate import estimate, resolve_vocab
@@ -133,21 +133,34 @@ def _plan_lora(cfg: Any, args: argparse.Namespace, gpu_mem: int, cpu_mem: int | 
     """A LoRA/QLoRA config, estimated with the LoRA model itself traced (`harness.planner.lora`).
     DeepSpeed's LoRA is planned as the torch engine that shards alike (ZeRO-3 as FSDP2, else DDP), said so."""
     mode = "lora" if cfg.lora.quantize == "none" else cfg.lora.quantize
-    strategy = cfg.strategy or "ddp"
-    sharded = strategy.startswith(("fsdp", "zero3"))
-    planned = strategy if strategy in ("ddp", "fsdp", "fsdp_grad_op", "fsdp_offload") else "fsdp" if sharded else "ddp"
+    resolved = load_strategy(cfg.strategy)
+    facts = StrategyFacts.of(resolved)
+    own = resolved.name if shipped_equivalent(facts) == resolved.name else resolved.path  # a user's own file keeps its settings
+    # a torch engine plans as itself; DeepSpeed as the torch engine that shards alike
+    planned = own if facts.kind != "deepspeed" else "fsdp" if facts.shards_params else "ddp"
     c = Candidate(cfg.precision, cfg.memory.activation_checkpointing, cfg.micro_batch_size, cfg.grad_accum, planned, lora=mode)
     info = param_info(build_fake_model(cfg.model.name, vocab, FakeTensorMode()))
     ev = evaluate_lora(cfg, c, args.gpus, gpu_mem, args.target, vocab, info, cpu_mem=cpu_mem, per_node=per_node)
     title = f"Plan: {cfg.model.name} x {args.gpus} rank(s), {c.label()}"
-    if planned != strategy:
-        title += f" (strategy {strategy} planned as {planned}: LoRA under DeepSpeed is not modelled)"
+    if facts.kind == "deepspeed":
+        title += f" (strategy {resolved.name} planned as {planned}: LoRA under DeepSpeed is not modelled)"
     if ev.estimate is not None and (mode == "lora" or args.target == "cuda"):
         print(format_estimate(ev.estimate, gpu_mem, cpu_mem, per_node, title))
     else:
         print(title)
     print(f"  {ev.reason}")
     return EXIT_OK if ev.fits else EXIT_PLAN_DOES_NOT_FIT
+
+
+def _kind_note(strategy: Strategy) -> str:
+    """How a strategy that is not a shipped one is planned: as the shipped one with its facts."""
+    facts = StrategyFacts.of(strategy)
+    same = shipped_equivalent(facts)
+    if same == strategy.name:
+        return ""
+    if same is not None:
+        return f" (planned as {same}: the same engine, stage and offload)"
+    return f" ({facts.kind}, stage {facts.stage}, offload optimizer {facts.offload_optimizer}, parameters {facts.offload_params})"
 
 
 def _check_writable_file(flag: str, path: str) -> None:
@@ -190,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         return _recommend(args, overrides, cfg, gpu_mem, cpu_mem, per_node, vocab)
     if cfg.lora.enabled:
         return _plan_lora(cfg, args, gpu_mem, cpu_mem, per_node, vocab)
-    est = estimate(cfg, args.gpus, target=args.target, vocab_size=vocab)
+    strategy = load_strategy(cfg.strategy)  # resolved once: the plan, the title and the offload time read it
+    est = estimate(cfg, args.gpus, target=args.target, vocab_size=vocab, strategy=strategy)
     fits = verdict(est, gpu_mem, cpu_mem, per_node).fits
     if not fits and not _frugal_fits(cfg, args.gpus, gpu_mem, cpu_mem, per_node, args.nvme, args.target, vocab):
         print(
@@ -201,12 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_PLAN_NOTHING_FITS
     title = (
-        f"Plan: {cfg.model.name} x {args.gpus} rank(s), strategy {cfg.strategy or 'ddp'}, {cfg.precision}"
+        f"Plan: {cfg.model.name} x {args.gpus} rank(s), strategy {strategy.name}{_kind_note(strategy)}, {cfg.precision}"
         f"{' (bf16 weights, no fp32 master)' if cfg.precision == 'bf16_pure' else ''}, optim {cfg.optim.name}, "
         f"micro-batch {cfg.micro_batch_size} x seq {cfg.data.seq_len}, AC {cfg.memory.activation_checkpointing}"
     )
     print(format_estimate(est, gpu_mem, cpu_mem, per_node, title))
-    host_s = offload_seconds(cfg, est.params_total, args.gpus, per_node, args.cpu_adam_rate)
+    host_s = offload_seconds(cfg, est.params_total, args.gpus, per_node, args.cpu_adam_rate, strategy=strategy)
     if host_s:
         print(
             f"host's part of a step (offloaded optimizer): +{host_s:.3f} s, unoverlapped: CPU Adam at {args.cpu_adam_rate / 1e9:.2f}G "

@@ -51,9 +51,16 @@ from harness.config.strategies import (
     engine_kind,
     load_strategy,
 )
+from harness.config.strategy_facts import StrategyFacts, facts_of, more_sharding, shipped_equivalent, shipped_facts, shipped_names
 from harness.errors import ConfigError
 
 __all__ = [
+    "StrategyFacts",
+    "facts_of",
+    "more_sharding",
+    "shipped_equivalent",
+    "shipped_facts",
+    "shipped_names",
     "AC_MODES",
     "launcher_settings",
     "wrap_class_problem",

@@ -45,6 +45,7 @@ REPORT_CATS = (*REPORTED, "other")  # buffers count as "other" in a plan
 class Moment:
     name: str
     categories: dict[str, int]  # device bytes by REPORT_CATS
+    race: int = 0  # of which a collective buffer gloo's worker may still hold (see collective_race_bytes)
 
     @property
     def total(self) -> int:
@@ -69,7 +70,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     params_total: int = 0
     largest_param: int = 0
-    race_bytes: int = 0  # included in every moment: see collective_race_bytes; a real run peaks in [total - race_bytes, total]
+    race_bytes: int = 0  # a real run peaks in [total - race_bytes, total]: the gloo-held buffers of collective_race_bytes
 
     @property
     def total(self) -> int:
@@ -208,24 +209,31 @@ def _add(cats: dict[str, int], extra: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def collective_race_bytes(trace: TraceResult, cpu_run: bool) -> int:
-    """Bytes a real run may or may not hold at its peak, depending on thread scheduling alone.
+def collective_race_bytes(trace: TraceResult, cpu_run: bool, row: int | None = None) -> int:
+    """Bytes a real run may or may not hold at op ``row`` (None: past the last op), depending on
+    thread scheduling alone.
 
-    gloo runs each collective on a worker thread, which signals completion and only then
-    drops its own reference to the op's tensors. FSDP2 frees a collective's buffer (the
-    all-gather output once copied into the parameters, the reduce-scatter input once
-    scattered) by dropping its last Python reference right after the wait returns; when the
-    worker thread has not run since signalling (a loaded machine), the buffer outlives that
-    point until it does. Measured on tiny-llama at world 2 (notes/planner_accuracy.md): the
-    LM head's 512 KiB all-gather output still alive at the loss, the step's peak, in some
-    runs. The lifetime is gloo's, not the trainer's, so the plan includes one such buffer -
-    the largest any collective of the step uses - and a run peaks anywhere in
-    ``[total - race_bytes, total]``. FSDP2 only: DDP's buckets are resident and neither DDP
-    nor DeepSpeed has shown it in the accuracy tests; NCCL is not modelled (CUDA plans get 0).
+    gloo runs each collective on a worker thread, which signals completion and only then drops
+    its own reference to the op's tensors. FSDP2 frees a collective's buffer (the all-gather
+    output once copied into the parameters, the reduce-scatter input once scattered) by dropping
+    its last Python reference right after the wait returns; when the worker thread has not run
+    since signalling (a loaded machine), the buffer outlives that point until it does. Measured
+    on tiny-llama at world 2 (notes/planner_accuracy.md): the LM head's 512 KiB all-gather
+    output, the last collective before the loss, still alive at the loss, the step's peak, in
+    some runs. So at each op the plan includes the last collective's buffer once the step has
+    freed it, and a run peaks anywhere in ``[total - race, total]``. Not the step's largest
+    buffer at every op, nor an earlier collective's: under tied embeddings the largest is the
+    root group's (the whole embedding, on a 262k vocabulary), gathered again at the start of
+    backward behind a prefetched block's and reduce-scattered at its end; counting it at the
+    loss planned 17-25% high, and no measured step held it (notes/planner_accuracy.md).
+    FSDP2 only: DDP's buckets are resident and neither DDP nor DeepSpeed has shown it in the
+    accuracy tests; NCCL is not modelled (CUDA plans get 0).
     """
     if not cpu_run or trace.spec.wrap != "fsdp" or trace.spec.world_size < 2:
         return 0
-    return trace.largest_collective_buffer
+    if row is None:
+        return trace.race_after_backward
+    return trace.race[row] if row < len(trace.race) else 0
 
 
 def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Moment]:
@@ -235,11 +243,10 @@ def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Mom
     module's, the bucket once the first gradient exists, then the resident state. On a CPU
     run the host *is* the device: offloaded state and the host-side step count there too,
     gloo's reduce-scatter copy (NCCL has none) is added inside that collective, and every
-    moment carries one collective buffer gloo's worker may still hold (:func:`collective_race_bytes`).
+    moment carries the collective buffer gloo's worker may still hold there (:func:`collective_race_bytes`).
     """
-    race = collective_race_bytes(trace, cpu_run)
 
-    def finish(cats: dict[str, int], host_extra: int = 0) -> dict[str, int]:
+    def finish(cats: dict[str, int], host_extra: int = 0, race: int = 0) -> dict[str, int]:
         out = _add(cats, em.resident)
         if cpu_run:
             out = _add(out, em.host)
@@ -276,14 +283,17 @@ def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Mom
             hook = dict(prev_full)
             hook["temporaries"] += min(int(em.oib_step_per_grad_byte * new), em.oib_step_cap)
             if best is None or sum(hook.values()) > best.total:
-                best = Moment(trace.moment(i - 1) + " (optimizer step in the gradient hook)", hook)
+                best = Moment(
+                    trace.moment(i - 1) + " (optimizer step in the gradient hook)", hook, collective_race_bytes(trace, cpu_run, i - 1)
+                )
         previous_grads = traced_grads
         base_last = cats
-        full = finish(cats)
+        race = collective_race_bytes(trace, cpu_run, i)
+        full = finish(cats, race=race)
         if cpu_run and i in trace.gloo_extra:
             full["communication"] += trace.gloo_extra[i]
         if best is None or sum(full.values()) > best.total:
-            best = Moment(trace.moment(i), full)
+            best = Moment(trace.moment(i), full, race)
         prev_full = full
     moments = [best] if best is not None else []
     end = dict(base_last)
@@ -300,14 +310,15 @@ def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Mom
         # step's temporaries, to 0.03%; notes/optimizers.md). gloo's possible one is `finish`'s race.
         end["communication"] = 0
     end["temporaries"] = 0
-    moments.append(Moment("end of backward", finish(end)))
+    race = collective_race_bytes(trace, cpu_run)
+    moments.append(Moment("end of backward", finish(end, race=race), race))
     for phase in em.phases:
         cats = dict(end)
         if phase.params is not None:
             cats["parameters"] = phase.params
         if phase.grads is not None:
             cats["gradients"] = phase.grads
-        moments.append(Moment(phase.name, finish(_add(cats, phase.extra), phase.host_extra)))
+        moments.append(Moment(phase.name, finish(_add(cats, phase.extra), phase.host_extra, race), race))
     return moments
 
 
@@ -366,7 +377,7 @@ def estimate(
     if cfg.lora.enabled and cfg.lora.quantize != "none":
         # bitsandbytes quantizes on load, a tensor at a time onto the device: the quantized base and one bf16 tensor
         load_device, load_host = (em.params_held or 0) + 2 * info.whole_largest, 4 * info.whole_largest
-    race = collective_race_bytes(trace, target == "cpu")
+    race = peak.total - max(m.total - m.race for m in moments)  # the peak without any gloo-held buffer
     notes = list(em.notes)
     if race:
         notes.append(

@@ -13,8 +13,10 @@ for the rungs that move the optimizer to the host, an absolute estimate of what 
 part adds (:func:`offload_seconds`).
 
 `{shard}` in an override is the strategy that shards at this world size: `fsdp` on several
-ranks, `ddp` (one process) on one; `{grad_clip}` is the user's own `optim.grad_clip` (restored
-once a rung leaves optimizer-in-backward, which cannot clip).
+ranks, `ddp` (one process) on one; `{more_sharding}` is one step further along the run's own
+engine, read from its resolved strategy (DDP: FSDP2; DeepSpeed: its next ZeRO stage; the rung
+is left out where nothing shards further); `{grad_clip}` is the user's own `optim.grad_clip`
+(restored once a rung leaves optimizer-in-backward, which cannot clip).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.config import RunConfig, load_config
+from harness.config import RunConfig, Strategy, StrategyFacts, facts_of, load_config, load_strategy, more_sharding
 from harness.errors import ConfigError
 from harness.planner.estimate import Estimate, estimate
 from harness.planner.recommend import SPEED
@@ -44,7 +46,7 @@ MLP_TILE_TOKENS = 4096  # tokens per MLP tile: ALST's rule (tiles of hidden-size
 RUNGS: tuple[Rung, ...] = (
     Rung("as configured", ()),
     Rung("bf16 mixed precision", ("precision=bf16",)),
-    Rung("FSDP2: shard parameters, gradients and optimizer state", ("strategy=fsdp",), min_world=2),
+    Rung("more sharding (DDP: FSDP2; DeepSpeed: its next ZeRO stage)", ("strategy={more_sharding}",), min_world=2),
     Rung("activation checkpointing (every block)", ("memory.activation_checkpointing=full",)),
     Rung("chunked loss (no full logits)", (f"memory.loss_chunk_size={LOSS_CHUNK}",)),
     # long sequences: activations that grow with seq_len, in cost order
@@ -112,12 +114,16 @@ def net(overrides: list[str]) -> list[str]:
     return list(last.values())
 
 
-def rung_overrides(world: int, grad_clip: float = 1.0) -> list[tuple[Rung, list[str]]]:
-    """Each rung that applies at ``world`` with the overrides of it and every rung above it."""
-    values = {"shard": "fsdp" if world > 1 else "ddp", "grad_clip": f"{grad_clip:g}"}
+def rung_overrides(world: int, grad_clip: float = 1.0, strategy: Strategy | None = None) -> list[tuple[Rung, list[str]]]:
+    """Each rung that applies at ``world`` with the overrides of it and every rung above it.
+    ``strategy``: the run's resolved strategy (default DDP), which `{more_sharding}` continues."""
+    further = more_sharding(StrategyFacts.of(strategy)) if strategy is not None else "fsdp"
+    values = {"shard": "fsdp" if world > 1 else "ddp", "grad_clip": f"{grad_clip:g}", "more_sharding": further}
     out, applied = [], []
     for rung in RUNGS:
         if world < rung.min_world or (rung.max_world is not None and world > rung.max_world):
+            continue
+        if further is None and any("{more_sharding}" in o for o in rung.overrides):
             continue
         applied = applied + [o.format(**values) for o in rung.overrides]
         out.append((rung, net(applied)))
@@ -127,7 +133,6 @@ def rung_overrides(world: int, grad_clip: float = 1.0) -> list[tuple[Rung, list[
 def relative_time(cfg: RunConfig) -> float:
     """Expected step time relative to bf16 / DDP / no recomputation (`SPEED`: stated heuristics)."""
     mode = "none" if not cfg.lora.enabled else "lora" if cfg.lora.quantize == "none" else "nf4"
-    strategy = SPEED["strategy"].get(cfg.strategy or "ddp", 1.0)
     mem = cfg.memory
     tiled = mem.tiled_mlp > 1 or mem.tiled_mlp_tokens > 0
     return (
@@ -135,13 +140,19 @@ def relative_time(cfg: RunConfig) -> float:
         * SPEED["ac"].get(cfg.memory.activation_checkpointing, 1.0)
         * (SPEED["memory"]["tiled_mlp"] if tiled else 1.0)
         * (SPEED["memory"]["offload_checkpoint_inputs"] if mem.offload_checkpoint_inputs else 1.0)
-        * strategy
+        * facts_of(cfg.strategy).step_time
         * SPEED["lora"][mode]
     )
 
 
 def offload_seconds(
-    cfg: RunConfig, params: int, world: int, per_node: int = 1, cpu_adam_rate: float = CPU_ADAM_PARAMS_PER_S, host_params: int = 0
+    cfg: RunConfig,
+    params: int,
+    world: int,
+    per_node: int = 1,
+    cpu_adam_rate: float = CPU_ADAM_PARAMS_PER_S,
+    host_params: int = 0,
+    strategy: Strategy | None = None,
 ) -> float:
     """What a step's host part adds, unoverlapped (an upper bound): the host Adam over the node's
     ranks' shares of the parameters at ``cpu_adam_rate`` per node (they share its cores), and the
@@ -149,15 +160,17 @@ def offload_seconds(
     updated bit16 parameter up; ZeRO-3 offload also fetches every parameter for forward and
     again for backward (and writes the update on the host). LoRA under FSDP2's offload: the
     rank's shards (``host_params`` bytes, the base as held) fetched for forward and for backward;
-    the adapters' host step is negligible."""
-    strategy = cfg.strategy or "ddp"
+    the adapters' host step is negligible. What is offloaded is read from the resolved strategy
+    (``strategy``, default the config's resolved as the trainer resolves it): a user's own DeepSpeed
+    file with CPU offload is costed as one."""
+    facts = StrategyFacts.of(strategy) if strategy is not None else facts_of(cfg.strategy)
     if cfg.lora.enabled:
-        return 2 * host_params / PCIE_BYTES_PER_S if strategy == "fsdp_offload" else 0.0
-    if not strategy.endswith("offload"):
+        return 2 * host_params / PCIE_BYTES_PER_S if facts.kind == "fsdp" and facts.offloads_params else 0.0
+    if not (facts.offloads_optimizer or facts.offloads_params):
         return 0.0
     half = 2 if cfg.precision in ("bf16", "fp16") else 4
     part = math.ceil(params / world)
-    per_param = 2 * half if strategy.startswith("zero2") else 3 * half
+    per_param = 3 * half if facts.offloads_params else 2 * half
     return part * min(per_node, world) / cpu_adam_rate + part * per_param / PCIE_BYTES_PER_S
 
 
@@ -176,7 +189,12 @@ def walk_ladder(
     """Every rung estimated (the table shows them all); the caller takes the first that fits."""
     per_node = per_node or world
     results = []
-    for rung, applied in rung_overrides(world, load_config(config, overrides).optim.grad_clip):
+    user = load_config(config, overrides)
+    try:
+        strategy = load_strategy(user.strategy)
+    except ConfigError:
+        strategy = None  # the first rung, the config as written, reports it
+    for rung, applied in rung_overrides(world, user.optim.grad_clip, strategy):
         all_overrides = [*overrides, *applied]
         try:
             cfg = load_config(config, all_overrides)

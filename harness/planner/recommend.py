@@ -7,7 +7,8 @@ than recomputing activations, so it is tried first. Every branch of the tree is 
 dimension here: precision x activation checkpointing x micro-batch (global batch kept by
 gradient accumulation) x strategy stage x offload.
 
-Expected speed is a product of stated relative step-time factors (``SPEED``). They are
+Expected speed is a product of stated relative step-time factors (``SPEED``; a strategy's is
+its resolved facts' `StrategyFacts.step_time`, harness.config.strategy_facts). They are
 heuristics from published measurements, not measured here (no GPU on the development
 machine): bf16 vs fp32 from the Peak Memory study (6.79 vs 2.52 samples/s), one extra
 forward of recomputation for full checkpointing, communication volume of each stage
@@ -34,7 +35,17 @@ from typing import Any
 import yaml
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness.config import RunConfig, apply_overrides, check_strategy_against_run, check_values, load_config, load_strategy
+from harness.config import (
+    RunConfig,
+    apply_overrides,
+    check_strategy_against_run,
+    check_values,
+    facts_of,
+    load_config,
+    load_strategy,
+    shipped_equivalent,
+    shipped_facts,
+)
 from harness.errors import ConfigError
 from harness.planner.estimate import Estimate, estimate, resolve_vocab, specs_for, walk
 from harness.planner.model_states import BYTES, engine_model, fsdp_local_numel
@@ -45,18 +56,6 @@ from harness.planner.trace import ParamInfo, TraceResult, build_fake_model, para
 SPEED: dict[str, dict[str, float]] = {
     "precision": {"bf16": 1.0, "bf16_pure": 1.0, "fp16": 1.05, "fp32": 2.7},
     "ac": {"none": 1.0, "op": 1.08, "selective": 1.15, "full": 1.33},
-    "strategy": {
-        "ddp": 1.0,
-        "zero1": 1.0,
-        "zero2": 1.01,
-        "fsdp_grad_op": 1.03,
-        "fsdp": 1.06,
-        "zero3": 1.10,
-        "zero2_offload": 1.4,
-        "fsdp_offload": 1.6,
-        "zero3_offload": 2.0,
-        "zero3_nvme": 4.0,
-    },
 }
 # The tree's last steps (LoRA, then QLoRA): taken only when no full fine-tune fits. NF4 costs a
 # dequantization per matmul (QLoRA paper: slower than 16-bit LoRA); an assumed factor.
@@ -98,7 +97,7 @@ class Candidate:
         return (
             SPEED["precision"][self.precision]
             * SPEED["ac"][self.ac]
-            * SPEED["strategy"][self.strategy]
+            * shipped_facts(self.strategy).step_time
             * SPEED["lora"][self.lora]
             * (1 + MICRO_BATCH_HALVING * halvings)
         )
@@ -290,7 +289,8 @@ def evaluate_lora(
     # LoRA and QLoRA under torch's engines are built on the meta device and filled (QLoRA: quantized)
     # a tensor at a time, like a full fine-tune, and so is ZeRO-3's base (under zero.Init); ZeRO-1/2
     # build the frozen base whole in fp32 on the host.
-    meta_built = not c.strategy.startswith("zero") or c.strategy.startswith("zero3")
+    facts = shipped_facts(c.strategy)
+    meta_built = facts.kind != "deepspeed" or facts.stage == 3
     host = (info.whole_largest if meta_built else info.total + info.frozen) * 4 * per_node
     if cpu_mem is not None and host > cpu_mem:
         return Evaluated(c, cost, False, v.device_need, f"needs {gib(host)} host memory per node to build the model > {gib(cpu_mem)}", est)
@@ -320,12 +320,15 @@ def gpu_allowance_for(peak: int, world: int) -> int:
 
 
 def explain(cfg: RunConfig, chosen: Candidate, evaluate: Any) -> list[str]:
-    """For each way ``chosen`` departs from the user's config: what undoing only that change costs."""
+    """For each way ``chosen`` departs from the user's config: what undoing only that change costs.
+    The user's strategy is the shipped one with its resolved facts (a DeepSpeed run launched without
+    `strategy:`, or a user's own file, is compared as the DeepSpeed stage and offload it is)."""
+    own = facts_of(cfg.strategy)
     user = {
         "precision": cfg.precision,
         "ac": cfg.memory.activation_checkpointing,
         "micro_batch": cfg.micro_batch_size,
-        "strategy": cfg.strategy or "ddp",
+        "strategy": shipped_equivalent(own) or cfg.strategy or own.kind,
     }
     names = {"precision": "precision", "ac": "activation checkpointing", "micro_batch": "micro-batch", "strategy": "strategy"}
     reasons = []
@@ -338,7 +341,7 @@ def explain(cfg: RunConfig, chosen: Candidate, evaluate: Any) -> list[str]:
         back = replace(chosen, **{dim: theirs})
         if dim == "micro_batch":
             back = replace(back, grad_accum=cfg.grad_accum)
-        if dim == "strategy" and theirs not in SPEED["strategy"]:
+        if dim == "strategy" and shipped_equivalent(own) is None:
             reasons.append(f"{names[dim]} {theirs} -> {ours}: a shipped strategy the planner can rank")
             continue
         ev = evaluate(back)

@@ -125,6 +125,13 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
     lines = [title, ""]
     lines.append(f"Per-rank peak (worst rank {est.rank} of {est.world_size}, engine {est.engine}): {gib(est.total)}")
     lines.append(f"  when: {est.peak.name}")
+    state = est.peak.categories.get("optimizer_state", 0)
+    if state and "optimizer" not in est.peak.name:
+        # torch's optimizers create their state inside their first step (DeepSpeed's exists from the start)
+        lines.append(
+            f"  a step from the second on: under DDP/FSDP2 the first step holds no optimizer state before its "
+            f"optimizer step, so its peak here reads up to {gib(state)} lower"
+        )
     where = ("on the GPU", "on the host") if est.target == "cuda" else ("as device memory", "as host memory")
     lines.append(
         f"  loading the model (before the first step): {gib(est.load_device)} {where[0]}, {gib(est.load_host)} {where[1]} "

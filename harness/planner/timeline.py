@@ -9,6 +9,7 @@ reduce-scattered gradient shards (so an engine that moves them off the device ca
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from typing import Any
 
 import torch
@@ -40,7 +41,10 @@ class _Timeline:
         self._comm: dict[int, Any] = {}  # id(storage) -> weakref to a storage used by a collective
         self.gloo_extra: dict[int, int] = {}  # row -> bytes gloo allocates inside that op (CPU runs only)
         self._pending_gloo = 0
-        self.largest_collective_buffer = 0  # the most one collective's buffer holds (see estimate.collective_race_bytes)
+        # The last collective's buffer, and per row its bytes once the step has freed it: what gloo's
+        # worker may still hold there (see estimate.collective_race_bytes).
+        self._recent: deque[tuple[Any, int]] = deque(maxlen=1)
+        self.race: list[int] = []
         self.sharded_params: list[nn.Parameter] = []  # FSDP2's sharded parameters, whose .grad is reduce-scattered
         self.sharded_grads: list[int] = []
         self._shard_grads_set = False
@@ -58,7 +62,7 @@ class _Timeline:
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 self._comm[id(st)] = weakref.ref(st)
-                self.largest_collective_buffer = max(self.largest_collective_buffer, st.nbytes())
+                self._recent.append((weakref.ref(st), st.nbytes()))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         self._note_collective(func, args)
@@ -98,6 +102,7 @@ class _Timeline:
             self.gloo_extra[len(self.rows)] = self._pending_gloo
             self._pending_gloo = 0
         self.rows.append(tuple(row))
+        self.race.append(max((nbytes for ref, nbytes in self._recent if ref() is None), default=0))
         self.phases.append(1 if torch._C._current_graph_task_id() != -1 else 0)
         parents = [p for p in self._mod_tracker.parents if p != "Global"]  # type: ignore[attr-defined]
         name = max(parents, key=len) if parents else ""
@@ -106,6 +111,11 @@ class _Timeline:
             idx = self._module_index[name] = len(self.module_names)
             self.module_names.append(name)
         self.modules.append(idx)
+
+    @property
+    def race_after_backward(self) -> int:
+        """What gloo may hold past the last op: FSDP2's root post-backward frees every buffer left."""
+        return max((nbytes for _, nbytes in self._recent), default=0)
 
     def follow_sharded_grads(self, params: list[nn.Parameter]) -> list[Any]:
         """Record, per op, the bytes of these FSDP2 shards' gradients. FSDP2 calls a shard's

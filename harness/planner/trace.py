@@ -115,7 +115,10 @@ class TraceResult:
     module_names: list[str]
     params: ParamInfo
     gloo_extra: dict[int, int] = field(default_factory=dict)  # row -> bytes gloo adds inside that collective
-    largest_collective_buffer: int = 0  # bytes of the largest all-gather output / reduce-scatter input
+    # Per row: bytes of the last collective's buffer once the step has freed it (gloo's worker may
+    # still hold it there); and the same past the trace's last op.
+    race: list[int] = field(default_factory=list)
+    race_after_backward: int = 0
     trace_seconds: float = 0.0
     held_param_bytes: int = 0  # parameters held between steps (FSDP2: the shards; each row's excess is its gathered groups)
     # Per op (FSDP2 only; empty otherwise): the gradient bytes FSDP2 holds as its shards' `.grad`, i.e.
@@ -339,7 +342,8 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         tracker.module_names,
         info,
         tracker.gloo_extra,
-        tracker.largest_collective_buffer,
+        tracker.race,
+        tracker.race_after_backward,
         held_param_bytes=held,
         sharded_grads=tracker.sharded_grads,
         offloaded_bytes=offload.stats.peak_store_bytes,

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from harness.config import ConfigError, Strategy, StrategyFacts, load_strategy, more_sharding
 from harness.distributed import DistInfo
 from harness.planner import estimate
 
@@ -41,33 +42,52 @@ def _variant(cfg: Any, change: list[tuple[str, Any]]) -> Any:
     return variant
 
 
-def planner_suggestion(cfg: Any, world: int, capacity: int | None, target: str, budget_s: float = 60.0) -> str:
-    """The first single change whose estimated per-rank peak fits `capacity` (harness.planner), as overrides."""
-    strategy = cfg.strategy or "ddp"
-    more_sharding = {
-        "ddp": "fsdp",
-        "fsdp_grad_op": "fsdp",
-        "zero1": "zero2",
-        "zero2": "zero3",
-        "zero3": "zero3_offload",
-        "zero2_offload": "zero3_offload",
-    }
+def resolved_strategy(cfg: Any, guard: Any = None) -> Strategy | None:
+    """The strategy the run trains with: the engine's own plan where a guard knows the engine, else
+    the config's (or the `accelerate launch` flags') resolved as the trainer resolves it."""
+    plan = getattr(getattr(guard, "engine", None), "plan", None)
+    if isinstance(getattr(plan, "strategy", None), Strategy):
+        return plan.strategy
+    try:
+        return load_strategy(cfg.strategy)
+    except ConfigError:
+        return None
+
+
+def candidate_changes(cfg: Any, strategy: Strategy | None) -> list[list[tuple[str, Any]]]:
+    """Single changes that lower a step's memory, in the order they are tried. "More sharding" is
+    one step further along the run's own engine (`more_sharding` of its resolved facts): a DeepSpeed
+    run launched without `strategy:` is a DeepSpeed run, never told to become FSDP2."""
     candidates: list[list[tuple[str, Any]]] = []
     if cfg.memory.activation_checkpointing == "none":
         candidates.append([("memory.activation_checkpointing", "full")])
     if cfg.micro_batch_size > 1:
         candidates.append([("micro_batch_size", cfg.micro_batch_size // 2), ("grad_accum", cfg.grad_accum * 2)])
-    if strategy in more_sharding:
-        candidates.append([("strategy", more_sharding[strategy])])
+    further = more_sharding(StrategyFacts.of(strategy)) if strategy is not None else None
+    if further is not None:
+        candidates.append([("strategy", further)])
     if cfg.memory.loss_chunk_size == 0:
         candidates.append([("memory.loss_chunk_size", 1024)])
+    return candidates
+
+
+def planner_suggestion(
+    cfg: Any, world: int, capacity: int | None, target: str, budget_s: float = 60.0, strategy: Strategy | None = None
+) -> str:
+    """The first single change whose estimated per-rank peak fits `capacity` (harness.planner), as overrides.
+    `strategy`: the run's resolved strategy (default: `resolved_strategy(cfg)`); every change is costed
+    under it, a change of strategy under the shipped strategy it names."""
+    strategy = strategy or resolved_strategy(cfg)
+    candidates = candidate_changes(cfg, strategy)
     t0, best = time.monotonic(), None
     for change in candidates:
         if time.monotonic() - t0 > budget_s:
             break
         text = " ".join(f"{k}={v}" for k, v in change)
+        changed = dict(change).get("strategy")
         try:
-            peak = estimate(_variant(cfg, change), world, target=target).total
+            under = load_strategy(changed, env={}) if changed else strategy
+            peak = estimate(_variant(cfg, change), world, target=target, strategy=under).total
         except Exception:
             continue
         if capacity is not None and peak <= 0.9 * capacity:
@@ -113,5 +133,6 @@ def oom_report(exc: BaseException, cfg: Any, info: DistInfo, guard: Any = None) 
             lines.append(f"  host memory per local rank: {_fmt(capacity)}")
         except (ValueError, OSError):
             pass
-    lines.append("  the planner would change: " + planner_suggestion(cfg, info.world_size, capacity, target))
+    strategy = resolved_strategy(cfg, guard)
+    lines.append("  the planner would change: " + planner_suggestion(cfg, info.world_size, capacity, target, strategy=strategy))
     return "\n".join(lines)

@@ -17,7 +17,8 @@ Users come because of OOM, so every run says *what* filled memory at its peak. S
   on CUDA ``max_memory_allocated`` / ``max_memory_reserved`` (``device_allocated`` /
   ``device_reserved``), on CPU the process's resident high-water mark (``host_rss``).
   They cost next to nothing; the split costs about a step, so it runs on steps 0 and 1
-  (the first step's split is what the planner is compared with), every ``category_every``-th
+  (the second step's is what the planner predicts: under torch's optimizers the first holds no
+  optimizer state before its own optimizer step creates it), every ``category_every``-th
   step after, and on the step after :meth:`StepMemoryTracker.request_split` (SIGUSR2 in a run).
 
 Two views per step: :meth:`StepMemoryTracker.last_peaks` is the split *at the moment
