@@ -21,10 +21,9 @@ each rank's device for a few seconds, is small by construction (two blocks).
 
 Not covered (refused in one line): streaming data (each rank reads its own stream: no global
 batch to recompute), fp16 (the gradients read before the step are loss-scaled), the optimizer
-stepped inside backward (no gradient survives backward). A parallelism that splits a sequence
-(sequence or context parallelism) is undone in `reference_config`: the one place to set its
-degree to 1 once it is a config key; the run's gradients are read through `Engine.shards()`,
-which covers any engine that reports its shards.
+stepped inside backward (no gradient survives backward). Sequence parallelism is undone in
+`reference_config` (whole sequences, the data-parallel world's global batch); the run's gradients
+are read through `Engine.shards()`, which covers any engine that reports its shards.
 """
 
 from __future__ import annotations
@@ -87,12 +86,13 @@ def reference_config(twin: RunConfig, world: int, rank: int) -> RunConfig:
     blocks at any split), no memory technique that changes how the step is computed."""
     ref = copy.deepcopy(twin)
     ref.strategy, ref.precision = "ddp", "fp32"
-    ref.micro_batch_size, ref.grad_accum, ref.global_batch_size = twin.micro_batch_size * twin.grad_accum * world, 1, None
+    data_world = world // twin.parallel.sequence  # a sequence-parallel group reads one data-parallel rank's samples
+    ref.micro_batch_size, ref.grad_accum, ref.global_batch_size = twin.micro_batch_size * twin.grad_accum * data_world, 1, None
     m = ref.memory
     m.activation_checkpointing, m.activation_offload, m.compile, m.activation_memory_budget = "none", False, "none", None
     m.optimizer_in_backward, m.loss_chunk_size = False, 0
     ref.optim.cpu_offload = False
-    # A parallelism that splits sequences (sequence/context parallel) gets its degree set to 1 here.
+    ref.parallel.sequence = 1  # whole sequences: what sequence parallelism must compute
     ref.output_dir = os.path.join(os.path.dirname(twin.output_dir), f"reference-rank{rank}")
     return ref
 
@@ -207,10 +207,11 @@ class UnpackedSampler:
 
 def describe(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> str:
     packing = f", instruction data {'packed' if cfg.data.packing else 'unpacked'}" if cfg.data.format in INSTRUCTION_FORMATS else ""
+    sequence = f", sequence parallel {cfg.parallel.sequence}" if cfg.parallel.sequence > 1 else ""
     lora = f", LoRA r={cfg.lora.r}{' ' + cfg.lora.quantize if cfg.lora.quantize != 'none' else ''}" if cfg.lora.enabled else ""
     return (
         f"{plan.strategy.name} ({plan.kind}) x{info.world_size}, {cfg.precision}, micro-batch {cfg.micro_batch_size} x "
-        f"grad_accum {cfg.grad_accum}{packing}{lora}; twin of {cfg.model.name} with {TWIN_LAYERS} layers, {CHECK_STEPS} steps"
+        f"grad_accum {cfg.grad_accum}{sequence}{packing}{lora}; twin of {cfg.model.name} with {TWIN_LAYERS} layers, {CHECK_STEPS} steps"
     )
 
 

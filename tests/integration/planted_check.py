@@ -1,7 +1,8 @@
 """`harness/train.py` with one bug planted (`HARNESS_TEST_PLANT`), for the check's tests: each bug
 is one that leaves a run training without an error, and the check must name it.
 
-- `unreduced`: DDP never all-reduces the gradients (every rank steps on its own half of the batch);
+- `unreduced`: DDP never all-reduces the gradients (every rank steps on its own half of the batch, or, under
+  sequence parallelism, on its own slice of each sequence);
 - `accum_scale`: the loss is not divided by the accumulation steps (gradients grad_accum times too large);
 - `tied_not_updated`: the tied input/output embedding's gradient is dropped before the optimizer step;
 - `packing_leak`: the position ids of packed examples are not passed (each example attends to the ones before it).

@@ -39,21 +39,22 @@ def check_config(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> 
     )
 
 
-CASES = {  # plant: (strategy, what the check must name)
-    "none": ("fsdp", None),
-    "unreduced": ("ddp", "step 1 gradient of model.embed_tokens.weight"),
-    "accum_scale": ("fsdp", "step 1 gradient of model.embed_tokens.weight"),
-    "tied_not_updated": ("fsdp", "step 1 update of model.embed_tokens.weight"),
-    "packing_leak": ("ddp", "step 1 gradient of model.embed_tokens.weight"),
+CASES = {  # plant: (overrides, what the check must name)
+    "none": (["strategy=fsdp"], None),
+    # sequence parallelism at data-parallel size 1 (2 ranks, one sequence group): the gradients never reduced
+    "unreduced": (["strategy=ddp", "parallel.sequence=2", "data.packing=false"], "step 1 gradient of model.embed_tokens.weight"),
+    "accum_scale": (["strategy=fsdp"], "step 1 gradient of model.embed_tokens.weight"),
+    "tied_not_updated": (["strategy=fsdp"], "step 1 update of model.embed_tokens.weight"),
+    "packing_leak": (["strategy=ddp"], "step 1 gradient of model.embed_tokens.weight"),
 }
 
 
 @pytest.mark.parametrize("plant", list(CASES))
 def test_check_names_each_planted_bug(plant: str, check_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    strategy, named = CASES[plant]
+    overrides, named = CASES[plant]
     monkeypatch.setenv("HARNESS_TEST_PLANT", plant)
     cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", PLANTED, "--config", str(check_config), "--check"]
-    proc = run([*cmd, f"strategy={strategy}", f"output_dir={check_config.parent / ('out-' + plant)}"], check=False)
+    proc = run([*cmd, *overrides, f"output_dir={check_config.parent / ('out-' + plant)}"], check=False)
     out = proc.stdout + proc.stderr
     if named is None:
         assert proc.returncode == EXIT_OK, out[-4000:]
