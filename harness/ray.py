@@ -6,7 +6,7 @@
 Needs `pip install 'harness[ray]'`. Without `--address` (or `RAY_ADDRESS`) a local Ray cluster is
 started on this machine. The config is checked here, for the world size asked, before any
 worker starts (a mistake is one line, exit 2); the run then has harness's own run directory,
-checkpoints, metrics and W&B, and its exit codes (README: "Exit codes and messages"). Ray's own
+checkpoints, metrics and W&B, and its exit codes (docs/exit-codes.md). Ray's own
 restarts are off: a run that fails ends with one line, and `checkpoint.resume=auto` continues it.
 """
 

@@ -5,7 +5,7 @@ accelerate reads a config file into the same arguments as its flags (a file's `f
 `deepspeed_config`, `parallelism_config`, `dynamo_config`, `fp8_config` and `megatron_lm_config`
 keys become the flags of the same names) and passes them to the script only as environment
 variables (`accelerate.utils.launch`: `prepare_simple_launcher_cmd_env`, `prepare_multi_gpu_env`,
-`prepare_deepspeed_cmd_env`). Each flag has one verdict (`accelerate_table`, README's accelerate
+`prepare_deepspeed_cmd_env`). Each flag has one verdict (`accelerate_table`, docs/strategies.md's accelerate
 table; tests/unit/test_accelerate_launch.py keeps both in step with accelerate's own parser);
 this module reads the variables: run config values, settings said, refusals.
 """

@@ -1,5 +1,5 @@
 """`accelerate launch`: the verdict on each of its flags and config-file keys, and the variable
-each flag travels in to the script (accelerate.utils.launch). README's accelerate table is this
+each flag travels in to the script (accelerate.utils.launch). docs/strategies.md's accelerate table is this
 table; `accelerate_launch` reads the variables. The verdicts:
 
 - `launcher`: accelerate's launcher acts on it (how many processes, where, their environment);

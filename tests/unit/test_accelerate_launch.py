@@ -1,5 +1,5 @@
 """`accelerate launch`: every flag, config-file key and variable has one verdict
-(harness.config.accelerate_table), README's table is that table, and the verdicts hold.
+(harness.config.accelerate_table), docs/strategies.md's table is that table, and the verdicts hold.
 
 The lists are taken from accelerate's own code (its launch parser, its config dataclass, the
 variables its launcher sets), so a flag a new accelerate adds fails here until it has a verdict.
@@ -69,7 +69,7 @@ def test_every_variable_the_launcher_sets_has_its_flag():
 
 
 def _readme_rows(heading: str) -> dict[str, tuple[str, ...]]:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "strategies.md").read_text()
     table = text[text.index(heading) :].split("\n\n", 1)[0]
     rows = {}
     for line in table.splitlines()[2:]:
