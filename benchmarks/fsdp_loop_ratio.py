@@ -6,13 +6,14 @@
 Each model runs under `torchrun --nproc_per_node 2` (gloo, CPU). In one process per rank both
 run over the same model preset, the same batches (harness's `BatchSampler`) and the same
 AdamW: harness as `harness.train` builds it (`build_run`: `strategy=fsdp`, memory tracking
-on as by default, `logging.log_every=10`, W&B and progress off), and a torchtitan-style loop
-(`fully_shard` per decoder block and the root, gradient clipping, the loss all-reduced and read
-only at log steps). The two alternate in blocks of `--block` steps (a block holds one log step),
-`--rounds` times, so a drift of the shared machine hits both alike; each block is timed whole
-(wall clock, after a barrier), so whatever harness does per step (guard, logging, memory
-peaks) is inside. Reported: each side's median seconds per step and the median over rounds of
-hand / harness (1.0: no overhead; target >= 0.97).
+on as by default, `logging.log_every=10`, W&B and progress off; `--set key=value` changes it),
+and a torchtitan-style loop (`fully_shard` on the embeddings, each decoder block, the head and the
+root, HF's loss, gradient clipping, the loss and norm all-reduced and read only at log steps).
+The two alternate in blocks of `--block` steps (a block holds one log step), `--rounds` times,
+so a drift of the shared machine hits both alike; each block is timed whole (wall clock, after a
+barrier), so whatever harness does per step (guard, logging, memory peaks) is inside. Reported:
+each side's median seconds per step and the median over rounds of hand / harness (1.0: no
+overhead; target >= 0.97).
 
 The script imports only `build_run`, `preflight`, `load_config`, `load_strategy`,
 `run_command` and the data/model builders, so the same file measures an older checkout:
@@ -38,8 +39,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_config(model: str, out: Path, steps: int) -> dict:
-    return {
+def run_config(model: str, out: Path, steps: int, overrides: list[str]) -> dict:
+    raw = {
         "model": {"name": model},
         "strategy": "fsdp",
         "data": {"seq_len": 128, "vocab_size": 512 if model == "tiny-llama" else 4096},
@@ -51,6 +52,14 @@ def run_config(model: str, out: Path, steps: int) -> dict:
         "logging": {"wandb": False, "progress": False, "plots": False, "log_every": 10},
         "output_dir": str(out),
     }
+    for item in overrides:  # key.sub=value, YAML-typed: a diagnosis (e.g. memory.track=false)
+        key, value = item.split("=", 1)
+        *path, last = key.split(".")
+        node = raw
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)
+    return raw
 
 
 class HandLoop:
@@ -63,8 +72,15 @@ class HandLoop:
         from harness.models import build_model
 
         self.model = build_model(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
+        # torchtitan's units: the embeddings, each block, the head (kept gathered after forward), the root
+        embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        tied = head.weight is embed.weight
+        if not tied:
+            fully_shard(embed)
         for layer in self.model.model.layers:
             fully_shard(layer)
+        if not tied:
+            fully_shard(head, reshard_after_forward=False)
         fully_shard(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, fused=True)
         self.sampler = BatchSampler(data, cfg.micro_batch_size, cfg.grad_accum, world, rank, cfg.data.seed)
@@ -96,14 +112,14 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def worker(model: str, rounds: int, block: int, out_json: Path) -> None:
+def worker(model: str, rounds: int, block: int, out_json: Path, overrides: list[str]) -> None:
     from harness.config import load_config, load_strategy
     from harness.runner import build_run, preflight, run_command
 
     steps = (rounds + 1) * block
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "run.yaml"
-        config.write_text(yaml.safe_dump(run_config(model, Path(tmp) / "out", steps)))
+        config.write_text(yaml.safe_dump(run_config(model, Path(tmp) / "out", steps, overrides)))
         result: dict = {}
 
         def load():
@@ -136,11 +152,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny-llama", "small-llama"])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--set", nargs="*", default=[], help="harness config overrides, key=value (a diagnosis)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.rounds, args.block, Path(args.out))
+        worker(args.worker, args.rounds, args.block, Path(args.out), args.set)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     print("| model | harness s/step | hand loop s/step | hand / harness (median of rounds) | rounds |")
@@ -150,6 +167,7 @@ def main() -> None:
             out = Path(tmp) / "result.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29571"]
             cmd += [__file__, "--worker", model, "--rounds", str(args.rounds), "--block", str(args.block), "--out", str(out)]
+            cmd += ["--set", *args.set]
             subprocess.run(cmd, env=env, check=True, capture_output=True)
             r = json.loads(out.read_text())
         ratios = [b / h for h, b in zip(r["harness_s"], r["hand_s"])]
