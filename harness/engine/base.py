@@ -31,7 +31,7 @@ LossFn = Callable[..., torch.Tensor]  # (model, batch, num_items=None) -> the mi
 
 @dataclass
 class StepResult:
-    grad_norm: float
+    grad_norm: float | torch.Tensor  # a 0-dim device tensor, unread, after `Engine.grad_norm` (read it at log steps)
     skipped: bool  # the optimizer step did not happen (non-finite gradients / fp16 overflow)
 
 
@@ -127,6 +127,14 @@ class Engine:
     # ------------------------------------------------------------------ engine-specific
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         raise NotImplementedError
+
+    def grad_norm(self) -> torch.Tensor | None:
+        """Before `step`: finish this step's gradients (unscale, clip) and return their global norm
+        as a 0-dim tensor on the device, unread, so the caller can fold its finiteness into the
+        step's one agreement (`harness.reliability.StepGuard.agree`). After it, `step(skip)`
+        trusts `skip` to carry that finiteness and does not read the norm itself. None where the
+        engine measures the norm inside its own step (DeepSpeed, optimizer-in-backward)."""
+        return None
 
     def step(self, skip: bool = False) -> StepResult:
         raise NotImplementedError

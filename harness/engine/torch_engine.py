@@ -148,6 +148,7 @@ class TorchEngine(Engine):
         self.grad_clip = grad_clip
         self._oib = optimizer_in_backward  # steps each parameter inside backward, or None
         self.scaler = torch.amp.GradScaler(device.type) if self.policy.uses_scaler else None
+        self._norm: torch.Tensor | None = None  # this step's clipped gradient norm, from `grad_norm()`
 
     @classmethod
     def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
@@ -222,32 +223,44 @@ class TorchEngine(Engine):
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.grad is not None]
 
+    def grad_norm(self) -> torch.Tensor | None:
+        if self._oib is not None:  # stepped inside backward: its optimizer reports the norm it saw
+            return None
+        if self._norm is None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self._optimizer)
+            params = self._params()
+            max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros((), device=self.device)
+            self._norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return self._norm
+
     def step(self, skip: bool = False) -> StepResult:
-        """`skip`: every rank agreed this step's loss is non-finite (harness.reliability): drop the update."""
+        """`skip`: every rank agreed to drop this update (a non-finite loss; after `grad_norm()`, also
+        a non-finite norm). Without a prior `grad_norm()` the norm is measured and read here."""
         if self._oib is not None:
             # The optimizer already stepped inside backward; it reports the norm it saw.
             norm = self._oib.last_grad_norm()
             skipped = not math.isfinite(norm)
             self.scheduler.step()
             return StepResult(norm, skipped)
-        if self.scaler is not None:
-            self.scaler.unscale_(self._optimizer)
-        params = self._params()
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        norm_f = float(norm)
-        skipped = skip or not math.isfinite(norm_f)
+        agreed = self._norm is not None  # the caller read the norm's finiteness into `skip`
+        norm = self.grad_norm()
+        self._norm = None
+        if agreed:
+            result = StepResult(norm, skip)
+        else:
+            norm_f = float(norm)
+            result = StepResult(norm_f, skip or not math.isfinite(norm_f))
         if self.scaler is not None:
             if not skip:
                 self.scaler.step(self._optimizer)  # skips the step itself on inf/nan
             self.scaler.update()
-        elif not skipped:
+        elif not result.skipped:
             self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return StepResult(norm_f, skipped)
+        return result
 
     @property
     def lr(self) -> float:

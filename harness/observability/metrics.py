@@ -26,6 +26,8 @@ import re
 import time
 from typing import Any, TextIO
 
+import torch
+
 from harness.memory import COUNTER_KEYS, REPORTED
 
 # The W&B x-axis: every event carries it, so eval and prune points line up with training.
@@ -107,6 +109,12 @@ def as_number(value: Any) -> int | float | None:
         return None
 
 
+def deferred(value: Any) -> bool:
+    """A one-element floating tensor (a device's gradient norm): kept unread until its interval is
+    written, so a step between log steps does not wait for the device to read it."""
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()
+
+
 def with_section(metrics: dict[str, Any], section: str) -> dict[str, Any]:
     """Prefix bare names with `section/` so `{"loss": x}` from log_eval lands in `eval/loss`;
     map `ALIASES` to their canonical names."""
@@ -173,7 +181,7 @@ class IntervalAggregator:
     def __bool__(self) -> bool:
         return bool(self._values)
 
-    def add(self, metrics: dict[str, int | float]) -> None:
+    def add(self, metrics: dict[str, Any]) -> None:
         for key, value in metrics.items():
             if key in _LAST_KEYS:
                 self._values[key] = value
@@ -181,11 +189,13 @@ class IntervalAggregator:
                 old = self._values.get(key)
                 self._values[key] = value if old is None else max(old, value)
             else:
+                value = value.double() if deferred(value) else value  # summed as the host sums floats
                 self._sums[key] = self._sums.get(key, 0.0) + value
                 self._counts[key] = self._counts.get(key, 0) + 1
                 self._values[key] = value
 
     def pop(self) -> dict[str, int | float]:
+        """The interval's record; deferred values (`deferred`) are summed on their device and read here, once."""
         out = dict(self._values)
         for key, total in self._sums.items():
             n = self._counts[key]
@@ -193,7 +203,7 @@ class IntervalAggregator:
         self._sums.clear()
         self._counts.clear()
         self._values.clear()
-        return out
+        return {k: as_number(v) if deferred(v) else v for k, v in out.items()}
 
 
 class MetricsWriter:

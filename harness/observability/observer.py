@@ -4,7 +4,9 @@ Every rank constructs an `Observer` (so the trainer needs no `if rank == 0` arou
 call), but only rank 0 does anything: other ranks create no file, no W&B run and print
 nothing, which is what keeps N processes from writing N copies of every line.
 
-Contract with the trainer (all values plain numbers, 0-dim tensors are accepted):
+Contract with the trainer (all values plain numbers; a one-element tensor is accepted and
+stays unread, summed on its device, until its interval is written: a step between log steps
+never waits for the device):
 
 - `log_step(step, metrics)` after every optimizer step; `step` counts completed steps
   (1..total_steps). Names are those of `metrics.py`; a bare name gets the `train/` prefix.
@@ -116,10 +118,13 @@ class Observer:
     def wandb_mode(self) -> str:
         return self.wandb.mode if self.wandb is not None else "disabled"
 
-    def _numbers(self, metrics: dict[str, Any]) -> dict[str, int | float]:
-        out: dict[str, int | float] = {}
+    def _numbers(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for key, value in metrics.items():
             if value is None:  # not measured this step (e.g. the memory split runs every k steps)
+                continue
+            if M.deferred(value):  # read when its interval is written (a log step), not now
+                out[key] = value
                 continue
             number = M.as_number(value)
             if number is None:

@@ -3,13 +3,21 @@
 Every decision is collective: a NaN on one rank, or a SIGTERM that reached one rank first,
 is all-reduced so that every rank takes the same branch (skip, save, stop). Diverging
 ranks are what turn a recoverable fault into a hang.
+
+The agreement is the step's one host sync: the loss (summed on the device over the
+micro-batches), the gradient norm's finiteness and the stop request travel in one small
+tensor, all-reduced on the device and read once, before the optimizer step. Nothing else
+in a step waits for the device (the logged values are read at log steps).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from harness.distributed import Collectives, DistInfo
 from harness.engine import weights_finite
@@ -21,6 +29,14 @@ from harness.reliability.signals import on_memory_split_request, signal_received
 log = get_logger(__name__)
 
 _ACTIVE: dict[str, Any] = {"guard": None}  # the running guard, for the OOM report
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank agreed on before the optimizer step."""
+
+    skip: bool  # some rank's loss, or the gradient norm, is non-finite: drop the update
+    loss: float  # the step's loss, averaged over ranks
 
 
 class StepGuard:
@@ -46,22 +62,39 @@ class StepGuard:
         self.consecutive = 0  # skipped steps in a row (the run is not training while this grows)
         self.max_consecutive = cfg.checkpoint.max_consecutive_skips
         self._bad_loss = False
+        self._bad_norm: bool | None = None  # agreed before the step; None: the engine measured its norm in its step
         _ACTIVE["guard"] = self
         install_fault_hooks(engine.module, info.rank, lambda: self.steps_done)
         if tracker is not None and tracker.enabled:
             on_memory_split_request(tracker.request_split)
 
-    def pre_step(self, local_loss: float) -> bool:
-        """Before the optimizer step (collective): True when any rank's loss is non-finite: skip the update."""
-        self._bad_loss, self.stop_requested = self.comm.any([not math.isfinite(local_loss), signal_received()])
-        return self._bad_loss
+    def agree(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor | None) -> Agreement:
+        """Before the optimizer step (collective, the step's one host sync): whether any rank's
+        loss (`loss_sum`, this rank's micro-batch losses summed on the device) or the gradient
+        norm (global, from `Engine.grad_norm`; None where the engine measures it in its step) is
+        non-finite, whether a stop was requested on any rank, and the loss averaged over ranks.
+
+        One float64 tensor [loss non-finite, stop, norm non-finite, loss] summed over ranks: a
+        flag summed is nonzero where any rank raised it, and the loss sum is exact in float64."""
+        wire = torch.zeros(4, dtype=torch.float64, device=loss_sum.device)
+        wire[0] = (~torch.isfinite(loss_sum)).double()
+        if signal_received():
+            wire[1] = 1.0
+        if grad_norm is not None:
+            wire[2] = (~torch.isfinite(grad_norm.detach())).double()
+        wire[3] = loss_sum.detach().double()
+        bad_loss, stop, bad_norm, total = self.comm.all_reduce_sum(wire).tolist()
+        self._bad_loss, self.stop_requested = bad_loss > 0, stop > 0
+        self._bad_norm = None if grad_norm is None else bad_norm > 0
+        return Agreement(skip=self._bad_loss or bool(self._bad_norm), loss=total / self.comm.world)
 
     def post_step(self, result: Any) -> None:
         """After the step: apply the policy (skip: count and go on; stop: NonFiniteError)."""
         self.steps_done += 1
         step = self.steps_done
         # fp16: an inf gradient norm is the loss scaler's routine overflow, not a divergence.
-        bad_norm = not math.isfinite(result.grad_norm) and not self.fp16
+        agreed, self._bad_norm = self._bad_norm, None
+        bad_norm = (agreed if agreed is not None else not math.isfinite(result.grad_norm)) and not self.fp16
         if not (self._bad_loss or bad_norm):
             self.consecutive = 0
             return

@@ -38,26 +38,45 @@ def write_state_bytes(output_dir: str, info: DistInfo, points: list[dict[str, in
         json.dump({"rank": info.rank, "world_size": info.world_size, "peak": peak, "phases": points}, f, indent=1)
 
 
-def worst_rank_memory(tracker: StepMemoryTracker, comm: Collectives) -> dict[str, float]:
-    """The step's memory on the rank that peaked highest (collective when tracking is on).
+def _fold(old: float | None, new: float | None) -> float | None:
+    return new if old is None else old if new is None else max(old, new)
 
-    `_peak_bytes`: that rank's split at its peak moment (sums to its total; the stacked
-    panel); `_max_bytes`: each category's own maximum over every rank; `memory/peak_rank`:
-    which rank. Ranks differ (uneven shards, rank 0's extra buffers): one rank's view understates.
-    """
-    peaks, maxima = tracker.last_peaks(), tracker.last_category_maxima()
-    out: dict[str, float] = {}
-    if peaks and comm.distributed:
-        gathered = comm.gather_object((peaks, maxima))
-        # the split's total where every rank split this step, else the peak counter all ranks read
-        key = next((k for k in ("total", *COUNTER_KEYS) if all(k in g[0] for g in gathered)), "total")
-        worst = max(range(len(gathered)), key=lambda r: gathered[r][0].get(key) or 0)
-        peaks = gathered[worst][0]
-        maxima = {k: max((g[1].get(k) or 0) for g in gathered) for k in maxima}
-        out[PEAK_RANK] = worst
-    out.update({f"memory/{k}_peak_bytes": v for k, v in peaks.items()})
-    out.update({f"memory/{k}_max_bytes": v for k, v in maxima.items()})
-    return out
+
+@dataclass
+class MemoryPeaks:
+    """This rank's memory peaks since the last log step, per key the maximum over the steps (as
+    the observer folds them), reduced over ranks only when a log step writes them: memory
+    reporting's one collective runs at log steps, not every step."""
+
+    peaks: dict[str, float | None] = field(default_factory=dict)
+    maxima: dict[str, float | None] = field(default_factory=dict)
+
+    def add(self, tracker: StepMemoryTracker) -> None:
+        for folded, step in ((self.peaks, tracker.last_peaks()), (self.maxima, tracker.last_category_maxima())):
+            for k, v in step.items():
+                folded[k] = _fold(folded.get(k), v)
+
+    def reduce(self, comm: Collectives) -> dict[str, float | None]:
+        """The interval's memory on the rank that peaked highest (collective when tracking is on).
+
+        `_peak_bytes`: that rank's split at its peak (sums to its total; the stacked panel);
+        `_max_bytes`: each category's own maximum over every rank; `memory/peak_rank`: which
+        rank. Ranks differ (uneven shards, rank 0's extra buffers): one rank's view understates.
+        """
+        peaks, maxima = self.peaks, self.maxima
+        self.peaks, self.maxima = {}, {}
+        out: dict[str, float | None] = {}
+        if peaks and comm.distributed:
+            gathered = comm.gather_object((peaks, maxima))
+            # the split's total where every rank split in the interval, else the peak counter all ranks read
+            key = next((k for k in ("total", *COUNTER_KEYS) if all(k in g[0] for g in gathered)), "total")
+            worst = max(range(len(gathered)), key=lambda r: gathered[r][0].get(key) or 0)
+            peaks = gathered[worst][0]
+            maxima = {k: max((g[1].get(k) or 0) for g in gathered) for k in maxima}
+            out[PEAK_RANK] = worst
+        out.update({f"memory/{k}_peak_bytes": v for k, v in peaks.items()})
+        out.update({f"memory/{k}_max_bytes": v for k, v in maxima.items()})
+        return out
 
 
 def evaluate(engine: Engine, data: PackedData, cfg: RunConfig, info: DistInfo, split: str = "eval") -> dict[str, float]:
@@ -86,8 +105,12 @@ def tokens_per_micro_batch(batches: list[torch.Tensor], comm: Collectives) -> fl
     token of the step equally, however the global batch is split (HF Trainer's
     `num_items_in_batch` with `average_tokens_across_devices`). With uneven label counts
     (instruction data) a per-micro-batch mean would not: each micro-batch would weigh the same.
+
+    Text blocks count every target, so every rank counts the same (its batches' shape): the sum
+    over ranks is known without a collective. Labelled blocks differ by rank: summed (collective).
     """
-    total = comm.sum([float(sum(count_targets(b) for b in batches))])[0]
+    local = float(sum(count_targets(b) for b in batches))
+    total = local * comm.world if all(b.dim() == 2 for b in batches) else comm.sum([local])[0]
     return max(total, 1.0) / (len(batches) * comm.world)
 
 
@@ -111,7 +134,8 @@ class Trainer:
     after_step: Callable[[], None] | None = None  # run after every engine.step(), e.g. the pruning stage's mask enforcer
     before_step: Callable[[int], None] | None = None  # run with the step's reduced gradients, before engine.step() (the check's recorder)
     started_at: float | None = None  # time.perf_counter() when the run began building: time to first step is part of its cost
-    comm: Collectives = field(default_factory=Collectives)  # the logged loss and memory peaks over ranks
+    comm: Collectives = field(default_factory=Collectives)  # the counted tokens and memory peaks over ranks
+    memory: MemoryPeaks = field(default_factory=MemoryPeaks)  # this rank's peaks since the last log step
 
     def train(self, first: int, stop: int) -> bool:
         """Train steps [first, stop); False when a stop request ended the run (saved, observer closed)."""
@@ -131,19 +155,21 @@ class Trainer:
         for step in range(first, stop):
             t0 = time.perf_counter()
             with tracker.step():
-                step_loss = 0.0
+                loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)  # read once, by the agreement
                 batches = [sampler.batch(step, micro) for micro in range(cfg.grad_accum)]
                 per_micro = tokens_per_micro_batch(batches, self.comm)
                 for micro, batch in enumerate(batches):
-                    loss = engine.forward_loss(batch.to(info.device), num_items=per_micro)
+                    loss = engine.forward_loss(batch.to(info.device, non_blocking=True), num_items=per_micro)
                     engine.backward(loss, last_micro=micro == cfg.grad_accum - 1)
-                    step_loss += float(loss.detach()) / cfg.grad_accum
+                    loss_sum += loss.detach().double() / cfg.grad_accum
                     if step == 0:
                         state_points.append(engine.state_bytes())
                 lr = engine.lr
-                if self.before_step is not None:
+                if self.before_step is not None:  # sees the reduced gradients as backward left them (the check)
                     self.before_step(step)
-                result = engine.step(skip=guard.pre_step(step_loss))  # all ranks agree on a non-finite loss first
+                # the step's one host sync: every rank agrees on a non-finite loss or gradient and a stop request
+                agreed = guard.agree(loss_sum, engine.grad_norm())
+                result = engine.step(skip=agreed.skip)
                 if self.after_step is not None:
                     self.after_step()
             if step == 0:
@@ -152,23 +178,26 @@ class Trainer:
             elapsed = time.perf_counter() - t0
             self.skipped += int(result.skipped)
             guard.post_step(result)  # checkpoint.on_nonfinite: skip (counted) or stop naming the last good checkpoint
-            self.loss_mean = self.comm.mean(step_loss)
+            self.loss_mean = agreed.loss
             metrics = {
                 "train/loss": self.loss_mean,
                 "train/lr": lr,
-                "train/grad_norm": result.grad_norm,
+                "train/grad_norm": result.grad_norm,  # a device tensor the observer reads at the log step
                 "train/skipped_steps": self.skipped,
                 "perf/step_time_s": elapsed,
                 "perf/tokens_per_s": tokens_per_step / elapsed,
                 "perf/samples_per_s": sampler.global_batch / elapsed,
             }
-            metrics.update(worst_rank_memory(tracker, self.comm))
+            self.memory.add(tracker)
+            evaluate_now = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0 and step + 1 < stop
+            if (step + 1) % cfg.logging.log_every == 0 or step + 1 == stop or evaluate_now or guard.stop_requested:
+                metrics.update(self.memory.reduce(self.comm))  # a log step, or the interval ends here
             if step == first and self.started_at is not None:
                 metrics["time/to_first_step_s"] = time.perf_counter() - self.started_at
                 startup = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in engine.startup_s.items())
                 log.info(f"time to first step: {metrics['time/to_first_step_s']:.1f} s ({startup}, then restore and the first step)")
             observer.log_step(step + 1, metrics)
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < stop:
+            if evaluate_now:
                 observer.log_eval(step + 1, evaluate(engine, self.data, cfg, info))
             if self.ckpt.after_step(step + 1, {"skipped_steps": self.skipped}, stop=guard.stop_requested):
                 self.close()  # SIGTERM/SIGUSR1: saved; exit cleanly so the job can requeue

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from harness.config import DataConfig
 from harness.data import cache_dir_for, is_complete, load_packed, prepare_data, stop_preparation_when
@@ -450,9 +451,10 @@ def guard_of(monkeypatch):
 
     monkeypatch.setattr(g, "install_fault_hooks", lambda *a, **k: None)
     monkeypatch.setattr(g, "weights_finite", lambda *a, **k: True)
+    monkeypatch.setattr(g, "signal_received", lambda: False)
 
-    def make(bound: int):
-        cfg = SimpleNamespace(checkpoint=SimpleNamespace(on_nonfinite="skip", max_consecutive_skips=bound), precision="fp32")
+    def make(bound: int, precision: str = "fp32"):
+        cfg = SimpleNamespace(checkpoint=SimpleNamespace(on_nonfinite="skip", max_consecutive_skips=bound), precision=precision)
         return g.StepGuard(cfg, SimpleNamespace(rank=0, is_main=True), _Engine())
 
     return make
@@ -484,6 +486,44 @@ def test_class4_a_run_with_one_good_step_finishes(guard_of):
     _step(guard, False)
     _step(guard, True)
     guard.finish(2)
+
+
+# the step's one agreement (StepGuard.agree): the loss, the stop and the non-finite flags in one read
+
+
+def test_the_agreement_carries_the_loss_and_skips_a_non_finite_loss_or_norm(guard_of):
+    g = guard_of(5)
+    agreed = g.agree(torch.tensor(2.5, dtype=torch.float64), torch.tensor(1.0))
+    assert (agreed.skip, agreed.loss, g.stop_requested) == (False, 2.5, False)
+    assert g.agree(torch.tensor(float("nan"), dtype=torch.float64), torch.tensor(1.0)).skip
+    assert g._bad_loss
+    g.post_step(SimpleNamespace(grad_norm=torch.tensor(1.0), skipped=True))
+    assert (g.nonfinite_steps, g.consecutive) == (1, 1)
+    agreed = g.agree(torch.tensor(2.0, dtype=torch.float64), torch.tensor(float("inf")))
+    assert agreed.skip and not g._bad_loss
+    g.post_step(SimpleNamespace(grad_norm=torch.tensor(float("inf")), skipped=True))  # the agreed flag, not a read
+    assert (g.nonfinite_steps, g.consecutive) == (2, 2)
+    g.agree(torch.tensor(2.0, dtype=torch.float64), torch.tensor(0.5))
+    g.post_step(SimpleNamespace(grad_norm=torch.tensor(0.5), skipped=False))
+    assert g.consecutive == 0
+
+
+def test_fp16_overflow_is_skipped_but_not_counted_as_divergence(guard_of):
+    g = guard_of(5, "fp16")
+    assert g.agree(torch.tensor(2.0, dtype=torch.float64), torch.tensor(float("inf"))).skip  # the scaler's update still runs
+    g.post_step(SimpleNamespace(grad_norm=torch.tensor(float("inf")), skipped=True))
+    assert g.nonfinite_steps == 0
+
+
+def test_a_stop_request_is_agreed(guard_of, monkeypatch):
+    import harness.reliability.guard
+
+    monkeypatch.setattr(harness.reliability.guard, "signal_received", lambda: True)
+    stopper = guard_of(5)
+    agreed = stopper.agree(torch.tensor(1.0, dtype=torch.float64), None)  # an engine that measures its norm in its step
+    assert stopper.stop_requested and not agreed.skip
+    stopper.post_step(SimpleNamespace(grad_norm=float("nan"), skipped=True))  # then the step's own float decides
+    assert stopper.nonfinite_steps == 1
 
 
 def test_class1_a_fresh_run_keeps_an_earlier_runs_metrics(tmp_path):
