@@ -51,9 +51,9 @@ def test_chat_messages_label_assistant_turns_through_the_template():
     labelled = [w for w, lab in zip(words, labels) if lab != IGNORE]
     assert labelled == ["[A]", "four", "[/]", "[A]", "five", "[/]"]
     assert [lab for lab in labels if lab != IGNORE] == [i for i, lab in zip(ids, labels) if lab != IGNORE]
-    # without a template: plain 'role: content' lines, the assistant's ended by EOS
+    # without a template: plain 'role: content' lines, the answer and its EOS labelled, never the 'assistant:' header
     ids, labels = encode_record({"messages": messages[:2]}, word_tokenizer(), eos=0)
-    assert tok.convert_ids_to_tokens([i for i, lab in zip(ids, labels) if lab != IGNORE]) == ["assistant:", "four", "<eos>"]
+    assert tok.convert_ids_to_tokens([i for i, lab in zip(ids, labels) if lab != IGNORE]) == ["four", "<eos>"]
 
 
 def test_blocks_packed_and_padded():
