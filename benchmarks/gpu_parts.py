@@ -34,7 +34,8 @@ THROUGHPUT_VARIANTS = {"eager": {}, "block": {"compile": "block"}, "model": {"co
 ESTIMATE_S = {
     "preflight": 15,
     "facts": 5,
-    "long_seq": 5,
+    "long_seq_plan": 40,  # harness.plan --max-seq-len on the host: a handful of traced probes of the ~323M model
+    "long_seq_run": 40,  # each of the two 2-step runs (~100k tokens)
     "strategy": 35,
     "strategy_offload": 45,
     "throughput_eager": 45,
