@@ -153,3 +153,28 @@ def part_long_seq(ctx: Any) -> None:
     asked = {k: plan.get(k) for k in ("seconds", "command", "rc")}
     item = dict(summarize(plan, runs), status="simulated" if ctx.sim else "ok", gpu_mem=gpu_mem, model=model, planner=asked)
     ctx.state.item("long_seq", item)
+
+
+def report_lines(item: dict[str, Any] | None) -> list[str]:
+    """gpu.md's section: the planner's answer, then each length's outcome beside the planner's bytes."""
+    if not item or "rows" not in item:
+        return [f"Not measured: {(item or {}).get('status', 'not run')} {(item or {}).get('reason') or ''}".rstrip()]
+    lines = [
+        f"Planner (`harness.plan --max-seq-len`, step {item['step']:,}, {item.get('gpu_mem')}): "
+        f"**{item['planner_max_seq_len']:,}** tokens; longest that ran: {item['longest_that_ran'] or 'none'}; "
+        f"first out of memory: {item['first_that_did_not'] or 'none'}.",
+        "",
+        "| seq_len | planner says | outcome | max_memory_allocated | planner device need | ratio |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+
+    def mib(b: int | None) -> str:
+        return "-" if b is None else f"{b / 2**20:,.1f} MiB"
+
+    for r in item["rows"]:
+        lines.append(
+            f"| {r['seq_len']:,} | {'fits' if r['planner_fits'] else 'over'} | {r['outcome']} | "
+            f"{mib(r['max_memory_allocated'])} | {mib(r['planner_device_bytes'])} | "
+            f"{r['allocated_over_planner'] or '-'} |"
+        )
+    return lines

@@ -121,6 +121,11 @@ def test_the_long_sequence_rung_reads_the_planner_beside_the_runs(kit, monkeypat
         "allocated_over_planner": 0.9,
     }
     assert second["outcome"] == "out of memory" and not second["planner_fits"] and second["allocated_over_planner"] is None
+    item["gpu_mem"] = "143771MiB"
+    lines = gpu_long_seq.report_lines(item)  # the report's section
+    assert lines[0].startswith("Planner (`harness.plan --max-seq-len`, step 4,096, 143771MiB): **8,192** tokens; longest that ran: 8192")
+    assert "| 12,288 | over | out of memory | - | 0.0 MiB | - |" in lines
+    assert gpu_long_seq.report_lines(None) == ["Not measured: not run"]
     # The planner too cautious: both lengths ran, none failed.
     both = gpu_long_seq.summarize(plan, {8192: ran, 12288: dict(ran)})
     assert (both["longest_that_ran"], both["first_that_did_not"]) == (12288, None)
