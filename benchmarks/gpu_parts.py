@@ -34,7 +34,8 @@ THROUGHPUT_VARIANTS = {"eager": {}, "block": {"compile": "block"}, "model": {"co
 ESTIMATE_S = {
     "preflight": 15,
     "facts": 5,
-    "long_seq": 5,
+    "long_seq_plan": 40,  # harness.plan --max-seq-len on the host: 5 traced probes of the ~323M model took 35 s on 2 CPU cores
+    "long_seq_run": 40,  # each 2-step run at ~135k tokens (H200): ~15 s start and load, ~8 s a step, one eval batch
     "strategy": 35,
     "strategy_offload": 45,
     "throughput_eager": 45,

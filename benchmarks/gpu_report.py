@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from gpu_long_seq import report_lines
+
 GIB = 2**30
 MIB = 2**20
 
@@ -380,6 +382,10 @@ def build(data: dict[str, Any]) -> str:
         "## Planner vs torch.cuda.max_memory_allocated",
         "",
         *planner_table(data),
+        "",
+        "## The longest sequence: planner vs GPU",
+        "",
+        *report_lines(data["items"].get("long_seq")),
         "",
         "## Offload actually run on the GPU",
         "",

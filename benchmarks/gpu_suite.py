@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_long_seq as long_seq
 import gpu_models as models
 import gpu_parts as parts
 import gpu_report
@@ -39,8 +40,8 @@ DEFAULT_ORDER = [
     "facts",
     "strategies_torch",  # ddp, fsdp, fsdp_grad_op, fsdp_offload; plans beside each
     "strategies_deepspeed",  # zero1, zero2, zero3, zero2_offload, zero3_offload (CPU Adam is built meanwhile)
-    "long_seq",  # PLACE OF THE LONG-SEQUENCE RUNG: planner's longest seq_len vs the longest that runs
     "throughput_eager",  # llama-1.6b bf16 tokens/s and MFU
+    "long_seq",  # the planner's longest seq_len vs the longest that runs (2 steps at it and one step past)
     "matrix_eager",  # the s004 rows without compile
     # PLACE OF THE NEW PRUNING METHOD's GPU part: after the eager rows, before anything compiled.
     "throughput_block",  # compile=block, if time is left
@@ -122,26 +123,12 @@ def part_deepspeed(ctx: parts.Ctx) -> None:
     record_cpu_adam_build(ctx)
 
 
-def part_long_seq(ctx: parts.Ctx) -> None:
-    """The long-sequence rung's place. It needs `harness.plan --max-seq-len` (pre-flight lists the
-    options this checkout's planner has); until the checkout has it, the part says so."""
-    if ctx.state.settled("long_seq"):
-        return
-    ctx.clock.spend(parts.ESTIMATE_S["long_seq"])
-    options = (ctx.state.get("preflight") or {}).get("plan_options") or []
-    if "--max-seq-len" not in options:
-        reason = "waiting for harness.plan --max-seq-len (not on this checkout)"
-    else:
-        reason = "harness.plan --max-seq-len is here, but this part's GPU bisection is not written yet (notes/gpu_plan.md)"
-    ctx.state.item("long_seq", {"status": "skipped", "reason": reason})
-
-
 PARTS = {
     "preflight": part_preflight,
     "facts": part_facts,
     "strategies_torch": lambda ctx: parts.part_strategies(ctx, parts.TORCH_STRATEGIES),
     "strategies_deepspeed": part_deepspeed,
-    "long_seq": part_long_seq,
+    "long_seq": long_seq.part_long_seq,
     **{f"throughput_{v}": (lambda ctx, v=v: parts.part_throughput(ctx, v)) for v in parts.THROUGHPUT_VARIANTS},
     "matrix_eager": lambda ctx: parts.part_matrix(ctx, compiled=False),
     "matrix_compiled": lambda ctx: parts.part_matrix(ctx, compiled=True),

@@ -8,8 +8,8 @@
 # The order (gpu_suite.py's DEFAULT_ORDER): pre-flight (imports of torch, deepspeed, datasets and the
 # harness, CUDA visible, one tiny step: the call ends in one line if it fails), facts, the strategies
 # torch first (ddp, fsdp, fsdp_grad_op, fsdp_offload) then DeepSpeed (zero1, zero2, zero3, zero2_offload,
-# zero3_offload), the long-sequence rung's place, llama-1.6b bf16 eager throughput (MFU), the eager s004
-# rows, then compile=block if time is left. Compiled matrix rows are out of the default.
+# zero3_offload), llama-1.6b bf16 eager throughput (MFU), the long-sequence rung (the planner's longest
+# seq_len vs the longest that runs), the eager s004 rows, then compile=block if time is left. Compiled matrix rows are out of the default.
 # Meanwhile the host saves both models once as bf16 safetensors (runs load them by path) and prepares
 # their data caches. Every finished item is in OUT at once (results.json, gpu.md); a part stops after
 # two identical failures; a second call on the warm machine goes on where the first stopped.
@@ -21,6 +21,7 @@
 #   GPU_SUITE_MATRIX_ROWS / GPU_SUITE_MATRIX_COMPILED_ROWS   ';'-separated row names, in order
 #   GPU_SUITE_MATRIX_SET   key=value overrides of every matrix row (default "steps=8 memory.track_every=1000")
 #   GPU_SUITE_THROUGHPUT_MICRO   the throughput runs' micro-batch (default 8; halved once on out-of-memory)
+#   GPU_SUITE_LONG_AC      the long-sequence rung's activation checkpointing (default none; full: ~1M tokens, slow)
 #   GPU_SUITE_COLD_FROM    second call: if the state folder is new (machine went cold), start at this part
 #   GPU_SUITE_RETRY_FAILED=1   run again what failed in an earlier call (default: only what was not reached)
 #   GPU_SUITE_STATE, PY, GPU_SUITE_FRESH=1 (= --fresh)

@@ -93,3 +93,57 @@ def test_a_second_call_on_a_cold_machine_starts_where_it_was_told(kit, tmp_path,
     warm = sim_ctx(kit, tmp_path)  # the same folder again: not new, so nothing is left to another call
     suite.run_call(warm, ["strategies_torch"])
     assert set(statuses(warm, "strategies/").values()) == {"simulated"}
+
+
+def test_the_long_sequence_rung_reads_the_planner_beside_the_runs(kit, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_long_seq
+
+    plan = {
+        "max_seq_len": 8192,
+        "step": 4096,
+        "probes": [
+            {"seq_len": 8192, "fits": True, "device_bytes": 1000},
+            {"seq_len": 12288, "fits": False, "device_bytes": 1500},
+        ],
+    }
+    ran = {"status": "ok", "metrics": {"max_allocated_bytes": 900}}
+    oom = {"status": "failed", "log_tail": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    item = gpu_long_seq.summarize(plan, {8192: ran, 12288: oom})
+    assert (item["planner_max_seq_len"], item["longest_that_ran"], item["first_that_did_not"]) == (8192, 8192, 12288)
+    first, second = item["rows"]
+    assert first == {
+        "seq_len": 8192,
+        "outcome": "ran",
+        "max_memory_allocated": 900,
+        "planner_device_bytes": 1000,
+        "planner_fits": True,
+        "allocated_over_planner": 0.9,
+    }
+    assert second["outcome"] == "out of memory" and not second["planner_fits"] and second["allocated_over_planner"] is None
+    item["gpu_mem"] = "143771MiB"
+    lines = gpu_long_seq.report_lines(item)  # the report's section
+    assert lines[0].startswith("Planner (`harness.plan --max-seq-len`, step 4,096, 143771MiB): **8,192** tokens; longest that ran: 8192")
+    assert "| 12,288 | over | out of memory | - | 0.0 MiB | - |" in lines
+    assert gpu_long_seq.report_lines(None) == ["Not measured: not run"]
+    # The planner too cautious: both lengths ran, none failed.
+    both = gpu_long_seq.summarize(plan, {8192: ran, 12288: dict(ran)})
+    assert (both["longest_that_ran"], both["first_that_did_not"]) == (12288, None)
+    # A failure that is not out of memory is named as such and is not read as the limit.
+    other = gpu_long_seq.summarize(plan, {8192: ran, 12288: {"status": "timeout"}})
+    assert other["rows"][1]["outcome"] == "timeout" and other["first_that_did_not"] is None
+
+
+def test_the_long_model_is_links_and_a_config_with_more_positions(kit, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_long_seq
+
+    saved = tmp_path / "300m"
+    saved.mkdir()
+    (saved / "config.json").write_text(json.dumps({"max_position_embeddings": 2048, "hidden_size": 8}))
+    (saved / "model.safetensors").write_bytes(b"weights")
+    long = gpu_long_seq.long_model(str(saved))
+    assert json.loads((long / "config.json").read_text()) == {"max_position_embeddings": gpu_long_seq.POSITIONS, "hidden_size": 8}
+    assert (long / "model.safetensors").is_symlink() and (long / "model.safetensors").read_bytes() == b"weights"
+    assert json.loads((saved / "config.json").read_text())["max_position_embeddings"] == 2048  # the saved model is untouched
+    assert gpu_long_seq.long_model(str(saved)) == long  # a second call (the next call on a warm machine) reuses it
