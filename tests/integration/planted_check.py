@@ -40,11 +40,12 @@ def unreduced() -> None:
 
 
 def accum_scale() -> None:
-    def backward(self: TorchEngine, loss, last_micro: bool) -> None:
-        with self._sync_context(last_micro):
-            loss.backward()
+    backward = TorchEngine.backward
 
-    TorchEngine.backward = backward
+    def undivided(self: TorchEngine, loss, last_micro: bool) -> None:
+        backward(self, loss * self.grad_accum, last_micro)  # the engine's division by grad_accum, undone
+
+    TorchEngine.backward = undivided
 
 
 def tied_not_updated() -> None:
