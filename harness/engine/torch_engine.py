@@ -149,7 +149,6 @@ class TorchEngine(Engine):
         self._oib = optimizer_in_backward  # steps each parameter inside backward, or None
         self.scaler = torch.amp.GradScaler(device.type) if self.policy.uses_scaler else None
         self._norm: torch.Tensor | None = None  # this step's clipped gradient norm, from `grad_norm()`
-        self._backwards = 0  # micro-batches backpropagated since the last step
 
     @classmethod
     def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
@@ -203,25 +202,23 @@ class TorchEngine(Engine):
     def optimizer(self) -> Any:
         return self._optimizer
 
-    def forward_loss(self, batch: torch.Tensor, num_items: float | None = None) -> torch.Tensor:
-        if self.kind == "ddp" and torch.is_grad_enabled():
-            # DDP decides in forward whether the backward that follows all-reduces (its `no_sync`
-            # must cover the forward): only the step's last micro-batch does.
-            self.model.require_backward_grad_sync = self._backwards >= self.grad_accum - 1
-        return super().forward_loss(batch, num_items)
+    def _sync_context(self, last_micro: bool):
+        if self.kind == "ddp" and not last_micro:
+            return self.model.no_sync()
+        if self.kind == "fsdp":
+            # FSDP2: skip the reduce-scatter on all but the last micro-batch.
+            self.model.set_requires_gradient_sync(last_micro)
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         if self._oib is not None:
             self._oib.set_last_micro_batch(last_micro)
-        if self.kind == "fsdp":
-            # FSDP2 decides at backward: skip the reduce-scatter on all but the last micro-batch.
-            self.model.set_requires_gradient_sync(last_micro)
         scaled = loss / self.grad_accum
-        if self.scaler is not None:
-            self.scaler.scale(scaled).backward()
-        else:
-            scaled.backward()
-        self._backwards += 1
+        with self._sync_context(last_micro):
+            if self.scaler is not None:
+                self.scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
 
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.grad is not None]
@@ -241,9 +238,6 @@ class TorchEngine(Engine):
     def step(self, skip: bool = False) -> StepResult:
         """`skip`: every rank agreed to drop this update (a non-finite loss; after `grad_norm()`, also
         a non-finite norm). Without a prior `grad_norm()` the norm is measured and read here."""
-        self._backwards = 0
-        if self.kind == "ddp":
-            self.model.require_backward_grad_sync = True  # a forward outside the step loop (a probe) reduces as DDP does
         if self._oib is not None:
             # The optimizer already stepped inside backward; it reports the norm it saw.
             norm = self._oib.last_grad_norm()

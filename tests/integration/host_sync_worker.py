@@ -3,10 +3,8 @@
 Counted: each read of a tensor's value by the host (`item`, `tolist`, `float`, `int`, `bool`),
 named by the module and function that read it, and each call of a `Collectives` method that returns a host
 value (a blocking collective at world > 1: `sum`, `mean`, `any`, `all`, `all_reduce_min_int`,
-`gather_object`, `barrier`; the outermost call only, its own reads inside it not again), and each
-gradient bucket DDP all-reduces (`ddp:bucket<i>`, from a communication hook that then all-reduces as
-DDP's default does). `Observer.log_step(step, ...)` marks the end of each step's record. Writes
-`<out>/rank<r>.json`: a list of steps, each the list of its syncs.
+`gather_object`, `barrier`; the outermost call only, its own reads inside it not again). `Observer.log_step(step, ...)` marks the end
+of each step's record. Writes `<out>/rank<r>.json`: a list of steps, each the list of its syncs.
 """
 
 from __future__ import annotations
@@ -68,21 +66,6 @@ def record(out: str, argv: list[str]) -> None:
         syncs.clear()
 
     Observer.log_step = marked
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp_init = DistributedDataParallel.__init__
-
-    def counted_ddp(self, *args, **kwargs):
-        ddp_init(self, *args, **kwargs)
-
-        def hook(state, bucket):
-            syncs.append(f"ddp:bucket{bucket.index()}")
-            return allreduce_hook(state, bucket)
-
-        self.register_comm_hook(None, hook)
-
-    DistributedDataParallel.__init__ = counted_ddp
     from harness.train import main
 
     code = main(argv)

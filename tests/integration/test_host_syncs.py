@@ -49,17 +49,3 @@ def test_a_step_between_log_steps_syncs_once(tmp_path, data_cache):
     assert [r["step"] for r in train] == [3, 6, 7]
     for r in train:
         assert r["train/loss"] > 0 and r["train/grad_norm"] > 0 and r["memory/peak_rank"] in (0, 1)
-
-
-def test_ddp_all_reduces_each_gradient_bucket_once_per_step_under_accumulation(tmp_path, data_cache):
-    """DDP decides in forward whether a backward all-reduces: skipping it for all but the step's
-    last micro-batch must cover the forward, not only the backward (grad_accum 2 here)."""
-    out = tmp_path / "out"
-    config = tiny_config(tmp_path / "c.yaml", data_cache, out, steps=3, strategy="ddp", grad_accum=2)
-    launch(WORKER, [str(tmp_path), "--config", str(config)], world=2)
-    for rank in range(2):
-        steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(steps) == 3
-        for step in steps:
-            buckets = [s for s in step if s.startswith("ddp:bucket")]
-            assert buckets and len(buckets) == len(set(buckets)), (rank, step)  # every bucket once, not once per micro-batch
