@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,12 +32,12 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from harness.config import load_config, load_strategy
-from harness.distributed import init_distributed, teardown
-from harness.engine import build_engine
+from harness.distributed import free_port, init_distributed, teardown
+from harness.engine import build_engine, hidden_size_of, plan_engine
 from harness.models import model_spec
 from harness.planner import estimate
-from harness.planner.measure import _cpu_categories
-from harness.training import causal_lm_loss, precision_policy
+from harness.planner.measure import cpu_categories
+from harness.training import causal_lm_loss
 
 DEFAULT = [
     "strategy=fsdp_grad_op",
@@ -133,10 +132,8 @@ def worker(overrides: list[str], steps: int, min_bytes: int, starve: bool, out: 
     tracker = RaceTracker(min_bytes)
     with tracker:
         spec = model_spec(cfg.model.name, vocab_size=VOCAB, seed=cfg.model.seed)
-        policy = precision_policy(cfg.precision, info.device, strategy.kind)
-        engine = build_engine(
-            spec, cfg, strategy, policy, info, lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
-        )
+        plan = plan_engine(cfg, strategy, info.world_size, info.device, hidden_size_of(spec.config))
+        engine = build_engine(spec, cfg, plan, info, lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size))
         batch = torch.randint(0, VOCAB, (cfg.micro_batch_size, cfg.data.seq_len), generator=gen)
     if starve:  # after the engine: FSDP2's device mesh may have started process groups of its own
         _starve_other_threads()
@@ -152,7 +149,7 @@ def worker(overrides: list[str], steps: int, min_bytes: int, starve: bool, out: 
         results.append(
             {
                 "step": step,
-                "peak": _cpu_categories(tracker.get_tracker_snapshot("peak"))["total"],
+                "peak": cpu_categories(tracker.get_tracker_snapshot("peak"))["total"],
                 "peak_op": tracker.peak_op,
                 "live": tracker.live_at_peak,
                 "deaths": tracker.deaths,
@@ -169,10 +166,8 @@ def worker(overrides: list[str], steps: int, min_bytes: int, starve: bool, out: 
 
 
 def _launch(overrides: list[str], steps: int, min_bytes: int, starve: bool, one_core: bool) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
         out = os.path.join(tmp, "out.json")
         cmd = (["taskset", "-c", "0"] if one_core else []) + [
             sys.executable,

@@ -30,9 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from harness.config import load_config
+from harness.distributed import free_port
 from harness.planner import estimate
-from harness.planner.measure import _free_port, _repo_root, launch
+from harness.planner.measure import launch
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # PYTHONPATH of the ranks
 VOCAB = 262_144
 GEMMA3_270M = dict(
     hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256
@@ -61,7 +63,7 @@ def worker(overrides: list[str], steps: int) -> None:
     from harness.distributed import init_distributed, teardown
     from harness.engine import build_engine, hidden_size_of, plan_engine
     from harness.models import model_spec
-    from harness.planner.measure import _run_step
+    from harness.planner.measure import run_step
     from harness.training import causal_lm_loss
 
     cfg = load_config(None, overrides)
@@ -77,7 +79,7 @@ def worker(overrides: list[str], steps: int) -> None:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         start = _status("VmRSS")
-        _run_step(engine, batches, None)
+        run_step(engine, batches)
         out.append(_status("VmHWM") - start)
     print("KERNEL " + json.dumps(out), flush=True)
     teardown()
@@ -86,11 +88,11 @@ def worker(overrides: list[str], steps: int) -> None:
 
 def kernel_peaks(overrides: list[str], steps: int = 3) -> list[int]:
     """Per step, the largest rank's VmHWM over its RSS at the step's start."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()), __file__]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), __file__]
     cmd += ["--worker", json.dumps(overrides), "--steps", str(steps)]
     # glibc's dynamic mmap threshold would serve a freed large block's successors from the heap, which
     # it keeps: fixed thresholds hand every large block back on free, so RSS follows what is live.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_repo_root(), MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="0")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="0")
     text = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600).stdout
     ranks = [json.loads(found) for found in re.findall(r"KERNEL (\[[^\]]*\])", text)]  # two ranks' lines may interleave
     return [max(r[i] for r in ranks) for i in range(steps)]

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.config import OptimConfig
-from harness.training import build_optimizer
-from harness.training.loss import _ce_sum
+from harness.training import build_optimizer, ce_sum
 
 # SmolLM2-135M: embedding 49152 x 576 (tied), per layer q/o 576x576, k/v 192x576, gate/up/down
 # 576x1536, two norms; 30 layers and the final norm.
@@ -49,7 +48,7 @@ def loss_rows(rows: int, vocab: int, repeats: int) -> list[str]:
 
         def ours() -> tuple[torch.Tensor, torch.Tensor]:
             x = logits.clone().requires_grad_(True)
-            loss = _ce_sum(x, targets, 1.0 / rows)
+            loss = ce_sum(x, targets, 1.0 / rows)
             loss.backward()
             return loss.detach(), x.grad.float()
 

@@ -33,7 +33,6 @@ import contextlib
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from harness.config import load_config, load_strategy
-from harness.distributed import init_distributed, teardown
+from harness.distributed import free_port, init_distributed, teardown
 from harness.engine import build_engine, hidden_size_of, plan_engine
 from harness.memory import CATEGORIES as CATS
 from harness.memory import AllocatorTrace, FrozenAwareMemTracker, StepMemoryTracker, category_of
@@ -51,7 +50,10 @@ from harness.models import model_spec
 from harness.training import causal_lm_loss, name_compiles_step
 
 
-def _cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
+def cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
+    """A MemTracker snapshot's CPU bytes in harness's categories (`harness.memory.CATEGORIES`), with
+    their ``total``: the measurement's unit, public so that a study tracking a step its own way
+    (an instrumented tracker, a variant of the model) counts exactly as the planner's judge does."""
     out = dict.fromkeys(CATS, 0)
     for dev, cats in snap.items():
         if dev.type != "cpu":
@@ -110,13 +112,13 @@ def measure_config(
                 trace.start_window()
             if split is not None:
                 with split.step():
-                    _run_step(engine, batches, tracker=None)
+                    run_step(engine, batches, tracker=None)
                 per_step.append({**{k: v or 0 for k, v in split.last_category_maxima().items()}, "total": 0})
             else:
                 tracker.reset_mod_stats()
                 with tracker:
-                    _run_step(engine, batches, tracker)
-                per_step.append(_cpu_categories(tracker.get_tracker_snapshot("peak")))
+                    run_step(engine, batches, tracker)
+                per_step.append(cpu_categories(tracker.get_tracker_snapshot("peak")))
             if trace is not None:
                 trace.end_window()
     allocator_peaks = trace.window_peaks() if trace is not None else None
@@ -143,8 +145,10 @@ def measure_config(
     return result
 
 
-def _run_step(engine: Any, batches: list[torch.Tensor], tracker: Any) -> None:
-    """One training step: every micro-batch's forward and backward, then the optimizer step."""
+def run_step(engine: Any, batches: list[torch.Tensor], tracker: Any = None) -> None:
+    """One training step as the measurement runs it: every micro-batch's forward and backward
+    through the engine, then the optimizer step. ``tracker``: the MemTracker around the step, whose
+    module statistics are re-armed between micro-batches (it refuses a module's second forward)."""
     for micro, batch in enumerate(batches):
         if micro and tracker is not None:
             tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
@@ -160,7 +164,7 @@ def _trainer_view_step(engine: Any, batches: list[torch.Tensor]) -> tuple[int | 
     view = StepMemoryTracker(engine.model, engine.optimizer, enabled=True, storage=engine.memory_storage())
     try:
         with view.step():
-            _run_step(engine, batches, tracker=None)
+            run_step(engine, batches, tracker=None)
     except NotImplementedError as exc:  # MemTracker refusing a second forward of a module
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     return view.last_peaks().get("total"), None
@@ -228,7 +232,7 @@ def launch(
             "--nproc_per_node",
             str(world_size),
             "--master_port",
-            str(_free_port()),
+            str(free_port()),
             "-m",
             "harness.planner.measure",
             "--runs",
@@ -257,12 +261,6 @@ def launch(
 
 def _repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ LR schedules, precision policies."""
 from harness.config import BF16_WEIGHT_OPTIMIZERS, OPTIMIZER_NAMES
 from harness.training.loss import (
     causal_lm_loss,
+    ce_sum,
     chunked_ce_sum,
     count_targets,
     install_loss_forward,
@@ -34,6 +35,7 @@ __all__ = [
     "build_scheduler",
     "compiles_step",
     "causal_lm_loss",
+    "ce_sum",
     "chunked_ce_sum",
     "count_targets",
     "install_loss_forward",

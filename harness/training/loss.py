@@ -103,8 +103,11 @@ def _rows_per_block(rows: int, vocab: int) -> int:
     return max(1, min((1 << 24) // max(1, vocab), -(-rows // 8)))
 
 
-def _ce_sum(logits: torch.Tensor, targets: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """scale * summed fp32 cross-entropy of ``logits`` (any leading shape) against ``targets``."""
+def ce_sum(logits: torch.Tensor, targets: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """scale * summed fp32 cross-entropy of ``logits`` (any leading shape) against ``targets``
+    (``-100`` ignored): the unchunked loss of every run, public for a caller holding its own logits.
+    Under autograd its gradient is made in forward, block by block, in the logits' dtype: no
+    logits-sized fp32 tensor exists at any time (`_FusedCrossEntropy`)."""
     flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     rows = _rows_per_block(flat.shape[0], flat.shape[-1])
     if not (torch.is_grad_enabled() and flat.requires_grad):  # evaluation: no gradient to prepare
@@ -113,7 +116,7 @@ def _ce_sum(logits: torch.Tensor, targets: torch.Tensor, scale: float | torch.Te
 
 
 def _head_ce_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return _ce_sum(head(hidden), targets)
+    return ce_sum(head(hidden), targets)
 
 
 def chunked_ce_sum(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -220,7 +223,7 @@ def loss_of_targets(
     out = model(**kwargs)
     logits = out.logits if hasattr(out, "logits") else out[0]
     del out  # the logits are not needed after the loss: let them go
-    return _ce_sum(logits, targets, scale=1.0 / denom)
+    return ce_sum(logits, targets, scale=1.0 / denom)
 
 
 def labelled_lm_loss(
@@ -266,6 +269,7 @@ def count_targets(batch: torch.Tensor) -> int:
 __all__ = [
     "IGNORE_INDEX",
     "causal_lm_loss",
+    "ce_sum",
     "count_targets",
     "labelled_lm_loss",
     "loss_of_targets",
