@@ -1,6 +1,6 @@
 """Per-strategy table for notes/core.md: per-rank bytes, tokens/s and final loss at world N.
 
-    python benchmarks/core_strategies.py --nproc 2 --steps 20 [--out notes/core_table.md]
+    python benchmarks/core_strategies.py --nproc 2 --steps 20     # prints the table (markdown)
 
 Each strategy runs through `torchrun harness/train.py` (the user's entry point) on the
 tiny Llama and the embedded corpus; bytes come from the run's state_bytes/rank*.json

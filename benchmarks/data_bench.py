@@ -1,7 +1,7 @@
 """Data preparation at size: `python -m harness.data` against `datasets.map(batched, num_proc)`
 with the same tokenizer, in the same run, on JSON-lines corpora of the requested sizes.
 
-    python benchmarks/data_bench.py --sizes 100 1000 --work runs/data_bench [--out notes/data.md]
+    python benchmarks/data_bench.py --sizes 100 1000 --work runs/data_bench [--out benchmarks/results/data/table.md]
 
 The corpora are made here (no download): the standard library's Python sources cut into
 ~4,000-character documents, repeated with a per-copy prefix until the size is reached, so
@@ -186,6 +186,7 @@ def main() -> None:
     )
     print(text)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
 
 

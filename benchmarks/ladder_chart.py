@@ -1,7 +1,8 @@
 """The memory ladder on a real model: each rung's measured per-rank peak beside the planner's.
 
-    OMP_NUM_THREADS=2 nice -n 19 python benchmarks/ladder_chart.py --out notes/ladder_chart.json
-    python benchmarks/ladder_chart.py --from-json notes/ladder_chart.json --png notes/ladder_chart.png   # table + chart only
+    R=benchmarks/results/ladder
+    OMP_NUM_THREADS=2 nice -n 19 python benchmarks/ladder_chart.py --out $R/ladder_chart.json
+    python benchmarks/ladder_chart.py --from-json $R/ladder_chart.json --png $R/ladder_chart.png   # table + chart only
 
 SmolLM2-135M-Instruct (`benchmarks/real_model.py`, fp32 safetensors) at seq 512, micro-batch 1.
 For every rung `python -m harness.plan --recommend` lists at a world size

@@ -1,7 +1,7 @@
 """Per-rank private memory and time to first step while a ~300M model is loaded by many ranks.
 
     python benchmarks/loading_bench.py --work runs/loading --worlds 2 4 --strategies zero3 fsdp zero2 ddp \
-        [--before /path/to/an/older/checkout] [--out notes/loading_table.md]
+        [--before /path/to/an/older/checkout] [--out benchmarks/results/loading/table.md]
 
 A Llama of hidden 1024 and 24 layers is saved once as an fp32 safetensors checkpoint (with a
 tokenizer trained on the embedded corpus). Each (code version, strategy, world) runs
@@ -297,6 +297,7 @@ def main() -> None:
     )
     print(text)
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
         (args.out.with_suffix(".json")).write_text(json.dumps(rows, indent=1))
 

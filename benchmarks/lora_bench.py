@@ -1,6 +1,6 @@
 """Full fine-tune vs LoRA on the same model, same data, same run of this script (notes/lora.md).
 
-    python benchmarks/lora_bench.py --nproc 2 --pretrain-steps 200 --steps 100 [--out notes/lora_table.md]
+    python benchmarks/lora_bench.py --nproc 2 --pretrain-steps 200 --steps 100 [--out benchmarks/results/lora/table.md]
 
 1. Pretrain `small-llama` on the embedded corpus for `--pretrain-steps` and export it: the
    base both fine-tunes start from (a random-init base would make the comparison meaningless).
@@ -149,6 +149,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
 
 

@@ -176,8 +176,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-batches", type=int, default=32)
     parser.add_argument("--work", type=Path, default=Path("/tmp/harness_optim_quality"))
-    parser.add_argument("--out", type=Path, default=REPO / "notes" / "optimizers_quality.json")
-    parser.add_argument("--png", type=Path, default=REPO / "notes" / "optimizers_quality.png")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "optimizers" / "optimizers_quality.json")
+    parser.add_argument("--png", type=Path, default=REPO / "benchmarks" / "results" / "optimizers" / "optimizers_quality.png")
     args = parser.parse_args()
     if BASELINE not in args.optimizers:
         args.optimizers.insert(0, BASELINE)

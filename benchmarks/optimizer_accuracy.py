@@ -1,8 +1,9 @@
 """Predicted vs measured step peak for every optimizer rung (optim.name x precision x engine).
 
-    TORCHDYNAMO_DISABLE=1 nice -n 19 python benchmarks/optimizer_accuracy.py --out notes/optimizer_accuracy.json
-    TORCHDYNAMO_DISABLE=1 nice -n 19 python benchmarks/optimizer_accuracy.py --worlds 2 --out notes/optimizer_accuracy.json  # world 2 again
-    python benchmarks/optimizer_accuracy.py --from-json notes/optimizer_accuracy.json   # the table again, planner re-run
+    R=benchmarks/results/optimizers
+    TORCHDYNAMO_DISABLE=1 nice -n 19 python benchmarks/optimizer_accuracy.py --out $R/optimizer_accuracy.json
+    TORCHDYNAMO_DISABLE=1 nice -n 19 python benchmarks/optimizer_accuracy.py --worlds 2 --out $R/optimizer_accuracy.json  # world 2 again
+    python benchmarks/optimizer_accuracy.py --from-json $R/optimizer_accuracy.json   # the table again, planner re-run
 
 Each config is a real run measured the way ``benchmarks/plan_accuracy.py`` measures
 (``harness.planner.measure``: MemTracker over every storage the process allocates, 3 steps, the

@@ -17,7 +17,7 @@ on a model that pruning actually hurts.
    method (seed 0), the command users run.
 4. `--world2`: GradProbe's cost per rank at world 2 (FSDP2, torchrun), K=1 and K=all.
 
-Writes `notes/pruning/results.json` (`dense_ppl`, `ppl[method][pattern]` means over seeds,
+Writes `benchmarks/results/pruning/results.json` (`dense_ppl`, `ppl[method][pattern]` means over seeds,
 their sd, every run) and `<work>/table.md` (the table for notes/pruning.md).
 """
 
@@ -640,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", default=None, help="run only these result keys (a study; results.json is not written)")
     parser.add_argument("--finetune-steps", type=int, default=None, help="masked fine-tune column (0: skip; default 200, smollm2 0)")
     parser.add_argument("--world2", action="store_true", help="also the world-2 cost rows (torchrun, FSDP2)")
-    parser.add_argument("--results", default=None, help="default: notes/pruning/results.json (smollm2-135m: results_smollm2.json)")
+    parser.add_argument("--results", default=None, help="default: benchmarks/results/pruning/results.json (smollm2-135m: ..._smollm2.json)")
     parser.add_argument(
         "--model",
         choices=["bench-llama", prune_real.MODEL],
@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     real = args.model == prune_real.MODEL
     work = Path(args.work if args.work != "runs/prune_bench" or not real else "runs/prune_bench_smollm2").resolve()
-    results_path = args.results or str(REPO / "notes" / "pruning" / ("results_smollm2.json" if real else "results.json"))
+    results_path = args.results or str(REPO / "benchmarks" / "results" / "pruning" / ("results_smollm2.json" if real else "results.json"))
     t0 = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     if real and args.finetune_only:  # the world-2 workflow alone, merged into the results of an earlier call

@@ -1,6 +1,7 @@
 """Recovery after pruning: eval perplexity against masked fine-tuning steps, from the world-2 rows.
 
-    python benchmarks/prune_recovery.py notes/pruning/results_smollm2.json --png notes/pruning/recovery_smollm2.png
+    R=benchmarks/results/pruning
+    python benchmarks/prune_recovery.py $R/results_smollm2.json --png $R/recovery_smollm2.png
 
 Reads the `finetune_world2` rows `prune_bench.py --finetune-world2 METHOD:PATTERN:STEPS
 --finetune-eval-every N` wrote (each a `curve` of [step, eval perplexity]; the `dense` row is

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="runs/prune_bench")
     parser.add_argument("--samples", type=int, default=150, help="pool weights per matrix whose removal is measured")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(REPO / "notes" / "pruning" / "signal.json"))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "pruning" / "signal.json"))
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     result = study(Path(args.work).resolve(), args.samples, args.seed)
