@@ -7,7 +7,7 @@ is then still alive while the next parameter is built (the ZeRO-3 load-phase bou
 `harness.planner.estimate.load_phase_bytes` and tests/integration/test_model_loading.py counts one
 such tensor; `collective_race_bytes` is the same race in the step). This counts, over `--count`
 broadcasts between two ranks, how often the storage's use count shows a reference beyond the
-caller's right after `broadcast` returns. It needs a loaded machine to show (notes/architecture.md).
+caller's right after `broadcast` returns. It needs a loaded machine to show (notes/performance.md).
 
 With ``--allocator`` the loop also runs under torch.profiler's memory events, the account
 `harness.memory.AllocatorTrace` keeps: the profiler records the allocations and frees of the
