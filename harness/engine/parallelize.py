@@ -33,7 +33,7 @@ from harness.models import (
     hold_frozen_in,
     quantize_empty,
 )
-from harness.training import PrecisionPolicy
+from harness.training import DTYPES, PrecisionPolicy
 
 
 def apply_memory_techniques(model: nn.Module, cfg: RunConfig) -> None:
@@ -69,7 +69,7 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
     """
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
-    reduce = torch.float32 if strategy.reduce_dtype == "fp32" else torch.bfloat16
+    reduce = DTYPES[strategy.reduce_dtype]
     if policy.mode == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
     elif policy.mode == "bf16_pure":

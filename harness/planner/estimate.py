@@ -34,9 +34,9 @@ from harness.errors import ConfigError
 from harness.memory import REPORTED
 from harness.models import is_preset
 from harness.planner.lora import quantized_base
-from harness.planner.model_states import BYTES, EngineModel, EngineSpec, engine_model, zero12_partition
+from harness.planner.model_states import EngineModel, EngineSpec, engine_model, zero12_partition
 from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, build_fake_model, trace_step
-from harness.training import name_compiles_step
+from harness.training import DTYPE_BYTES, DTYPE_NAMES, name_compiles_step
 
 REPORT_CATS = (*REPORTED, "other")  # buffers count as "other" in a plan
 
@@ -131,8 +131,7 @@ def specs_for(
         raise PlanError(f"lora.enabled=true under {strategy.name}: LoRA is planned under ddp or fsdp (torch's engines) only")
     plan = plan_for(cfg, strategy, world, info_hidden)
     policy = plan.precision
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    param_dtype = names[policy.param_dtype]
+    param_dtype = DTYPE_NAMES[policy.param_dtype]
     module_dtype = cfg.precision if kind == "deepspeed" and cfg.precision != "fp32" else param_dtype
     trace = TraceSpec(
         model_name=cfg.model.name,
@@ -155,8 +154,8 @@ def specs_for(
         autocast=policy.autocast and kind != "deepspeed",
         lora=(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules) if lora.target_modules else None) if lora.enabled else None,
         # QLoRA: the codes are stored in the compute dtype (harness.models.qlora), gathered and dequantized as such
-        nf4_storage=names[policy.compute_dtype] if lora.enabled and lora.quantize == "nf4" else None,
-        frozen_dtype=names[policy.frozen_dtype] if lora.enabled and policy.frozen_dtype != policy.param_dtype else None,
+        nf4_storage=DTYPE_NAMES[policy.compute_dtype] if lora.enabled and lora.quantize == "nf4" else None,
+        frozen_dtype=DTYPE_NAMES[policy.frozen_dtype] if lora.enabled and policy.frozen_dtype != policy.param_dtype else None,
     )
     common = dict(
         kind=kind,
@@ -171,8 +170,8 @@ def specs_for(
         target=target,
         compiled_step=name_compiles_step(cfg.optim.name),
         # LoRA/QLoRA adapters too: the trainer casts all but the quantized linears (`cast_except_quantized`)
-        torch_param_bytes=BYTES[param_dtype],
-        frozen_param_bytes=BYTES[names[policy.frozen_dtype]],
+        torch_param_bytes=DTYPE_BYTES[param_dtype],
+        frozen_param_bytes=DTYPE_BYTES[DTYPE_NAMES[policy.frozen_dtype]],
     )
     if kind != "deepspeed":
         return trace, EngineSpec(**common)

@@ -48,9 +48,10 @@ from harness.config import (
 )
 from harness.errors import ConfigError
 from harness.planner.estimate import Estimate, estimate, resolve_vocab, specs_for, walk
-from harness.planner.model_states import BYTES, engine_model, fsdp_local_numel
+from harness.planner.model_states import engine_model, fsdp_local_numel
 from harness.planner.report import CUDA_CONTEXT, FRAGMENTATION, LIBRARY_WORKSPACES, NCCL_BUFFERS, gib, verdict
 from harness.planner.trace import ParamInfo, TraceResult, build_fake_model, param_info
+from harness.training import DTYPE_BYTES
 
 # Relative step time (lower is faster); see the module docstring for where each comes from.
 SPEED: dict[str, dict[str, float]] = {
@@ -173,7 +174,7 @@ def _model_state_floor(cfg: RunConfig, world: int, target: str, info: ParamInfo,
         params = sum(fsdp_local_numel(s, world, 0) for s in info.shapes) * 4
         grads = params
     else:
-        params = info.total * BYTES.get(tspec.module_dtype, 4)
+        params = info.total * DTYPE_BYTES.get(tspec.module_dtype, 4)
         grads = params
     rows = [(params, 0, 0, 0, 0, 0, 0, 0), (params, 0, grads, 0, 0, 0, 0, 0)]
     synthetic = TraceResult(tspec, rows, [0, 1], [0, 0], ["model"], info)
