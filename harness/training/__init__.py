@@ -10,7 +10,6 @@ from harness.training.loss import (
     labelled_lm_loss,
     sequence_shard_loss,
     shift_targets,
-    unwrap_model,
 )
 from harness.training.optim import (
     build_optimizer,
@@ -48,5 +47,4 @@ __all__ = [
     "optimizer_step_bytes",
     "precision_policy",
     "shift_targets",
-    "unwrap_model",
 ]
