@@ -6,7 +6,7 @@ key, instead of a silently ignored typo.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import FrozenInstanceError, dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
 from harness.config.presets import is_preset
@@ -94,15 +94,40 @@ def choice_fields(cls: type, prefix: str = "") -> dict[str, tuple[tuple[Any, ...
     return out
 
 
+class Section:
+    """Every config section: written while the config is loaded and resolved, read-only once
+    pre-flight has resolved it (`freeze`): components build themselves from their section of the
+    resolved config, so none may change what another reads. A copy (`copy.deepcopy`: a variant
+    the planner costs, the check's twin) is writable again."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise FrozenInstanceError(f"the run config is resolved and read-only: cannot set {type(self).__name__}.{name}")
+        object.__setattr__(self, name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_frozen"}
+
+
+def freeze(cfg: Section) -> Section:
+    """Make `cfg` and every section in it read-only (in place); returns it."""
+    for f in fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        if isinstance(value, Section):
+            freeze(value)
+    object.__setattr__(cfg, "_frozen", True)
+    return cfg
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     name: str = "tiny-llama"  # preset name, local path or hub id
     seed: int = 0  # random init seed for presets
     max_seq_len: int | None = None  # defaults to the model's max positions
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     # "embedded" | "stdlib" (harness.data.documents), a hub dataset name, a local file/dir, or a flat token file (.npy/.bin)
     source: str = "embedded"
     text_field: str = "text"
@@ -125,7 +150,7 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     name: OptimName = "adamw"
     lr: float | None = None  # None: by what is trained (harness.config.schema.default_lr)
     weight_decay: float = 0.0
@@ -139,7 +164,7 @@ class OptimConfig:
 
 
 @dataclass
-class MemoryConfig:
+class MemoryConfig(Section):
     """Memory techniques (`harness.memory`). All off by default."""
 
     activation_checkpointing: AcMode = "none"
@@ -159,7 +184,7 @@ class MemoryConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
     """How the world's ranks split the work beyond data parallelism (`harness.engine`)."""
 
     # Ulysses sequence parallelism: each sample's sequence is split over this many ranks of the
@@ -168,7 +193,7 @@ class ParallelConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(Section):
     log_every: int = 1
     wandb: bool = True  # rank 0 only; offline without an API key
     wandb_project: str = "harness"
@@ -179,7 +204,7 @@ class LoggingConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     every: int = 0  # 0: only at the end (if save_final)
     save_final: bool = False
     keep: int = 2
@@ -191,7 +216,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class PruneConfig:
+class PruneConfig(Section):
     method: PruneMethod = "none"
     base: PruneBase = "wanda"  # gradprobe's base score (candidates and order)
     sparsity: float = 0.5
@@ -222,7 +247,7 @@ class PruneConfig:
 
 
 @dataclass
-class LoraConfig:
+class LoraConfig(Section):
     """LoRA/QLoRA fine-tuning (`harness.models.lora`, built on `peft`): the base is frozen, the
     adapters train, so gradients and optimizer state exist for the adapters only."""
 
@@ -235,7 +260,7 @@ class LoraConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -33,6 +33,7 @@ from harness.engine import EnginePlan, plan_engine
 from harness.errors import ConfigError
 from harness.memory import REPORTED
 from harness.models import is_preset
+from harness.planner.load_phase import load_phase_bytes
 from harness.planner.lora import quantized_base
 from harness.planner.model_states import EngineModel, EngineSpec, engine_model, zero12_partition
 from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, build_fake_model, trace_step
@@ -71,6 +72,8 @@ class Estimate:
     params_total: int = 0
     largest_param: int = 0
     race_bytes: int = 0  # a real run peaks in [total - race_bytes, total]: the gloo-held buffers of collective_race_bytes
+    # the run config as the run resolves it (what the launcher and a DeepSpeed file set taken in), which was estimated
+    config: RunConfig | None = None
 
     @property
     def total(self) -> int:
@@ -120,16 +123,25 @@ def deepspeed_zero(plan: EnginePlan) -> Any:
     return DeepSpeedZeroConfig(**(plan.deepspeed or {}).get("zero_optimization", {}))
 
 
-def specs_for(
-    cfg: RunConfig, strategy: Strategy, world: int, info_hidden: int, target: str, vocab: int | None
-) -> tuple[TraceSpec, EngineSpec]:
+def check_modelled(cfg: RunConfig, strategy: Strategy, world: int) -> str:
+    """The engine kind, or PlanError where the planner does not model the strategy (ZeRO-0, LoRA under DeepSpeed)."""
     kind = engine_kind(strategy.kind, world)
     if kind == "deepspeed" and strategy.zero_stage == 0:
         raise PlanError(f"{strategy.name}: DeepSpeed ZeRO stage 0 is not modelled by the planner; use ddp.json")
-    lora = cfg.lora
-    if lora.enabled and kind == "deepspeed":
+    if cfg.lora.enabled and kind == "deepspeed":
         raise PlanError(f"lora.enabled=true under {strategy.name}: LoRA is planned under ddp or fsdp (torch's engines) only")
-    plan = plan_for(cfg, strategy, world, info_hidden)
+    return kind
+
+
+def specs_for(
+    user: RunConfig, strategy: Strategy, world: int, info_hidden: int, target: str, vocab: int | None, plan: EnginePlan | None = None
+) -> tuple[TraceSpec, EngineSpec]:
+    """What is traced and what the engine formulas take, for the run config as the run resolves it
+    (`plan`'s config; default: planned here, as pre-flight plans it)."""
+    kind = check_modelled(user, strategy, world)
+    lora = user.lora
+    plan = plan or plan_for(user, strategy, world, info_hidden)
+    cfg = plan.config
     policy = plan.precision
     param_dtype = DTYPE_NAMES[policy.param_dtype]
     module_dtype = cfg.precision if kind == "deepspeed" and cfg.precision != "fp32" else param_dtype
@@ -353,7 +365,9 @@ def estimate(
     vocab = vocab_size or resolve_vocab(cfg)
     hidden = _hidden_size(cfg, vocab)
     try:
-        tspec, espec = specs_for(cfg, strategy, world_size, hidden, target, vocab)
+        check_modelled(cfg, strategy, world_size)
+        plan = plan_for(cfg, strategy, world_size, hidden)
+        tspec, espec = specs_for(cfg, strategy, world_size, hidden, target, vocab, plan)
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
     trace = cached_trace(tspec)
@@ -404,6 +418,7 @@ def estimate(
         params_total=info.total,
         largest_param=info.largest,
         race_bytes=race,
+        config=plan.config,
     )
 
 
@@ -413,37 +428,6 @@ def _worst_ranks(espec: EngineSpec, info: ParamInfo) -> list[int]:
         sizes = [zero12_partition(info.numels, espec.world, r)[2] for r in range(espec.world)]
         return [max(range(espec.world), key=sizes.__getitem__)]
     return [0]
-
-
-def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:
-    """(device, host) bytes per rank while `harness.engine.load_model` builds and fills the model.
-
-    Every path holds its own part of the working weights plus one tensor in flight: the
-    checkpoint slice or seeded init of the tensor being filled, generated or read whole on
-    the host at worst (fp32). FSDP2 shards on the meta device before allocating (a rank's
-    shard); ZeRO-3's `zero.Init` creates each module's tensors whole on the device, then
-    partitions them; ZeRO-0/1/2, DDP and single build the whole model in the working dtype.
-    Parameter offload keeps the part on the host instead. At world > 1, `zero.Init` also
-    broadcasts each new tensor from rank 0 before partitioning it, and the communication
-    backend may still hold that tensor when `broadcast` returns (gloo's worker thread drops its
-    reference when it next runs; NCCL's stream frees it when the copy completes): the previous
-    tensor can still be whole while the next is built, two in flight (the race
-    `collective_race_bytes` counts in the step; benchmarks/gloo_view_hold.py measures it here).
-    """
-    one_tensor = info.whole_largest * 4
-    whole = info.total + info.frozen  # a LoRA model's frozen base is loaded like the rest
-    # the working weights' dtype: DeepSpeed's half precision, bf16 module under single/DDP, FSDP2's fp32 shards
-    half = ("bf16", "fp16") if espec.kind == "deepspeed" else ("bf16",) if espec.kind in ("single", "ddp") else ()
-    working = 2 if espec.precision in half or espec.precision == "bf16_pure" else 4
-    if espec.kind == "deepspeed" and espec.stage == 3:
-        part, in_flight_device = whole * working // espec.world, one_tensor * (2 if espec.world > 1 else 1)
-    elif espec.kind == "fsdp":
-        part, in_flight_device = whole * working // espec.world, one_tensor // espec.world
-    else:
-        part, in_flight_device = whole * working, 0
-    if espec.offload_params != "none":
-        return in_flight_device, part + one_tensor
-    return part + in_flight_device, one_tensor
 
 
 __all__ = ["Estimate", "Moment", "REPORT_CATS", "collective_race_bytes", "estimate", "plan_for", "resolve_vocab", "specs_for", "walk"]
