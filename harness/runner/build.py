@@ -109,6 +109,9 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
         info.rank,
         info.world_size,
         cfg.steps,
+        seq_len=cfg.data.seq_len,
+        device=cfg.device,
+        precision=cfg.precision,
         model_config=engine.module.config,
         start_step=resumed.step,
     )
@@ -121,7 +124,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
         layer_hooks=cfg.memory.layer_hooks,
         storage=engine.memory_storage(),
     )
-    guard = StepGuard(cfg, info, engine, tracker, lambda: ckpt.last_path, resumed.step)  # NaN policy, stop signals
+    guard = StepGuard(cfg.checkpoint, info, engine, tracker, lambda: ckpt.last_path, resumed.step)  # NaN policy, stop signals
     log.info(
         f"{strategy.name} ({plan.kind}) x{info.world_size} on {info.device}, {cfg.precision} "
         f"({plan.precision.master_weights}), optim {cfg.optim.name}{' (CPU-offloaded)' if cfg.optim.cpu_offload else ''}"
