@@ -345,9 +345,9 @@ def cached_trace(spec: TraceSpec) -> TraceResult:
     return _TRACE_CACHE[spec]
 
 
-def _hidden_size(cfg: RunConfig, vocab: int | None) -> int:
-    """The hidden size (DeepSpeed's "auto" bucket sizes follow it), from the config alone."""
-    model = build_fake_model(cfg.model.name, vocab, FakeTensorMode())
+def _hidden_size(model_name: str, vocab: int | None) -> int:
+    """The hidden size (DeepSpeed's "auto" bucket sizes follow it), from the model's config alone."""
+    model = build_fake_model(model_name, vocab, FakeTensorMode())
     return int(getattr(model.config, "hidden_size", 0) or 0)
 
 
@@ -363,7 +363,7 @@ def estimate(
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
     vocab = vocab_size or resolve_vocab(cfg)
-    hidden = _hidden_size(cfg, vocab)
+    hidden = _hidden_size(cfg.model.name, vocab)
     try:
         check_modelled(cfg, strategy, world_size)
         plan = plan_for(cfg, strategy, world_size, hidden)

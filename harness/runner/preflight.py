@@ -37,7 +37,7 @@ from harness.checkpoint import (
     resume_path,
     verified_meta,
 )
-from harness.config import INSTRUCTION_FORMATS, RunConfig, Strategy, check_run, check_sequence_heads, freeze, wrap_class_problem
+from harness.config import INSTRUCTION_FORMATS, DataConfig, RunConfig, Strategy, check_run, check_sequence_heads, freeze, wrap_class_problem
 from harness.data import (
     EMBEDDED_SOURCES,
     cache_dir_for,
@@ -285,7 +285,7 @@ def check_data(cfg: RunConfig) -> None:
         check_arrow_files([f for f in files if f.endswith(".arrow")])
         first = sorted(files)[0]
         if first.endswith((".npy", ".bin")) and os.path.isfile(source):
-            check_token_file(source, cfg)
+            check_token_file(source, cfg.data, cfg.model.name)
             return
         if first.endswith(".jsonl"):
             with open(first) as f:
@@ -333,7 +333,7 @@ def check_decodable(files: list[str]) -> None:
             ) from None
 
 
-def check_token_file(path: str, cfg: RunConfig) -> None:
+def check_token_file(path: str, data: DataConfig, model_name: str) -> None:
     """A flat token file: integers, one dimension, and (raw .bin) a whole number of elements."""
     if path.endswith(".npy"):
         try:
@@ -344,9 +344,9 @@ def check_token_file(path: str, cfg: RunConfig) -> None:
             raise ConfigError(
                 f"data.source '{path}': a token file must hold one flat array of integer token ids (got {arr.dtype}, shape {arr.shape})"
             )
-    elif os.path.getsize(path) % np.dtype(cfg.data.token_dtype).itemsize:
-        raise ConfigError(f"data.source '{path}' is not a whole number of {cfg.data.token_dtype} tokens; check data.token_dtype")
-    if cfg.data.eos_id is None and not cfg.data.tokenizer and not os.path.isdir(cfg.model.name):
+    elif os.path.getsize(path) % np.dtype(data.token_dtype).itemsize:
+        raise ConfigError(f"data.source '{path}' is not a whole number of {data.token_dtype} tokens; check data.token_dtype")
+    if data.eos_id is None and not data.tokenizer and not os.path.isdir(model_name):
         log.warning(f"data.source '{path}' gives no end-of-document token (data.eos_id): it is cut into 4,096-token documents")
 
 
