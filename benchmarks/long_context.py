@@ -46,7 +46,7 @@ def offloaded_for_real(overrides: list[str], vocab: int) -> tuple[int, int, int]
     """(bytes moved to the host, most held fetched ahead, blocks) of one real step under the trainer's offload."""
     cfg = load_config(None, overrides)
     model = build_model(cfg.model.name, seed=0, vocab_size=vocab)
-    apply_memory_techniques(model, cfg)
+    apply_memory_techniques(model, cfg.memory)
     ids = torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), generator=torch.Generator().manual_seed(0))
     offload = ActivationOffload(copy_on_host=True, scope="checkpoint_inputs", model=model)
     with offload:

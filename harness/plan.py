@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         return _plan_lora(cfg, args, gpu_mem, cpu_mem, per_node, vocab)
     strategy = load_strategy(cfg.strategy)  # resolved once: the plan, the title and the offload time read it
     est = estimate(cfg, args.gpus, target=args.target, vocab_size=vocab, strategy=strategy)
+    cfg = est.config or cfg  # as the run resolves it: what the launcher and a DeepSpeed file set, taken in
     fits = verdict(est, gpu_mem, cpu_mem, per_node).fits
     if not fits and not _frugal_fits(cfg, args.gpus, gpu_mem, cpu_mem, per_node, args.nvme, args.target, vocab):
         print(

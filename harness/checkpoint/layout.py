@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from harness.config import LoraConfig, RunConfig, Strategy, checkpoint_format
+from harness.config import CheckpointConfig, LoraConfig, RunConfig, Strategy, checkpoint_format
 from harness.errors import CheckpointError, ConfigError
 
 CHECKPOINTS = "checkpoints"
@@ -172,13 +172,13 @@ def resolve_checkpoint_path(path: str) -> str:
     raise CheckpointError(f"'{path}' holds no complete checkpoint (expected a step_* directory with {META}, or a run directory)")
 
 
-def resume_path(cfg: RunConfig) -> str | None:
-    """The checkpoint this run resumes from: None for resume=none or a fresh resume=auto run."""
-    resume = cfg.checkpoint.resume
+def resume_path(checkpoint: CheckpointConfig, output_dir: str) -> str | None:
+    """The checkpoint a run into `output_dir` resumes from: None for resume=none or a fresh resume=auto run."""
+    resume = checkpoint.resume
     if resume in ("", "none"):
         return None
     if resume == "auto":
-        return latest_checkpoint(checkpoint_root(cfg.output_dir))
+        return latest_checkpoint(checkpoint_root(output_dir))
     if not os.path.exists(resume):
         raise ConfigError(f"checkpoint.resume='{resume}' does not exist; use auto, none or a checkpoint directory")
     return resolve_checkpoint_path(resume)

@@ -149,7 +149,7 @@ class CheckpointManager:
 
     def restore(self) -> ResumeState:
         """Load the checkpoint `checkpoint.resume` names (if any) into the engine; return where to continue."""
-        path = resume_path(self.cfg)
+        path = resume_path(self.cfg.checkpoint, self.cfg.output_dir)
         if path is None:
             if self.cfg.checkpoint.resume == "auto" and self.info.is_main:
                 log.info(f"checkpoint.resume=auto: no checkpoint in {self.root}; starting at step 0")

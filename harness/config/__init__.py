@@ -38,7 +38,9 @@ from harness.config.schema import (
     ParallelConfig,
     PruneConfig,
     RunConfig,
+    Section,
     default_lr,
+    freeze,
     is_given,
 )
 from harness.config.strategies import (
@@ -104,6 +106,8 @@ __all__ = [
     "check_values",
     "config_to_dict",
     "default_lr",
+    "freeze",
+    "Section",
     "engine_kind",
     "is_given",
     "is_original",

@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from harness.config.deepspeed_keys import deepspeed_problems, key_problems, layout_problems, zero_field_default, zero_field_names
-from harness.config.schema import RunConfig
+from harness.config.schema import OptimConfig, RunConfig
 from harness.config.strategies import Strategy
 from harness.errors import ConfigError
 
@@ -67,9 +67,9 @@ def _optimizer_kind(type_name: Any, params: dict[str, Any]) -> str:
     return name
 
 
-def _resolve_optimizer(ds: dict[str, Any], cfg: RunConfig, problems: list[str], filled: list[str] | None) -> None:
+def _resolve_optimizer(ds: dict[str, Any], o: OptimConfig, problems: list[str], filled: list[str] | None) -> None:
     """The file's optimizer must be the run config's: "auto"/absent values are filled, any other is compared."""
-    opt, o = ds["optimizer"], cfg.optim
+    opt = ds["optimizer"]
     if not isinstance(opt, dict) or not isinstance(opt.setdefault("params", {}), dict):
         problems.append("optimizer and optimizer.params must be objects")
         return
@@ -92,11 +92,10 @@ def _resolve_optimizer(ds: dict[str, Any], cfg: RunConfig, problems: list[str], 
         _settle(params, key, value, name, problems, filled, where="optimizer.params.")
 
 
-def _resolve_scheduler(ds: dict[str, Any], cfg: RunConfig, problems: list[str], filled: list[str] | None) -> None:
+def _resolve_scheduler(ds: dict[str, Any], o: OptimConfig, steps: int, problems: list[str], filled: list[str] | None) -> None:
     """A scheduler the file names is DeepSpeed's to run, as written (its "auto" params filled); a
     "type": "auto" one, or none, means harness's own schedule drives the LR (DeepSpeed gets none)."""
     sched = ds.get("scheduler")
-    o = cfg.optim
     if sched is None or (isinstance(sched, dict) and is_auto(sched.get("type"))):
         ds.pop("scheduler", None)
         if filled is not None:
@@ -113,7 +112,7 @@ def _resolve_scheduler(ds: dict[str, Any], cfg: RunConfig, problems: list[str], 
         return
     autos = {  # DeepSpeed's (and HF's) "auto" scheduler params, from the run config
         "warmup_num_steps": (o.warmup_steps, "optim.warmup_steps"),
-        "total_num_steps": (cfg.steps, "steps"),
+        "total_num_steps": (steps, "steps"),
         "warmup_max_lr": (o.lr, "optim.lr"),
         "warmup_min_lr": (o.lr * o.min_lr_ratio, "optim.lr*optim.min_lr_ratio"),
         "cos_min_ratio": (o.min_lr_ratio, "optim.min_lr_ratio"),
@@ -126,13 +125,13 @@ def _resolve_scheduler(ds: dict[str, Any], cfg: RunConfig, problems: list[str], 
     # any other "auto" is named by the leftover check in resolve_deepspeed_config
 
 
-def _resolve_precision(ds: dict[str, Any], cfg: RunConfig, problems: list[str], filled: list[str] | None, has_accelerator: bool) -> None:
+def _resolve_precision(ds: dict[str, Any], precision: str, problems: list[str], filled: list[str] | None, has_accelerator: bool) -> None:
     """bf16/fp16 "enabled" from `precision`. DeepSpeed reads its old name `bfloat16` when `bf16` is
     absent, so that block is the one filled and checked (adding a `bf16` block would hide it)."""
     if "bf16" in ds and "bfloat16" in ds:
         problems.append("both 'bf16' and its old name 'bfloat16' are given and DeepSpeed reads only 'bf16': remove 'bfloat16'")
     bf16 = "bfloat16" if "bfloat16" in ds and "bf16" not in ds else "bf16"
-    for section, want in ((bf16, cfg.precision == "bf16"), ("fp16", cfg.precision == "fp16")):
+    for section, want in ((bf16, precision == "bf16"), ("fp16", precision == "fp16")):
         block = ds.setdefault(section, {})
         if not isinstance(block, dict):
             problems.append(f'{section} must be an object like {{"enabled": true}}')
@@ -140,7 +139,7 @@ def _resolve_precision(ds: dict[str, Any], cfg: RunConfig, problems: list[str], 
         enabled = block.get("enabled", "auto")
         if is_auto(enabled):
             block["enabled"] = want
-            _note(filled, f"{section}.enabled", want, f"precision={cfg.precision}")
+            _note(filled, f"{section}.enabled", want, f"precision={precision}")
         elif bool(enabled) != want:
             settle = (
                 f"set precision={'fp16' if section == 'fp16' else 'bf16'}"
@@ -151,7 +150,7 @@ def _resolve_precision(ds: dict[str, Any], cfg: RunConfig, problems: list[str], 
                 settle = 'DeepSpeed\'s fp16 needs a GPU, so on this CPU-only machine set fp16.enabled to false or "auto"'
             else:
                 settle += f' or "{section}": {{"enabled": "auto"}} in the file'
-            problems.append(f"{section}.enabled={enabled!r} contradicts the run config's precision={cfg.precision!r}; {settle}")
+            problems.append(f"{section}.enabled={enabled!r} contradicts the run config's precision={precision!r}; {settle}")
 
 
 def _fill_zero_sizes(zero: dict[str, Any], hidden_size: int | None, problems: list[str], filled: list[str] | None) -> None:
@@ -245,10 +244,10 @@ def resolve_deepspeed_config(
         filled,
     )
     _settle(ds, "gradient_clipping", cfg.optim.grad_clip, "optim.grad_clip", problems, filled)
-    _resolve_precision(ds, cfg, problems, filled, has_accelerator)
+    _resolve_precision(ds, cfg.precision, problems, filled, has_accelerator)
     if "optimizer" in ds:
-        _resolve_optimizer(ds, cfg, problems, filled)
-    _resolve_scheduler(ds, cfg, problems, filled)
+        _resolve_optimizer(ds, cfg.optim, problems, filled)
+    _resolve_scheduler(ds, cfg.optim, cfg.steps, problems, filled)
     zero = ds.get("zero_optimization", {})
     _fill_zero_sizes(zero, hidden_size, problems, filled)
     _fill_zero_rest(zero, env, problems, filled)

@@ -16,6 +16,7 @@ them. The ZeRO stage, offload devices and config file choose the strategy file
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -113,11 +114,13 @@ def _derived_batch(strategy: Strategy, cfg: RunConfig, world: int, fixed: set[st
 
 
 def adopt_settings(
-    cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: bool, env: dict[str, str]
-) -> tuple[list[str], list[str]]:
-    """Take into `cfg` what the launcher and the DeepSpeed file set and the run config leaves to
-    its defaults. Returns (notes: one per value taken, problems: one line per contradiction or
-    unsupported setting); the caller raises the problems together with the file's others."""
+    user: RunConfig, strategy: Strategy, world: int, has_accelerator: bool, env: dict[str, str]
+) -> tuple[RunConfig, list[str], list[str]]:
+    """The run config with what the launcher and the DeepSpeed file set and the run config leaves
+    to its defaults taken in: a copy, the user's config stays as written. Returns (that config,
+    notes: one per value taken, problems: one line per contradiction or unsupported setting); the
+    caller raises the problems together with the file's others."""
+    cfg = copy.deepcopy(user)
     problems: list[str] = []
     notes: list[str] = []
     launcher = launcher_values(env, problems)
@@ -162,4 +165,4 @@ def adopt_settings(
                 f"precision=fp16 (from {source}) under DeepSpeed needs a GPU (DeepSpeed's fp16 optimizer and loss scaler run on "
                 f"CUDA) and this machine has none: {way_out}"
             )
-    return notes, problems
+    return cfg, notes, problems

@@ -6,7 +6,7 @@ key, instead of a silently ignored typo.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import FrozenInstanceError, dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
 from harness.config.presets import is_preset
@@ -94,104 +94,185 @@ def choice_fields(cls: type, prefix: str = "") -> dict[str, tuple[tuple[Any, ...
     return out
 
 
-@dataclass
-class ModelConfig:
-    name: str = "tiny-llama"  # preset name, local path or hub id
-    seed: int = 0  # random init seed for presets
-    max_seq_len: int | None = None  # defaults to the model's max positions
+class Section:
+    """Every config section: written while the config is loaded and resolved, read-only once
+    pre-flight has resolved it (`freeze`): components build themselves from their section of the
+    resolved config, so none may change what another reads. A copy (`copy.deepcopy`: a variant
+    the planner costs, the check's twin) is writable again."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise FrozenInstanceError(f"the run config is resolved and read-only: cannot set {type(self).__name__}.{name}")
+        object.__setattr__(self, name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_frozen"}
+
+
+def freeze(cfg: Section) -> Section:
+    """Make `cfg` and every section in it read-only (in place); returns it."""
+    for f in fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        if isinstance(value, Section):
+            freeze(value)
+    object.__setattr__(cfg, "_frozen", True)
+    return cfg
 
 
 @dataclass
-class DataConfig:
-    # "embedded" | "stdlib" (harness.data.documents), a hub dataset name, a local file/dir, or a flat token file (.npy/.bin)
+class ModelConfig(Section):
+    """What is trained (`harness.models`)."""
+
+    # a preset (tiny-llama, small-llama, llama-1.6b, llama3-8b; llama3-70b for the planner only), a local
+    # path or a hub id of any transformers causal LM (safetensors, single or sharded, or .bin)
+    name: str = "tiny-llama"
+    seed: int = 0  # random-init seed for presets (the same on every rank)
+    max_seq_len: int | None = None  # the longest sequence the model takes; unset: the model's max positions
+
+
+@dataclass
+class DataConfig(Section):
+    """What is trained on (`harness.data`): documents split by document, tokenized once into a cache."""
+
+    # embedded or stdlib (corpora shipped with Python), a local file/dir (text, jsonl/json, parquet, .arrow), a
+    # datasets folder (save_to_disk of a Dataset or a DatasetDict; a folder laid out as a Hub dataset repository:
+    # README.md beside data/train-*.parquet...), a hub dataset, or a flat token file (.npy, raw .bin of
+    # data.token_dtype); a dataset with an input_ids column is taken as pre-tokenized. A DatasetDict's train split
+    # trains (calib by hash) and its validation/test split evaluates
     source: str = "embedded"
-    text_field: str = "text"
-    seq_len: int = 128
-    eval_fraction: float = 0.05
-    calib_fraction: float = 0.05
-    max_tokens: int | None = None  # cap on the train split's tokens; None: the whole corpus
-    tokenizer: str | None = None  # path; default: the model's, else a locally trained BPE
-    vocab_size: int = 2048  # for the locally trained BPE tokenizer (and pre-tokenized input without one)
-    seed: int = 1234
-    cache_dir: str | None = None  # where tokenizers/tokenized data are cached
-    num_proc: int | None = None  # tokenizer processes; None: the machine's cores (at most 16)
-    streaming: bool = False  # read and tokenize on the fly, each rank its own part (corpora larger than the disk)
+    text_field: str = "text"  # the column holding the text
+    seq_len: int = 128  # packed block length, in tokens
+    eval_fraction: float = 0.05  # held-out documents for evaluation
+    calib_fraction: float = 0.05  # held-out documents for pruning calibration
+    # optional cap on the train split's tokens (unset: the whole corpus); the run states the tokens, blocks and
+    # epochs its steps consume and warns when it repeats data
+    max_tokens: int | None = None
+    tokenizer: str | None = None  # tokenizer path; unset: the model's, else a BPE trained locally and cached
+    vocab_size: int = 2048  # vocabulary of the locally trained tokenizer (and of pre-tokenized input without one)
+    seed: int = 1234  # the document split's and the sampler's seed
+    cache_dir: str | None = None  # where tokenizers and tokenized data are cached
+    num_proc: int | None = None  # tokenizer processes preparing the cache; unset: the machine's cores (at most 16)
+    # read and tokenize on the fly, each rank its own part of the stream (corpora larger than the disk); its
+    # position is saved in checkpoints (resume at the same world size)
+    streaming: bool = False
     eos_id: int | None = None  # document separator for pre-tokenized input without a tokenizer
     token_dtype: TokenDtype = "uint16"  # element type of a raw .bin token file
     stream_eval_blocks: int = 256  # streaming: eval and calib blocks read from the start of the stream
-    format: DataFormat = "text"  # text (pretraining) | instruction | alpaca | sharegpt (JSON lines records, loss on the answers)
-    packing: bool = True  # instruction: pack examples into full blocks (else one example per block, padded)
-    block_bos: bool = True  # text: where the tokenizer puts a BOS before every text, every block starts with it
+    # text: loss on every token. instruction: a local JSON lines file of {"prompt", "response"}, {"messages": [{role,
+    # content}, ...]}, Alpaca or ShareGPT records (each detected from its fields; alpaca or sharegpt names the
+    # layout), rendered with the tokenizer's chat template when it has one. Labelled (the loss): the response, or
+    # what TRL's assistant-only loss labels - the template's {% generation %} mask where it has one, else each
+    # assistant turn after its header through its end-of-turn token and the newline after it (ChatML: \n + answer +
+    # <|im_end|> + \n, as TRL's ChatML training templates); without a template, "role: content" lines with each answer
+    # and its EOS labelled, never the "assistant:" header
+    format: DataFormat = "text"
+    # instruction data: pack whole examples into blocks (best-fit decreasing; positions restart per example, so
+    # attention stays inside each example; none cut or dropped); false: one example per block, padded (padding
+    # carries no loss)
+    packing: bool = True
+    # text data: where the tokenizer puts a BOS before every text (Llama, Gemma), every block starts with one (a
+    # block cut mid-document gets it before its seq_len - 1 tokens; said once); false: blocks are the stream cut
+    # every seq_len tokens
+    block_bos: bool = True
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
+    """The optimizer and its schedule (`harness.training`)."""
+
+    # adamw/adam/sgd (torch, fp32 state; Adam/AdamW fused: one in-place kernel per tensor, as HF Trainer and
+    # torchtitan build it); adamw_bf16 (bf16 moments), adamw_8bit, adamw_4bit (torchao, block-quantized moments;
+    # FSDP2 shards them); paged_adamw_8bit (bitsandbytes; plain 8-bit on CPU; not under FSDP2). Use adamw when
+    # memory allows, adamw_8bit when optimizer state is what does not fit (~4x less), adamw_4bit for ~8x less;
+    # DeepSpeed runs only its own (adamw/adam/sgd). Bytes: notes/optimizers.md
     name: OptimName = "adamw"
-    lr: float | None = None  # None: by what is trained (harness.config.schema.default_lr)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    schedule: Schedule = "cosine"
-    warmup_steps: int = 5
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0  # 0 disables clipping
-    cpu_offload: bool = False  # torchao's CPUOffloadOptimizer: state and step on the host (CUDA only)
+    # unset: by what is trained (3e-3 for a preset from random init, 2e-5 for a full fine-tune of pretrained
+    # weights, 2e-4 for LoRA; the start line says which); a changed lr on resume applies from the checkpoint's step
+    lr: float | None = None
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW's)
+    betas: tuple[float, float] = (0.9, 0.95)  # Adam's moment decay rates
+    eps: float = 1e-8  # Adam's denominator term
+    schedule: Schedule = "cosine"  # the learning rate's shape after warm-up
+    warmup_steps: int = 5  # linear warm-up from 0
+    min_lr_ratio: float = 0.1  # the schedule's floor, as a fraction of lr
+    grad_clip: float = 1.0  # the gradient norm's clip; 0 disables clipping
+    cpu_offload: bool = False  # torchao's CPUOffloadOptimizer: state and step on the host (one CUDA GPU)
 
 
 @dataclass
-class MemoryConfig:
+class MemoryConfig(Section):
     """Memory techniques (`harness.memory`). All off by default."""
 
+    # full, selective (every memory.ac_every-th block), op (save matmul outputs, recompute the rest)
     activation_checkpointing: AcMode = "none"
     ac_every: int = 2  # selective: checkpoint every k-th block
-    activation_offload: bool = False
-    offload_checkpoint_inputs: bool = False  # only the inputs activation checkpointing keeps go to host memory (side stream, prefetch)
-    compile: CompileMode = "none"
-    activation_memory_budget: float | None = None  # in [0, 1]; implies compile
-    optimizer_in_backward: bool = False
-    loss_chunk_size: int = 0  # 0: plain fp32 cross-entropy; >0: chunked over the sequence
-    tiled_mlp: int = 0  # >1: each block's MLP runs over this many sequence tiles, recomputed in backward (0: untiled)
+    activation_offload: bool = False  # saved activations to (pinned) host memory
+    # only the inputs activation checkpointing keeps (one per checkpointed block) to pinned host memory, on a side
+    # stream, the next block's fetched ahead in backward (CUDA); needs AC, not with activation_offload or compile
+    offload_checkpoint_inputs: bool = False
+    compile: CompileMode = "none"  # block or model: torch.compile
+    activation_memory_budget: float | None = None  # compile's knapsack recomputation budget in [0, 1]; implies compile
+    optimizer_in_backward: bool = False  # optimizer step fused into backward (DDP/FSDP2; composes with accumulation)
+    loss_chunk_size: int = 0  # >0: chunked fp32 cross-entropy over the sequence (never materialises full logits); 0: plain
+    # each block's MLP over this many sequence tiles (>1), recomputed in backward: its intermediates exist a tile at
+    # a time (same gradients; one more MLP forward; composes with AC, compile, FSDP2, DeepSpeed, LoRA); 0: untiled
+    tiled_mlp: int = 0
     tiled_mlp_tokens: int = 0  # or tiles of this many tokens (the count follows the sequence); one of the two
-    track: bool = True  # per-step peak memory: the platform's peak counters every step, the split by category on sampled steps
-    track_every: int = 100  # split by category on steps 0, 1 and every k-th (0: 0 and 1 only); a split step costs ~2x on CPU
+    # every step the platform's peak (GPU: max_memory_allocated/reserved; CPU: the process's resident high-water
+    # mark), at no measurable cost; the split of the peak by category on sampled steps (memory.track_every)
+    track: bool = True
+    # the split by category on steps 0 and 1, every k-th step (0: never again) and after kill -USR2 <pid>: a split
+    # step costs about two steps
+    track_every: int = 100
     snapshot: bool = False  # memory snapshot (GPU pickle / CPU per-module report)
     layer_hooks: bool = False  # per-block memory after forward (debug)
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
     """How the world's ranks split the work beyond data parallelism (`harness.engine`)."""
 
-    # Ulysses sequence parallelism: each sample's sequence is split over this many ranks of the
-    # world (a data x sequence mesh); attention swaps sequence shards for head shards and back.
+    # Ulysses sequence parallelism (torch engines: single/DDP/FSDP2): each sample's sequence is split over this
+    # many consecutive ranks (the world is data x sequence; global batch = micro x accum x world / N); attention
+    # swaps sequence slices for head shares with two all-to-alls around sdpa (transformers' attention registry),
+    # positions and targets are the whole sequence's, every token counted once in the loss; gradients reduced over
+    # the whole world. Must divide the world, data.seq_len, the attention and key/value heads; refused in one line
+    # under DeepSpeed, with packed instruction data (data.packing=true), pruning, optimizer-in-backward,
+    # sliding-window or eager-only attention. Measured: notes/long_context.md
     sequence: int = 1
 
 
 @dataclass
-class LoggingConfig:
-    log_every: int = 1
-    wandb: bool = True  # rank 0 only; offline without an API key
-    wandb_project: str = "harness"
-    run_name: str | None = None
-    progress: bool = True
-    plots: bool = True
+class LoggingConfig(Section):
+    """What a run reports (`harness.observability`): metrics.jsonl, W&B, progress, plots."""
+
+    log_every: int = 1  # steps between logged lines (the steps between are folded in: means, maxima)
+    wandb: bool = True  # W&B on rank 0; offline without an API key
+    wandb_project: str = "harness"  # the W&B project
+    run_name: str | None = None  # the W&B run's name; unset: W&B's
+    progress: bool = True  # the progress line on the console
+    plots: bool = True  # loss and memory plots at the end of the run
     peak_flops: float | None = None  # per device, overrides the GPU table (needed for MFU on CPU)
 
 
 @dataclass
-class CheckpointConfig:
-    every: int = 0  # 0: only at the end (if save_final)
-    save_final: bool = False
-    keep: int = 2
-    resume: str = "none"  # none | auto | <path>
-    overwrite: bool = False
-    on_nonfinite: OnNonfinite = "skip"
+class CheckpointConfig(Section):
+    """Saving, resuming and the non-finite policy (`harness.checkpoint`, `harness.reliability`)."""
+
+    every: int = 0  # steps between checkpoints; 0: only at the end (with save_final)
+    save_final: bool = False  # a checkpoint after the last step
+    keep: int = 2  # checkpoints kept (the newest always)
+    # none, auto (this run's latest) or a checkpoint path; steps below the checkpoint's step, or an older checkpoint
+    # of this run while later ones exist, is refused (overwrite=true deletes the later ones, naming each)
+    resume: str = "none"
+    overwrite: bool = False  # replace this output directory's checkpoints and exports instead of refusing
+    on_nonfinite: OnNonfinite = "skip"  # a non-finite loss or gradient norm: skip the update, or stop (exit 3)
     max_consecutive_skips: int = 10  # on_nonfinite=skip: this many skipped steps in a row stop the run (exit 3)
-    export_hf: bool = False
+    export_hf: bool = False  # a Hugging Face model directory (safetensors + config + tokenizer) at the end, in <output_dir>/hf
 
 
 @dataclass
-class PruneConfig:
+class PruneConfig(Section):
     method: PruneMethod = "none"
     base: PruneBase = "wanda"  # gradprobe's base score (candidates and order)
     sparsity: float = 0.5
@@ -222,20 +303,26 @@ class PruneConfig:
 
 
 @dataclass
-class LoraConfig:
+class LoraConfig(Section):
     """LoRA/QLoRA fine-tuning (`harness.models.lora`, built on `peft`): the base is frozen, the
     adapters train, so gradients and optimizer state exist for the adapters only."""
 
-    enabled: bool = False
+    enabled: bool = False  # train adapters on a frozen base; checkpoints hold the adapters and their optimizer state
     r: int = 8  # adapter rank
-    alpha: float = 16.0  # scaling alpha / r
-    dropout: float = 0.0  # on the adapter input
-    target_modules: list[str] | None = None  # module names; None: every linear layer inside the decoder blocks
-    quantize: LoraQuantize = "none"  # int8 | nf4: QLoRA (the base quantized by bitsandbytes; nf4 also under FSDP2)
+    alpha: float = 16.0  # scaling: alpha / r
+    dropout: float = 0.0  # dropout on the adapter input
+    target_modules: list[str] | None = None  # module names; unset: every linear layer of the decoder blocks (logged)
+    # int8 or nf4 (QLoRA: the base quantized by bitsandbytes, on CPU or GPU: single/DDP; nf4 also sharded by FSDP2
+    # and by DeepSpeed ZeRO-3, its 4-bit codes stored in the compute dtype, the scales on every rank); ZeRO-1/2, and
+    # int8 under FSDP2 or DeepSpeed, refused in one line
+    quantize: LoraQuantize = "none"
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Section):
+    """A run config is YAML or JSON; any key can be overridden on the command line as
+    `section.key=value`. Unknown keys are errors that name the closest valid key."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -245,17 +332,19 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    strategy: str | None = None  # a name in ds_configs/ or a JSON path; None: from the launcher, else ddp
+    strategy: str | None = None  # a name in ds_configs/ or a JSON path; unset: the launcher's, else ddp
+    # bf16_pure: bf16 weights with no fp32 master under every torch engine, FSDP2's shards included; only with
+    # adamw_bf16/adamw_8bit/adamw_4bit, whose stochastic rounding keeps bf16 weights moving; not under DeepSpeed
     precision: Precision = "fp32"
-    micro_batch_size: int = 4
-    grad_accum: int = 1
-    global_batch_size: int | None = None  # if set: must equal micro * accum * world
-    steps: int = 50
-    eval_every: int = 0  # 0: only at the end
-    eval_batches: int = 8
-    seed: int = 0
-    output_dir: str = "runs/default"
-    device: Device = "auto"
+    micro_batch_size: int = 4  # samples per rank per forward; global batch = micro x accum x world
+    grad_accum: int = 1  # micro-batches per optimizer step
+    global_batch_size: int | None = None  # optional check: must equal micro x accum x world
+    steps: int = 50  # training steps
+    eval_every: int = 0  # steps between evaluations; 0: only at the end
+    eval_batches: int = 8  # eval micro-batches (global)
+    seed: int = 0  # the run's torch seed
+    output_dir: str = "runs/default"  # where metrics, plots and checkpoints go
+    device: Device = "auto"  # auto (a GPU where there is one), cpu or cuda
     # The dotted keys the user wrote, set by `load_config` (a ClassVar, so not a config key); see `is_given`.
     given_keys: ClassVar[frozenset[str] | None] = None
 

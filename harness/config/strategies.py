@@ -15,6 +15,7 @@ error naming the closest one it does. FSDP2 and DDP files use a small schema of 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -85,9 +86,33 @@ def strategy_path(name_or_path: str) -> str:
     candidate = os.path.join(DS_CONFIG_DIR, name_or_path if name_or_path.endswith(".json") else name_or_path + ".json")
     if os.path.isfile(candidate):
         return candidate
-    shipped = sorted(f[:-5] for f in os.listdir(DS_CONFIG_DIR) if f.endswith(".json")) if os.path.isdir(DS_CONFIG_DIR) else []
+    shipped = shipped_names()
     hint = did_you_mean(os.path.basename(name_or_path).removesuffix(".json"), shipped, cutoff=0.6) or f" (shipped: {', '.join(shipped)})"
     raise ConfigError(f"strategy '{name_or_path}' is neither a file nor a name in ds_configs/{hint}")
+
+
+def shipped_names() -> list[str]:
+    """The strategies harness ships (ds_configs/), by name: the one catalogue that launcher flags,
+    the planner's search and its advice point into."""
+    return sorted(f.removesuffix(".json") for f in os.listdir(DS_CONFIG_DIR) if f.endswith(".json")) if os.path.isdir(DS_CONFIG_DIR) else []
+
+
+@functools.cache
+def _shipped_facts(name: str) -> tuple[str, int, str, str]:
+    s = load_strategy(name, env={})
+    return s.kind, s.zero_stage, s.offload_optimizer, s.offload_params
+
+
+def shipped_with(kind: str, stage: int, offload_optimizer: str = "none", offload_params: str = "none") -> str | None:
+    """The shipped strategy with these engine facts (kind, ZeRO stage equivalent, offload devices),
+    or None. Only files of ``kind`` are read: reading a DeepSpeed file imports DeepSpeed's config
+    classes, which a torch-engine run never needs."""
+    for name in shipped_names():
+        if read_strategy_file(strategy_path(name)).get("kind", "deepspeed") != kind:
+            continue
+        if _shipped_facts(name) == (kind, stage, offload_optimizer, offload_params):
+            return name
+    return None
 
 
 def strategy_from_launcher(env: dict[str, str] | None = None) -> str | None:
@@ -105,19 +130,18 @@ def strategy_from_launcher(env: dict[str, str] | None = None) -> str | None:
         stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
         opt = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none") or "none"
         par = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") or "none"
-        if (stage, opt, par) == ("2", "cpu", "none"):
-            return "zero2_offload"
-        if (stage, opt, par) == ("3", "cpu", "cpu"):
-            return "zero3_offload"
-        return f"zero{stage}"
+        # The shipped file with exactly these facts; else the stage's own file, the launcher's offload
+        # devices laid on (NVMe always so: its path is the launcher's, never the shipped file's).
+        same = shipped_with("deepspeed", int(stage), opt, par) if stage.isdigit() and "nvme" not in (opt, par) else None
+        return same or f"zero{stage}"
     if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-        if env.get("FSDP_OFFLOAD_PARAMS", "").lower() == "true":
-            return "fsdp_offload"
         sharding = env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
-        if sharding in ("NO_SHARD", "3"):  # every rank holds everything: DDP
-            return "ddp"
+        offload = env.get("FSDP_OFFLOAD_PARAMS", "").lower() == "true"  # FSDP2's CPU offload, which reshards
+        if sharding in ("NO_SHARD", "3") and not offload:  # every rank holds everything: DDP
+            return shipped_with("ddp", 0)
         reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower()
-        return "fsdp_grad_op" if sharding in ("SHARD_GRAD_OP", "2") or reshard == "false" else "fsdp"
+        stage = 2 if not offload and (sharding in ("SHARD_GRAD_OP", "2") or reshard == "false") else 3
+        return shipped_with("fsdp", stage, "cpu" if offload else "none", "cpu" if offload else "none")
     return None
 
 

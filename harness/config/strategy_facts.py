@@ -13,10 +13,9 @@ in the same engine.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
-from harness.config.strategies import DS_CONFIG_DIR, Strategy, load_strategy
+from harness.config.strategies import Strategy, load_strategy, shipped_names, shipped_with
 
 # Relative step time of each engine arrangement against DDP (lower is faster): stated heuristics,
 # not measurements. Sharding adds collectives (ZeRO-3 / FSDP2 gather every parameter twice a step);
@@ -75,11 +74,6 @@ class StrategyFacts:
         return STEP_TIME.get((self.kind, self.stage), 1.0)
 
 
-def shipped_names() -> list[str]:
-    """The strategies harness ships (ds_configs/), by name."""
-    return sorted(f.removesuffix(".json") for f in os.listdir(DS_CONFIG_DIR) if f.endswith(".json"))
-
-
 @functools.cache
 def shipped_facts(name: str) -> StrategyFacts:
     """A shipped strategy's facts, as its file says (no launcher's settings laid on)."""
@@ -95,26 +89,28 @@ def facts_of(strategy: Strategy | str | None) -> StrategyFacts:
 def shipped_equivalent(facts: StrategyFacts) -> str | None:
     """The shipped strategy with these facts (a user's own `my_ds.json` at ZeRO-2 with CPU optimizer
     offload is `zero2_offload` to the planner's tables), or None."""
-    return next((name for name in shipped_names() if shipped_facts(name) == facts), None)
+    return shipped_with(facts.kind, facts.stage, facts.offload_optimizer, facts.offload_params)
 
 
 # One step further along each engine's own sharding path: DDP's is FSDP2 (torch's engines).
+_ZERO3_OFFLOAD = StrategyFacts("deepspeed", 3, "cpu", "cpu")
 _MORE_SHARDING = {
-    StrategyFacts("ddp", 0): "fsdp",
-    StrategyFacts("fsdp", 2): "fsdp",
-    StrategyFacts("deepspeed", 0): "zero1",
-    StrategyFacts("deepspeed", 1): "zero2",
-    StrategyFacts("deepspeed", 2): "zero3",
-    StrategyFacts("deepspeed", 2, "cpu"): "zero3_offload",
-    StrategyFacts("deepspeed", 3): "zero3_offload",
-    StrategyFacts("deepspeed", 3, "cpu"): "zero3_offload",
+    StrategyFacts("ddp", 0): StrategyFacts("fsdp", 3),
+    StrategyFacts("fsdp", 2): StrategyFacts("fsdp", 3),
+    StrategyFacts("deepspeed", 0): StrategyFacts("deepspeed", 1),
+    StrategyFacts("deepspeed", 1): StrategyFacts("deepspeed", 2),
+    StrategyFacts("deepspeed", 2): StrategyFacts("deepspeed", 3),
+    StrategyFacts("deepspeed", 2, "cpu"): _ZERO3_OFFLOAD,
+    StrategyFacts("deepspeed", 3): _ZERO3_OFFLOAD,
+    StrategyFacts("deepspeed", 3, "cpu"): _ZERO3_OFFLOAD,
 }
 
 
 def more_sharding(facts: StrategyFacts) -> str | None:
     """The shipped strategy that shards (or offloads) one step further in the same engine, or None
     where nothing does (ZeRO-3 with parameters offloaded, FSDP2 resharding)."""
-    return _MORE_SHARDING.get(facts)
+    further = _MORE_SHARDING.get(facts)
+    return shipped_equivalent(further) if further is not None else None
 
 
 __all__ = ["StrategyFacts", "facts_of", "more_sharding", "shipped_equivalent", "shipped_facts", "shipped_names"]

@@ -1,7 +1,8 @@
 """The process group, independent of the launcher: who we are (rank, world, device), the one
 object every collective goes through (`Collectives`), a clean teardown and exit; the CUDA
 allocator's setting (made before CUDA starts); and `FileLock`, coordination through a
-(possibly shared) file system that survives a crash."""
+(possibly shared) file system that survives a crash; `unwrap` (the module inside DDP, DeepSpeed,
+compile and checkpoint wrappers)."""
 
 from harness.distributed.allocator import configure_cuda_allocator
 from harness.distributed.collectives import Collectives
@@ -18,8 +19,13 @@ from harness.distributed.process_group import (
     teardown,
 )
 from harness.distributed.tensors import local_tensor
+from harness.distributed.wrappers import WRAPPER_ATTRS, is_deepspeed_engine, unwrap, wrapper_chain
 
 __all__ = [
+    "WRAPPER_ATTRS",
+    "is_deepspeed_engine",
+    "unwrap",
+    "wrapper_chain",
     "Collectives",
     "EXIT_RECORD_ENV",
     "DistInfo",

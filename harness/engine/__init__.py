@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from harness.distributed import is_deepspeed_engine, unwrap  # re-exported: pruning reaches them through the engine
 from harness.engine import deepspeed_engine, torch_engine
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.build import build_engine, load_model
@@ -25,7 +26,7 @@ from harness.engine.finite import weights_finite
 from harness.engine.parallelize import apply_memory_techniques, fsdp_wrap
 from harness.engine.plan import EnginePlan, hidden_size_of, plan_engine
 from harness.engine.shard_base import ParamShard
-from harness.engine.shards import is_deepspeed_engine, memory_storage, shard_of, unwrap
+from harness.engine.shards import memory_storage, shard_of
 from harness.engine.storage import local_part
 from harness.engine.torch_engine import TorchEngine
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.config import RunConfig
+from harness.config import OptimConfig, RunConfig
 from harness.distributed import DistInfo
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.extension_lock import guarded_builds
@@ -168,7 +168,7 @@ class DeepSpeedEngine(Engine):
         else:
             model = materialize(empty_model(spec.config).to(dtype=_deepspeed_dtype(ds_config)), info.device)
             weights.fill(model)
-        apply_memory_techniques(model, cfg)
+        apply_memory_techniques(model, cfg.memory)
         return model
 
     @classmethod
@@ -189,7 +189,7 @@ class DeepSpeedEngine(Engine):
         optimizer = None
         if "optimizer" not in ds_config:
             written = strategy.raw.get("zero_force_ds_cpu_optimizer")
-            optimizer = _client_optimizer(model, cfg, plan, ds_config)
+            optimizer = _client_optimizer(model, cfg.optim, plan, ds_config)
             # DeepSpeed's own CPU optimizer needs no word on the key: the file's true (or DeepSpeed's default) accepts it
             ours = type(optimizer).__name__ != "DeepSpeedCPUAdam"
             if written is not None and ours:  # the file's own value stands (DeepSpeed then says why it refuses ours)
@@ -301,7 +301,7 @@ def _deepspeed_dtype(ds_config: dict[str, Any]) -> torch.dtype:
     return torch.float32
 
 
-def _client_optimizer(model: nn.Module, cfg: RunConfig, plan: EnginePlan, ds_config: dict[str, Any]):
+def _client_optimizer(model: nn.Module, optim: OptimConfig, plan: EnginePlan, ds_config: dict[str, Any]):
     """Our optimizer for DeepSpeed: DeepSpeed's CPU Adam where the plan says so (`host_adam`), else
     the run's optimizer, which DeepSpeed is told to accept on the host when the optimizer is offloaded."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -311,11 +311,11 @@ def _client_optimizer(model: nn.Module, cfg: RunConfig, plan: EnginePlan, ds_con
 
             return DeepSpeedCPUAdam(
                 params,
-                lr=cfg.optim.lr,
-                betas=cfg.optim.betas,
-                eps=cfg.optim.eps,
-                weight_decay=cfg.optim.weight_decay,
-                adamw_mode=cfg.optim.name == "adamw",
+                lr=optim.lr,
+                betas=optim.betas,
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+                adamw_mode=optim.name == "adamw",
             )
         except Exception as exc:  # the op needs a compiler and DeepSpeed's build deps
             if plan.cpu_adam_forced:
@@ -327,7 +327,7 @@ def _client_optimizer(model: nn.Module, cfg: RunConfig, plan: EnginePlan, ds_con
             log.warning(f"DeepSpeedCPUAdam unavailable ({type(exc).__name__}); using torch AdamW on CPU")
     if plan.strategy.offload_optimizer != "none":
         ds_config["zero_force_ds_cpu_optimizer"] = False
-    return build_optimizer(params, cfg.optim, fused=False)
+    return build_optimizer(params, optim, fused=False)
 
 
 def _beside_parameters_to(model: nn.Module, device: torch.device) -> nn.Module:

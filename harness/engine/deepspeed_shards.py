@@ -12,7 +12,6 @@ that never use DeepSpeed should not pay for that.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -118,11 +117,3 @@ def deepspeed_memory_storage(ds_engine: Any) -> ModelStorage:
         return [t for attr in attrs for t in getattr(optimizer, attr, None) or [] if isinstance(t, torch.Tensor)]
 
     return ModelStorage(partitions=partitions, masters=masters)
-
-
-def is_deepspeed_engine(obj: Any) -> bool:
-    if "deepspeed" not in sys.modules:
-        return False
-    from deepspeed import DeepSpeedEngine
-
-    return isinstance(obj, DeepSpeedEngine)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from harness.config import RunConfig, Strategy
+from harness.config import LoraConfig, MemoryConfig, RunConfig, Strategy
 from harness.distributed import DistInfo
 from harness.engine.storage import local_part
 from harness.memory import apply_activation_checkpointing, apply_compile, apply_tiled_mlp
@@ -33,12 +33,11 @@ from harness.models import (
     hold_frozen_in,
     quantize_empty,
 )
-from harness.training import PrecisionPolicy
+from harness.training import DTYPES, PrecisionPolicy
 
 
-def apply_memory_techniques(model: nn.Module, cfg: RunConfig) -> None:
-    """Tiled MLP, activation checkpointing and compile, before any sharding wraps the blocks."""
-    mem = cfg.memory
+def apply_memory_techniques(model: nn.Module, mem: MemoryConfig) -> None:
+    """Tiled MLP, activation checkpointing and compile (the memory section's), before any sharding wraps the blocks."""
     if mem.tiled_mlp > 1 or mem.tiled_mlp_tokens:
         apply_tiled_mlp(model, mem.tiled_mlp if mem.tiled_mlp > 1 else 0, mem.tiled_mlp_tokens)
     if mem.activation_checkpointing != "none":
@@ -69,7 +68,7 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
     """
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
-    reduce = torch.float32 if strategy.reduce_dtype == "fp32" else torch.bfloat16
+    reduce = DTYPES[strategy.reduce_dtype]
     if policy.mode == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
     elif policy.mode == "bf16_pure":
@@ -92,20 +91,20 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
     return model
 
 
-def empty_model_to_train(spec: ModelSpec, cfg: RunConfig, policy: PrecisionPolicy) -> nn.Module:
+def empty_model_to_train(spec: ModelSpec, lora: LoraConfig, policy: PrecisionPolicy) -> nn.Module:
     """The model a run trains, on the meta device in the policy's parameter dtype (a LoRA base:
     its frozen dtype, `PrecisionPolicy.frozen_dtype`): the spec's,
     its linears made bitsandbytes' quantized ones (`lora.quantize`: codes stored in the compute
     dtype, which FSDP2 never casts), with LoRA adapters injected (`lora.enabled`) before anything
-    is allocated. Fill it with `WeightsToLoad(spec, cfg.lora.enabled, model)` once materialized (sharded or not)."""
+    is allocated. Fill it with `WeightsToLoad(spec, lora.enabled, model)` once materialized (sharded or not)."""
     model = empty_model(spec.config)
-    if cfg.lora.quantize != "none":
+    if lora.quantize != "none":
         model.to(dtype=policy.param_dtype)
-        quantize_empty(model, cfg.lora.quantize, policy.compute_dtype)
-    if cfg.lora.enabled:
-        model = empty_lora_model(model, cfg.lora)
+        quantize_empty(model, lora.quantize, policy.compute_dtype)
+    if lora.enabled:
+        model = empty_lora_model(model, lora)
     cast_except_quantized(model, policy.param_dtype)
-    if cfg.lora.enabled and policy.frozen_dtype != policy.param_dtype:  # FSDP2 bf16: the base needs no fp32 master
+    if lora.enabled and policy.frozen_dtype != policy.param_dtype:  # FSDP2 bf16: the base needs no fp32 master
         hold_frozen_in(model, policy.frozen_dtype)
     return model
 
@@ -119,7 +118,7 @@ def lora_base(spec: ModelSpec, cfg: RunConfig, device: torch.device, dtype: torc
     model = build_run_model(cfg, spec.config.vocab_size, dtype if cfg.lora.quantize != "none" else torch.float32, spec=spec)
     model.to(device=device)
     cast_except_quantized(model, dtype)
-    apply_memory_techniques(model, cfg)
+    apply_memory_techniques(model, cfg.memory)
     return model
 
 

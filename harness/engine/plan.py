@@ -20,6 +20,7 @@ from harness.config import (
     CheckpointFormat,
     ConfigError,
     EngineKind,
+    OptimConfig,
     RunConfig,
     Strategy,
     adopt_settings,
@@ -41,6 +42,9 @@ class EnginePlan:
     strategy: Strategy
     world_size: int
     precision: PrecisionPolicy
+    # The run config the plan was made from: the user's, with what the launcher and a DeepSpeed file
+    # set taken in (`adopt_settings`); every component of the run builds itself from its sections.
+    config: RunConfig = field(default_factory=RunConfig, compare=False)
     # DeepSpeed's config dict with every "auto" filled from the run config (None for torch engines).
     # Read-only by convention: `deepspeed_config()` hands out a copy for DeepSpeed to mutate.
     deepspeed: dict[str, Any] | None = field(default=None, compare=False)
@@ -92,7 +96,7 @@ class EnginePlan:
 
 
 def plan_engine(
-    cfg: RunConfig,
+    user: RunConfig,
     strategy: Strategy,
     world_size: int,
     device: torch.device,
@@ -102,7 +106,7 @@ def plan_engine(
 ) -> EnginePlan:
     """The plan for `strategy` at `world_size` on `device`. First the run config takes what the
     launcher (`env`, default the process's) and a DeepSpeed file set and it leaves to defaults
-    (`adopt_settings`: this writes into `cfg`, once, before anything reads it); then the file is
+    (`adopt_settings`, into a copy: the plan's `config`; `user` stays as written); then the file is
     resolved. Every problem found on the way is one ConfigError, one line each.
     `hidden_size` fills DeepSpeed's "auto" bucket sizes; `has_accelerator` (default: `device` is
     not the CPU) is whether the run's machine has a GPU, which fp16 under DeepSpeed needs."""
@@ -110,13 +114,13 @@ def plan_engine(
     accelerator = device.type != "cpu" if has_accelerator is None else has_accelerator
     kind = engine_kind(strategy.kind, world_size)
     said, problems = launcher_settings(env, world_size, strategy.kind)
-    taken, adopt_problems = adopt_settings(cfg, strategy, world_size, accelerator, env)
+    cfg, taken, adopt_problems = adopt_settings(user, strategy, world_size, accelerator, env)
     problems += adopt_problems
     filled: list[str] = []
     ignored: list[str] = []
     ds = None
     if kind == "deepspeed":
-        problems += forced_cpu_adam_problems(cfg, strategy)
+        problems += forced_cpu_adam_problems(cfg.optim, strategy)
         ds = resolve_deepspeed_config(
             strategy,
             cfg,
@@ -135,6 +139,7 @@ def plan_engine(
         strategy=strategy,
         world_size=world_size,
         precision=precision_policy(cfg.precision, device, kind),
+        config=cfg,
         deepspeed=ds,
         deepspeed_filled=tuple(filled),
         deepspeed_ignored=tuple(ignored),
@@ -144,30 +149,30 @@ def plan_engine(
         activation_offload=cfg.memory.activation_offload,
         offload_checkpoint_inputs=cfg.memory.offload_checkpoint_inputs,
         trainable_only=cfg.lora.enabled,
-        cpu_adam=ds is not None and host_adam(cfg, strategy, ds, accelerator, env),
+        cpu_adam=ds is not None and host_adam(cfg.optim, strategy, ds, accelerator, env),
     )
 
 
-def forced_cpu_adam_problems(cfg: RunConfig, strategy: Strategy) -> list[str]:
+def forced_cpu_adam_problems(optim: OptimConfig, strategy: Strategy) -> list[str]:
     """A file's `zero_force_ds_cpu_optimizer: true` with the optimizer offloaded asks for DeepSpeed's
     CPU optimizer, which is Adam/AdamW: any other optimizer is refused here, not by DeepSpeed's
     traceback after the model is loaded."""
     forced = strategy.raw.get("zero_force_ds_cpu_optimizer") is True and strategy.offload_optimizer != "none"
-    if not forced or "optimizer" in strategy.raw or cfg.optim.name in CPU_ADAM_OPTIMIZERS:
+    if not forced or "optimizer" in strategy.raw or optim.name in CPU_ADAM_OPTIMIZERS:
         return []
     return [
         f"zero_force_ds_cpu_optimizer: true asks for DeepSpeed's CPU optimizer (DeepSpeedCPUAdam: Adam/AdamW) but optim.name="
-        f"{cfg.optim.name!r}; use optim.name=adamw, or set it false to step {cfg.optim.name} on the host"
+        f"{optim.name!r}; use optim.name=adamw, or set it false to step {optim.name} on the host"
     ]
 
 
-def host_adam(cfg: RunConfig, strategy: Strategy, ds: dict[str, Any], accelerator: bool, env: dict[str, str]) -> bool:
+def host_adam(optim: OptimConfig, strategy: Strategy, ds: dict[str, Any], accelerator: bool, env: dict[str, str]) -> bool:
     """Whether DeepSpeed steps the offloaded optimizer with DeepSpeedCPUAdam (built from the run's
     AdamW settings): where the file asks for it (`zero_force_ds_cpu_optimizer: true`), and by
     default on a GPU machine, where it is the fast path (`HARNESS_DS_CPU_ADAM=0` turns the default
     off). On a CPU-only machine without the key, torch's AdamW steps on the host: the model and its
     optimizer already share it, and the op costs minutes of JIT build."""
-    if strategy.offload_optimizer == "none" or "optimizer" in ds or cfg.optim.name not in CPU_ADAM_OPTIMIZERS:
+    if strategy.offload_optimizer == "none" or "optimizer" in ds or optim.name not in CPU_ADAM_OPTIMIZERS:
         return False
     if strategy.raw.get("zero_force_ds_cpu_optimizer") is True:
         return True

@@ -1,4 +1,4 @@
-"""Which `ParamShard` a parameter gets (`shard_of`), and the user's module inside an engine's wrapper.
+"""Which `ParamShard` a parameter gets (`shard_of`), and how an engine's model is stored (`memory_storage`).
 
 The shard classes: `shard_base` (replicated, FSDP2's DTensor) and `deepspeed_shards` (ZeRO).
 """
@@ -12,7 +12,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from harness.engine.deepspeed_shards import deepspeed_memory_storage, deepspeed_shard_of, is_deepspeed_engine
+from harness.distributed import is_deepspeed_engine
+from harness.engine.deepspeed_shards import deepspeed_memory_storage, deepspeed_shard_of
 from harness.engine.shard_base import DTensorShard, ParamShard
 from harness.engine.storage import local_part
 from harness.memory import ModelStorage
@@ -46,11 +47,4 @@ def memory_storage(model_or_engine: Any) -> ModelStorage:
     return ModelStorage()
 
 
-def unwrap(model_or_engine: Any) -> nn.Module:
-    """The user's nn.Module inside a DeepSpeed engine or DDP wrapper (FSDP2 wraps in place)."""
-    if is_deepspeed_engine(model_or_engine) or isinstance(model_or_engine, nn.parallel.DistributedDataParallel):
-        return model_or_engine.module
-    return model_or_engine
-
-
-__all__ = ["DTensorShard", "ParamShard", "Split", "is_deepspeed_engine", "memory_storage", "shard_of", "unwrap"]
+__all__ = ["DTensorShard", "ParamShard", "Split", "memory_storage", "shard_of"]

@@ -159,17 +159,17 @@ class TorchEngine(Engine):
         linears are bitsandbytes' quantized ones, each weight quantized whole from the checkpoint
         and only this rank's part of its codes kept."""
         strategy, policy = plan.strategy, plan.precision
-        model = empty_model_to_train(spec, cfg, policy)
+        model = empty_model_to_train(spec, cfg.lora, policy)
         if cfg.parallel.sequence > 1:
             use_ulysses(model, sequence_group(info, cfg.parallel.sequence))
         weights = WeightsToLoad(spec, lora=cfg.lora.enabled, model=model)
         if plan.kind == "fsdp":
-            apply_memory_techniques(model, cfg)
+            apply_memory_techniques(model, cfg.memory)
             fsdp_wrap(model, strategy, policy, info)
             weights.fill(materialize(model, info.device))
         else:
             weights.fill(materialize(model, info.device))
-            apply_memory_techniques(model, cfg)
+            apply_memory_techniques(model, cfg.memory)
         return model
 
     @classmethod

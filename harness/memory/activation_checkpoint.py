@@ -18,7 +18,7 @@ hooks see it, (b) ``fully_shard`` can be applied to the wrapper afterwards (torc
 order: AC, then compile, then FSDP), and (c) non-reentrant checkpoint passes the keyword
 arguments HF blocks take (``position_embeddings=``, ``attention_mask=`` ...) untouched.
 The wrapper adds ``_checkpoint_wrapped_module.`` to parameter FQNs; its state-dict hooks
-and DCP's ``get_model_state_dict`` strip it, and :func:`clean_fqn` does it for the rest.
+and DCP's ``get_model_state_dict`` strip it, and `harness.models.clean_name` does it for the rest.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from harness.config import AC_MODES
-from harness.models import decoder_block_list, decoder_blocks
-
-_WRAPPED_PREFIX = "_checkpoint_wrapped_module."
+from harness.distributed import wrapper_chain
+from harness.models import clean_name, decoder_block_list, decoder_blocks
 
 
 def _matmul_ops() -> set[Any]:
@@ -125,16 +124,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
 def checkpointed_blocks(model: nn.Module) -> list[int]:
     """Indices of the decoder blocks currently wrapped by :func:`apply_activation_checkpointing`."""
     layers = decoder_block_list(model)
-    return [i for i, block in enumerate(layers) if isinstance(_unwrap_compiled(block), CheckpointWrapper)]
+    return [i for i, block in enumerate(layers) if any(isinstance(m, CheckpointWrapper) for m in wrapper_chain(block))]
 
 
-def _unwrap_compiled(module: nn.Module) -> nn.Module:
-    return getattr(module, "_orig_mod", module)
-
-
-def clean_fqn(name: str) -> str:
-    """A parameter name without the wrappers' prefixes (AC wrapper, torch.compile)."""
-    return name.replace(_WRAPPED_PREFIX, "").replace("_orig_mod.", "")
+clean_fqn = clean_name  # a parameter name without the wrappers' segments (AC wrapper, torch.compile), as pruning names it
 
 
 __all__ = [

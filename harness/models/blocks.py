@@ -16,26 +16,17 @@ from __future__ import annotations
 
 from torch import nn
 
-# Activation-checkpoint, compile and FSDP1 wrappers put a module one attribute deeper (and into
-# its parameters' names); the class that identifies a block is the wrapped module's.
-WRAPPER_ATTRS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+from harness.distributed import unwrap
 
 
 class BlocksNotFound(ValueError):
     """The model does not say which modules are its repeated blocks, or no list holds them."""
 
 
-def _unwrapped(module: nn.Module) -> nn.Module:
-    for attr in WRAPPER_ATTRS:
-        inner = getattr(module, attr, None)
-        if isinstance(inner, nn.Module):
-            return _unwrapped(inner)
-    return module
-
-
 def _is_block(module: nn.Module, names: set[str]) -> bool:
-    # FSDP2 swaps in a subclass (`FSDPLlamaDecoderLayer`): the block class is then a base class.
-    return any(cls.__name__ in names for cls in type(_unwrapped(module)).__mro__)
+    # Activation-checkpoint and compile wrappers hold a block one attribute deeper: its class is the
+    # wrapped module's. FSDP2 swaps in a subclass (`FSDPLlamaDecoderLayer`): the block class is then a base class.
+    return any(cls.__name__ in names for cls in type(unwrap(module)).__mro__)
 
 
 def block_class_names(model: nn.Module) -> set[str]:

@@ -26,8 +26,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from harness.distributed import WRAPPER_ATTRS
 from harness.log import get_logger
-from harness.models.blocks import WRAPPER_ATTRS
 
 log = get_logger(__name__)
 

@@ -55,15 +55,20 @@ class Observer:
         world_size: int,
         total_steps: int,
         *,
+        seq_len: int | None = None,
+        device: str = "auto",
+        precision: str = "fp32",
         model_config: Any = None,
         flops_per_token: float | None = None,
         device_name: str | None = None,
         start_step: int = 0,
         stream: TextIO | None = None,
     ) -> None:
-        """`model_config` (an HF config) gives FLOPs/token for MFU unless `flops_per_token` is
-        given; `device_name` overrides the detected CUDA device; `start_step > 0` (a resumed
-        run) appends to the metrics file instead of starting it afresh."""
+        """`run_config`: the run config as a plain dict, the record W&B keeps of the run (read
+        for nothing else). `model_config` (an HF config) and `seq_len` give FLOPs/token for MFU
+        unless `flops_per_token` is given; `precision` and the device (`device`, the run config's
+        choice; `device_name` overrides the detected CUDA device) its peak FLOPs; `start_step > 0`
+        (a resumed run) appends to the metrics file instead of starting it afresh."""
         self.active = rank == 0
         self.run_dir = run_dir
         self.cfg = logging_cfg
@@ -81,15 +86,13 @@ class Observer:
         self._warned: set[str] = set()
         self.stream = stream if stream is not None else sys.stdout
 
-        data_cfg = run_config.get("data") or {}
         self.flops_per_token = flops_per_token
-        if self.flops_per_token is None and model_config is not None and data_cfg.get("seq_len"):
+        if self.flops_per_token is None and model_config is not None and seq_len:
             try:
-                self.flops_per_token = mfu_lib.flops_per_token(model_config, int(data_cfg["seq_len"]))
+                self.flops_per_token = mfu_lib.flops_per_token(model_config, seq_len)
             except Exception as e:
                 _warn(f"cannot count model FLOPs ({type(e).__name__}: {e}); MFU left out")
-        self.device_name = device_name or mfu_lib.current_device_name(str(run_config.get("device", "auto")))
-        precision = str(run_config.get("precision", "fp32"))
+        self.device_name = device_name or mfu_lib.current_device_name(device)
         self.peak_flops = mfu_lib.peak_flops(self.device_name, precision, logging_cfg.peak_flops)
 
         self.writer = M.MetricsWriter(run_dir, append=start_step > 0, resumed_at=start_step if start_step > 0 else None)

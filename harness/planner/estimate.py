@@ -33,10 +33,11 @@ from harness.engine import EnginePlan, plan_engine
 from harness.errors import ConfigError
 from harness.memory import REPORTED
 from harness.models import is_preset
+from harness.planner.load_phase import load_phase_bytes
 from harness.planner.lora import quantized_base
-from harness.planner.model_states import BYTES, EngineModel, EngineSpec, engine_model, zero12_partition
+from harness.planner.model_states import EngineModel, EngineSpec, engine_model, zero12_partition
 from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, build_fake_model, trace_step
-from harness.training import name_compiles_step
+from harness.training import DTYPE_BYTES, DTYPE_NAMES, name_compiles_step
 
 REPORT_CATS = (*REPORTED, "other")  # buffers count as "other" in a plan
 
@@ -71,6 +72,8 @@ class Estimate:
     params_total: int = 0
     largest_param: int = 0
     race_bytes: int = 0  # a real run peaks in [total - race_bytes, total]: the gloo-held buffers of collective_race_bytes
+    # the run config as the run resolves it (what the launcher and a DeepSpeed file set taken in), which was estimated
+    config: RunConfig | None = None
 
     @property
     def total(self) -> int:
@@ -120,19 +123,27 @@ def deepspeed_zero(plan: EnginePlan) -> Any:
     return DeepSpeedZeroConfig(**(plan.deepspeed or {}).get("zero_optimization", {}))
 
 
-def specs_for(
-    cfg: RunConfig, strategy: Strategy, world: int, info_hidden: int, target: str, vocab: int | None
-) -> tuple[TraceSpec, EngineSpec]:
+def check_modelled(cfg: RunConfig, strategy: Strategy, world: int) -> str:
+    """The engine kind, or PlanError where the planner does not model the strategy (ZeRO-0, LoRA under DeepSpeed)."""
     kind = engine_kind(strategy.kind, world)
     if kind == "deepspeed" and strategy.zero_stage == 0:
         raise PlanError(f"{strategy.name}: DeepSpeed ZeRO stage 0 is not modelled by the planner; use ddp.json")
-    lora = cfg.lora
-    if lora.enabled and kind == "deepspeed":
+    if cfg.lora.enabled and kind == "deepspeed":
         raise PlanError(f"lora.enabled=true under {strategy.name}: LoRA is planned under ddp or fsdp (torch's engines) only")
-    plan = plan_for(cfg, strategy, world, info_hidden)
+    return kind
+
+
+def specs_for(
+    user: RunConfig, strategy: Strategy, world: int, info_hidden: int, target: str, vocab: int | None, plan: EnginePlan | None = None
+) -> tuple[TraceSpec, EngineSpec]:
+    """What is traced and what the engine formulas take, for the run config as the run resolves it
+    (`plan`'s config; default: planned here, as pre-flight plans it)."""
+    kind = check_modelled(user, strategy, world)
+    lora = user.lora
+    plan = plan or plan_for(user, strategy, world, info_hidden)
+    cfg = plan.config
     policy = plan.precision
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    param_dtype = names[policy.param_dtype]
+    param_dtype = DTYPE_NAMES[policy.param_dtype]
     module_dtype = cfg.precision if kind == "deepspeed" and cfg.precision != "fp32" else param_dtype
     trace = TraceSpec(
         model_name=cfg.model.name,
@@ -155,8 +166,8 @@ def specs_for(
         autocast=policy.autocast and kind != "deepspeed",
         lora=(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules) if lora.target_modules else None) if lora.enabled else None,
         # QLoRA: the codes are stored in the compute dtype (harness.models.qlora), gathered and dequantized as such
-        nf4_storage=names[policy.compute_dtype] if lora.enabled and lora.quantize == "nf4" else None,
-        frozen_dtype=names[policy.frozen_dtype] if lora.enabled and policy.frozen_dtype != policy.param_dtype else None,
+        nf4_storage=DTYPE_NAMES[policy.compute_dtype] if lora.enabled and lora.quantize == "nf4" else None,
+        frozen_dtype=DTYPE_NAMES[policy.frozen_dtype] if lora.enabled and policy.frozen_dtype != policy.param_dtype else None,
     )
     common = dict(
         kind=kind,
@@ -171,8 +182,8 @@ def specs_for(
         target=target,
         compiled_step=name_compiles_step(cfg.optim.name),
         # LoRA/QLoRA adapters too: the trainer casts all but the quantized linears (`cast_except_quantized`)
-        torch_param_bytes=BYTES[param_dtype],
-        frozen_param_bytes=BYTES[names[policy.frozen_dtype]],
+        torch_param_bytes=DTYPE_BYTES[param_dtype],
+        frozen_param_bytes=DTYPE_BYTES[DTYPE_NAMES[policy.frozen_dtype]],
     )
     if kind != "deepspeed":
         return trace, EngineSpec(**common)
@@ -334,9 +345,9 @@ def cached_trace(spec: TraceSpec) -> TraceResult:
     return _TRACE_CACHE[spec]
 
 
-def _hidden_size(cfg: RunConfig, vocab: int | None) -> int:
-    """The hidden size (DeepSpeed's "auto" bucket sizes follow it), from the config alone."""
-    model = build_fake_model(cfg.model.name, vocab, FakeTensorMode())
+def _hidden_size(model_name: str, vocab: int | None) -> int:
+    """The hidden size (DeepSpeed's "auto" bucket sizes follow it), from the model's config alone."""
+    model = build_fake_model(model_name, vocab, FakeTensorMode())
     return int(getattr(model.config, "hidden_size", 0) or 0)
 
 
@@ -352,9 +363,11 @@ def estimate(
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
     vocab = vocab_size or resolve_vocab(cfg)
-    hidden = _hidden_size(cfg, vocab)
+    hidden = _hidden_size(cfg.model.name, vocab)
     try:
-        tspec, espec = specs_for(cfg, strategy, world_size, hidden, target, vocab)
+        check_modelled(cfg, strategy, world_size)
+        plan = plan_for(cfg, strategy, world_size, hidden)
+        tspec, espec = specs_for(cfg, strategy, world_size, hidden, target, vocab, plan)
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
     trace = cached_trace(tspec)
@@ -405,6 +418,7 @@ def estimate(
         params_total=info.total,
         largest_param=info.largest,
         race_bytes=race,
+        config=plan.config,
     )
 
 
@@ -414,37 +428,6 @@ def _worst_ranks(espec: EngineSpec, info: ParamInfo) -> list[int]:
         sizes = [zero12_partition(info.numels, espec.world, r)[2] for r in range(espec.world)]
         return [max(range(espec.world), key=sizes.__getitem__)]
     return [0]
-
-
-def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:
-    """(device, host) bytes per rank while `harness.engine.load_model` builds and fills the model.
-
-    Every path holds its own part of the working weights plus one tensor in flight: the
-    checkpoint slice or seeded init of the tensor being filled, generated or read whole on
-    the host at worst (fp32). FSDP2 shards on the meta device before allocating (a rank's
-    shard); ZeRO-3's `zero.Init` creates each module's tensors whole on the device, then
-    partitions them; ZeRO-0/1/2, DDP and single build the whole model in the working dtype.
-    Parameter offload keeps the part on the host instead. At world > 1, `zero.Init` also
-    broadcasts each new tensor from rank 0 before partitioning it, and the communication
-    backend may still hold that tensor when `broadcast` returns (gloo's worker thread drops its
-    reference when it next runs; NCCL's stream frees it when the copy completes): the previous
-    tensor can still be whole while the next is built, two in flight (the race
-    `collective_race_bytes` counts in the step; benchmarks/gloo_view_hold.py measures it here).
-    """
-    one_tensor = info.whole_largest * 4
-    whole = info.total + info.frozen  # a LoRA model's frozen base is loaded like the rest
-    # the working weights' dtype: DeepSpeed's half precision, bf16 module under single/DDP, FSDP2's fp32 shards
-    half = ("bf16", "fp16") if espec.kind == "deepspeed" else ("bf16",) if espec.kind in ("single", "ddp") else ()
-    working = 2 if espec.precision in half or espec.precision == "bf16_pure" else 4
-    if espec.kind == "deepspeed" and espec.stage == 3:
-        part, in_flight_device = whole * working // espec.world, one_tensor * (2 if espec.world > 1 else 1)
-    elif espec.kind == "fsdp":
-        part, in_flight_device = whole * working // espec.world, one_tensor // espec.world
-    else:
-        part, in_flight_device = whole * working, 0
-    if espec.offload_params != "none":
-        return in_flight_device, part + one_tensor
-    return part + in_flight_device, one_tensor
 
 
 __all__ = ["Estimate", "Moment", "REPORT_CATS", "collective_race_bytes", "estimate", "plan_for", "resolve_vocab", "specs_for", "walk"]

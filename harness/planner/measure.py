@@ -98,6 +98,7 @@ def measure_config(
             spec = model_spec(cfg.model.name, vocab_size=vocab_size, seed=cfg.model.seed)
             vocab = int(spec.config.vocab_size)
             plan = plan_engine(cfg, strategy, info.world_size, info.device, hidden_size_of(spec.config))
+            cfg = plan.config  # as the run resolves it (a DeepSpeed file's own numbers taken in)
             loss_fn = lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
             engine = build_engine(spec, cfg, plan, info, loss_fn)
             batches = [torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), generator=gen) for _ in range(cfg.grad_accum)]

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 from harness.planner.fsdp_offload import in_flight_bytes, largest_group_shard
 from harness.planner.optimizer_model import (
-    BYTES,
     EngineSpec,
     paged_host,
     paged_notes,
@@ -46,6 +45,7 @@ from harness.planner.optimizer_model import (
     torch_step_transient,
 )
 from harness.planner.trace import ParamInfo
+from harness.training import DTYPE_BYTES
 
 
 @dataclass
@@ -266,7 +266,7 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
 
 def zero12_model(spec: EngineSpec, info: ParamInfo, rank: int) -> EngineModel:
     """DeepSpeed ZeRO-1/2 (stage_1_and_2.py), optionally with the optimizer offloaded."""
-    b = BYTES[spec.precision]
+    b = DTYPE_BYTES[spec.precision]
     flat, part, grad_part = zero12_partition(info.numels, spec.world, rank)
     params = flat * b
     master = part * 4
@@ -315,7 +315,7 @@ def zero12_model(spec: EngineSpec, info: ParamInfo, rank: int) -> EngineModel:
 
 def zero3_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     """DeepSpeed ZeRO-3 (stage3.py), optionally offloading parameters and/or optimizer (CPU or NVMe)."""
-    b = BYTES[spec.precision]
+    b = DTYPE_BYTES[spec.precision]
     part, persistent, nonpersistent = zero3_partitions(info.numels, spec.world, spec.persistence_threshold)
     largest_group = max(zero3_subgroups(info.numels, spec.world, spec.sub_group_size))
     groups = len(zero3_subgroups(info.numels, spec.world, spec.sub_group_size))
@@ -401,7 +401,6 @@ def dtype_breakdown(total_params: int, world: int = 1) -> list[dict[str, float |
 
 
 __all__ = [
-    "BYTES",
     "EngineModel",
     "EngineSpec",
     "Phase",

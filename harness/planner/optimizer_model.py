@@ -17,8 +17,6 @@ import torch
 from harness.config import OPTIMIZER_LIBRARY, EngineKind
 from harness.training import optimizer_shared_bytes, optimizer_state_bytes, optimizer_step_bytes
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -172,7 +170,6 @@ def paged_notes(spec: EngineSpec, numels: list[int], largest: int) -> list[str]:
 
 __all__ = [
     "BNB_PAGED_MIN",
-    "BYTES",
     "EngineSpec",
     "TORCHAO_COMPILED_STEP",
     "paged",

@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import (
     RunConfig,
+    StrategyFacts,
     apply_overrides,
     check_strategy_against_run,
     check_values,
@@ -45,12 +46,14 @@ from harness.config import (
     load_strategy,
     shipped_equivalent,
     shipped_facts,
+    shipped_names,
 )
 from harness.errors import ConfigError
 from harness.planner.estimate import Estimate, estimate, resolve_vocab, specs_for, walk
-from harness.planner.model_states import BYTES, engine_model, fsdp_local_numel
+from harness.planner.model_states import engine_model, fsdp_local_numel
 from harness.planner.report import CUDA_CONTEXT, FRAGMENTATION, LIBRARY_WORKSPACES, NCCL_BUFFERS, gib, verdict
 from harness.planner.trace import ParamInfo, TraceResult, build_fake_model, param_info
+from harness.training import DTYPE_BYTES
 
 # Relative step time (lower is faster); see the module docstring for where each comes from.
 SPEED: dict[str, dict[str, float]] = {
@@ -130,14 +133,16 @@ class Recommendation:
 
 
 def strategies_for(world: int, nvme: bool, target: str) -> list[str]:
-    """Strategies that mean something at this world size on this target."""
-    if world == 1:
-        names = ["ddp", "zero2_offload", "zero3_offload"]  # sharding alone gains nothing; offload does
-    else:
-        names = ["ddp", "zero1", "zero2", "fsdp_grad_op", "fsdp", "zero3", "zero2_offload", "zero3_offload", "fsdp_offload"]
-    if nvme:
-        names.append("zero3_nvme")
-    return names
+    """The shipped strategies that mean something at this world size on this target, read from
+    their facts: NVMe offload only where there is NVMe; on one rank sharding alone gains nothing,
+    so DDP and DeepSpeed's offload (FSDP2's offload is searched from two ranks on)."""
+
+    def meaningful(facts: StrategyFacts) -> bool:
+        if "nvme" in (facts.offload_optimizer, facts.offload_params):
+            return nvme
+        return world > 1 or facts.kind == "ddp" or (facts.kind == "deepspeed" and facts.offloads_optimizer)
+
+    return [name for name in shipped_names() if meaningful(shipped_facts(name))]
 
 
 def runs_with(cfg: RunConfig, strategy_name: str, target: str) -> bool:
@@ -173,7 +178,7 @@ def _model_state_floor(cfg: RunConfig, world: int, target: str, info: ParamInfo,
         params = sum(fsdp_local_numel(s, world, 0) for s in info.shapes) * 4
         grads = params
     else:
-        params = info.total * BYTES.get(tspec.module_dtype, 4)
+        params = info.total * DTYPE_BYTES.get(tspec.module_dtype, 4)
         grads = params
     rows = [(params, 0, 0, 0, 0, 0, 0, 0), (params, 0, grads, 0, 0, 0, 0, 0)]
     synthetic = TraceResult(tspec, rows, [0, 1], [0, 0], ["model"], info)

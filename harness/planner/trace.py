@@ -40,7 +40,7 @@ from harness.memory import ActivationOffload, apply_activation_checkpointing, ap
 from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config
 from harness.planner.packed import pack_block_linears
 from harness.planner.timeline import CAT_INDEX, CATS, tracker_class
-from harness.training import causal_lm_loss, precision_policy
+from harness.training import DTYPES, causal_lm_loss, precision_policy
 
 
 class PlanError(ValueError):
@@ -187,10 +187,6 @@ def real_run_masking() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
-
-
 def build_fake_model(
     model_name: str, vocab_size: int | None, fake_mode: Any, dtype: torch.dtype = torch.float32, lora: LoraConfig | None = None
 ) -> nn.Module:
@@ -278,7 +274,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         raise PlanError(f"world size must be >= 1, got {spec.world_size}")
     start = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    dtype = _dtype(spec.module_dtype)  # FSDP2: fp32 sharded masters, or bf16 shards under bf16_pure
+    dtype = DTYPES[spec.module_dtype]  # FSDP2: fp32 sharded masters, or bf16 shards under bf16_pure
     lora = None
     if spec.lora is not None:
         r, alpha, dropout, targets = spec.lora
@@ -287,10 +283,10 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     info = param_info(model)  # the base's shapes as they are in the checkpoint (the formulas' input)
     if spec.frozen_dtype is not None:
         with fake_mode:
-            hold_frozen_in(model, _dtype(spec.frozen_dtype))
+            hold_frozen_in(model, DTYPES[spec.frozen_dtype])
     if spec.nf4_storage is not None:
         with fake_mode:
-            pack_block_linears(model, _dtype(spec.nf4_storage))
+            pack_block_linears(model, DTYPES[spec.nf4_storage])
     vocab = int(model.config.vocab_size)
     Timeline = tracker_class()
     try:
@@ -309,7 +305,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
             with fake_mode:
                 ids = [torch.randint(0, vocab, (spec.micro_batch, spec.seq_len)) for _ in range(spec.micro_batches)]
                 tracker.track_external(*ids)
-                autocast = torch.autocast("cpu", dtype=_dtype(spec.precision)) if spec.autocast else contextlib.nullcontext()
+                autocast = torch.autocast("cpu", dtype=DTYPES[spec.precision]) if spec.autocast else contextlib.nullcontext()
                 # the trainer's own offload, simulated: the device copy is released at pack time and an empty one
                 # comes back when backward (or the prefetch ahead of it) asks for it
                 offload = ActivationOffload(scope="checkpoint_inputs", model=model, simulate=True)

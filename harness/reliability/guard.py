@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
+from harness.config import CheckpointConfig
 from harness.distributed import Collectives, DistInfo
-from harness.engine import weights_finite
+from harness.engine import Engine, weights_finite
 from harness.errors import NonFiniteError
 from harness.log import get_logger
+from harness.memory import StepMemoryTracker
 from harness.reliability.faults import install_fault_hooks
 from harness.reliability.signals import on_memory_split_request, signal_received
 
@@ -44,15 +46,17 @@ class StepGuard:
 
     def __init__(
         self,
-        cfg: Any,
+        checkpoint: CheckpointConfig,
         info: DistInfo,
-        engine: Any,
-        tracker: Any = None,
+        engine: Engine,
+        tracker: StepMemoryTracker | None = None,
         last_checkpoint: Callable[[], str | None] = lambda: None,
         start_step: int = 0,
     ):
-        self.policy = cfg.checkpoint.on_nonfinite
-        self.fp16 = cfg.precision == "fp16"
+        """Its policy is the checkpoint section's (`on_nonfinite`, `max_consecutive_skips`); the
+        engine's precision says whether an inf gradient norm is a loss scaler's overflow."""
+        self.policy = checkpoint.on_nonfinite
+        self.fp16 = engine.plan.precision.uses_scaler
         self.info, self.engine, self.tracker = info, engine, tracker
         self.comm = Collectives()
         self.last_checkpoint = last_checkpoint
@@ -60,7 +64,7 @@ class StepGuard:
         self.stop_requested = False
         self.nonfinite_steps = 0
         self.consecutive = 0  # skipped steps in a row (the run is not training while this grows)
-        self.max_consecutive = cfg.checkpoint.max_consecutive_skips
+        self.max_consecutive = checkpoint.max_consecutive_skips
         self._bad_loss = False
         self._bad_norm: bool | None = None  # agreed before the step; None: the engine measured its norm in its step
         _ACTIVE["guard"] = self

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from harness.config import ConfigError, Strategy, StrategyFacts, load_strategy, more_sharding
+from harness.config import ConfigError, RunConfig, Strategy, StrategyFacts, load_strategy, more_sharding
 from harness.distributed import DistInfo
 from harness.planner import estimate
+from harness.reliability.guard import StepGuard
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -30,7 +31,7 @@ def _fmt(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _variant(cfg: Any, change: list[tuple[str, Any]]) -> Any:
+def _variant(cfg: RunConfig, change: list[tuple[str, Any]]) -> RunConfig:
     """A copy of the run config with dotted keys set (values already typed)."""
     variant = copy.deepcopy(cfg)
     for key, value in change:
@@ -42,19 +43,18 @@ def _variant(cfg: Any, change: list[tuple[str, Any]]) -> Any:
     return variant
 
 
-def resolved_strategy(cfg: Any, guard: Any = None) -> Strategy | None:
+def resolved_strategy(cfg: RunConfig, guard: StepGuard | None = None) -> Strategy | None:
     """The strategy the run trains with: the engine's own plan where a guard knows the engine, else
     the config's (or the `accelerate launch` flags') resolved as the trainer resolves it."""
-    plan = getattr(getattr(guard, "engine", None), "plan", None)
-    if isinstance(getattr(plan, "strategy", None), Strategy):
-        return plan.strategy
+    if guard is not None:
+        return guard.engine.plan.strategy
     try:
         return load_strategy(cfg.strategy)
     except ConfigError:
         return None
 
 
-def candidate_changes(cfg: Any, strategy: Strategy | None) -> list[list[tuple[str, Any]]]:
+def candidate_changes(cfg: RunConfig, strategy: Strategy | None) -> list[list[tuple[str, Any]]]:
     """Single changes that lower a step's memory, in the order they are tried. "More sharding" is
     one step further along the run's own engine (`more_sharding` of its resolved facts): a DeepSpeed
     run launched without `strategy:` is a DeepSpeed run, never told to become FSDP2."""
@@ -72,7 +72,7 @@ def candidate_changes(cfg: Any, strategy: Strategy | None) -> list[list[tuple[st
 
 
 def planner_suggestion(
-    cfg: Any, world: int, capacity: int | None, target: str, budget_s: float = 60.0, strategy: Strategy | None = None
+    cfg: RunConfig, world: int, capacity: int | None, target: str, budget_s: float = 60.0, strategy: Strategy | None = None
 ) -> str:
     """The first single change whose estimated per-rank peak fits `capacity` (harness.planner), as overrides.
     `strategy`: the run's resolved strategy (default: `resolved_strategy(cfg)`); every change is costed
@@ -99,10 +99,11 @@ def planner_suggestion(
     return f"no single change fits; the smallest estimate is {best[0]} ({_fmt(best[1])} per rank); combine changes"
 
 
-def oom_report(exc: BaseException, cfg: Any, info: DistInfo, guard: Any = None) -> str:
+def oom_report(exc: BaseException, cfg: RunConfig, info: DistInfo, guard: StepGuard | None = None) -> str:
     """Memory held by category now, the tracker's largest measured peak, device totals, and the planner's advice.
 
-    `guard` (harness.reliability.guard.StepGuard) knows the engine, the memory tracker and the step.
+    `cfg`: the run's resolved config (the planner costs single changes of it); `guard` knows the
+    engine, the memory tracker and the step.
     """
     step = guard.steps_done + 1 if guard is not None else "?"
     lines = [f"harness: error: out of memory on rank {info.rank} ({info.device}) in step {step}: {str(exc).splitlines()[0]}"]
@@ -110,7 +111,7 @@ def oom_report(exc: BaseException, cfg: Any, info: DistInfo, guard: Any = None) 
         held = guard.engine.state_bytes()
         lines.append("  held now by category: " + ", ".join(f"{k} {_fmt(v)}" for k, v in held.items()))
         tracker = guard.tracker
-        peaks = tracker.peak_so_far() if tracker is not None and getattr(tracker, "history", None) else {}
+        peaks = tracker.peak_so_far() if tracker is not None and tracker.history else {}
         if peaks:
             index = peaks.get("step")  # the tracker counts the steps of this process from 0
             step_no = guard.start_step + index + 1 if isinstance(index, int) else "?"

@@ -12,7 +12,7 @@ import time
 import torch
 
 from harness.checkpoint import CheckpointManager, ResumeState
-from harness.config import INSTRUCTION_FORMATS, RunConfig, config_to_dict, default_lr
+from harness.config import INSTRUCTION_FORMATS, DataConfig, RunConfig, config_to_dict, default_lr
 from harness.data import (
     BatchSampler,
     PackedData,
@@ -39,12 +39,13 @@ from harness.training import causal_lm_loss, labelled_lm_loss, sequence_shard_lo
 log = get_logger(__name__)
 
 
-def prepare(cfg: RunConfig, info: DistInfo) -> PackedData:
-    """The data cache, prepared once per file system under its lock (the other ranks wait for
-    it on the file system, not in a collective that would time out), then memory-mapped."""
+def prepare(model_name: str, data: DataConfig, info: DistInfo) -> PackedData:
+    """The data cache of the data section (the tokenizer: the model's, where `data.tokenizer` names
+    none), prepared once per file system under its lock (the other ranks wait for it on the file
+    system, not in a collective that would time out), then memory-mapped."""
     entering("preparing the data")
     stop_preparation_when(signal_received)  # a stop while a tokenizer pool runs: it ends the pool within a batch
-    return load_packed(prepare_data(cfg.model.name, cfg.data, progress=info.local_rank == 0), block_bos=cfg.data.block_bos)
+    return load_packed(prepare_data(model_name, data, progress=info.local_rank == 0), block_bos=data.block_bos)
 
 
 def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampler | StreamSampler:
@@ -83,7 +84,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
     `twin_layers`: build the model's small twin instead (`harness.models.twin_spec`; the check for silent wrong results)."""
     strategy = plan.strategy
     torch.manual_seed(cfg.seed)
-    data = prepare(cfg, info)
+    data = prepare(cfg.model.name, cfg.data, info)
     started = time.perf_counter()
     spec = model_spec(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
     if twin_layers is not None:
@@ -109,6 +110,9 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
         info.rank,
         info.world_size,
         cfg.steps,
+        seq_len=cfg.data.seq_len,
+        device=cfg.device,
+        precision=cfg.precision,
         model_config=engine.module.config,
         start_step=resumed.step,
     )
@@ -121,7 +125,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
         layer_hooks=cfg.memory.layer_hooks,
         storage=engine.memory_storage(),
     )
-    guard = StepGuard(cfg, info, engine, tracker, lambda: ckpt.last_path, resumed.step)  # NaN policy, stop signals
+    guard = StepGuard(cfg.checkpoint, info, engine, tracker, lambda: ckpt.last_path, resumed.step)  # NaN policy, stop signals
     log.info(
         f"{strategy.name} ({plan.kind}) x{info.world_size} on {info.device}, {cfg.precision} "
         f"({plan.precision.master_weights}), optim {cfg.optim.name}{' (CPU-offloaded)' if cfg.optim.cpu_offload else ''}"

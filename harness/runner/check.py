@@ -183,7 +183,7 @@ def reference_run(ref: RunConfig, local_rank: int) -> Record:
     started = time.perf_counter()
     device = pick_device(ref.device, local_rank)
     plan = plan_engine(ref, load_strategy("ddp"), 1, device, None, env={})
-    trainer, _ = build_run(ref, plan, DistInfo(0, 1, local_rank, device, None), twin_layers=TWIN_LAYERS)
+    trainer, _ = build_run(plan.config, plan, DistInfo(0, 1, local_rank, device, None), twin_layers=TWIN_LAYERS)
     trainer.sampler = UnpackedSampler(trainer.sampler)
     rec = record(trainer)
     rec.seconds = time.perf_counter() - started
@@ -243,7 +243,7 @@ def run_check(config: str | None, overrides: list[str]) -> int:
         plan = preflight(twin, load_strategy(twin.strategy))  # adopts the launcher's and the strategy file's settings
         rank, world, local_rank = launch_env()
         entering("computing the check's world-1 reference")
-        refs.append(reference_run(reference_config(twin, world, rank), local_rank))
+        refs.append(reference_run(reference_config(plan.config, world, rank), local_rank))  # from the twin as resolved
         return twin, plan
 
     return run_command("harness", load, lambda cfg, plan, info: check_body(cfg, plan, info, refs[0], began))

@@ -34,7 +34,8 @@ def parse_command_line(
 
 def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], body: Callable[..., Any]) -> int:
     """Shared by `harness.train` and `harness.prune`: every check that can fail runs in `load`,
-    before any process group starts (one line, exit 2); then makes the engine plan; then `body(cfg, plan, info)` runs
+    before any process group starts (one line, exit 2), pre-flight's resolution included; then `body(cfg, plan, info)` runs,
+    `cfg` the resolved run config (`plan.config`),
     under the supervisor (OOM, dead ranks, NaN stop, SIGTERM -> a message and an exit code).
     A ConfigError found after the group started is still one line and the same code on every
     rank (an agreed refusal carries its message on rank 0 only: the others print nothing)."""
@@ -46,13 +47,14 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
         info, lock, stopped, result = None, None, False, None
         with stop_requests("checking the run config"):  # a stop before the first step ends the run at once
             try:
-                cfg, plan = load()
+                _, plan = load()
+                cfg = plan.config  # the run config pre-flight resolved: the body builds every component from it
                 entering("joining the process group")
                 info = init_distributed(cfg.device, collective_timeout_s(), force_group=plan.strategy.needs_process_group)
                 set_rank(info.rank)
                 log.log(logging.INFO if info.device.type == "cuda" else logging.DEBUG, allocator)
                 entering("taking the output directory")
-                lock = run_dir.acquire(cfg, info)
+                lock = run_dir.acquire(cfg.output_dir, info)
                 with Supervisor(cfg, info):
                     result = body(cfg, plan, info)
             except StopRequested as stop:  # nothing to save (before the first step, or pruning): exit 0 so the job may requeue

@@ -37,7 +37,7 @@ from harness.checkpoint import (
     resume_path,
     verified_meta,
 )
-from harness.config import INSTRUCTION_FORMATS, RunConfig, Strategy, check_run, check_sequence_heads, wrap_class_problem
+from harness.config import INSTRUCTION_FORMATS, DataConfig, RunConfig, Strategy, check_run, check_sequence_heads, freeze, wrap_class_problem
 from harness.data import (
     EMBEDDED_SOURCES,
     cache_dir_for,
@@ -69,8 +69,9 @@ from harness.runner.run_dir import check_not_in_use
 log = get_logger(__name__)
 
 
-def has_accelerator(cfg: RunConfig) -> bool:
-    return cfg.device != "cpu" and torch.cuda.is_available()
+def has_accelerator(device: str) -> bool:
+    """Whether the run's `device` choice gets a GPU here."""
+    return device != "cpu" and torch.cuda.is_available()
 
 
 def _looks_like_path(name: str) -> bool:
@@ -84,9 +85,8 @@ def _offline() -> bool:
 # ------------------------------------------------------------------ model
 
 
-def model_shape(cfg: RunConfig) -> dict[str, Any] | None:
-    """The model's config values the checks need (preset table or config.json); ConfigError if unfindable."""
-    name = cfg.model.name
+def model_shape(name: str) -> dict[str, Any] | None:
+    """The config values of `model.name` the checks need (preset table or config.json); ConfigError if unfindable."""
     if is_preset(name):
         p = PRESETS[name]
         return {
@@ -220,7 +220,7 @@ def check_wrap_classes(cfg: RunConfig, env: dict[str, str]) -> None:
 
 
 def check_model(cfg: RunConfig) -> None:
-    shape = model_shape(cfg)
+    shape = model_shape(cfg.model.name)
     if shape is None:
         return
     positions = shape.get("max_position_embeddings") or shape.get("n_positions")
@@ -285,7 +285,7 @@ def check_data(cfg: RunConfig) -> None:
         check_arrow_files([f for f in files if f.endswith(".arrow")])
         first = sorted(files)[0]
         if first.endswith((".npy", ".bin")) and os.path.isfile(source):
-            check_token_file(source, cfg)
+            check_token_file(source, cfg.data, cfg.model.name)
             return
         if first.endswith(".jsonl"):
             with open(first) as f:
@@ -333,7 +333,7 @@ def check_decodable(files: list[str]) -> None:
             ) from None
 
 
-def check_token_file(path: str, cfg: RunConfig) -> None:
+def check_token_file(path: str, data: DataConfig, model_name: str) -> None:
     """A flat token file: integers, one dimension, and (raw .bin) a whole number of elements."""
     if path.endswith(".npy"):
         try:
@@ -344,9 +344,9 @@ def check_token_file(path: str, cfg: RunConfig) -> None:
             raise ConfigError(
                 f"data.source '{path}': a token file must hold one flat array of integer token ids (got {arr.dtype}, shape {arr.shape})"
             )
-    elif os.path.getsize(path) % np.dtype(cfg.data.token_dtype).itemsize:
-        raise ConfigError(f"data.source '{path}' is not a whole number of {cfg.data.token_dtype} tokens; check data.token_dtype")
-    if cfg.data.eos_id is None and not cfg.data.tokenizer and not os.path.isdir(cfg.model.name):
+    elif os.path.getsize(path) % np.dtype(data.token_dtype).itemsize:
+        raise ConfigError(f"data.source '{path}' is not a whole number of {data.token_dtype} tokens; check data.token_dtype")
+    if data.eos_id is None and not data.tokenizer and not os.path.isdir(model_name):
         log.warning(f"data.source '{path}' gives no end-of-document token (data.eos_id): it is cut into 4,096-token documents")
 
 
@@ -383,11 +383,11 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
         raise ConfigError(f"output_dir '{out}' cannot be created: '{parent}' is a file, not a directory; choose another output_dir")
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"output_dir '{out}' is not writable ({parent} is read-only for this user)")
-    check_not_in_use(cfg)
+    check_not_in_use(cfg.output_dir)
     check_run_exports(cfg)
     root = checkpoint_root(out)
     existing = sorted(n for n in os.listdir(root) if n.startswith("step_")) if os.path.isdir(root) else []
-    path = resume_path(cfg)  # a path that exists but holds no complete checkpoint: CheckpointError (exit 6)
+    path = resume_path(c, out)  # a path that exists but holds no complete checkpoint: CheckpointError (exit 6)
     ours = path is not None and os.path.abspath(path).startswith(os.path.abspath(root) + os.sep)
     if existing and c.resume != "auto" and not ours and not c.overwrite:
         raise ConfigError(
@@ -397,7 +397,7 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
     if path is None:
         return
     meta = verified_meta(path)  # a checkpoint lost or truncated since it was written: CheckpointError (exit 6), naming the file
-    check_compatible(meta, path, cfg, strategy, world, model_shape(cfg))
+    check_compatible(meta, path, cfg, strategy, world, model_shape(cfg.model.name))
     last = cfg.steps + (cfg.prune.finetune_steps if cfg.prune.method != "none" else 0)
     if meta.step > last:
         raise ConfigError(
@@ -417,11 +417,15 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
 # ------------------------------------------------------------------ the entry point
 
 
-def preflight(cfg: RunConfig, strategy: Strategy, world: int | None = None) -> EnginePlan:
+def preflight(user: RunConfig, strategy: Strategy, world: int | None = None) -> EnginePlan:
     """Every check that can fail before a process group starts; ConfigError (one line) on the first
-    failure. Returns the engine plan (kind, resolved DeepSpeed dict, precision policy), made here once
-    and handed to the engine builder. `world`: the world size, when the caller launches the ranks
-    itself (a Ray driver); else the launcher's environment says."""
+    failure. The one resolution step: returns the engine plan (kind, resolved DeepSpeed dict,
+    precision policy), made here once and handed to the engine builder, and with it the resolved
+    run config (`plan.config`: the user's with what the launcher and a DeepSpeed file set taken in,
+    read-only from here on; `user` stays as written), from whose sections every component builds
+    itself. `world`: the world size, when the caller launches the ranks itself (a Ray driver); else
+    the launcher's environment says."""
+    cfg = user
     env_world = check_environment()  # the launcher's variables and HARNESS_* knobs, checked even when the caller gives the world
     world = env_world if world is None else world
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -429,14 +433,16 @@ def preflight(cfg: RunConfig, strategy: Strategy, world: int | None = None) -> E
     # The plan first: the run config takes what the launcher's flags and a DeepSpeed file set and it
     # leaves to defaults (every later check sees those values), and the file is resolved and checked
     # by DeepSpeed's own config classes; its "auto" bucket sizes need the model's width.
-    hidden = hidden_size_of(model_shape(cfg) or {}) if strategy.kind == "deepspeed" else None
-    plan = plan_engine(cfg, strategy, world, torch.device("cuda" if has_accelerator(cfg) else "cpu"), hidden)
-    check_run(cfg, strategy, world, has_accelerator(cfg))
-    if cfg.precision in ("bf16", "bf16_pure") and has_accelerator(cfg) and not torch.cuda.is_bf16_supported():
+    hidden = hidden_size_of(model_shape(cfg.model.name) or {}) if strategy.kind == "deepspeed" else None
+    plan = plan_engine(cfg, strategy, world, torch.device("cuda" if has_accelerator(cfg.device) else "cpu"), hidden)
+    cfg = plan.config  # every later check sees the values taken in
+    check_run(cfg, strategy, world, has_accelerator(cfg.device))
+    if cfg.precision in ("bf16", "bf16_pure") and has_accelerator(cfg.device) and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"precision={cfg.precision} but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
     check_model(cfg)
     check_architecture(cfg, strategy)
     check_wrap_classes(cfg, dict(os.environ))
     check_data(cfg)
     check_output_and_resume(cfg, strategy, world)
+    freeze(cfg)
     return plan

@@ -11,7 +11,6 @@ from harness.training.loss import (
     labelled_lm_loss,
     sequence_shard_loss,
     shift_targets,
-    unwrap_model,
 )
 from harness.training.optim import (
     build_optimizer,
@@ -23,11 +22,13 @@ from harness.training.optim import (
     optimizer_state_bytes,
     optimizer_step_bytes,
 )
-from harness.training.precision import DTYPES, PrecisionPolicy, bf16_supported, precision_policy
+from harness.training.precision import DTYPE_BYTES, DTYPE_NAMES, DTYPES, PrecisionPolicy, bf16_supported, precision_policy
 
 __all__ = [
     "BF16_WEIGHT_OPTIMIZERS",
     "DTYPES",
+    "DTYPE_BYTES",
+    "DTYPE_NAMES",
     "OPTIMIZER_NAMES",
     "PrecisionPolicy",
     "bf16_supported",
@@ -48,5 +49,4 @@ __all__ = [
     "optimizer_step_bytes",
     "precision_policy",
     "shift_targets",
-    "unwrap_model",
 ]

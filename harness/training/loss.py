@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from harness.distributed import unwrap
+
 IGNORE_INDEX = -100
 _ORIG_FORWARD = "_harness_original_forward"
 
@@ -151,27 +153,13 @@ def _forward_with_loss(
     return chunked_ce_sum(hidden, head, harness_targets, harness_chunk_size)
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The HF module inside DDP / DeepSpeed engine (``.module``) and torch.compile (``._orig_mod``) wrappers."""
-    seen = 0
-    while seen < 8:
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        elif hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module) and not hasattr(model, "get_decoder"):
-            model = model.module
-        else:
-            return model
-        seen += 1
-    return model
-
-
 def install_loss_forward(model: nn.Module) -> nn.Module:
     """Install the chunked-loss forward on the HF module inside ``model`` (idempotent); returns that module.
 
     Call it before torch.compile of the whole model so the compiled graph includes it;
     :func:`causal_lm_loss` installs it lazily otherwise.
     """
-    hf = unwrap_model(model)
+    hf = unwrap(model)
     if _ORIG_FORWARD not in hf.__dict__:
         hf.__dict__[_ORIG_FORWARD] = hf.forward
         hf.forward = types.MethodType(_forward_with_loss, hf)
@@ -277,5 +265,4 @@ __all__ = [
     "chunked_ce_sum",
     "install_loss_forward",
     "shift_targets",
-    "unwrap_model",
 ]

@@ -18,7 +18,11 @@ import torch
 
 from harness.errors import ConfigError
 
+# The one table of dtype names: a precision's, a statistic's or a reduction's name (`fp32`, `bf16`,
+# `fp16`) and the torch dtype it stands for, both ways, and its bytes per element.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,8 @@ def published_env(name: str, *flags: str) -> tuple[dict[str, str], int]:
 
 def _plan(env: dict[str, str], world: int, overrides: tuple[str, ...] = ()):
     cfg = load_config(None, ["model.name=tiny-llama", *overrides])
-    return plan_engine(cfg, load_strategy(None, env=env), world, torch.device("cpu"), None, env=env), cfg
+    plan = plan_engine(cfg, load_strategy(None, env=env), world, torch.device("cpu"), None, env=env)
+    return plan, plan.config
 
 
 def test_trl_fsdp2_sharding_file_runs_with_its_activation_checkpointing():

@@ -138,6 +138,7 @@ def _verdict(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     try:
         strategy = load_strategy(None if env else str(path), env=env)
         plan: Any = plan_engine(cfg, strategy, world, torch.device("cpu"), HIDDEN, env=env)
+        cfg = plan.config  # the run config as resolved (the user's stays as written)
     except ConfigError as exc:
         plan = exc
     ds_path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path) if path.suffix == ".json" else "")
@@ -212,7 +213,7 @@ def _file(tmp_path: Path, data: dict) -> str:
 def _plan(path: str, overrides: list[str] | None = None, env: dict[str, str] | None = None, accelerator: bool = False):
     cfg = load_config(None, ["model.name=tiny-llama", *(overrides or [])])
     plan = plan_engine(cfg, load_strategy(path, env=env or {}), 2, torch.device("cuda" if accelerator else "cpu"), HIDDEN, env=env or {})
-    return plan, cfg
+    return plan, plan.config
 
 
 def test_every_problem_named_in_one_refusal(tmp_path):
@@ -363,3 +364,28 @@ def test_nvme_offload_from_the_launcher_takes_accelerates_path_variable(tmp_path
         _plan(None, env=env)
     plan, _ = _plan(None, env={**env, "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH": str(tmp_path)})
     assert plan.deepspeed["zero_optimization"]["offload_param"] == {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
+
+
+def test_preflight_resolves_into_a_read_only_copy_and_leaves_the_users_config_as_written(tmp_path, monkeypatch):
+    """Pre-flight is the one resolution step: a DeepSpeed file's own micro batch is taken into the
+    config it returns (`plan.config`), which no component may change afterwards; the user's config
+    is not written to. In-process, about a second."""
+    import copy
+    from dataclasses import FrozenInstanceError
+
+    from harness.runner import preflight
+
+    for key in [k for k in __import__("os").environ if k.startswith(("ACCELERATE_", "HARNESS_"))]:
+        monkeypatch.delenv(key)
+    path = _file(tmp_path, {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}})
+    user = load_config(None, ["model.name=tiny-llama", f"strategy={path}", f"output_dir={tmp_path / 'run'}"])
+    plan = preflight(user, load_strategy(path, env={}))
+    assert (user.micro_batch_size, plan.config.micro_batch_size) == (4, 8)
+    assert any("micro_batch_size=8" in note for note in plan.taken)
+    with pytest.raises(FrozenInstanceError, match="read-only"):
+        plan.config.optim.lr = 1.0
+    with pytest.raises(FrozenInstanceError):
+        plan.config.steps = 1
+    variant = copy.deepcopy(plan.config)  # a variant (the planner's, the check's twin) is writable
+    variant.optim.lr = 1.0
+    assert plan.config.optim.lr != 1.0

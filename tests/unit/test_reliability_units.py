@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.config import DataConfig
+from harness.config import CheckpointConfig, DataConfig
 from harness.data import cache_dir_for, is_complete, load_packed, prepare_data, stop_preparation_when
 from harness.data.documents import data_files
 from harness.engine.extension_lock import build_locks, clear_build_locks, guarded_builds
@@ -454,8 +454,9 @@ def guard_of(monkeypatch):
     monkeypatch.setattr(g, "signal_received", lambda: False)
 
     def make(bound: int, precision: str = "fp32"):
-        cfg = SimpleNamespace(checkpoint=SimpleNamespace(on_nonfinite="skip", max_consecutive_skips=bound), precision=precision)
-        return g.StepGuard(cfg, SimpleNamespace(rank=0, is_main=True), _Engine())
+        engine = _Engine()
+        engine.plan = SimpleNamespace(precision=SimpleNamespace(uses_scaler=precision == "fp16"))  # fp16's loss scaler
+        return g.StepGuard(CheckpointConfig(max_consecutive_skips=bound), SimpleNamespace(rank=0, is_main=True), engine)
 
     return make
 

@@ -116,3 +116,26 @@ def test_nothing_shards_further_than_zero3_offload_or_fsdp2() -> None:
     assert [rung.name for rung, _ in rung_overrides(2, strategy=load_strategy("fsdp"))] == [
         rung.name for rung, _ in rung_overrides(2) if not rung.name.startswith("more sharding")
     ]
+
+
+def test_launcher_flags_and_the_planners_search_name_shipped_strategies_by_their_facts() -> None:
+    """`accelerate launch` flags name the shipped strategy with the same facts (offload devices but
+    NVMe: those are laid on the stage's own file), and the planner's search is every shipped strategy
+    that means something at the world size, so a new shipped file needs no list edited. Milliseconds."""
+    from harness.config.strategies import strategy_from_launcher
+    from harness.planner.recommend import strategies_for
+
+    for name in shipped_names():
+        facts = shipped_facts(name)
+        if facts.kind != "deepspeed" or "nvme" in (facts.offload_optimizer, facts.offload_params):
+            continue
+        env = {
+            "ACCELERATE_USE_DEEPSPEED": "true",
+            "ACCELERATE_DEEPSPEED_ZERO_STAGE": str(facts.stage),
+            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": facts.offload_optimizer,
+            "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": facts.offload_params,
+        }
+        assert strategy_from_launcher(env) == name
+    assert strategies_for(2, True, "cuda") == shipped_names()
+    assert "zero3_nvme" not in strategies_for(2, False, "cuda")
+    assert all(shipped_facts(s).kind == "ddp" or shipped_facts(s).offloads_optimizer for s in strategies_for(1, False, "cuda"))

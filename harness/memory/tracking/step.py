@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.distributed import local_tensor
+from harness.distributed import local_tensor, unwrap
 from harness.memory.categories import CATEGORIES
 from harness.memory.tracking.counters import PeakCounters
 from harness.memory.tracking.live import (
@@ -64,7 +64,7 @@ from harness.memory.tracking.live import (
 from harness.memory.tracking.storage import ModelStorage
 from harness.memory.tracking.trackers import FSDPTracker, Tracker, in_backward, peaks, to_categories, write_module_report
 from harness.models import decoder_blocks
-from harness.training import compiles_step, unwrap_model
+from harness.training import compiles_step
 
 
 class StepMemoryTracker:
@@ -257,7 +257,7 @@ class StepMemoryTracker:
 
     def _install_layer_hooks(self) -> list[Any]:
         handles = []
-        for i, block in enumerate(decoder_blocks(unwrap_model(self.model))):
+        for i, block in enumerate(decoder_blocks(unwrap(self.model))):
 
             def pre(mod: nn.Module, args: Any, i: int = i) -> None:
                 if torch.is_grad_enabled() and not in_backward():
