@@ -288,11 +288,12 @@ def call_entry_point(
 
 
 def signal_once_logged(
-    cmds: list[list[str]], log_dir: Path, line: str, sig: int, env: dict[str, str], timeout: float = 180
+    cmds: list[list[str]], log_dir: Path, line: str, sig: int | list[int], env: dict[str, str], timeout: float = 180
 ) -> list[tuple[int, float, str]]:
-    """Start each of `cmds` (the ranks of one run, or one process), send `sig` to every one once
-    each one's output holds `line`; per process: (exit code, seconds from its signal to its exit,
-    its output)."""
+    """Start each of `cmds` (the ranks of one run, or one process), send `sig` (or `sig[i]` to the
+    i-th) to every one once each one's output holds `line`; per process: (exit code, seconds from
+    its signal to its exit, its output)."""
+    sigs = sig if isinstance(sig, list) else [sig] * len(cmds)
     logs = [log_dir / f"proc{i}.log" for i in range(len(cmds))]
     files = [open(p, "w") for p in logs]
     procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True) for c, f in zip(cmds, files)]
@@ -303,8 +304,8 @@ def signal_once_logged(
                 assert proc.poll() is None and time.monotonic() < deadline, path.read_text()[-3000:]
                 time.sleep(0.02)
         signalled = time.monotonic()
-        for proc in procs:
-            proc.send_signal(sig)
+        for proc, one in zip(procs, sigs):
+            proc.send_signal(one)
         codes = [proc.wait(timeout=120) for proc in procs]
         return [(code, time.monotonic() - signalled, path.read_text()) for code, path in zip(codes, logs)]
     finally:
