@@ -10,7 +10,8 @@ storage and one training step is traced on rank 0 of a fake process group (see
 ``harness.planner``). Overrides are the trainer's ``key=value`` ones.
 
 --recommend walks the memory ladder (``harness.planner.ladder``: precision, sharding, recomputation,
-chunked loss, tiled MLP, checkpoint-input offload, optimizer in backward, offload, LoRA, QLoRA),
+chunked loss, tiled MLP, checkpoint-input offload, sequence parallelism, optimizer in backward, offload,
+LoRA, QLoRA),
 prints every rung and writes the first that fits. --max-seq-len finds the longest
 ``data.seq_len`` the config fits at (``harness.planner.long_context``), every other knob as written.
 

@@ -25,6 +25,7 @@ from harness.config import (
     RunConfig,
     Strategy,
     check_run,
+    check_sequence_heads,
     engine_kind,
     load_strategy,
 )
@@ -157,6 +158,7 @@ def specs_for(
         # QLoRA: the codes are stored in the compute dtype (harness.models.qlora), gathered and dequantized as such
         nf4_storage=names[policy.compute_dtype] if lora.enabled and lora.quantize == "nf4" else None,
         frozen_dtype=names[policy.frozen_dtype] if lora.enabled and policy.frozen_dtype != policy.param_dtype else None,
+        sequence=cfg.parallel.sequence,
     )
     common = dict(
         kind=kind,
@@ -334,12 +336,6 @@ def cached_trace(spec: TraceSpec) -> TraceResult:
     return _TRACE_CACHE[spec]
 
 
-def _hidden_size(cfg: RunConfig, vocab: int | None) -> int:
-    """The hidden size (DeepSpeed's "auto" bucket sizes follow it), from the config alone."""
-    model = build_fake_model(cfg.model.name, vocab, FakeTensorMode())
-    return int(getattr(model.config, "hidden_size", 0) or 0)
-
-
 def estimate(
     cfg: RunConfig, world_size: int, *, target: str = "cuda", vocab_size: int | None = None, strategy: Strategy | None = None
 ) -> Estimate:
@@ -352,9 +348,10 @@ def estimate(
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
     vocab = vocab_size or resolve_vocab(cfg)
-    hidden = _hidden_size(cfg, vocab)
+    shape = build_fake_model(cfg.model.name, vocab, FakeTensorMode()).config.to_dict()  # the hidden size sizes DeepSpeed's "auto" buckets
     try:
-        tspec, espec = specs_for(cfg, strategy, world_size, hidden, target, vocab)
+        check_sequence_heads(cfg, shape)  # pre-flight's, where the model's shape is known
+        tspec, espec = specs_for(cfg, strategy, world_size, int(shape.get("hidden_size") or 0), target, vocab)
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
     trace = cached_trace(tspec)
