@@ -21,8 +21,7 @@ import torch
 
 from harness.config import ConfigError, Strategy, StrategyFacts, load_strategy, more_sharding
 from harness.distributed import DistInfo
-from harness.planner import estimate
-from harness.planner.ladder import MLP_TILE_TOKENS, sequence_degree
+from harness.planner import MLP_TILE_TOKENS, estimate, sequence_degree
 
 
 def is_oom(exc: BaseException) -> bool:
