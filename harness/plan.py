@@ -258,6 +258,7 @@ def _max_seq_len(args: argparse.Namespace, cfg: Any, gpu_mem: int, cpu_mem: int 
         f"Longest sequence: {cfg.model.name} x {args.gpus} rank(s) of {gib(gpu_mem)}, strategy {strategy}, {cfg.precision}, "
         f"micro-batch {cfg.micro_batch_size}, AC {cfg.memory.activation_checkpointing}, loss chunk {cfg.memory.loss_chunk_size}, "
         f"tiled MLP {cfg.memory.tiled_mlp or cfg.memory.tiled_mlp_tokens and f'{cfg.memory.tiled_mlp_tokens} tokens' or 'off'}"
+        + (f", each sequence split over {cfg.parallel.sequence} ranks" if cfg.parallel.sequence > 1 else "")
     )
     print(format_search(search, gpu_mem, title))
     if args.json:
