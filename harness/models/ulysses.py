@@ -10,12 +10,12 @@ the position ids of the whole sequence that each rank is given for its slice.
 The hook is transformers' own attention registry: a function registered under `ULYSSES`
 and set as the model's attention implementation. transformers builds no mask for an
 implementation it has no mask function for, so the local slice's mask (wrong for the whole
-sequence) never exists; the causal mask is sdpa's `is_causal`. Packed examples (position ids
-that restart inside a row) are kept apart as transformers keeps them at world 1: the group's
-position ids are all-gathered into the whole sequence's once per forward, transformers'
-`find_packed_sequence_indices` numbers its examples, and sdpa gets the block-diagonal causal
-mask (batch x 1 x S x S booleans, held from one forward to the backward's recomputation); a
-sequence that packs nothing keeps `is_causal` and no mask. The all-to-all is its own
+sequence) never exists; the causal mask is sdpa's `is_causal`. Packed examples (a run whose
+data packs them: position ids that restart inside a row) are kept apart as transformers keeps
+them at world 1: the group's position ids are all-gathered into the whole sequence's once per
+forward, transformers' `find_packed_sequence_indices` numbers its examples, and sdpa gets the
+block-diagonal causal mask (batch x 1 x S x S booleans, held from one forward to the backward's
+recomputation). Other runs never gather nor check: no collective and no host sync added. The all-to-all is its own
 inverse in layout, so its backward is the same exchange of the gradients (autograd through a
 collective: each rank's backward delivers its loss's gradient to the ranks that computed the
 inputs, so the group's gradients sum to those of the whole sequence).
@@ -108,7 +108,7 @@ class WholeSequenceMask:
 
 def ulysses_sdpa(
     group: dist.ProcessGroup,
-    whole_mask: WholeSequenceMask,
+    whole_mask: WholeSequenceMask | None,
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -117,12 +117,12 @@ def ulysses_sdpa(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
     """The attention function registered under `ULYSSES`: sdpa, causal over the whole sequence
-    and, for packed examples, inside each example (`WholeSequenceMask`)."""
+    and, given a `WholeSequenceMask` (packed examples), inside each example."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is not None:
         raise ValueError("Ulysses attention builds its own causal mask; a padding attention mask is not supported")
-    mask = whole_mask(kwargs.get("position_ids"))
+    mask = whole_mask(kwargs.get("position_ids")) if whole_mask is not None else None
     q, k, v = (sequence_to_heads(t, group) for t in (query, key, value))
     kwargs.pop("is_causal", None)
     out, weights = sdpa_attention_forward(module, q, k, v, mask, is_causal=mask is None, **kwargs)
@@ -135,11 +135,14 @@ def attention_is_swappable(model: nn.Module) -> bool:
     return bool(getattr(model, "_supports_sdpa", False)) and type(model)._can_set_attn_implementation()
 
 
-def use_ulysses(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Register Ulysses attention over `group` and make it `model`'s (a peft model: its base's)."""
+def use_ulysses(model: nn.Module, group: dist.ProcessGroup, packed: bool = False) -> None:
+    """Register Ulysses attention over `group` and make it `model`'s (a peft model: its base's).
+    `packed`: the run's rows pack several examples (`data.packing` of instruction data), which
+    attention must keep apart; otherwise a row is one sequence and sdpa's `is_causal` is the mask."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ULYSSES, functools.partial(ulysses_sdpa, group, WholeSequenceMask(group)))
+    mask = WholeSequenceMask(group) if packed else None
+    AttentionInterface.register(ULYSSES, functools.partial(ulysses_sdpa, group, mask))
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     hf.set_attn_implementation(ULYSSES)
     if hf.config._attn_implementation != ULYSSES:  # a model that cannot switch (pre-flight refuses those)

@@ -121,7 +121,7 @@ def _packed_worker(out_path: str) -> None:
     for name, positions in (("packed", piece), ("across", None)):
         model = build_model("tiny-llama", vocab_size=512, seed=3)
         apply_activation_checkpointing(model, "full")
-        use_ulysses(model, dist.new_group(list(range(world))))
+        use_ulysses(model, dist.new_group(list(range(world))), packed=True)
         if positions is None:  # the same slices, each example's positions made one sequence's: attention crosses examples
             positions = piece.clone()
             positions[:, 2] = torch.arange(rank * 32, rank * 32 + 33)
