@@ -2,6 +2,7 @@
 
     python benchmarks/long_context.py > table.md
     python benchmarks/long_context.py --seq-lens 8192 16384 --model small-llama --vocab-size 4096
+    python benchmarks/long_context.py --sequence 2   # Ulysses: per-rank planned vs measured at world 2
 
 First the MLP alone (hidden 64, intermediate 1024, seq 8192): its activation peak by harness's
 own per-category tracker (``StepMemoryTracker``) untiled and at 2 to 16 tiles. Then, for
@@ -14,6 +15,11 @@ offload, one real forward + backward under the trainer's ``ActivationOffload`` (
 inputs, the copy path run on the host): the bytes it moved and the most it held fetched ahead,
 beside the planner's host bytes for a GPU run (``target=cuda``, the offload simulated in the
 trace). A CPU cannot show the device saving itself; notes/long_context.md says what was shown.
+
+``--sequence N``: instead, `parallel.sequence=N` at world N (data-parallel size 1) under DDP and
+FSDP2, with and without the tiled MLP: the largest per-rank peak of real steps (every rank fed its
+slice, `harness.planner.measure`) against the planner's estimate, beside one process's measured
+peak of the same whole sequence (the baseline, measured in the same run).
 """
 
 from __future__ import annotations
@@ -79,6 +85,34 @@ def mlp_table(seq: int = 8192, intermediate: int = 1024) -> None:
     print()
 
 
+def sequence_table(args: argparse.Namespace, base: list[str]) -> None:
+    n = args.sequence
+    knobs = {"AC + chunked loss": [], "+ tiled MLP (8 tiles)": ["memory.tiled_mlp=8"]}
+    runs = [
+        [*base, f"strategy={s}", f"data.seq_len={seq}", *extra]
+        for seq in args.seq_lens
+        for s in ("ddp", "fsdp")
+        for extra in knobs.values()
+    ]
+    split = [[*r, f"parallel.sequence={n}"] for r in runs]
+    whole = launch(runs, 1, steps=2, vocab_size=args.vocab_size, trainer_view=False, timeout=args.timeout)
+    parts = launch(split, n, steps=2, vocab_size=args.vocab_size, trainer_view=False, timeout=args.timeout)
+    print(f"| seq_len | engine | knobs | one process (N=1) | measured per rank (N={n}) | planned (N={n}) | error | N={n} / N=1 | ", end="")
+    print(f"measured activations (N={n}) | planned activations |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    names = list(knobs) * 2 * len(args.seq_lens)
+    for name, overrides, one, ranks in zip(names, split, whole, parts):
+        worst = max(ranks, key=lambda r: r["peak"])
+        measured, alone = worst["peak"], one[0]["peak"]
+        est = estimate(load_config(None, overrides), n, target="cpu", vocab_size=args.vocab_size)
+        given = dict(o.split("=", 1) for o in overrides)
+        seq, engine = given["data.seq_len"], given["strategy"]
+        print(
+            f"| {seq} | {engine} | {name} | {alone:,} | {measured:,} | {est.total:,} | {(est.total - measured) / measured:+.2%} | "
+            f"{measured / alone:.3f} | {worst['peak_by_category'].get('activations', 0):,} | {est.peak.categories['activations']:,} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama")
@@ -86,18 +120,15 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--mlp-only", action="store_true", help="only the MLP table (one process, seconds)")
+    parser.add_argument("--sequence", type=int, default=1, help="N > 1: only the sequence-parallel table, at world N")
     args = parser.parse_args()
+    common = [f"model.name={args.model}", "micro_batch_size=1", "precision=fp32", "memory.activation_checkpointing=full"]
+    if args.sequence > 1:
+        return sequence_table(args, [*common, "memory.loss_chunk_size=1024"])
     mlp_table()
     if args.mlp_only:
         return
-    base = [
-        f"model.name={args.model}",
-        "micro_batch_size=1",
-        "precision=fp32",
-        "strategy=ddp",
-        "memory.activation_checkpointing=full",
-        "memory.loss_chunk_size=1024",
-    ]
+    base = [*common[:3], "strategy=ddp", common[3], "memory.loss_chunk_size=1024"]
     runs = [[*base, f"data.seq_len={seq}", *extra] for seq in args.seq_lens for extra in KNOBS.values()]
     results = launch(runs, 1, steps=2, vocab_size=args.vocab_size, trainer_view=False, timeout=args.timeout)
     print("| seq_len | knobs | measured peak | planned peak | error | measured activations | planned activations |")

@@ -1,6 +1,7 @@
 """The planner's longest sequence for Llama-3-8B, from its line: two traced lengths, extrapolated.
 
     python benchmarks/long_context_8b.py > table.md
+    python benchmarks/long_context_8b.py --sequence 8   # the 8-GPU rows with Ulysses over all 8
 
 `harness.plan --max-seq-len` searches with a traced step per probe; at 8B with tiles of 4096
 tokens, a probe near the answer (hundreds of thousands of tokens: a hundred MLP tiles in each
@@ -67,11 +68,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--at", type=int, nargs=2, default=[16384, 32768])
     parser.add_argument("--variant", choices=("long", "base"), default="long", help="base: without the tiled MLP and the offload")
+    parser.add_argument("--sequence", type=int, default=1, help="N > 1: parallel.sequence=N, the setups whose world N divides")
     args = parser.parse_args()
     print("| machine | config | device / host at the first length | at the second | device/token | host/token (node) | longest seq_len |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for _, world, strategy, machines in SETUPS:
-        overrides = [*COMMON, *strategy, *(LONG if args.variant == "long" else [])]
+        if world % args.sequence:
+            continue
+        split = [f"parallel.sequence={args.sequence}"] if args.sequence > 1 else []
+        overrides = [*COMMON, *strategy, *(LONG if args.variant == "long" else []), *split]
         for row in line_answer(world, overrides, tuple(args.at), machines):
             print(row, flush=True)
 

@@ -3,6 +3,7 @@ run (same data, seed and steps, fp32) at world 1 and at world N with `parallel.s
 (a data-parallel size of 1: the N ranks share every sample, each holding 1/N of its tokens).
 
     python benchmarks/sequence_parallel.py [--model real|<preset or dir>] [--seq-len 4096] [--steps 2] [--strategy fsdp] [--sequence 2]
+        [--set memory.activation_checkpointing=full ...]
 
 Reported per step: both runs' losses and gradient norms and their largest relative
 difference, and the per-rank activation peak measured by harness's own per-category tracker
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp"])
     parser.add_argument("--sequence", type=int, default=2, help="N: the world-N run's parallel.sequence (SmolLM2's 9 heads, 3 kv heads: 3)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for both runs")
     parser.add_argument("--work", type=Path, default=None, help="where runs and the data cache go (default: a temp dir)")
     args = parser.parse_args()
     model = str(real_model.prepare()) if args.model == "real" else args.model
@@ -75,10 +77,10 @@ def main() -> None:
     cache = work / "cache"
     one = write_config(work / "w1.yaml", model, args.seq_len, args.steps, cache, work / "w1")
     run([sys.executable, "-m", "harness.data", "--config", str(one)])  # prepared once, outside both timings
-    run([sys.executable, "-m", "harness.train", "--config", str(one)])
+    run([sys.executable, "-m", "harness.train", "--config", str(one), *args.set])
     two = write_config(work / "sp2.yaml", model, args.seq_len, args.steps, cache, work / "sp2")
     run([str(BIN / "torchrun"), f"--nproc_per_node={args.sequence}", "--master_port=29651", "harness/train.py", "--config", str(two),
-         f"strategy={args.strategy}", f"parallel.sequence={args.sequence}"])  # fmt: skip
+         f"strategy={args.strategy}", f"parallel.sequence={args.sequence}", *args.set])  # fmt: skip
     a, b = steps_of(work / "w1"), steps_of(work / "sp2")
     rows = []
     for step, (x, y) in enumerate(zip(a, b), start=1):
@@ -99,7 +101,8 @@ def main() -> None:
     norm_rel = max(abs(r["grad_norm_sp2"] - r["grad_norm_w1"]) / abs(r["grad_norm_w1"]) for r in rows)
     ratio = max(r["act_sp2"] / r["act_w1"] for r in rows if r["act_w1"] and r["act_sp2"])
     n = args.sequence
-    print(f"model {model}, seq {args.seq_len}, {args.strategy} x{n} parallel.sequence={n} vs one process, fp32, micro-batch 1")
+    extra = " ".join(args.set)
+    print(f"model {model}, seq {args.seq_len}, {args.strategy} x{n} parallel.sequence={n} vs one process, fp32, micro-batch 1 {extra}")
     columns = ["step", "loss N=1", f"loss N={n}", "grad norm N=1", f"grad norm N={n}", "activations N=1 (MiB)", f"N={n} per rank (MiB)"]
     print("| " + " | ".join([*columns, "ratio", "step s"]) + " |")
     print("|---|---|---|---|---|---|---|---|---|")

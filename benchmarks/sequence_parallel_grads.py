@@ -5,6 +5,7 @@ one-process fp32 gradients, are compared with one-process fp64 gradients (relati
 every parameter), so fp32 rounding is told apart from a real difference.
 
     torchrun --nproc_per_node=3 benchmarks/sequence_parallel_grads.py 768     # N = the world; prints JSON
+    torchrun --nproc_per_node=3 benchmarks/sequence_parallel_grads.py 4608 --ac  # full AC, 1024-token loss chunks
 """
 
 from __future__ import annotations
@@ -18,21 +19,32 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from harness.data import SequenceSlice
+from harness.memory import apply_activation_checkpointing
 from harness.models import use_ulysses
 from harness.training import causal_lm_loss, count_targets, sequence_shard_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_model
 
+AC = "--ac" in sys.argv  # long sequences: activation checkpointing and the chunked loss, as a long run trains
+CHUNK = 1024 if AC else 0
+
+
+def load(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    if AC:
+        apply_activation_checkpointing(model, "full")
+    return model
+
 
 def group_gradients(model_dir: str, batch: torch.Tensor, rank: int, world: int) -> dict[str, torch.Tensor]:
     """The trainer's arithmetic: each rank's slice loss over the group's counted tokens per rank, gradients averaged."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = load(model_dir, torch.float32)
     use_ulysses(model, dist.new_group(list(range(world))))
     piece = SequenceSlice(rank, world)(batch)
     count = torch.tensor(float(count_targets(piece)))
     dist.all_reduce(count)
-    sequence_shard_loss(model, piece, num_items=count / world).backward()
+    sequence_shard_loss(model, piece, chunk_size=CHUNK, num_items=count / world).backward()
     out = {}
     for name, p in model.named_parameters():
         g = p.grad.clone()
@@ -42,8 +54,8 @@ def group_gradients(model_dir: str, batch: torch.Tensor, rank: int, world: int) 
 
 
 def one_process_gradients(model_dir: str, batch: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-    causal_lm_loss(model, batch).backward()
+    model = load(model_dir, dtype)
+    causal_lm_loss(model, batch, chunk_size=CHUNK).backward()
     return {name: p.grad for name, p in model.named_parameters()}
 
 
@@ -65,7 +77,8 @@ def main() -> None:
         error = {
             name: norm({n: grads[n].double() - exact[n] for n in exact}) / scale for name, grads in (("one", single), ("group", group))
         }
-        print(json.dumps({"seq": seq, "world": world, "rel_error_one_process_fp32": error["one"], "rel_error_group_fp32": error["group"],
+        print(json.dumps({"seq": seq, "world": world, "ac_and_chunked_loss": AC, "rel_error_one_process_fp32": error["one"],
+                          "rel_error_group_fp32": error["group"],
                           "norm_fp64": scale, "norm_one_process_fp32": norm(single), "norm_group_fp32": norm(group)}))  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()

@@ -10,7 +10,8 @@ storage and one training step is traced on rank 0 of a fake process group (see
 ``harness.planner``). Overrides are the trainer's ``key=value`` ones.
 
 --recommend walks the memory ladder (``harness.planner.ladder``: precision, sharding, recomputation,
-chunked loss, tiled MLP, checkpoint-input offload, optimizer in backward, offload, LoRA, QLoRA),
+chunked loss, tiled MLP, checkpoint-input offload, sequence parallelism, optimizer in backward, offload,
+LoRA, QLoRA),
 prints every rung and writes the first that fits. --max-seq-len finds the longest
 ``data.seq_len`` the config fits at (``harness.planner.long_context``), every other knob as written.
 
@@ -258,6 +259,7 @@ def _max_seq_len(args: argparse.Namespace, cfg: Any, gpu_mem: int, cpu_mem: int 
         f"Longest sequence: {cfg.model.name} x {args.gpus} rank(s) of {gib(gpu_mem)}, strategy {strategy}, {cfg.precision}, "
         f"micro-batch {cfg.micro_batch_size}, AC {cfg.memory.activation_checkpointing}, loss chunk {cfg.memory.loss_chunk_size}, "
         f"tiled MLP {cfg.memory.tiled_mlp or cfg.memory.tiled_mlp_tokens and f'{cfg.memory.tiled_mlp_tokens} tokens' or 'off'}"
+        + (f", each sequence split over {cfg.parallel.sequence} ranks" if cfg.parallel.sequence > 1 else "")
     )
     print(format_search(search, gpu_mem, title))
     if args.json:

@@ -343,11 +343,6 @@ def check_sequence_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> N
         raise ConfigError(f"{what} must divide the world size ({world}): each group of {n} ranks shares its samples")
     if cfg.data.seq_len % n:
         raise ConfigError(f"{what} must divide data.seq_len={cfg.data.seq_len}: each rank holds an equal slice of every sample")
-    if cfg.data.format == "instruction" and cfg.data.packing:
-        raise ConfigError(
-            f"{what} with packed instruction data (data.packing=true) would let attention cross examples (each rank sees "
-            "only its slice of the positions that keep them apart); set data.packing=false"
-        )
     if cfg.prune.method != "none":
         raise ConfigError(
             f"{what} with prune.method={cfg.prune.method}: pruning's calibration runs whole sequences; set parallel.sequence=1"

@@ -23,7 +23,7 @@ from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.build import build_engine, load_model
 from harness.engine.deepspeed_engine import DeepSpeedEngine
 from harness.engine.finite import weights_finite
-from harness.engine.parallelize import apply_memory_techniques, fsdp_wrap
+from harness.engine.parallelize import apply_memory_techniques, fsdp_wrap, sequence_group
 from harness.engine.plan import EnginePlan, hidden_size_of, plan_engine
 from harness.engine.shard_base import ParamShard
 from harness.engine.shards import memory_storage, shard_of
@@ -59,6 +59,7 @@ __all__ = [
     "local_part",
     "memory_storage",
     "plan_engine",
+    "sequence_group",
     "read_model_weights",
     "weights_finite",
     "shard_of",

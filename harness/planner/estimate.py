@@ -25,6 +25,7 @@ from harness.config import (
     RunConfig,
     Strategy,
     check_run,
+    check_sequence_heads,
     engine_kind,
     load_strategy,
 )
@@ -168,6 +169,7 @@ def specs_for(
         # QLoRA: the codes are stored in the compute dtype (harness.models.qlora), gathered and dequantized as such
         nf4_storage=DTYPE_NAMES[policy.compute_dtype] if lora.enabled and lora.quantize == "nf4" else None,
         frozen_dtype=DTYPE_NAMES[policy.frozen_dtype] if lora.enabled and policy.frozen_dtype != policy.param_dtype else None,
+        sequence=cfg.parallel.sequence,
     )
     common = dict(
         kind=kind,
@@ -345,12 +347,6 @@ def cached_trace(spec: TraceSpec) -> TraceResult:
     return _TRACE_CACHE[spec]
 
 
-def _hidden_size(model_name: str, vocab: int | None) -> int:
-    """The hidden size (DeepSpeed's "auto" bucket sizes follow it), from the model's config alone."""
-    model = build_fake_model(model_name, vocab, FakeTensorMode())
-    return int(getattr(model.config, "hidden_size", 0) or 0)
-
-
 def estimate(
     cfg: RunConfig, world_size: int, *, target: str = "cuda", vocab_size: int | None = None, strategy: Strategy | None = None
 ) -> Estimate:
@@ -363,9 +359,11 @@ def estimate(
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
     vocab = vocab_size or resolve_vocab(cfg)
-    hidden = _hidden_size(cfg.model.name, vocab)
+    shape = build_fake_model(cfg.model.name, vocab, FakeTensorMode()).config.to_dict()  # the hidden size sizes DeepSpeed's "auto" buckets
+    hidden = int(shape.get("hidden_size") or 0)
     try:
         check_modelled(cfg, strategy, world_size)
+        check_sequence_heads(cfg, shape)  # pre-flight's, where the model's shape is known
         plan = plan_for(cfg, strategy, world_size, hidden)
         tspec, espec = specs_for(cfg, strategy, world_size, hidden, target, vocab, plan)
     except ConfigError as exc:

@@ -21,11 +21,22 @@ is left out where nothing shards further); `{grad_clip}` is the user's own `opti
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
-from harness.config import RunConfig, Strategy, StrategyFacts, facts_of, load_config, load_strategy, more_sharding
+from harness.config import (
+    RunConfig,
+    Strategy,
+    StrategyFacts,
+    check_sequence_heads,
+    facts_of,
+    load_config,
+    load_strategy,
+    more_sharding,
+)
 from harness.errors import ConfigError
+from harness.models import model_config
 from harness.planner.estimate import Estimate, estimate
 from harness.planner.recommend import SPEED
 from harness.planner.report import gib, gpu_allowance, verdict
@@ -38,6 +49,7 @@ class Rung:
     overrides: tuple[str, ...]  # added to every rung's above it (a later one may undo an earlier one's)
     min_world: int = 1  # sharding means nothing on one rank
     max_world: int | None = None  # torchao's low-bit states on bf16 weights do not step under FSDP2 (refused)
+    with_sequence: bool = True  # False: left out below the sequence-parallel rung (a combination the trainer refuses)
 
 
 LOSS_CHUNK = 1024  # tokens per chunk of the chunked loss: logits of 1024 positions at a time
@@ -52,9 +64,20 @@ RUNGS: tuple[Rung, ...] = (
     # long sequences: activations that grow with seq_len, in cost order
     Rung("tiled MLP (its intermediates a tile at a time)", (f"memory.tiled_mlp_tokens={MLP_TILE_TOKENS}",)),
     Rung("checkpoint-input offload (block inputs on the host)", ("memory.offload_checkpoint_inputs=true",)),
-    # sequence parallelism (each sample's sequence split over ranks) belongs here, before the
-    # model-state rungs and parameter/optimizer offload: a Rung with its overrides and min_world=2
-    Rung("optimizer step inside backward (no gradient clipping)", ("memory.optimizer_in_backward=true", "optim.grad_clip=0")),
+    # each sample's sequence split over {sequence} ranks (the largest degree the world, the heads and
+    # seq_len allow: `sequence_degree`); accumulation over {sequence} times the micro-batches keeps
+    # the samples per optimizer step the user's
+    Rung(
+        "sequence parallelism (Ulysses; accumulation keeps the global batch)",
+        ("parallel.sequence={sequence}", "grad_accum={sequence_accum}"),
+        min_world=2,
+    ),
+    # refused under sequence parallelism (it would step before the shards' gradients are summed)
+    Rung(
+        "optimizer step inside backward (no gradient clipping)",
+        ("memory.optimizer_in_backward=true", "optim.grad_clip=0"),
+        with_sequence=False,
+    ),
     Rung("bf16 optimizer states (torchao, stochastic rounding)", ("optim.name=adamw_bf16",)),
     Rung("pure bf16 weights: no fp32 master (stochastic rounding)", ("precision=bf16_pure",)),
     Rung("8-bit optimizer states (torchao)", ("optim.name=adamw_8bit",), max_world=1),
@@ -75,6 +98,9 @@ RUNGS: tuple[Rung, ...] = (
             "precision=bf16",  # DeepSpeed keeps fp32 masters
             "memory.optimizer_in_backward=false",
             "optim.grad_clip={grad_clip}",
+            # harness's Ulysses runs under the torch engines only: whole sequences again
+            "parallel.sequence=1",
+            "grad_accum={grad_accum}",
         ),
     ),
     Rung("ZeRO-3 offload: parameters too", ("strategy=zero3_offload",)),
@@ -114,16 +140,56 @@ def net(overrides: list[str]) -> list[str]:
     return list(last.values())
 
 
-def rung_overrides(world: int, grad_clip: float = 1.0, strategy: Strategy | None = None) -> list[tuple[Rung, list[str]]]:
+def sequence_degree(cfg: RunConfig, world: int, vocab_size: int | None = None) -> int:
+    """The sequence-parallel rung's degree: the largest N > 1 that divides the world and `data.seq_len`
+    and that pre-flight's check of the model's heads accepts (`check_sequence_heads`); 1 (no such rung)
+    when there is none, when the config already splits its sequences or packs instruction data
+    (refused under it), or when the model's shape cannot be read. Anything else the trainer refuses
+    with it (pruning, optimizer-in-backward in the user's config) the rung's row reports."""
+    if cfg.parallel.sequence > 1 or (cfg.data.format == "instruction" and cfg.data.packing):
+        return 1
+    try:
+        shape = model_config(cfg.model.name, vocab_size=vocab_size).to_dict()
+    except Exception:  # the first rung, the config as written, reports an unreadable model
+        return 1
+    for n in range(world, 1, -1):
+        if world % n or cfg.data.seq_len % n:
+            continue
+        trial = copy.deepcopy(cfg)
+        trial.parallel.sequence = n
+        try:
+            check_sequence_heads(trial, shape)
+        except ConfigError:
+            continue
+        return n
+    return 1
+
+
+def rung_overrides(
+    world: int, grad_clip: float = 1.0, strategy: Strategy | None = None, sequence: int = 1, grad_accum: int = 1
+) -> list[tuple[Rung, list[str]]]:
     """Each rung that applies at ``world`` with the overrides of it and every rung above it.
-    ``strategy``: the run's resolved strategy (default DDP), which `{more_sharding}` continues."""
+    ``strategy``: the run's resolved strategy (default DDP), which `{more_sharding}` continues;
+    ``sequence``: the sequence-parallel rung's degree (1: no such rung, `sequence_degree`);
+    ``grad_accum``: the user's, which that rung multiplies and the DeepSpeed rungs restore."""
     further = more_sharding(StrategyFacts.of(strategy)) if strategy is not None else "fsdp"
-    values = {"shard": "fsdp" if world > 1 else "ddp", "grad_clip": f"{grad_clip:g}", "more_sharding": further}
+    values = {
+        "shard": "fsdp" if world > 1 else "ddp",
+        "grad_clip": f"{grad_clip:g}",
+        "more_sharding": further,
+        "sequence": str(sequence),
+        "sequence_accum": str(grad_accum * sequence),
+        "grad_accum": str(grad_accum),
+    }
     out, applied = [], []
     for rung in RUNGS:
         if world < rung.min_world or (rung.max_world is not None and world > rung.max_world):
             continue
         if further is None and any("{more_sharding}" in o for o in rung.overrides):
+            continue
+        if sequence == 1 and any("{sequence}" in o for o in rung.overrides):
+            continue
+        if sequence > 1 and not rung.with_sequence and "parallel.sequence=1" not in applied:
             continue
         applied = applied + [o.format(**values) for o in rung.overrides]
         out.append((rung, net(applied)))
@@ -140,6 +206,7 @@ def relative_time(cfg: RunConfig) -> float:
         * SPEED["ac"].get(cfg.memory.activation_checkpointing, 1.0)
         * (SPEED["memory"]["tiled_mlp"] if tiled else 1.0)
         * (SPEED["memory"]["offload_checkpoint_inputs"] if mem.offload_checkpoint_inputs else 1.0)
+        * (SPEED["memory"]["sequence_parallel"] if cfg.parallel.sequence > 1 else 1.0)
         * facts_of(cfg.strategy).step_time
         * SPEED["lora"][mode]
     )
@@ -194,7 +261,8 @@ def walk_ladder(
         strategy = load_strategy(user.strategy)
     except ConfigError:
         strategy = None  # the first rung, the config as written, reports it
-    for rung, applied in rung_overrides(world, user.optim.grad_clip, strategy):
+    sequence = sequence_degree(user, world, vocab_size)
+    for rung, applied in rung_overrides(world, user.optim.grad_clip, strategy, sequence, user.grad_accum):
         all_overrides = [*overrides, *applied]
         try:
             cfg = load_config(config, all_overrides)
@@ -254,5 +322,6 @@ __all__ = [
     "offload_seconds",
     "relative_time",
     "rung_overrides",
+    "sequence_degree",
     "walk_ladder",
 ]

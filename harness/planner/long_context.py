@@ -19,6 +19,7 @@ Before a probe fails, the lengths grow along the line through the last two (at l
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -104,8 +105,10 @@ def max_seq_len(
     on_probe: Callable[[Probe], None] | None = None,
 ) -> SeqSearch:
     """The longest multiple of ``step`` tokens (at most ``limit``) at which ``cfg`` fits, and the probes
-    that found it; ``on_probe`` hears of each as it is made (a probe at 8B traces for a minute or more)."""
+    that found it (under `parallel.sequence` N the step becomes a multiple of N: the answer's ``step``);
+    ``on_probe`` hears of each as it is made (a probe at 8B traces for a minute or more)."""
     per_node = per_node or world
+    step = math.lcm(step, cfg.parallel.sequence)  # sequence parallelism: every rank an equal slice
     probes: dict[int, Probe] = {}
 
     def probe(seq: int) -> Probe:

@@ -42,12 +42,13 @@ import torch
 import torch.distributed as dist
 
 from harness.config import load_config, load_strategy
+from harness.data import SequenceSlice
 from harness.distributed import free_port, init_distributed, teardown
 from harness.engine import build_engine, hidden_size_of, plan_engine
 from harness.memory import CATEGORIES as CATS
 from harness.memory import AllocatorTrace, FrozenAwareMemTracker, StepMemoryTracker, category_of
 from harness.models import model_spec
-from harness.training import causal_lm_loss, name_compiles_step
+from harness.training import causal_lm_loss, name_compiles_step, sequence_shard_loss
 
 
 def cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
@@ -88,7 +89,9 @@ def measure_config(
     cfg = load_config(None, overrides)
     strategy = load_strategy(cfg.strategy)
     info = init_distributed("cpu", force_group=strategy.needs_process_group)
-    gen = torch.Generator().manual_seed(1000 + info.rank)
+    # under sequence parallelism a group of ranks shares its samples, each rank training its slice
+    piece, _, data_rank = SequenceSlice.of_rank(info.rank, info.world_size, cfg.parallel.sequence)
+    gen = torch.Generator().manual_seed(1000 + data_rank)
     compiled_step = name_compiles_step(cfg.optim.name)
     live_split = compiled_step or (allocator and not dispatch)  # the step outside MemTracker, the total the allocator's
     per_step: list[dict[str, int]] = []
@@ -99,9 +102,11 @@ def measure_config(
             vocab = int(spec.config.vocab_size)
             plan = plan_engine(cfg, strategy, info.world_size, info.device, hidden_size_of(spec.config))
             cfg = plan.config  # as the run resolves it (a DeepSpeed file's own numbers taken in)
-            loss_fn = lambda m, ids: causal_lm_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
+            base_loss = sequence_shard_loss if cfg.parallel.sequence > 1 else causal_lm_loss
+            loss_fn = lambda m, ids: base_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
             engine = build_engine(spec, cfg, plan, info, loss_fn)
-            batches = [torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), generator=gen) for _ in range(cfg.grad_accum)]
+            whole = (cfg.micro_batch_size, cfg.data.seq_len)
+            batches = [piece(torch.randint(0, vocab, whole, generator=gen)) for _ in range(cfg.grad_accum)]
         # The trainer's split of a compiling step (saved tensors, gradient hooks, state counted), every step.
         split = (
             StepMemoryTracker(engine.model, engine.optimizer, category_every=1, storage=engine.memory_storage(), compiled=True)

@@ -66,8 +66,10 @@ SPEED["lora"] = {"none": 1.0, "lora": 1.0, "nf4": 1.3}
 # Long-sequence knobs (stated, not measured here): the tiled MLP runs one more MLP forward (~2/3 of a
 # block's linear FLOPs, a forward being ~1/4 of a checkpointed step: +~15%, less where attention's
 # s^2 term dominates); checkpoint-input offload overlaps its copies on a side stream (accelerate
-# measured +0.6% on Qwen3-0.6B at 1M tokens).
-SPEED["memory"] = {"tiled_mlp": 1.15, "offload_checkpoint_inputs": 1.01}
+# measured +0.6% on Qwen3-0.6B at 1M tokens); sequence parallelism (assumed, per step with the
+# global batch kept by accumulation: each rank computes the same tokens, plus four all-to-alls of
+# attention's q/k/v/output per block each way, on NVLink a small share of a block's time).
+SPEED["memory"] = {"tiled_mlp": 1.15, "offload_checkpoint_inputs": 1.01, "sequence_parallel": 1.05}
 LORA_STEPS = ("lora", "nf4")
 MICRO_BATCH_HALVING = 0.05  # each halving of the micro-batch: ~5% lower GPU efficiency
 

@@ -35,12 +35,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from harness.config import LoraConfig, Strategy
 from harness.distributed import DistInfo, local_tensor
-from harness.engine import fsdp_wrap
+from harness.engine import fsdp_wrap, sequence_group
 from harness.memory import ActivationOffload, apply_activation_checkpointing, apply_tiled_mlp
-from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config
+from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config, use_ulysses
 from harness.planner.packed import pack_block_linears
 from harness.planner.timeline import CAT_INDEX, CATS, tracker_class
-from harness.training import DTYPES, causal_lm_loss, precision_policy
+from harness.training import DTYPES, causal_lm_loss, precision_policy, sequence_shard_loss
 
 
 class PlanError(ValueError):
@@ -71,6 +71,7 @@ class TraceSpec:
     lora: tuple[int, float, float, tuple[str, ...] | None] | None = None  # (r, alpha, dropout, targets): peft adapters, base frozen
     nf4_storage: str | None = None  # QLoRA: the block linears' NF4 codes packed in this dtype (harness.planner.packed)
     frozen_dtype: str | None = None  # LoRA: the frozen base held in this dtype, not module_dtype (PrecisionPolicy.frozen_dtype)
+    sequence: int = 1  # Ulysses: each sample's sequence split over this many ranks; the trace is one rank's slice
 
 
 @dataclass
@@ -268,6 +269,21 @@ def _wrap_fsdp(model: nn.Module, spec: TraceSpec) -> nn.Module:
     return fsdp_wrap(model, strategy, policy, info)
 
 
+def _step_input(spec: TraceSpec, vocab: int) -> torch.Tensor:
+    """One micro-batch as this rank gets it: whole sequences, or under sequence parallelism its
+    `(B, 3, L+1)` slice of (input_ids, labels, positions) (`harness.data.SequenceSlice`)."""
+    if spec.sequence > 1:
+        return torch.randint(0, vocab, (spec.micro_batch, 3, spec.seq_len // spec.sequence + 1))
+    return torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
+
+
+def _loss(model: nn.Module, batch: torch.Tensor, spec: TraceSpec) -> torch.Tensor:
+    """The trainer's loss for this input (`harness.runner.build`'s choice)."""
+    if spec.sequence > 1:
+        return sequence_shard_loss(model, batch, chunk_size=spec.loss_chunk_size)
+    return causal_lm_loss(model, batch, chunk_size=spec.loss_chunk_size)
+
+
 def trace_step(spec: TraceSpec) -> TraceResult:
     """Trace forward + backward of ``spec.micro_batches`` micro-batches on rank 0 of a fake world."""
     if spec.world_size < 1:
@@ -289,8 +305,12 @@ def trace_step(spec: TraceSpec) -> TraceResult:
             pack_block_linears(model, DTYPES[spec.nf4_storage])
     vocab = int(model.config.vocab_size)
     Timeline = tracker_class()
+    # plain wrap: the engine is laid over afterwards, but Ulysses' exchange needs its sequence group
+    world = spec.world_size if spec.wrap == "fsdp" else spec.sequence
     try:
-        with fake_process_group(spec.world_size):
+        with fake_process_group(world):
+            if spec.sequence > 1:  # as the trainer: attention swapped before AC, tiling and sharding
+                use_ulysses(model, sequence_group(DistInfo(0, world, 0, torch.device("cpu"), "fake"), spec.sequence))
             if any(spec.mlp_tiles):
                 apply_tiled_mlp(model, *spec.mlp_tiles)
             if spec.ac_mode != "none":
@@ -303,7 +323,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
             trained = [p for p in model.parameters() if p.requires_grad]  # FSDP2's shards, registered between steps
             hooks = tracker.follow_sharded_grads(trained) if spec.wrap == "fsdp" else []
             with fake_mode:
-                ids = [torch.randint(0, vocab, (spec.micro_batch, spec.seq_len)) for _ in range(spec.micro_batches)]
+                ids = [_step_input(spec, vocab) for _ in range(spec.micro_batches)]
                 tracker.track_external(*ids)
                 autocast = torch.autocast("cpu", dtype=DTYPES[spec.precision]) if spec.autocast else contextlib.nullcontext()
                 # the trainer's own offload, simulated: the device copy is released at pack time and an empty one
@@ -318,7 +338,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                         if micro:
                             tracker.reset_mod_stats()
                         with autocast, offload if spec.offload_checkpoint_inputs else contextlib.nullcontext():
-                            loss = causal_lm_loss(model, batch, chunk_size=spec.loss_chunk_size)
+                            loss = _loss(model, batch, spec)
                         (loss / max(1, spec.micro_batches)).backward()
                         del loss
             for hook in hooks:

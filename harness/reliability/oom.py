@@ -5,7 +5,9 @@ says only "tried to allocate 2 GiB". The report names the step, the bytes of par
 gradients and optimizer state this rank held (`Engine.state_bytes`), the per-category peak
 of the largest step the memory tracker measured, the device's totals, and the first single
 change (activation checkpointing, half the micro-batch with twice the accumulation, more
-sharding, a chunked loss) whose `harness.planner` estimate fits the device.
+sharding, a chunked loss) whose `harness.planner` estimate fits the device. Where the planner
+finds the config's activations (and the step's temporaries) most of its peak, the long-sequence
+knobs follow: the tiled MLP, checkpoint-input offload (on a GPU), sequence parallelism.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from harness.config import ConfigError, RunConfig, Strategy, StrategyFacts, load_strategy, more_sharding
 from harness.distributed import DistInfo
-from harness.planner import estimate
+from harness.planner import MLP_TILE_TOKENS, estimate, sequence_degree
 from harness.reliability.guard import StepGuard
 
 
@@ -54,10 +56,16 @@ def resolved_strategy(cfg: RunConfig, guard: StepGuard | None = None) -> Strateg
         return None
 
 
-def candidate_changes(cfg: RunConfig, strategy: Strategy | None) -> list[list[tuple[str, Any]]]:
+def candidate_changes(
+    cfg: RunConfig, strategy: Strategy | None, long_sequence: bool = False, world: int = 1, target: str = "cpu"
+) -> list[list[tuple[str, Any]]]:
     """Single changes that lower a step's memory, in the order they are tried. "More sharding" is
     one step further along the run's own engine (`more_sharding` of its resolved facts): a DeepSpeed
-    run launched without `strategy:` is a DeepSpeed run, never told to become FSDP2."""
+    run launched without `strategy:` is a DeepSpeed run, never told to become FSDP2. ``long_sequence``
+    (activations dominate): then the long-sequence knobs, in the memory ladder's order and with its
+    values (`harness.planner.ladder`); checkpoint-input offload only on a GPU (on a CPU the host is
+    the device), sequence parallelism under the torch engines only, its accumulation keeping the
+    global batch."""
     candidates: list[list[tuple[str, Any]]] = []
     if cfg.memory.activation_checkpointing == "none":
         candidates.append([("memory.activation_checkpointing", "full")])
@@ -68,7 +76,27 @@ def candidate_changes(cfg: RunConfig, strategy: Strategy | None) -> list[list[tu
         candidates.append([("strategy", further)])
     if cfg.memory.loss_chunk_size == 0:
         candidates.append([("memory.loss_chunk_size", 1024)])
+    if not long_sequence:
+        return candidates
+    mem = cfg.memory
+    if mem.tiled_mlp <= 1 and not mem.tiled_mlp_tokens and cfg.data.seq_len > MLP_TILE_TOKENS:
+        candidates.append([("memory.tiled_mlp_tokens", MLP_TILE_TOKENS)])
+    offloadable = mem.activation_checkpointing != "none" and not mem.activation_offload and mem.compile == "none"
+    if target == "cuda" and offloadable and not mem.offload_checkpoint_inputs:
+        candidates.append([("memory.offload_checkpoint_inputs", True)])
+    n = sequence_degree(cfg, world) if strategy is not None and strategy.kind != "deepspeed" else 1
+    if n > 1:
+        candidates.append([("parallel.sequence", n), ("grad_accum", cfg.grad_accum * n)])
     return candidates
+
+
+def activations_dominate(cfg: RunConfig, world: int, target: str, strategy: Strategy | None) -> bool:
+    """Whether the planner puts activations and the step's temporaries at half the config's peak or more."""
+    try:
+        peak = estimate(cfg, world, target=target, strategy=strategy).peak.categories
+    except Exception:  # no estimate of the config as run: the report's other changes still stand
+        return False
+    return 2 * (peak.get("activations", 0) + peak.get("temporaries", 0)) >= sum(peak.values())
 
 
 def planner_suggestion(
@@ -78,8 +106,8 @@ def planner_suggestion(
     `strategy`: the run's resolved strategy (default: `resolved_strategy(cfg)`); every change is costed
     under it, a change of strategy under the shipped strategy it names."""
     strategy = strategy or resolved_strategy(cfg)
-    candidates = candidate_changes(cfg, strategy)
     t0, best = time.monotonic(), None
+    candidates = candidate_changes(cfg, strategy, activations_dominate(cfg, world, target, strategy), world, target)
     for change in candidates:
         if time.monotonic() - t0 > budget_s:
             break

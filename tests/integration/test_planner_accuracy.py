@@ -68,6 +68,13 @@ LORA_RUNS = {
     ],
 }
 OIB_RUNS = [["strategy=fsdp", *SHAPE, f"precision={p}", "memory.optimizer_in_backward=true", "optim.grad_clip=0"] for p in ("fp32", "bf16")]
+# Ulysses at world 2 (data-parallel size 1): each rank traced with its slice of the sequence and the
+# whole sequence's q/k/v/output for its share of the heads, around the exchange's buffers.
+SEQUENCE_RUNS = [
+    ["strategy=ddp", *SHAPE, "precision=fp32", "parallel.sequence=2", "memory.activation_checkpointing=full"],
+    ["strategy=fsdp", *SHAPE, "precision=bf16", "parallel.sequence=2", "memory.activation_checkpointing=none"],
+    ["strategy=fsdp", *SHAPE, "precision=fp32", "parallel.sequence=2", "memory.tiled_mlp=2", "memory.loss_chunk_size=32"],
+]
 # Every run of a world size, measured by one launch: the configs run one after another in the
 # same ranks (each engine built and measured from scratch, see harness.planner.measure), so
 # the interpreters' start-up is paid twice for the module instead of once per test.
@@ -76,7 +83,8 @@ RUNS_BY_WORLD = {
     2: [run for s in CPU_STRATEGIES for run in _ac_runs(s)]
     + [run for s in ACCUMULATION_STRATEGIES for run in _accumulation_runs(s)]
     + OIB_RUNS
-    + LORA_RUNS[2],
+    + LORA_RUNS[2]
+    + SEQUENCE_RUNS,
 }
 
 
@@ -166,6 +174,11 @@ def test_optimizer_in_backward_with_fsdp_within_3_percent(measured_peaks) -> Non
 def test_lora_within_3_percent(world: int, measured_peaks) -> None:
     """LoRA and QLoRA under one process, DDP and FSDP2: the traced LoRA model's activations and the adapters' state."""
     _check(LORA_RUNS[world], world, measured_peaks)
+
+
+def test_sequence_parallel_within_3_percent(measured_peaks) -> None:
+    """`parallel.sequence=2` under DDP and FSDP2: per-rank slices, the attention exchange, the tiled MLP on a slice."""
+    _check(SEQUENCE_RUNS, 2, measured_peaks)
 
 
 def test_tied_262k_vocabulary_within_3_percent(tied_vocab_model: str, measured_peaks) -> None:

@@ -7,6 +7,10 @@ attention is split too):
   attention (with activation checkpointing and the chunked loss), and the group's summed
   gradients equal those of the whole sequences in one process, parameter by parameter, as do
   the summed loss and the logits of each slice;
+- packed instruction data: blocks of several examples (one straddling the slices' boundary),
+  labels on the answers only, positions restarting with each example: the slices' summed
+  gradients equal one process's, where transformers keeps the examples apart by the positions
+  (and differ from attention across the examples, which the same slices give without them);
 - the train command: a world-1 run (grad_accum 2) saves a checkpoint at step 2; a world-2 run
   with parallel.sequence=2 under FSDP2 (data-parallel size 1: every gradient is reduced over the
   sequence group only) resumes from it at that other N and trains steps 3-4 with the same
@@ -18,8 +22,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 RTOL = 1e-5  # fp32; the slices' reductions run in another order than the whole sequence's
 
@@ -77,6 +85,77 @@ def _worker(out_path: str) -> None:
     dist.destroy_process_group()
 
 
+def _packed_batch(vocab: int) -> torch.Tensor:
+    """Two packed (input_ids, labels, position_ids) blocks of 64 tokens: examples of 20, 25 and 19
+    tokens, and of 40 and 24; each example's first 6 tokens are its prompt (unlabelled)."""
+    import torch
+
+    rows = []
+    for row, lengths in enumerate(((20, 25, 19), (40, 24))):
+        ids = torch.randint(0, vocab, (64,), generator=torch.Generator().manual_seed(11 + row))
+        labels, positions = ids.clone(), torch.cat([torch.arange(n) for n in lengths])
+        labels[positions < 6] = -100
+        rows.append(torch.stack([ids, labels, positions]))
+    return torch.stack(rows)
+
+
+def _packed_worker(out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from harness.data import SequenceSlice
+    from harness.memory import apply_activation_checkpointing
+    from harness.models import build_model, use_ulysses
+    from harness.training import count_targets, labelled_lm_loss, sequence_shard_loss
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = build_model("tiny-llama", vocab_size=512, seed=3)
+    batch = _packed_batch(512)
+    whole = labelled_lm_loss(reference, batch)  # one process: transformers' packed-sequence mask
+    whole.backward()
+    piece = SequenceSlice(rank, world)(batch)
+    count = torch.tensor(float(count_targets(piece)))
+    dist.all_reduce(count)
+    results = {}
+    for name, positions in (("packed", piece), ("across", None)):
+        model = build_model("tiny-llama", vocab_size=512, seed=3)
+        apply_activation_checkpointing(model, "full")
+        use_ulysses(model, dist.new_group(list(range(world))), packed=True)
+        if positions is None:  # the same slices, each example's positions made one sequence's: attention crosses examples
+            positions = piece.clone()
+            positions[:, 2] = torch.arange(rank * 32, rank * 32 + 33)
+        loss = sequence_shard_loss(model, positions, chunk_size=24, num_items=count / world)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        worst, close = 0.0, True
+        for p, q in zip(model.parameters(), reference.parameters()):
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            g /= world
+            worst = max(worst, ((g - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12)).item())
+            close = close and torch.allclose(g, q.grad, rtol=RTOL, atol=1e-7)
+        results[name] = {"sum": float(total / world), "worst_grad_rel": worst, "grads_close": close}
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"whole": float(whole), "count": float(count), **results}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_packed_examples_stay_apart_under_sequence_slices(tmp_path):
+    """Packed instruction data under `parallel.sequence=2`: attention inside each example, as one
+    process computes it (a few seconds: two 2-rank steps of tiny Llama on 64 tokens)."""
+    from launching import launch
+
+    out = tmp_path / "result.json"
+    launch(__file__, ["--packed-worker", str(out)], world=2, timeout=120)
+    r = json.loads(out.read_text())
+    assert r["packed"]["sum"] == pytest.approx(r["whole"], rel=RTOL)
+    assert r["packed"]["grads_close"], r
+    assert r["across"]["sum"] != pytest.approx(r["whole"], rel=RTOL) and not r["across"]["grads_close"], r
+
+
 @pytest.mark.integration
 def test_sequence_slices_give_the_whole_sequences_gradients(tmp_path):
     from launching import launch
@@ -116,3 +195,7 @@ if __name__ == "__main__" and "--worker" in sys.argv:
     from launching import run_rank
 
     run_rank(_worker, sys.argv[sys.argv.index("--worker") + 1])
+if __name__ == "__main__" and "--packed-worker" in sys.argv:
+    from launching import run_rank
+
+    run_rank(_packed_worker, sys.argv[sys.argv.index("--packed-worker") + 1])

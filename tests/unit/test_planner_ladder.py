@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import check_run, load_config, load_strategy
 from harness.planner.estimate import estimate
-from harness.planner.ladder import RUNGS, first_fit, offload_seconds, rung_overrides, walk_ladder
+from harness.planner.ladder import RUNGS, first_fit, offload_seconds, rung_overrides, sequence_degree, walk_ladder
 from harness.planner.model_states import fsdp_local_numel
 from harness.planner.optimizer_model import EngineSpec, step_bytes_per_element
 from harness.planner.trace import build_fake_model, param_info
@@ -23,13 +23,39 @@ TINY = ["model.name=tiny-llama", "data.seq_len=64", "micro_batch_size=2"]
 @pytest.mark.parametrize("world", [1, 2])
 def test_every_rung_is_a_config_the_trainer_accepts(world: int) -> None:
     rungs = rung_overrides(world)
-    assert [r.name for r, _ in rungs] == [r.name for r in RUNGS if r.min_world <= world <= (r.max_world or world)]
+    splits = [r for r in RUNGS if any("{sequence}" in o for o in r.overrides)]  # no degree given: no such rung
+    assert [r.name for r, _ in rungs] == [r.name for r in RUNGS if r.min_world <= world <= (r.max_world or world) and r not in splits]
     for rung, overrides in rungs:
         cfg = load_config(None, [*TINY, *overrides])
         check_run(cfg, load_strategy(cfg.strategy), world, has_accelerator=True)
     last = load_config(None, [*TINY, *rungs[-1][1]])
     assert last.lora.enabled and last.lora.quantize == "nf4" and not last.memory.optimizer_in_backward
     assert last.optim.grad_clip == 1.0  # restored once optimizer-in-backward is left behind
+
+
+def test_the_sequence_parallel_rung_keeps_the_global_batch_and_drops_what_it_refuses() -> None:
+    """With a degree, the rung splits each sequence and multiplies the user's accumulation by it; the
+    optimizer-in-backward rung (refused with it) is left out; the DeepSpeed rungs go back to whole
+    sequences and the user's accumulation. Every rung a config the trainer accepts."""
+    rungs = rung_overrides(2, sequence=2, grad_accum=3)
+    names = [r.name for r, _ in rungs]
+    split = next(i for i, n in enumerate(names) if n.startswith("sequence parallelism"))
+    back = next(i for i, n in enumerate(names) if n.startswith("ZeRO-Offload"))
+    assert not any(n.startswith("optimizer step inside backward") for n in names)
+    for i, (rung, overrides) in enumerate(rungs):
+        cfg = load_config(None, [*TINY, "grad_accum=3", *overrides])
+        check_run(cfg, load_strategy(cfg.strategy), 2, has_accelerator=True)
+        assert (cfg.parallel.sequence, cfg.grad_accum) == ((2, 6) if split <= i < back else (1, 3)), rung.name
+    zero = next(o for r, o in rungs if r.name.startswith("ZeRO-Offload"))
+    assert "parallel.sequence=1" in zero and "grad_accum=3" in zero
+
+
+def test_sequence_degree_is_the_largest_split_the_world_heads_and_length_allow() -> None:
+    """tiny-llama: 4 heads, 2 key/value heads."""
+    cfg = load_config(None, TINY)
+    assert [sequence_degree(cfg, world, 2048) for world in (1, 2, 3, 4, 8)] == [1, 2, 1, 2, 2]
+    assert sequence_degree(load_config(None, [*TINY, "data.seq_len=63"]), 2, 2048) == 1
+    assert sequence_degree(load_config(None, [*TINY, "parallel.sequence=2"]), 2, 2048) == 1  # already split
 
 
 def test_walk_stops_at_the_first_rung_that_fits() -> None:

@@ -11,7 +11,7 @@ from harness.planner.report import Verdict
 GIB = 1 << 30
 
 
-def _search(monkeypatch, device_bytes, host_bytes=lambda s: 0, gpu=80 * GIB, cpu=None, step=256, start=4096):
+def _search(monkeypatch, device_bytes, host_bytes=lambda s: 0, gpu=80 * GIB, cpu=None, step=256, start=4096, extra=()):
     """`max_seq_len` over a stand-in for the traced estimate: bytes as functions of seq_len, the verdict's rule."""
 
     def fake_verdict(est, gpu_mem, cpu_mem, per_node):
@@ -26,7 +26,7 @@ def _search(monkeypatch, device_bytes, host_bytes=lambda s: 0, gpu=80 * GIB, cpu
         calls.append(cfg.data.seq_len)
         return SimpleNamespace(seq=cfg.data.seq_len)
 
-    cfg = load_config(None, [f"data.seq_len={start}"])
+    cfg = load_config(None, [f"data.seq_len={start}", *extra])
     search = long_context.max_seq_len(cfg, 1, gpu, cpu_mem=cpu, step=step, estimate_fn=fake_estimate)
     assert [p.seq_len for p in search.probes] == calls  # every probe is one estimate, none repeated
     return search
@@ -56,6 +56,14 @@ def test_host_memory_bounds_the_answer_too(monkeypatch) -> None:
     device, host = (lambda s: 20 * GIB + 1000 * s), (lambda s: 8 * GIB + 50_000 * s)  # offloaded bytes grow on the host
     search = _search(monkeypatch, device, host, cpu=64 * GIB)
     assert search.longest == _brute(lambda s: device(s) <= 80 * GIB and host(s) <= 64 * GIB, 256)
+
+
+def test_under_sequence_parallelism_every_probe_splits_evenly(monkeypatch) -> None:
+    """`parallel.sequence=3`: each probe a multiple of 3 (the trainer refuses others), the answer's step lcm(256, 3)."""
+    need = lambda s: 30 * GIB + 60_000 * s
+    search = _search(monkeypatch, need, start=4608, extra=["parallel.sequence=3"])
+    assert search.step == 768 and all(p.seq_len % 768 == 0 for p in search.probes)
+    assert search.longest == _brute(lambda s: need(s) <= 80 * GIB, 768)
 
 
 def test_nothing_fits_and_a_too_long_start(monkeypatch) -> None:

@@ -110,7 +110,6 @@ def _cfg(*overrides: str):
         ("zero3", 4, [], "UlyssesSPAttentionHF"),
         ("fsdp", 3, [], "must divide the world size (3)"),
         ("fsdp", 2, ["data.seq_len=33"], "must divide data.seq_len=33"),
-        ("ddp", 2, ["data.format=instruction", "data.source=x.jsonl"], "data.packing=false"),
         ("ddp", 2, ["prune.method=wanda"], "pruning's calibration"),
         ("fsdp", 2, ["memory.optimizer_in_backward=true"], "optimizer_in_backward"),
     ],
@@ -126,6 +125,7 @@ def test_what_it_runs_with_passes():
         ("fsdp", 2, []),
         ("ddp", 4, ["grad_accum=2"]),
         ("fsdp", 2, ["data.format=instruction", "data.source=x.jsonl", "data.packing=false"]),
+        ("ddp", 2, ["data.format=instruction", "data.source=x.jsonl", "data.packing=true"]),  # kept apart by the positions
     ):
         check_run(_cfg(*overrides), load_strategy(strategy), world, False)
     check_run(load_config(None, []), load_strategy("zero2"), 2, False)  # parallel.sequence=1: nothing asked of DeepSpeed
