@@ -44,7 +44,6 @@ from harness.config import load_config, load_strategy  # noqa: E402
 from harness.distributed import Collectives  # noqa: E402
 from harness.pruning import MaskSet, build_views, run_pruning  # noqa: E402
 from harness.pruning.methods import COMPOSITE_BITS, gradient_ratio, make_rule, select, veto_keys  # noqa: E402
-from harness.pruning.select import parse_pattern  # noqa: E402
 from harness.runner import build_run, evaluate, preflight  # noqa: E402
 from harness.runner.prune_stage import HOLDOUT_SPLIT, calibration_batches, calibration_split  # noqa: E402
 
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     views = build_views(engine.model, cfg.prune.targets, comm)
     if len(recorded) != len(views):
         raise RuntimeError(f"recorded {len(recorded)} decisions for {len(views)} matrices (the default decision must be veto)")
-    rule = make_rule("gradprobe", cfg.prune.base, parse_pattern(cfg.prune.pattern), cfg.prune.sparsity, "per_matrix")
+    rule = make_rule(dataclasses.replace(cfg.prune, method="gradprobe", scope="per_matrix"))
     layouts = [v.layout for v in views]
 
     def masks_at(threshold: float) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a file by a launcher: make `harness` imp
 
 from safetensors import safe_open
 
-from harness.config import RunConfig, load_config, load_strategy
+from harness.config import PRUNE_METHOD_FACTS, RunConfig, load_config, load_strategy
 from harness.distributed import Collectives, DistInfo, exit_process
 from harness.engine import EnginePlan
 from harness.errors import ConfigError, StopRequested
@@ -93,8 +93,9 @@ def command_config(path: str | None, overrides: list[str]) -> RunConfig:
     """The run config for the command: no training before pruning (the model is loaded),
     the LR schedule spans the fine-tuning steps, and the result is exported to HF."""
     cfg = load_config(path, overrides)
-    if cfg.prune.method == "none":
-        raise ConfigError("python -m harness.prune needs prune.method (magnitude, wanda, sparsegpt or gradprobe)")
+    if not cfg.prune.enabled:
+        names = list(PRUNE_METHOD_FACTS)
+        raise ConfigError(f"python -m harness.prune needs prune.method ({', '.join(names[:-1])} or {names[-1]})")
     if cfg.checkpoint.resume not in ("", "none"):
         raise ConfigError(
             "python -m harness.prune prunes model.name; to prune a checkpoint, export it first "

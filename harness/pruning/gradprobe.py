@@ -29,11 +29,13 @@ from typing import Any
 
 import torch
 
+from harness.config import is_original
 from harness.distributed import Collectives
 from harness.pruning.allocation import view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, Runner, gradient_max
 from harness.pruning.experimental import GRADIENT_BASES, NORM_BASES, base_scores, exact_keys, saliency_keys
 from harness.pruning.masks import MaskSet
+from harness.pruning.method_run import MethodRun
 from harness.pruning.methods import (
     COMPOSITE_BITS,
     Rule,
@@ -48,6 +50,7 @@ from harness.pruning.methods import (
 )
 from harness.pruning.select import FLOAT_KEY_BITS
 from harness.pruning.shards import ShardView, sync_views
+from harness.training import DTYPES
 
 
 @dataclass
@@ -64,6 +67,26 @@ class ProbeSettings:
     keep_g0: bool = False
     dense_candidates: bool = False  # candidates of every matrix chosen once, before the first group is probed
     g0: dict[str, torch.Tensor] = field(default_factory=dict)  # filled when keep_g0
+
+    @classmethod
+    def of(cls, run: MethodRun) -> ProbeSettings:
+        """GradProbe's own settings, from the run's resolved config (the original mode's
+        candidates are fixed once on the dense model)."""
+        cfg = run.cfg
+        assert cfg.stat_dtype is not None and cfg.exact_target is not None
+        return cls(
+            base=cfg.base,
+            reduction=cfg.reduction,
+            threshold=cfg.threshold,
+            exact=cfg.exact_target,
+            pool=float(cfg.pool),
+            stat_dtype=DTYPES[cfg.stat_dtype],  # prune.stat_dtype names the storage of G0 and G1
+            sequential=run.sequential,
+            decision=cfg.decision,
+            keep_g0=run.keep_g0,
+            dense_candidates=is_original(cfg),
+            allocation=run.allocation,
+        )
 
 
 INPUT_NORM_BASES = ("wanda", *NORM_BASES)  # bases whose first pass collects input norms
@@ -289,3 +312,11 @@ def run_gradprobe(
                 raise RuntimeError(f"{v.name}: the selection reached outside the candidate pool")
             masks[v.name] = m
     return MaskSet(masks)
+
+
+def run(run: MethodRun) -> MaskSet:
+    """The registry's entry: GradProbe over the run's groups, its probe steps of `grad_accum` micro-batches."""
+    settings = ProbeSettings.of(run)
+    masks = run_gradprobe(run.groups, run.rule, settings, run.runner, run.runner.steps(run.batches), run.comm, run.ledger, run.forced)
+    run.g0.update(settings.g0)
+    return masks

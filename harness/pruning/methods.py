@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.config import PRUNE_BASES
+from harness.config import PruneConfig, row_score
 from harness.distributed import Collectives
 from harness.pruning.layout import Layout, exchange_split_units
 from harness.pruning.select import (
@@ -22,6 +22,7 @@ from harness.pruning.select import (
     _bits,
     count_for,
     float_keys,
+    parse_pattern,
     radix_select,
     select_global,
     select_per_matrix,
@@ -51,24 +52,24 @@ class Rule:
         return self.m - self.n
 
 
-def make_rule(method: str, base: str, pattern: tuple[int, int] | None, sparsity: float, scope: str) -> Rule:
-    """The selection shape a method uses. Wanda (and GradProbe on a Wanda base) compares
-    within output rows, by Wanda's definition; a global scope is refused for them rather
-    than silently ignored."""
+def make_rule(cfg: PruneConfig) -> Rule:
+    """The selection shape of a resolved config: N:M from `pattern`; per row where the method's
+    score compares within output rows (Wanda, GradProbe on a per-row base: `row_score`), by
+    that score's definition, a global scope being refused for them rather than silently
+    ignored; otherwise the config's scope."""
+    assert cfg.scope is not None, "make_rule reads a resolved config (harness.config.resolve_prune)"
+    pattern, sparsity = parse_pattern(cfg.pattern), cfg.sparsity
     if pattern is not None:
         n, m = pattern
         if abs(sparsity - (m - n) / m) > 1e-9:
             raise ValueError(f"pattern {n}:{m} prunes {(m - n) / m:g} of the weights; set sparsity={(m - n) / m:g} (got {sparsity:g})")
         return Rule("nm", sparsity, n, m)
-    per_row = method == "wanda" or (method == "gradprobe" and base in PER_ROW_BASES)
-    if per_row:
-        if scope == "global":
-            raise ValueError(
-                f"{base if method == 'gradprobe' else method} compares weights within an output row; "
-                "scope=global does not apply (use per_matrix)"
-            )
+    by_row = row_score(cfg)
+    if by_row is not None:
+        if cfg.scope == "global":
+            raise ValueError(f"{by_row} compares weights within an output row; scope=global does not apply (use per_matrix)")
         return Rule("per_row", sparsity)
-    return Rule(scope, sparsity)
+    return Rule(cfg.scope, sparsity)
 
 
 def widen(rule: Rule, pool: float) -> Rule:
@@ -102,10 +103,9 @@ def select(
     raise ValueError(f"unknown selection {rule.kind}")
 
 
-# Base scores GradProbe can draw its candidates from (PRUNE_BASES). All but magnitude compare weights
-# within an output row, as Wanda does. magnitude and wanda are here; the bases measured worse
+# Base scores GradProbe can draw its candidates from (PRUNE_BASES; those that compare within an
+# output row: PER_ROW_BASES). magnitude and wanda are here; the bases measured worse
 # (taylor, gblm, ria) are in harness.pruning.experimental.bases.
-PER_ROW_BASES = tuple(b for b in PRUNE_BASES if b != "magnitude")
 
 
 def magnitude_scores(weight: torch.Tensor) -> torch.Tensor:

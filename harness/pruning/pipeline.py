@@ -29,31 +29,16 @@ import torch
 
 from harness.config import PruneConfig, check_original, is_original, resolve_prune
 from harness.distributed import Collectives
-from harness.pruning.allocation import view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
 from harness.pruning.experimental import owl_sparsities
-from harness.pruning.gradprobe import ProbeSettings, run_gradprobe
 from harness.pruning.masks import MaskSet
-from harness.pruning.methods import (
-    Rule,
-    magnitude_scores,
-    make_rule,
-    score_keys,
-    select,
-    sparsegpt_prune,
-    wanda_scores,
-)
-from harness.pruning.select import FLOAT_KEY_BITS, parse_pattern
-from harness.pruning.shards import ShardView, build_views, sync_views
+from harness.pruning.method_run import MethodRun
+from harness.pruning.methods import Rule, make_rule
+from harness.pruning.registry import method_of
+from harness.pruning.shards import ShardView, build_views
 from harness.training import DTYPES
 
 log = logging.getLogger(__name__)
-
-# Exact-target GradProbe probes this many times more candidates than it prunes (1.25x
-# the target): enough room to keep the worst offenders, small enough that the pool stays
-# among weights the base strategy already considers unimportant. Read from
-# `PruneConfig.pool` when the config has that field.
-DEFAULT_POOL = 0.25
 
 
 @dataclass
@@ -133,25 +118,24 @@ def run_pruning(
     SparseGPT, whose update rewrites weights, and GradProbe's original mode). `stat_dtype`
     overrides `cfg.stat_dtype`. Unset config keys take the mode's defaults
     (`harness.config.prune_modes`); decision=original probes one matrix per group. `pool`:
-    exact-target GradProbe's extra candidates (default `cfg.pool` if the config has it,
-    else DEFAULT_POOL). `apply=False` returns masks without zeroing weights
+    exact-target GradProbe's extra candidates (default `cfg.pool`). `apply=False` returns masks without zeroing weights
     (not for SparseGPT, which rewrites weights). `should_stop`, asked before every
     calibration step on every rank (it may be a collective), ends the pruning with
     StopRequested, the weights left part-way. Collective: every rank calls it with the
     same config.
     """
-    if cfg.method == "none":
-        raise ValueError("prune.method is 'none': nothing to run")
+    method = method_of(cfg)  # ValueError for `none`
     if sequential is not None:
         cfg = dataclasses.replace(cfg, sequential=sequential)
     if stat_dtype is not None:
         cfg = dataclasses.replace(cfg, stat_dtype=next(k for k, t in DTYPES.items() if t == stat_dtype))
+    if pool is not None:
+        cfg = dataclasses.replace(cfg, pool=pool)
     if cfg.decision == "original":
         check_original(cfg)
     cfg, filled = resolve_prune(cfg)
     sequential = bool(cfg.sequential)
     assert cfg.stat_dtype is not None and cfg.scope is not None and cfg.exact_target is not None
-    stat_dtype = DTYPES[cfg.stat_dtype]  # prune.stat_dtype names the storage of G0 and G1
     comm = comm or Collectives()
     comm.barrier()
     start = time.perf_counter()
@@ -167,55 +151,31 @@ def run_pruning(
     batches = list(calib_batches)
     if comm.all_reduce_min_int(len(batches)) != len(batches) or comm.all_reduce_min_int(-len(batches)) != -len(batches):
         raise ValueError("every rank must pass the same number of calibration micro-batches")
-    if cfg.method != "magnitude" and not batches:
+    if method.needs_calibration and not batches:
         raise ValueError(f"prune.method={cfg.method} needs calibration batches")
-    rule = make_rule(cfg.method, cfg.base, parse_pattern(cfg.pattern), cfg.sparsity, cfg.scope)
+    rule = make_rule(cfg)
     if comm.rank == 0 and filled and is_original(cfg):
         log.info(f"prune: decision=original filled what the config left unset: {', '.join(filled)}")
-    if not apply and (sequential or cfg.method == "sparsegpt"):
+    if not apply and (sequential or method.facts.rewrites_weights):
         raise ValueError("apply=False cannot be honoured by a sequential run (each group is applied before the next)")
-    if cfg.method == "sparsegpt" and not sequential:
-        raise ValueError("SparseGPT rewrites the weights of each group before the next is measured; sequential=False is not supported")
+    if method.facts.rewrites_weights and not sequential:
+        raise ValueError(f"{cfg.method} rewrites the weights of each group before the next is measured; sequential=False is not supported")
 
     if is_original(cfg):
         k, groups = 1, [[v] for v in views]  # one matrix at a time, in model order (build_views' order)
     else:
         units = sorted({v.target.unit for v in views})
         device = views[0].lp().device
-        k = cfg.group_size or default_group_size(views, units, comm, hessian=cfg.method == "sparsegpt", device=device)
+        k = cfg.group_size or default_group_size(views, units, comm, hessian=method.facts.hessian, device=device)
         k = max(1, min(k, len(units)))
         groups = [[v for v in views if v.target.unit in units[i : i + k]] for i in range(0, len(units), k)]
     forced = None if prior is None else {v.name: prior[v.name] for v in views if v.name in prior}
     ledger = Ledger()
-    g0: dict[str, torch.Tensor] = {}
 
     with runner.eval_mode():
         alloc = _allocation(cfg, views, rule, runner, batches, comm, ledger)
-        if cfg.method == "magnitude":
-            masks = _magnitude(groups, rule, forced, comm, sequential, alloc)
-        elif cfg.method == "wanda":
-            masks = _wanda(groups, rule, forced, runner, batches, comm, sequential, ledger, alloc)
-        elif cfg.method == "sparsegpt":
-            masks = _sparsegpt(groups, rule, forced, runner, batches, comm, ledger, alloc)
-        elif cfg.method == "gradprobe":
-            pool_frac = float(pool if pool is not None else getattr(cfg, "pool", DEFAULT_POOL))
-            settings = ProbeSettings(
-                base=cfg.base,
-                reduction=cfg.reduction,
-                threshold=cfg.threshold,
-                exact=cfg.exact_target,
-                pool=pool_frac,
-                stat_dtype=stat_dtype,
-                sequential=sequential,
-                decision=cfg.decision,
-                keep_g0=keep_g0,
-                dense_candidates=is_original(cfg),
-                allocation=alloc,
-            )
-            masks = run_gradprobe(groups, rule, settings, runner, runner.steps(batches), comm, ledger, forced)
-            g0 = settings.g0
-        else:
-            raise ValueError(f"unknown prune.method {cfg.method!r}")
+        run = MethodRun(cfg, groups, rule, forced or {}, runner, batches, comm, ledger, alloc, keep_g0)
+        masks = method.run(run)
     if apply and not sequential:
         masks.apply(views, comm)
     masks.meta.update(method=cfg.method, pattern=cfg.pattern, sparsity=cfg.sparsity, base=cfg.base)
@@ -245,7 +205,7 @@ def run_pruning(
         world_size=comm.world,
         exact_target=cfg.exact_target,
         masks=masks,
-        g0=g0,
+        g0=run.g0,
         replayed_passes=runner.prefix.replays / n,
     )
     if comm.rank == 0:
@@ -268,99 +228,3 @@ def _allocation(
     alloc = owl_sparsities(views, stats, cfg.sparsity, cfg.owl_lambda, cfg.owl_m, comm)
     ledger.drop("stats/")
     return alloc
-
-
-def _magnitude(
-    groups: list[list[ShardView]],
-    rule: Rule,
-    forced: dict[str, torch.Tensor] | None,
-    comm: Collectives,
-    sequential: bool,
-    alloc: dict[str, float] | None = None,
-) -> MaskSet:
-    forced = forced or {}
-    chunks = [[v for g in groups for v in g]] if rule.kind == "global" else groups
-    masks: dict[str, torch.Tensor] = {}
-    for views in chunks:
-        keys = [score_keys(magnitude_scores(v.weight()), forced.get(v.name)) for v in views]
-        _select_group(views, keys, rule, comm, alloc, masks, sequential)
-    return MaskSet(masks)
-
-
-def _select_group(
-    views: list[ShardView],
-    keys: list[torch.Tensor],
-    rule: Rule,
-    comm: Collectives,
-    alloc: dict[str, float] | None,
-    masks: dict[str, torch.Tensor],
-    sequential: bool,
-) -> None:
-    """Select one group's masks from its score keys into `masks`; when sequential, apply them
-    at once, so the next group is scored on the model with this group pruned."""
-    for v, m in zip(views, select(rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS, view_sparsities(views, alloc))):
-        masks[v.name] = m
-    if sequential:
-        MaskSet({v.name: masks[v.name] for v in views}).apply(views, comm)
-
-
-def _wanda(
-    groups: list[list[ShardView]],
-    rule: Rule,
-    forced: dict[str, torch.Tensor] | None,
-    runner: Runner,
-    batches: list[Any],
-    comm: Collectives,
-    sequential: bool,
-    ledger: Ledger,
-    alloc: dict[str, float] | None = None,
-) -> MaskSet:
-    """Scores |W| * ||X_j||; the norms need one forward pass (per group when sequential)."""
-    forced = forced or {}
-    stats = None
-    if not sequential:
-        stats = InputStats([v for g in groups for v in g], hessian=False, ledger=ledger)
-        forward_pass(runner, batches, stats)
-        stats.finalize(comm)
-    masks: dict[str, torch.Tensor] = {}
-    for views in groups:
-        if sequential:
-            stats = InputStats(views, hessian=False, ledger=ledger)
-            forward_pass(runner, batches, stats)
-            stats.finalize(comm)
-        assert stats is not None
-        keys = [score_keys(wanda_scores(v.weight(), v.layout, stats.norms(v.name)), forced.get(v.name)) for v in views]
-        _select_group(views, keys, rule, comm, alloc, masks, sequential)
-    return MaskSet(masks)
-
-
-def _sparsegpt(
-    groups: list[list[ShardView]],
-    rule: Rule,
-    forced: dict[str, torch.Tensor] | None,
-    runner: Runner,
-    batches: list[Any],
-    comm: Collectives,
-    ledger: Ledger,
-    alloc: dict[str, float] | None = None,
-) -> MaskSet:
-    """Hessians of a group from one forward pass, then the OBS update, written in place."""
-    if rule.kind == "global":
-        raise ValueError("SparseGPT selects within blocks of columns; scope=global does not apply (use per_matrix)")
-    forced = forced or {}
-    masks: dict[str, torch.Tensor] = {}
-    for gi, views in enumerate(groups):
-        stats = InputStats(views, hessian=True, ledger=ledger)
-        forward_pass(runner, batches, stats)
-        stats.finalize(comm)
-        for v in views:
-            assert v.layout is not None
-            own = dataclasses.replace(rule, sparsity=alloc[v.name]) if alloc else rule
-            values, mask = sparsegpt_prune(v.layout, v.weight(), stats.hessian_of(v.name), own, comm, forced.get(v.name))
-            v.write(torch.ones_like(mask), values, master=True)
-            masks[v.name] = mask
-            ledger.add(f"mask/{v.name}", mask)
-        sync_views(views, comm)
-        ledger.drop("stats/")
-        del stats
-    return MaskSet(masks)

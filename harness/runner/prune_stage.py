@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from harness.checkpoint import CheckpointManager, ResumeState
-from harness.config import RunConfig
+from harness.config import RunConfig, needs_calibration
 from harness.data import PackedData
 from harness.distributed import Collectives, DistInfo
 from harness.engine import Engine
@@ -85,7 +85,7 @@ def calibration_split(data: PackedData, cfg: RunConfig) -> tuple[torch.Tensor, n
     nor calibration ever reads the eval split."""
     pool = torch.from_numpy(np.asarray(data.blocks["calib"]).astype(np.int64))
     order = calibration_samples(pool, pool.shape[0], cfg.prune.calib_seed)  # the whole pool, permuted
-    n = cfg.prune.calib_samples if cfg.prune.method != "magnitude" else 0  # magnitude reads no data
+    n = cfg.prune.calib_samples if needs_calibration(cfg.prune) else 0  # a method that reads no data draws none
     if n > pool.shape[0]:
         raise ConfigError(
             f"prune.calib_samples={n} but the calib split has {pool.shape[0]} blocks of {cfg.data.seq_len} tokens; "

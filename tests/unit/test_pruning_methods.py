@@ -9,13 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from harness.config import PruneConfig
+from harness.config import PER_ROW_BASES, PRUNE_METHOD_FACTS, PRUNE_METHODS, PruneConfig
 from harness.distributed import Collectives
 from harness.models import build_model, decoder_blocks
 from harness.pruning import run_pruning
 from harness.pruning.experimental import exact_keys
 from harness.pruning.layout import Layout
-from harness.pruning.methods import PER_ROW_BASES, Rule, select, veto_keys
+from harness.pruning.methods import Rule, select, veto_keys
+from harness.pruning.registry import METHODS as REGISTRY
+from harness.pruning.registry import method_of
 from harness.pruning.select import count_for
 
 
@@ -374,3 +376,16 @@ def test_owl_prunes_the_block_with_more_outliers_less() -> None:
         rows, cols = next(m.weight.shape for n, m in model.named_modules() if n == layer.name)
         assert layer.pruned == rows * count_for(sparsity[block], cols), layer.name
     assert report.fwd_passes == 2  # OWL's own pass over the dense model, then Wanda's
+
+
+def test_every_config_method_has_one_registry_entry_with_its_facts() -> None:
+    """The config's vocabulary, the facts table and the pipeline's registry name the same
+    methods (a name in one and not the others would be refused late or silently ignored); no
+    I/O, milliseconds."""
+    named = set(PRUNE_METHODS) - {"none"}
+    assert set(PRUNE_METHOD_FACTS) == named == set(REGISTRY)
+    for name, method in REGISTRY.items():
+        assert method.facts is PRUNE_METHOD_FACTS[name]
+        assert method_of(PruneConfig(method=name)) is method
+    with pytest.raises(ValueError, match="names no pruning method"):
+        method_of(PruneConfig(method="none"))
