@@ -21,6 +21,7 @@ from torch import nn
 from harness.config import CheckpointFormat, EngineKind, RunConfig
 from harness.distributed import DistInfo
 from harness.engine.plan import EnginePlan
+from harness.engine.probe import GradientProbe
 from harness.engine.shard_base import ParamShard
 from harness.engine.shards import memory_storage, shard_of
 from harness.memory import ActivationOffload, ModelStorage
@@ -82,6 +83,12 @@ class Engine:
     def backward_without_step(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes run inside do not step the optimizer (gradient probes, e.g. pruning)."""
         return contextlib.nullcontext()
+
+    def gradient_probe(self, grad_accum: int | None = None) -> GradientProbe:
+        """Backward passes that measure gradients without stepping (pruning's probes), run this
+        engine's way: its accumulation boundaries, its wrapper's reduction. `grad_accum`: micro-
+        batches per probe step (default this engine's)."""
+        raise NotImplementedError
 
     def forward_loss(self, batch: torch.Tensor, num_items: float | None = None) -> torch.Tensor:
         """The loss of one micro-batch: its summed token losses over ``num_items`` (default: its

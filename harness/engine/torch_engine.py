@@ -33,6 +33,7 @@ from harness.distributed import DistInfo, local_tensor
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, empty_model_to_train, fsdp_wrap, sequence_group
 from harness.engine.plan import EnginePlan
+from harness.engine.probe import GradientProbe
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
 from harness.memory import OptimizerInBackward
 from harness.models import ModelSpec, materialize, quant_state_tensors, quantized_codes, use_ulysses
@@ -201,6 +202,9 @@ class TorchEngine(Engine):
     @property
     def optimizer(self) -> Any:
         return self._optimizer
+
+    def gradient_probe(self, grad_accum: int | None = None) -> GradientProbe:
+        return GradientProbe(self.model, grad_accum or self.grad_accum)
 
     def _sync_context(self, last_micro: bool):
         if self.kind == "ddp" and not last_micro:

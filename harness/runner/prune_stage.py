@@ -135,12 +135,10 @@ def run_prune_stage(
     batches = calibration_batches(samples, cfg, info, comm)
     used = len(batches) * cfg.micro_batch_size * info.world_size
     before = before or evaluate(engine, data, cfg, info)
-    target = engine.model
     kwargs: dict[str, Any] = dict(
-        grad_accum=None if engine.owns_grad_accumulation else cfg.grad_accum,
         comm=comm,
         should_stop=lambda: comm.any([signal_received()])[0],  # every rank stops at the same calibration step
-    )  # sequential and stat_dtype: from `p`, unset keys filled by the decision mode inside run_pruning
+    )  # probe steps: the engine's accumulation; unset keys of `p`: the decision mode's (run_pruning)
     loss_fn = lambda _, batch: engine.forward_loss(batch)
     with engine.backward_without_step(), _stopped_with_advice(ckpt, step):  # probe backwards must not step
         if p.schedule:
@@ -151,7 +149,7 @@ def run_prune_stage(
                     "prune.calib_samples or raise data.calib_fraction"
                 )
             metric = lambda _: evaluate(engine, val, cfg, info, split=HOLDOUT_SPLIT)["eval/loss"]
-            sched = run_schedule(target, batches, p, loss_fn, metric, list(p.schedule), p.max_metric_increase, **kwargs)
+            sched = run_schedule(engine, batches, p, loss_fn, metric, list(p.schedule), p.max_metric_increase, **kwargs)
             report = sched.accepted
             extra: dict[str, Any] = {
                 "schedule": {
@@ -161,7 +159,7 @@ def run_prune_stage(
                 }
             }
         else:
-            report = run_pruning(target, batches, p, loss_fn, **kwargs)
+            report = run_pruning(engine, batches, p, loss_fn, **kwargs)
             extra = {}
     after = evaluate(engine, data, cfg, info)
     stats: dict[str, Any] = report.to_dict() if report is not None else {"method": p.method, "achieved_sparsity": 0.0, "layers": []}
@@ -176,7 +174,7 @@ def run_prune_stage(
     )
     enforcer = hook = None
     if report is not None:
-        views = build_views(target, p.targets, comm)
+        views = build_views(engine, p.targets, comm)
         if save_masks:
             report.masks.save(os.path.join(cfg.output_dir, MASKS_DIR), views, comm)
             stats["masks_dir"] = os.path.join(cfg.output_dir, MASKS_DIR)
