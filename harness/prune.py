@@ -54,7 +54,6 @@ def prune_model(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, A
             f"{stop}, with checkpoint.overwrite=true: output_dir now holds this run's metrics.jsonl, which a new run "
             "would otherwise refuse to replace"
         ) from None
-    trainer.after_step = stats.after_step
     steps = cfg.prune.finetune_steps
     if steps and not trainer.train(0, steps):
         return {"preempted_at_step": trainer.stopped_at}

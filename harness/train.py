@@ -33,7 +33,7 @@ def train(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, float]:
     if cfg.prune.enabled:  # prune, then fine-tune with the masks enforced
         if resumed.step <= cfg.steps:  # the trained model on disk first: a stop or crash while pruning loses no step
             ckpt.ensure_saved(cfg.steps, {"skipped_steps": trainer.skipped})
-        trainer.after_step = run_prune_stage(engine, data, cfg, info, observer, cfg.steps, ckpt=ckpt, resumed=resumed).after_step
+        run_prune_stage(engine, data, cfg, info, observer, cfg.steps, ckpt=ckpt, resumed=resumed)  # masks enforced from here on
         last = cfg.steps + cfg.prune.finetune_steps
         if not trainer.train(max(resumed.step, cfg.steps), last):
             return {"preempted_at_step": trainer.stopped_at, "skipped_steps": trainer.skipped}

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from harness.config import CheckpointFormat, EngineKind, RunConfig
 from harness.distributed import DistInfo
@@ -61,6 +62,7 @@ class Engine:
         # Checkpoints keep the trainable parameters only (LoRA: the adapters); see EnginePlan.trainable_only.
         self.trainable_only = plan.trainable_only
         self.startup_s = dict(startup_s)  # seconds spent loading the model and initialising the engine
+        self._post_step_hooks: dict[int, Callable[[], None]] = {}  # `register_post_step_hook`, run by `step`
 
     @classmethod
     def build(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> Engine:
@@ -130,6 +132,23 @@ class Engine:
         (a quantized base's packed codes are bit patterns, which may read as NaN)."""
         codes = quantized_codes(self.model)
         return [p.detach() for p in self.model.parameters() if p.numel() and id(p) not in codes]
+
+    def register_post_step_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Run `hook` after every optimizer step (pruning's mask enforcer keeps pruned weights at
+        zero); `handle.remove()` ends it. A torch optimizer runs it from its own step post-hook, so
+        any step of it is covered; other optimizers (DeepSpeed's, optimizer-in-backward's) have
+        no such hook, and `step` runs it once the training step is done, skipped or not."""
+        optimizer = self.optimizer
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer.register_step_post_hook(lambda *_: hook())
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = hook
+        return handle
+
+    def _run_post_step_hooks(self) -> None:
+        """Called by each engine's `step` as its last action."""
+        for hook in list(self._post_step_hooks.values()):
+            hook()
 
     # ------------------------------------------------------------------ engine-specific
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:

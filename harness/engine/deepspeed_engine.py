@@ -261,6 +261,7 @@ class DeepSpeedEngine(Engine):
         skipped_now = int(getattr(self.ds, "skipped_steps", 0))
         skipped = dropped or skipped_now > self._skipped_before or not math.isfinite(norm_f)
         self._skipped_before = skipped_now
+        self._run_post_step_hooks()
         return StepResult(norm_f, skipped)
 
     @property

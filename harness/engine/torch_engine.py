@@ -247,6 +247,7 @@ class TorchEngine(Engine):
             norm = self._oib.last_grad_norm()
             skipped = not math.isfinite(norm)
             self.scheduler.step()
+            self._run_post_step_hooks()
             return StepResult(norm, skipped)
         agreed = self._norm is not None  # the caller read the norm's finiteness into `skip`
         norm = self.grad_norm()
@@ -264,6 +265,7 @@ class TorchEngine(Engine):
             self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self._run_post_step_hooks()
         return result
 
     @property

@@ -48,31 +48,20 @@ HOLDOUT_SPLIT = "calib_holdout"  # calib-split blocks not drawn for calibration:
 
 
 class PruneStats(dict):
-    """The stage's numbers (a plain dict: logged, returned, written as JSON) carrying what the
-    trainer needs afterwards: `after_step()`, called after every `engine.step()`, keeps the
-    pruned weights at exactly zero.
+    """The stage's numbers (a plain dict: logged, returned, written as JSON) and its masks. The
+    masks stay enforced through every later step by a post-step hook on the engine
+    (`Engine.register_post_step_hook`) until `release()`."""
 
-    For a torch optimizer the enforcer is installed as a post-step hook (so any step of it
-    is covered) and `after_step` does nothing; DeepSpeed owns its step and
-    optimizer-in-backward steps inside backward, so there `after_step` does the work.
-    """
-
-    def __init__(self, values: dict[str, Any], enforcer: Any = None, masks: Any = None, hook: Any = None) -> None:
+    def __init__(self, values: dict[str, Any], masks: MaskSet | None = None, hook: Any = None) -> None:
         super().__init__(values)
-        self.enforcer = enforcer
         self.masks = masks
         self._hook = hook
 
-    def after_step(self) -> None:
-        if self.enforcer is not None and self._hook is None:
-            self.enforcer()
-
     def release(self) -> None:
-        """Stop enforcing (removes the optimizer hook); for callers that prune the same engine again."""
+        """Stop enforcing (removes the hook); for callers that prune the same engine again."""
         if self._hook is not None:
             self._hook.remove()
         self._hook = None
-        self.enforcer = None
 
 
 # ----------------------------------------------------------------------------- calibration data
@@ -172,17 +161,17 @@ def run_prune_stage(
         calib_samples_used=used,
         calib_seed=p.calib_seed,
     )
-    enforcer = hook = None
+    hook = None
     if report is not None:
         views = build_views(engine, p.targets, comm)
         if save_masks:
             report.masks.save(os.path.join(cfg.output_dir, MASKS_DIR), views, comm)
             stats["masks_dir"] = os.path.join(cfg.output_dir, MASKS_DIR)
         if enforce:
-            enforcer, hook = _install(engine, report.masks, p.targets, comm)
+            hook = _enforce(engine, report.masks, p.targets, comm)
             _hand_to_checkpoints(ckpt, report.masks, comm)
     _publish(stats, cfg, info, observer, step, save=save_masks)
-    return PruneStats(stats, enforcer, None if report is None else report.masks, hook)
+    return PruneStats(stats, None if report is None else report.masks, hook)
 
 
 @contextlib.contextmanager
@@ -203,22 +192,18 @@ def _stopped_with_advice(ckpt: CheckpointManager | None, step: int) -> Iterator[
         raise StopRequested(f"{stop}; {where}") from None
 
 
-def _install(engine: Engine, masks: MaskSet, targets: str, comm: Collectives) -> tuple[MaskEnforcer, Any]:
-    """A MaskEnforcer on the engine; hooked into a torch optimizer's step where there is one."""
-    enforcer = MaskEnforcer(engine.model, masks, targets, comm)
-    optimizer = engine.optimizer
-    hook = enforcer.install(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
-    return enforcer, hook
+def _enforce(engine: Engine, masks: MaskSet, targets: str, comm: Collectives, now: bool = False) -> Any:
+    """Keep `masks` pruned after every optimizer step of `engine` (`now`: also at once); the hook's handle."""
+    enforcer = MaskEnforcer(engine, masks, targets, comm)
+    if now:
+        enforcer()
+    return engine.register_post_step_hook(enforcer)
 
 
 def _hand_to_checkpoints(ckpt: CheckpointManager | None, masks: MaskSet, comm: Collectives) -> None:
-    """Later checkpoints carry the masks; the one of this step (if any) predates pruning, so
-    the end-of-run save must be written again."""
-    if ckpt is None:
-        return
-    ckpt.masks = {name: m.detach().cpu() for name, m in masks.masks.items()}
-    ckpt.masks_sharded = comm.world > 1  # each rank holds its own range (world 1: the whole mask)
-    ckpt.last_step = None
+    """Later checkpoints carry the masks (a Stateful registered with the checkpoint manager)."""
+    if ckpt is not None:
+        ckpt.register_masks(masks, sharded=comm.world > 1)  # each rank holds its own range (world 1: the whole mask)
 
 
 def _restore(
@@ -226,15 +211,8 @@ def _restore(
 ) -> PruneStats:
     """Masks from a resumed checkpoint: enforce them again rather than pruning twice. A mask
     saved at world 1 is whole; at another world size each rank takes its range of it."""
-    views = build_views(engine.model, cfg.prune.targets, comm)
-    local = {}
-    for v in views:
-        if v.name in saved:
-            m = saved[v.name].reshape(-1)
-            local[v.name] = m[v.start : v.end] if m.numel() == v.numel and m.numel() != v.local_numel else m
-            if local[v.name].numel() != v.local_numel:
-                raise ValueError(f"resumed pruning mask of {v.name} has {local[v.name].numel()} elements, this rank holds {v.local_numel}")
-    masks = MaskSet(local)
+    views = build_views(engine, cfg.prune.targets, comm)
+    masks = MaskSet.from_state(saved, views)
     counts = masks.counts(views, comm)
     total = sum(n for _, _, n in counts)
     stats = {
@@ -243,12 +221,11 @@ def _restore(
         "achieved_sparsity": sum(k for _, k, _ in counts) / max(1, total),
         "layers": [{"name": name, "numel": n, "pruned": k, "sparsity": k / n} for name, k, n in counts],
     }
-    enforcer, hook = _install(engine, masks, cfg.prune.targets, comm)
-    enforcer()  # the checkpoint's weights are already zero there; this makes it hold by construction
+    hook = _enforce(engine, masks, cfg.prune.targets, comm, now=True)  # the checkpoint's weights are zero there already: by construction
     _hand_to_checkpoints(ckpt, masks, comm)
     ckpt_step = ckpt.last_path if ckpt is not None else None
     log.info(f"prune: masks restored from {ckpt_step} (sparsity {stats['achieved_sparsity']:.4f}); not pruning again")
-    return PruneStats(stats, enforcer, masks, hook)
+    return PruneStats(stats, masks, hook)
 
 
 def _publish(stats: dict[str, Any], cfg: RunConfig, info: DistInfo, observer: Observer | None, step: int, save: bool) -> None:
