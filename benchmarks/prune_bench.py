@@ -113,7 +113,7 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
     import torch
 
     from harness.distributed import Collectives
-    from harness.pruning import build_views, run_pruning
+    from harness.pruning import build_views, restore_views, run_pruning, snapshot_views
     from harness.runner import evaluate
     from harness.runner.prune_stage import calibration_batches, calibration_split
 
@@ -127,7 +127,11 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
     )
     samples, _ = calibration_split(data, dataclasses.replace(cfg, prune=pool_cfg))
     batches = calibration_batches(samples, cfg, info, Collectives())
-    report = run_pruning(engine.model, batches, pool_cfg, lambda _, b: engine.forward_loss(b), grad_accum=cfg.grad_accum, apply=False)
+    views = build_views(engine.model, p.targets, Collectives())
+    dense = snapshot_views(views)  # the pool's masks only: its weights are put back
+    report = run_pruning(engine.model, batches, pool_cfg, lambda _, b: engine.forward_loss(b), grad_accum=cfg.grad_accum)
+    restore_views(views, dense, Collectives())
+    del dense
     g = torch.Generator().manual_seed(1000 + seed)
     pruned = total = 0
     with torch.no_grad():

@@ -22,9 +22,10 @@ takes its input norms for every matrix from the first G0 pass, which still sees 
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,9 +65,7 @@ class ProbeSettings:
     sequential: bool
     decision: str = "veto"  # exact target: rank the pool by G1/G0 | veto: base order, G1/G0 only vetoes | saliency
     allocation: dict[str, float] | None = None  # per-matrix sparsities (OWL); None: the rule's, uniform
-    keep_g0: bool = False
     dense_candidates: bool = False  # candidates of every matrix chosen once, before the first group is probed
-    g0: dict[str, torch.Tensor] = field(default_factory=dict)  # filled when keep_g0
 
     @classmethod
     def of(cls, run: MethodRun) -> ProbeSettings:
@@ -83,7 +82,6 @@ class ProbeSettings:
             stat_dtype=DTYPES[cfg.stat_dtype],  # prune.stat_dtype names the storage of G0 and G1
             sequential=run.sequential,
             decision=cfg.decision,
-            keep_g0=run.keep_g0,
             dense_candidates=is_original(cfg),
             allocation=run.allocation,
         )
@@ -248,8 +246,8 @@ def run_gradprobe(
             stats.finalize(comm)
         if dense_norms:
             choose_upfront("wanda", stats)
-        if settings.keep_g0:
-            settings.g0.update({k: t.clone() for k, t in g0.items()})
+        for record in _G0_RECORDS:
+            record.update({k: t.clone() for k, t in g0.items()})
         base = {} if upfront else {v.name: _base_scores(v, settings.base, stats, grad_sumsq, comm) for v in views}
         del grad_sumsq
         if upfront:
@@ -317,6 +315,20 @@ def run_gradprobe(
 def run(run: MethodRun) -> MaskSet:
     """The registry's entry: GradProbe over the run's groups, its probe steps of `grad_accum` micro-batches."""
     settings = ProbeSettings.of(run)
-    masks = run_gradprobe(run.groups, run.rule, settings, run.runner, run.runner.steps(run.batches), run.comm, run.ledger, run.forced)
-    run.g0.update(settings.g0)
-    return masks
+    return run_gradprobe(run.groups, run.rule, settings, run.runner, run.runner.steps(run.batches), run.comm, run.ledger, run.forced)
+
+
+_G0_RECORDS: list[dict[str, torch.Tensor]] = []  # open `recording_g0` blocks
+
+
+@contextlib.contextmanager
+def recording_g0() -> Iterator[dict[str, torch.Tensor]]:
+    """Inside the block, every GradProbe run copies each group's G0 (this rank's range of each
+    matrix, at `prune.stat_dtype`) into the dict yielded: the statistic as the run computed it,
+    for comparisons across group sizes, worlds and modes. Costs a copy of G0 while open."""
+    record: dict[str, torch.Tensor] = {}
+    _G0_RECORDS.append(record)
+    try:
+        yield record
+    finally:
+        _G0_RECORDS.remove(record)

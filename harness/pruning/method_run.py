@@ -5,7 +5,7 @@ its `run`, one row of facts and one entry in `harness.pruning.registry`."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,8 +31,6 @@ class MethodRun:
     comm: Collectives
     ledger: Ledger  # the pipeline's own buffers, for the report's probe memory
     allocation: dict[str, float] | None = None  # per-matrix sparsities (OWL); None: uniform
-    keep_g0: bool = False  # GradProbe: keep the dense gradient statistic G0 in `g0` (tests read it)
-    g0: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def sequential(self) -> bool:

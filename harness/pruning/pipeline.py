@@ -18,7 +18,6 @@ Passes over the calibration data, per method (K = layers per group, L = layers):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -32,11 +31,10 @@ from harness.distributed import Collectives
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
 from harness.pruning.experimental import owl_sparsities
 from harness.pruning.masks import MaskSet
-from harness.pruning.method_run import MethodRun
+from harness.pruning.method_run import Method, MethodRun
 from harness.pruning.methods import Rule, make_rule
 from harness.pruning.registry import method_of
 from harness.pruning.shards import ShardView, build_views
-from harness.training import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +69,11 @@ class PruneReport:
     world_size: int
     exact_target: bool
     masks: MaskSet = field(repr=False)
-    g0: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # local G0 shards (keep_g0)
     # Of the fwd+bwd passes, the share whose blocks below the probed ones were replayed, not computed.
     replayed_passes: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("masks", "g0", "layers")}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("masks", "layers")}
         out["layers"] = [{"name": x.name, "numel": x.numel, "pruned": x.pruned, "sparsity": x.sparsity} for x in self.layers]
         return out
 
@@ -100,100 +97,54 @@ def run_pruning(
     *,
     grad_accum: int | None = None,
     comm: Collectives | None = None,
-    sequential: bool | None = None,
     prior: MaskSet | None = None,
-    stat_dtype: torch.dtype | None = None,
-    keep_g0: bool = False,
-    apply: bool = True,
-    pool: float | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> PruneReport:
-    """Prune the target Linears of `model_or_engine` in place and report.
+    """Prune the target Linears of `model_or_engine` (a harness Engine, a DeepSpeed engine, DDP,
+    an FSDP2 module or a plain module) in place and report.
 
     `calib_batches` are this rank's micro-batches (every rank the same count);
-    `loss_fn(model_or_engine, batch)` returns the scalar loss. A probe step is
-    `grad_accum` micro-batches (a DeepSpeed engine's own accumulation). `prior` masks stay
-    pruned (iterative schedules, reloaded masks). `sequential` applies each group's result
-    before the next group's statistics (default `cfg.sequential`, else the decision mode's:
-    SparseGPT, whose update rewrites weights, and GradProbe's original mode). `stat_dtype`
-    overrides `cfg.stat_dtype`. Unset config keys take the mode's defaults
-    (`harness.config.prune_modes`); decision=original probes one matrix per group. `pool`:
-    exact-target GradProbe's extra candidates (default `cfg.pool`). `apply=False` returns masks without zeroing weights
-    (not for SparseGPT, which rewrites weights). `should_stop`, asked before every
-    calibration step on every rank (it may be a collective), ends the pruning with
-    StopRequested, the weights left part-way. Collective: every rank calls it with the
-    same config.
+    `loss_fn(model_or_engine, batch)` returns the scalar loss. A probe step is `grad_accum`
+    micro-batches (default: an engine's own accumulation, else 1). `prior` masks stay pruned
+    (iterative schedules, reloaded masks). Every setting comes from `cfg`; its unset keys take
+    the decision mode's defaults (`harness.config.prune_modes`: `sequential` for methods that
+    rewrite weights and GradProbe's original mode, which probes one matrix per group).
+    `should_stop`, asked before every calibration step on every rank (it may be a collective),
+    ends the pruning with StopRequested, the weights left part-way. Collective: every rank
+    calls it with the same config.
     """
     method = method_of(cfg)  # ValueError for `none`
-    if sequential is not None:
-        cfg = dataclasses.replace(cfg, sequential=sequential)
-    if stat_dtype is not None:
-        cfg = dataclasses.replace(cfg, stat_dtype=next(k for k, t in DTYPES.items() if t == stat_dtype))
-    if pool is not None:
-        cfg = dataclasses.replace(cfg, pool=pool)
     if cfg.decision == "original":
         check_original(cfg)
     cfg, filled = resolve_prune(cfg)
-    sequential = bool(cfg.sequential)
-    assert cfg.stat_dtype is not None and cfg.scope is not None and cfg.exact_target is not None
     comm = comm or Collectives()
     comm.barrier()
-    start = time.perf_counter()
-    cuda = torch.cuda.is_available() and comm.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base_alloc = torch.cuda.memory_allocated()
+    start, peak = time.perf_counter(), _DevicePeak(comm)
+    runner = Runner(model_or_engine, loss_fn, grad_accum, comm, should_stop=should_stop)
     views = build_views(model_or_engine, cfg.targets, comm)
     if not views:
         raise ValueError(f"no Linear layers match targets={cfg.targets}")
-    runner = Runner(model_or_engine, loss_fn, grad_accum, comm, should_stop=should_stop)
-    batches = list(calib_batches)
-    if comm.all_reduce_min_int(len(batches)) != len(batches) or comm.all_reduce_min_int(-len(batches)) != -len(batches):
-        raise ValueError("every rank must pass the same number of calibration micro-batches")
-    if method.needs_calibration and not batches:
-        raise ValueError(f"prune.method={cfg.method} needs calibration batches")
+    batches = _checked_inputs(list(calib_batches), method, cfg, comm)
     rule = make_rule(cfg)
     if comm.rank == 0 and filled and is_original(cfg):
         log.info(f"prune: decision=original filled what the config left unset: {', '.join(filled)}")
-    if not apply and (sequential or method.facts.rewrites_weights):
-        raise ValueError("apply=False cannot be honoured by a sequential run (each group is applied before the next)")
-    if method.facts.rewrites_weights and not sequential:
-        raise ValueError(f"{cfg.method} rewrites the weights of each group before the next is measured; sequential=False is not supported")
-
-    if is_original(cfg):
-        k, groups = 1, [[v] for v in views]  # one matrix at a time, in model order (build_views' order)
-    else:
-        units = sorted({v.target.unit for v in views})
-        device = views[0].lp().device
-        k = cfg.group_size or default_group_size(views, units, comm, hessian=method.facts.hessian, device=device)
-        k = max(1, min(k, len(units)))
-        groups = [[v for v in views if v.target.unit in units[i : i + k]] for i in range(0, len(units), k)]
-    forced = None if prior is None else {v.name: prior[v.name] for v in views if v.name in prior}
+    k, groups = _groups(cfg, method, views, comm)
+    forced = {} if prior is None else {v.name: prior[v.name] for v in views if v.name in prior}
     ledger = Ledger()
-
     with runner.eval_mode():
         alloc = _allocation(cfg, views, rule, runner, batches, comm, ledger)
-        run = MethodRun(cfg, groups, rule, forced or {}, runner, batches, comm, ledger, alloc, keep_g0)
-        masks = method.run(run)
-    if apply and not sequential:
+        masks = method.run(MethodRun(cfg, groups, rule, forced, runner, batches, comm, ledger, alloc))
+    if not cfg.sequential:  # a sequential run applied each group before measuring the next
         masks.apply(views, comm)
     masks.meta.update(method=cfg.method, pattern=cfg.pattern, sparsity=cfg.sparsity, base=cfg.base)
-
-    counts = masks.counts(views, comm)
-    layers = [LayerReport(name, numel, pruned) for name, pruned, numel in counts]
-    total = sum(x.numel for x in layers)
-    peak_dev = None
-    if cuda:
-        torch.cuda.synchronize()
-        peak_dev = comm.all_reduce_min_int(-(torch.cuda.max_memory_allocated() - base_alloc)) * -1
+    layers = [LayerReport(name, numel, pruned) for name, pruned, numel in masks.counts(views, comm)]
+    n, peak_device = max(1, len(batches)), peak.read()
     comm.barrier()
-    n = max(1, len(batches))
     report = PruneReport(
         method=cfg.method,
         pattern=cfg.pattern,
         target_sparsity=cfg.sparsity,
-        achieved_sparsity=sum(x.pruned for x in layers) / total,
+        achieved_sparsity=sum(x.pruned for x in layers) / sum(x.numel for x in layers),
         layers=layers,
         group_size=k,
         groups=len(groups),
@@ -201,16 +152,61 @@ def run_pruning(
         fwd_bwd_passes=runner.fwd_bwd_batches / n,
         wall_time_s=time.perf_counter() - start,
         peak_probe_bytes=-comm.all_reduce_min_int(-ledger.peak),
-        peak_device_bytes=peak_dev,
+        peak_device_bytes=peak_device,
         world_size=comm.world,
-        exact_target=cfg.exact_target,
+        exact_target=bool(cfg.exact_target),
         masks=masks,
-        g0=run.g0,
         replayed_passes=runner.prefix.replays / n,
     )
     if comm.rank == 0:
         log.info(report.summary())
     return report
+
+
+class _DevicePeak:
+    """The CUDA allocator's peak above the start of pruning, max over ranks (None on CPU)."""
+
+    def __init__(self, comm: Collectives) -> None:
+        self.comm = comm
+        self.cuda = torch.cuda.is_available() and comm.device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+
+    def read(self) -> int | None:
+        """Collective on CUDA."""
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        return -self.comm.all_reduce_min_int(-(torch.cuda.max_memory_allocated() - self.base))
+
+
+def _checked_inputs(batches: list[Any], method: Method, cfg: PruneConfig, comm: Collectives) -> list[Any]:
+    """The calibration micro-batches, checked: every rank the same count (collective), some where
+    the method reads data; a method that rewrites weights runs sequentially."""
+    if comm.all_reduce_min_int(len(batches)) != len(batches) or comm.all_reduce_min_int(-len(batches)) != -len(batches):
+        raise ValueError("every rank must pass the same number of calibration micro-batches")
+    if method.needs_calibration and not batches:
+        raise ValueError(f"prune.method={cfg.method} needs calibration batches")
+    if method.facts.rewrites_weights and not cfg.sequential:
+        raise ValueError(
+            f"prune.method={cfg.method} rewrites the weights of each group before the next is measured; sequential=False is not supported"
+        )
+    return batches
+
+
+def _groups(cfg: PruneConfig, method: Method, views: list[ShardView], comm: Collectives) -> tuple[int, list[list[ShardView]]]:
+    """(K, the groups): K consecutive decoder blocks per group, from the config or from the free
+    memory (`default_group_size`, the same on every rank); decision=original: one matrix at a
+    time, in model order (`build_views`' order)."""
+    if is_original(cfg):
+        return 1, [[v] for v in views]
+    units = sorted({v.target.unit for v in views})
+    device = views[0].lp().device
+    k = cfg.group_size or default_group_size(views, units, comm, hessian=method.facts.hessian, device=device)
+    k = max(1, min(k, len(units)))
+    return k, [[v for v in views if v.target.unit in units[i : i + k]] for i in range(0, len(units), k)]
 
 
 def _allocation(

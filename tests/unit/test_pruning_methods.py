@@ -3,6 +3,7 @@ plus exact-target sparsity and 2:4 validity on the tiny Llama."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -137,7 +138,7 @@ def test_gradprobe_original_mode_hand_case(threshold: float) -> None:
 def test_gradprobe_exact_mode_hand_case() -> None:
     toy = Toy(PROBE_W)
     cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, exact_target=True, decision="rank")
-    report = run_pruning(toy, PROBE_BATCHES, cfg, probe_loss, pool=0.5)
+    report = run_pruning(toy, PROBE_BATCHES, dataclasses.replace(cfg, pool=0.5), probe_loss)
     w = PROBE_W[0]
     pool = [0, 1, 2]  # floor(0.5 * 1.5 * 4) = 3 smallest |w|
     g0 = hand_g(w)  # [1, 2, 2, 0]
@@ -255,7 +256,7 @@ def lowest(scores: list[float], k: int) -> set[tuple[int, int]]:
 
 def test_taylor_base_is_weight_times_gradient_rms() -> None:
     toy = Toy(PROBE_W)
-    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="taylor", sparsity=0.5), probe_loss, pool=0.0)
+    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="taylor", sparsity=0.5, pool=0.0), probe_loss)
     w = PROBE_W[0]
     g = probe_grads(w)  # [[-1,0,0,0], [0,2,2,0]]
     scores = [abs(w[j]) * math.sqrt(sum(step[j] ** 2 for step in g)) for j in range(4)]  # [1, 4, 6, 0]
@@ -265,7 +266,7 @@ def test_taylor_base_is_weight_times_gradient_rms() -> None:
 
 def test_gblm_base_adds_the_rescaled_gradient_term_to_wanda() -> None:
     toy = Toy(PROBE_W)
-    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="gblm", sparsity=0.25), probe_loss, pool=0.0)
+    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="gblm", sparsity=0.25, pool=0.0), probe_loss)
     w = PROBE_W[0]
     g = probe_grads(w)
     norms = [math.sqrt(sum(x[0, j].item() ** 2 for x, _ in PROBE_BATCHES)) for j in range(4)]  # [1, 1, 1, 0]
@@ -280,7 +281,7 @@ def test_gblm_base_adds_the_rescaled_gradient_term_to_wanda() -> None:
 def test_ria_hand_case() -> None:
     toy = Toy(W)
     x = torch.tensor([[[1.0, 0.0, 0.0, 2.0], [1.0, 0.0, 1.0, 0.0]]])  # ||X_j|| = [sqrt2, 0, 1, 2]
-    run_pruning(toy, [(x, torch.zeros(1, 2, 2))], PruneConfig(method="gradprobe", base="ria", sparsity=0.5), probe_loss, pool=0.0)
+    run_pruning(toy, [(x, torch.zeros(1, 2, 2))], PruneConfig(method="gradprobe", base="ria", sparsity=0.5, pool=0.0), probe_loss)
     a = [[abs(v) for v in row] for row in W]
     rows = [sum(r) for r in a]
     cols = [sum(a[i][j] for i in range(2)) for j in range(4)]
@@ -321,7 +322,7 @@ def test_veto_keeps_the_base_order_where_rank_reorders() -> None:
 def test_veto_and_rank_through_the_stage(decision: str) -> None:
     toy = Toy(PROBE_W)
     cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, decision=decision)
-    run_pruning(toy, PROBE_BATCHES, cfg, probe_loss, pool=0.5)
+    run_pruning(toy, PROBE_BATCHES, dataclasses.replace(cfg, pool=0.5), probe_loss)
     # pool = w0, w1, w2; G1/G0 = [1.5, 0.25, 0.25]: w0 is vetoed (veto) or ranked last (rank)
     assert pruned(toy) == {(0, 1), (0, 2)}
 
@@ -334,7 +335,7 @@ def test_saliency_picks_the_pair_whose_removal_costs_least() -> None:
     and veto decisions choose) 5.0; without w0, w2 2.5."""
     toy = Toy(PROBE_W)
     cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, decision="saliency")
-    run_pruning(toy, PROBE_BATCHES, cfg, probe_loss, pool=0.5)
+    run_pruning(toy, PROBE_BATCHES, dataclasses.replace(cfg, pool=0.5), probe_loss)
     assert pruned(toy) == {(0, 0), (0, 1)}
 
     def loss(w: list[float]) -> float:
