@@ -5,7 +5,7 @@ from harness.runner.build import build_run, prepare
 from harness.runner.check import run_check
 from harness.runner.command import parse_command_line, run_command
 from harness.runner.preflight import preflight
-from harness.runner.prune_stage import PruneStats, run_prune_stage
+from harness.runner.prune_stage import PruneStats, calibration_batches, calibration_split, prune_and_measure, run_prune_stage
 from harness.runner.recipe import STAGES, RecipeResult, run_recipe
 from harness.runner.trainer import Trainer, evaluate, write_state_bytes
 
@@ -15,9 +15,12 @@ __all__ = [
     "STAGES",
     "Trainer",
     "build_run",
+    "calibration_batches",
+    "calibration_split",
     "evaluate",
     "parse_command_line",
     "preflight",
+    "prune_and_measure",
     "prepare",
     "run_check",
     "run_command",

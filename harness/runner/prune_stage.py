@@ -31,6 +31,7 @@ from harness.observability import Observer
 from harness.pruning import (
     MaskEnforcer,
     MaskSet,
+    PruneReport,
     build_views,
     calibration_samples,
     run_pruning,
@@ -104,32 +105,44 @@ def run_prune_stage(
     *,
     ckpt: CheckpointManager | None = None,
     resumed: ResumeState | None = None,
-    enforce: bool = True,
-    save_masks: bool = True,
-    before: dict[str, float] | None = None,
 ) -> PruneStats:
-    """Prune `engine`'s model per `cfg.prune`, measure, log, and keep the masks enforced.
+    """Prune `engine`'s model per `cfg.prune`, measure, log, save the masks and keep them enforced.
 
     `ckpt` (a CheckpointManager) receives the masks so later checkpoints carry them; a run
-    `resumed` from such a checkpoint gets its masks back instead of being pruned twice.
-    `enforce=False` / `save_masks=False` / `before` (the dense model's eval numbers, if
-    known) are for callers that prune one engine many times (the benchmark). Collective.
+    `resumed` from such a checkpoint gets its masks back instead of being pruned twice. Collective.
     """
     steps_begin()  # a stop from here ends the pruning at a calibration step all ranks agree on
     comm = Collectives()
     if resumed is not None and resumed.masks:
         return _restore(engine, cfg, info, resumed.masks, ckpt, comm)
+    before = evaluate(engine, data, cfg, info)
+    with _stopped_with_advice(ckpt, step):
+        stats, report = prune_and_measure(engine, data, cfg, info, before, comm)
+    hook = None
+    if report is not None:
+        report.masks.save(os.path.join(cfg.output_dir, MASKS_DIR), build_views(engine, cfg.prune.targets, comm), comm)
+        stats["masks_dir"] = os.path.join(cfg.output_dir, MASKS_DIR)
+        hook = _enforce(engine, report.masks, cfg.prune.targets, comm)
+        _hand_to_checkpoints(ckpt, report.masks, comm)
+    _publish(stats, cfg, info, observer, step)
+    return PruneStats(stats, None if report is None else report.masks, hook)
+
+
+def prune_and_measure(
+    engine: Engine, data: PackedData, cfg: RunConfig, info: DistInfo, before: dict[str, float], comm: Collectives
+) -> tuple[dict[str, Any], PruneReport | None]:
+    """The stage's pruning and its numbers, nothing kept: calibrate on the `calib` split, prune
+    (or run `prune.schedule`), evaluate after; `before` is the dense model's `evaluate`. Returns
+    (the stats, the report; None when a schedule accepted no round). Collective."""
     p = cfg.prune
     samples, holdout = calibration_split(data, cfg)
     batches = calibration_batches(samples, cfg, info, comm)
-    used = len(batches) * cfg.micro_batch_size * info.world_size
-    before = before or evaluate(engine, data, cfg, info)
     kwargs: dict[str, Any] = dict(
         comm=comm,
         should_stop=lambda: comm.any([signal_received()])[0],  # every rank stops at the same calibration step
     )  # probe steps: the engine's accumulation; unset keys of `p`: the decision mode's (run_pruning)
     loss_fn = lambda _, batch: engine.forward_loss(batch)
-    with engine.backward_without_step(), _stopped_with_advice(ckpt, step):  # probe backwards must not step
+    with engine.backward_without_step():  # probe backwards must not step
         if p.schedule:
             val = dataclasses.replace(data, blocks={**data.blocks, HOLDOUT_SPLIT: holdout})
             if holdout.shape[0] == 0:
@@ -158,20 +171,10 @@ def run_prune_stage(
         eval_perplexity_before=before["eval/perplexity"],
         eval_loss_after=after["eval/loss"],
         eval_perplexity_after=after["eval/perplexity"],
-        calib_samples_used=used,
+        calib_samples_used=len(batches) * cfg.micro_batch_size * info.world_size,
         calib_seed=p.calib_seed,
     )
-    hook = None
-    if report is not None:
-        views = build_views(engine, p.targets, comm)
-        if save_masks:
-            report.masks.save(os.path.join(cfg.output_dir, MASKS_DIR), views, comm)
-            stats["masks_dir"] = os.path.join(cfg.output_dir, MASKS_DIR)
-        if enforce:
-            hook = _enforce(engine, report.masks, p.targets, comm)
-            _hand_to_checkpoints(ckpt, report.masks, comm)
-    _publish(stats, cfg, info, observer, step, save=save_masks)
-    return PruneStats(stats, None if report is None else report.masks, hook)
+    return stats, report
 
 
 @contextlib.contextmanager
@@ -228,16 +231,15 @@ def _restore(
     return PruneStats(stats, masks, hook)
 
 
-def _publish(stats: dict[str, Any], cfg: RunConfig, info: DistInfo, observer: Observer | None, step: int, save: bool) -> None:
+def _publish(stats: dict[str, Any], cfg: RunConfig, info: DistInfo, observer: Observer | None, step: int) -> None:
     """metrics.jsonl (per-layer sparsity, before/after perplexity), the report file, one summary line."""
     if observer is not None:
         observer.log_prune(stats, step)
     if not info.is_main:
         return
-    if save:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.output_dir, REPORT_FILE), "w") as f:
-            json.dump(stats, f, indent=1, default=str)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    with open(os.path.join(cfg.output_dir, REPORT_FILE), "w") as f:
+        json.dump(stats, f, indent=1, default=str)
     line = (
         f"prune {stats['method']} {cfg.prune.pattern}: sparsity {stats['achieved_sparsity']:.4f} over the pruned layers "
         f"(target {stats.get('target_sparsity', cfg.prune.sparsity):g}); eval perplexity {stats['eval_perplexity_before']:.3f} -> "
