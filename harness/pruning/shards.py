@@ -10,6 +10,10 @@ matrix evenly, as ZeRO would, and an all-gather of the changed ranges keeps the 
 identical.
 
 No view ever materialises another rank's weights or gradients.
+
+Why not `Engine.shards()`: that lists every parameter as this rank stores it; pruning wants the
+target Linears only, a replica's work split across ranks (`split`), and bare modules as well as
+engines. Both call the engine's `shard_of`, the one place that knows the storage.
 """
 
 from __future__ import annotations
