@@ -115,8 +115,7 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
 
     from harness.distributed import Collectives
     from harness.pruning import build_views, restore_views, run_pruning, snapshot_views
-    from harness.runner import evaluate
-    from harness.runner.prune_stage import calibration_batches, calibration_split
+    from harness.runner import calibration_batches, calibration_split, evaluate
 
     p = cfg.prune
     pool_cfg = dataclasses.replace(
@@ -270,8 +269,7 @@ def prune_in_process(
     from harness.config import load_config, load_strategy
     from harness.data import load_packed, prepare_data
     from harness.distributed import Collectives
-    from harness.runner import build_run, evaluate, preflight, prune_and_measure
-    from harness.runner.prune_stage import HOLDOUT_SPLIT, calibration_split
+    from harness.runner import HOLDOUT_SPLIT, build_run, calibration_split, evaluate, preflight, prune_and_measure
 
     def holdout_perplexity(prune: Any) -> float:
         """Perplexity on the calib blocks this seed did not draw: what a user could select a

@@ -52,8 +52,7 @@ from harness.config import RunConfig, load_config, load_strategy  # noqa: E402
 from harness.distributed import Collectives, DistInfo, exit_process  # noqa: E402
 from harness.engine import EnginePlan  # noqa: E402
 from harness.pruning import build_views, restore_views, run_pruning, snapshot_views  # noqa: E402
-from harness.runner import build_run, preflight, run_command  # noqa: E402
-from harness.runner.prune_stage import calibration_batches, calibration_split  # noqa: E402
+from harness.runner import build_run, calibration_batches, calibration_split, preflight, run_command  # noqa: E402
 
 METHODS = ("wanda", "gradprobe")
 LIBC = ctypes.CDLL("libc.so.6")

@@ -44,8 +44,7 @@ from harness.config import load_config, load_strategy  # noqa: E402
 from harness.distributed import Collectives  # noqa: E402
 from harness.pruning import MaskSet, build_views, restore_views, run_pruning, snapshot_views  # noqa: E402
 from harness.pruning.methods import COMPOSITE_BITS, gradient_ratio, make_rule, select, veto_keys  # noqa: E402
-from harness.runner import build_run, evaluate, preflight  # noqa: E402
-from harness.runner.prune_stage import HOLDOUT_SPLIT, calibration_batches, calibration_split  # noqa: E402
+from harness.runner import HOLDOUT_SPLIT, build_run, calibration_batches, calibration_split, evaluate, preflight  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

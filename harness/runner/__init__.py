@@ -5,11 +5,12 @@ from harness.runner.build import build_run, prepare
 from harness.runner.check import run_check
 from harness.runner.command import parse_command_line, run_command
 from harness.runner.preflight import preflight
-from harness.runner.prune_stage import PruneStats, calibration_batches, calibration_split, prune_and_measure, run_prune_stage
+from harness.runner.prune_stage import HOLDOUT_SPLIT, PruneStats, calibration_batches, calibration_split, prune_and_measure, run_prune_stage
 from harness.runner.recipe import STAGES, RecipeResult, run_recipe
 from harness.runner.trainer import Trainer, evaluate, write_state_bytes
 
 __all__ = [
+    "HOLDOUT_SPLIT",
     "PruneStats",
     "RecipeResult",
     "STAGES",
