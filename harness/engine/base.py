@@ -10,6 +10,7 @@ is answered here, by the engine that knows.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -62,7 +63,8 @@ class Engine:
         # Checkpoints keep the trainable parameters only (LoRA: the adapters); see EnginePlan.trainable_only.
         self.trainable_only = plan.trainable_only
         self.startup_s = dict(startup_s)  # seconds spent loading the model and initialising the engine
-        self._post_step_hooks: dict[int, Callable[[], None]] = {}  # `register_post_step_hook`, run by `step`
+        # `register_post_step_hook`'s, run by `step` (an OrderedDict: the handle keeps a weak reference to it)
+        self._post_step_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
 
     @classmethod
     def build(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> Engine:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from torch import nn
 
@@ -22,8 +23,11 @@ def tiny_engine(tmp_path, *overrides: str):
     return build_engine(model_spec("tiny-llama", vocab_size=64), cfg, plan, info, functools.partial(causal_lm_loss, chunk_size=0))
 
 
-def test_post_step_hook_runs_after_every_step_until_removed(tmp_path) -> None:
-    engine = tiny_engine(tmp_path)
+@pytest.mark.parametrize("overrides", [[], ["memory.optimizer_in_backward=true"]], ids=["torch_optimizer", "in_backward"])
+def test_post_step_hook_runs_after_every_step_until_removed(tmp_path, overrides: list[str]) -> None:
+    """A torch optimizer's own step post-hook; an optimizer with none (stepping inside backward,
+    as DeepSpeed's own also has none) is covered by the engine's `step`."""
+    engine = tiny_engine(tmp_path, *overrides)
     batch = torch.randint(0, 64, (2, 16))
     calls: list[float] = []
     weight = next(p for p in engine.module.parameters() if p.dim() == 2)
