@@ -10,7 +10,8 @@ on a model that pruning actually hurts.
    reuses it).
 2. In one process (world 1, the trainer's own engine built by `harness.runner.build_run`),
    restores the dense weights before every run and calls the pruning stage
-   (`harness.runner.run_prune_stage`) for each variant x pattern x calibration seed.
+   (`harness.runner.prune_and_measure`, the stage's pruning without saving or enforcing) for each
+   variant x pattern x calibration seed.
    Calibration samples come from the `calib` split; perplexity is measured on the `eval`
    split, which calibration never reads. Nothing is tuned on eval.
 3. The masked fine-tune column: `python -m harness.prune ... prune.finetune_steps=N` per
@@ -113,9 +114,8 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
     import torch
 
     from harness.distributed import Collectives
-    from harness.pruning import build_views, run_pruning
-    from harness.runner import evaluate
-    from harness.runner.prune_stage import calibration_batches, calibration_split
+    from harness.pruning import build_views, restore_views, run_pruning, snapshot_views
+    from harness.runner import calibration_batches, calibration_split, evaluate
 
     p = cfg.prune
     pool_cfg = dataclasses.replace(
@@ -127,7 +127,11 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
     )
     samples, _ = calibration_split(data, dataclasses.replace(cfg, prune=pool_cfg))
     batches = calibration_batches(samples, cfg, info, Collectives())
-    report = run_pruning(engine.model, batches, pool_cfg, lambda _, b: engine.forward_loss(b), grad_accum=cfg.grad_accum, apply=False)
+    views = build_views(engine.model, p.targets, Collectives())
+    dense = snapshot_views(views)  # the pool's masks only: its weights are put back
+    report = run_pruning(engine.model, batches, pool_cfg, lambda _, b: engine.forward_loss(b), grad_accum=cfg.grad_accum)
+    restore_views(views, dense, Collectives())
+    del dense
     g = torch.Generator().manual_seed(1000 + seed)
     pruned = total = 0
     with torch.no_grad():
@@ -264,8 +268,8 @@ def prune_in_process(
     from harness import distributed as dist_utils
     from harness.config import load_config, load_strategy
     from harness.data import load_packed, prepare_data
-    from harness.runner import build_run, evaluate, preflight, run_prune_stage
-    from harness.runner.prune_stage import HOLDOUT_SPLIT, calibration_split
+    from harness.distributed import Collectives
+    from harness.runner import HOLDOUT_SPLIT, build_run, calibration_split, evaluate, preflight, prune_and_measure
 
     def holdout_perplexity(prune: Any) -> float:
         """Perplexity on the calib blocks this seed did not draw: what a user could select a
@@ -368,7 +372,7 @@ def prune_in_process(
             not_run.append({"key": key, "pattern": pat_key, "seed": seed, "calib_samples": prune.calib_samples})
             continue
         engine.module.load_state_dict(dense_state)
-        stats = run_prune_stage(engine, data, dataclasses.replace(cfg, prune=prune), info, enforce=False, save_masks=False, before=dense)
+        stats, report = prune_and_measure(engine, data, dataclasses.replace(cfg, prune=prune), info, dense, Collectives())
         row = {
             **{k: v for k, v in stats.items() if k != "layers"},
             "key": key,
@@ -381,7 +385,7 @@ def prune_in_process(
         }
         if holdout:
             row["holdout_perplexity"] = holdout_perplexity(prune)
-        masks = {k: m.clone() for k, m in stats.masks.masks.items()}
+        masks = {k: m.clone() for k, m in report.masks.masks.items()}
         if prune.method in ("wanda", "gradprobe"):  # kept (bit-packed, outside git): prune_veto_sweep.py checks against them
             save_masks(work / "masks" / f"{hashlib.sha256(cache_key.encode()).hexdigest()[:16]}.pt", masks)
         if key in ("wanda", "magnitude") and not swept:

@@ -6,8 +6,9 @@ under FSDP2 and ZeRO-3 at world 1 and 2 (SmolLM2-135M; `prune_bench.py --model s
 For each (strategy, world) one launch (`torchrun --nproc_per_node=W benchmarks/prune_memory.py
 --rank-body ...`) builds the run as `python -m harness.prune` does (`harness.runner.build_run`,
 the engine from the pre-flight plan), then, on the same dense model and calibration batches,
-runs Wanda and then GradProbe (its defaults) with `apply=False` (masks chosen, no weight
-changed, so the second method sees the same model). Per rank and method it records:
+runs Wanda and then GradProbe (its defaults), each followed by putting the dense weights back
+(`snapshot_views` before, `restore_views` after, outside the measured window), so the second
+method sees the same model. Per rank and method it records:
 
 - `shard_bytes`: the bytes of parameters this rank stores (FSDP2: the local DTensor pieces;
   ZeRO-3: the `ds_tensor` partitions; world 1: the whole model);
@@ -50,9 +51,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from harness.config import RunConfig, load_config, load_strategy  # noqa: E402
 from harness.distributed import Collectives, DistInfo, exit_process  # noqa: E402
 from harness.engine import EnginePlan  # noqa: E402
-from harness.pruning import run_pruning  # noqa: E402
-from harness.runner import build_run, preflight, run_command  # noqa: E402
-from harness.runner.prune_stage import calibration_batches, calibration_split  # noqa: E402
+from harness.pruning import build_views, restore_views, run_pruning, snapshot_views  # noqa: E402
+from harness.runner import build_run, calibration_batches, calibration_split, preflight, run_command  # noqa: E402
 
 METHODS = ("wanda", "gradprobe")
 LIBC = ctypes.CDLL("libc.so.6")
@@ -113,6 +113,8 @@ def rank_body(out: Path) -> Any:
         samples, _ = calibration_split(trainer.data, cfg)
         batches = calibration_batches(samples, cfg, info, comm)
         grad_accum = None if engine.owns_grad_accumulation else cfg.grad_accum
+        views = build_views(engine.model, cfg.prune.targets, comm)
+        dense = snapshot_views(views)  # taken before the first start: in every method's baseline
         rows = []
         for method in METHODS:
             gc.collect()
@@ -128,9 +130,9 @@ def rank_body(out: Path) -> Any:
                     lambda _, b: engine.forward_loss(b),
                     grad_accum=grad_accum,
                     comm=comm,
-                    apply=False,
                 )
                 wall = time.perf_counter() - t0
+            restore_views(views, dense, comm)
             rows.append(
                 {
                     "method": method,

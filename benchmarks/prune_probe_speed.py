@@ -43,8 +43,7 @@ from harness.config import load_config, load_strategy  # noqa: E402
 from harness.distributed import Collectives  # noqa: E402
 from harness.pruning import build_views  # noqa: E402
 from harness.pruning.calibration import Runner, gradient_max  # noqa: E402
-from harness.runner import build_run, preflight  # noqa: E402
-from harness.runner.prune_stage import calibration_batches, calibration_split  # noqa: E402
+from harness.runner import build_run, calibration_batches, calibration_split, preflight  # noqa: E402
 
 MATRIX = "mlp.up_proj"
 PASSES_PER_BLOCK = 14  # the original mode: G0 and G1 for each of a Llama block's 7 matrices

@@ -50,10 +50,9 @@ def study(work: Path, samples: int, seed: int) -> dict[str, Any]:
     from harness import distributed as dist_utils
     from harness.config import load_config, load_strategy
     from harness.distributed import Collectives
+    from harness.pruning import build_views
     from harness.pruning.methods import Rule, float_keys, select, wanda_scores, widen
-    from harness.pruning.shards import build_views
-    from harness.runner import build_run
-    from harness.runner.prune_stage import calibration_batches, calibration_split
+    from harness.runner import build_run, calibration_batches, calibration_split
 
     cfg_dict = base_config(work, 4000, 64)
     trained = train_dense(work, cfg_dict)

@@ -42,11 +42,9 @@ import harness.pruning.gradprobe as gradprobe  # noqa: E402
 from harness import distributed as dist_utils  # noqa: E402
 from harness.config import load_config, load_strategy  # noqa: E402
 from harness.distributed import Collectives  # noqa: E402
-from harness.pruning import MaskSet, build_views, run_pruning  # noqa: E402
+from harness.pruning import MaskSet, build_views, restore_views, run_pruning, snapshot_views  # noqa: E402
 from harness.pruning.methods import COMPOSITE_BITS, gradient_ratio, make_rule, select, veto_keys  # noqa: E402
-from harness.pruning.select import parse_pattern  # noqa: E402
-from harness.runner import build_run, evaluate, preflight  # noqa: E402
-from harness.runner.prune_stage import HOLDOUT_SPLIT, calibration_batches, calibration_split  # noqa: E402
+from harness.runner import HOLDOUT_SPLIT, build_run, calibration_batches, calibration_split, evaluate, preflight  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
     gradprobe.veto_keys = recording  # the probe's decision inputs, per matrix in build_views order
     t0 = time.perf_counter()
+    views = build_views(engine.model, cfg.prune.targets, comm)
+    dense = snapshot_views(views)  # the decisions only: the weights are put back
     with engine.backward_without_step():
         report = run_pruning(
             engine.model,
@@ -94,14 +94,14 @@ def main(argv: list[str] | None = None) -> int:
             lambda _, b: engine.forward_loss(b),
             grad_accum=None if engine.owns_grad_accumulation else cfg.grad_accum,
             comm=comm,
-            apply=False,
         )
     probe_s = time.perf_counter() - t0
+    restore_views(views, dense, comm)
+    del dense
     gradprobe.veto_keys = original_veto_keys
-    views = build_views(engine.model, cfg.prune.targets, comm)
     if len(recorded) != len(views):
         raise RuntimeError(f"recorded {len(recorded)} decisions for {len(views)} matrices (the default decision must be veto)")
-    rule = make_rule("gradprobe", cfg.prune.base, parse_pattern(cfg.prune.pattern), cfg.prune.sparsity, "per_matrix")
+    rule = make_rule(dataclasses.replace(cfg.prune, method="gradprobe", scope="per_matrix"))
     layouts = [v.layout for v in views]
 
     def masks_at(threshold: float) -> dict[str, torch.Tensor]:

@@ -22,11 +22,11 @@ if __package__ in (None, ""):  # run as a file by a launcher: make `harness` imp
 
 from safetensors import safe_open
 
-from harness.config import RunConfig, load_config, load_strategy
+from harness.config import PRUNE_METHOD_FACTS, RunConfig, load_config, load_strategy
 from harness.distributed import Collectives, DistInfo, exit_process
 from harness.engine import EnginePlan
-from harness.errors import ConfigError, StopRequested
-from harness.runner import build_run, evaluate, parse_command_line, preflight, run_command, run_prune_stage
+from harness.errors import ConfigError
+from harness.runner import parse_command_line, preflight, run_command, run_recipe
 
 
 def exported_zeros(hf_dir: str, names: list[str]) -> dict[str, int]:
@@ -44,27 +44,11 @@ def exported_zeros(hf_dir: str, names: list[str]) -> dict[str, int]:
 
 def prune_model(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, Any]:
     """The command: build the run as `harness.train` does, prune, fine-tune, export."""
-    trainer, _ = build_run(cfg, plan, info)
-    try:
-        stats = run_prune_stage(trainer.engine, trainer.data, cfg, info, trainer.observer, 0, ckpt=trainer.ckpt)
-    except StopRequested as stop:
-        if cfg.checkpoint.overwrite:
-            raise
-        raise StopRequested(
-            f"{stop}, with checkpoint.overwrite=true: output_dir now holds this run's metrics.jsonl, which a new run "
-            "would otherwise refuse to replace"
-        ) from None
-    trainer.after_step = stats.after_step
-    steps = cfg.prune.finetune_steps
-    if steps and not trainer.train(0, steps):
-        return {"preempted_at_step": trainer.stopped_at}
-    final = (
-        evaluate(trainer.engine, trainer.data, cfg, info)
-        if steps
-        else {"eval/loss": stats["eval_loss_after"], "eval/perplexity": stats["eval_perplexity_after"]}
-    )
-    trainer.observer.log_eval(steps, final)
-    trainer.ckpt.finish(steps, {"skipped_steps": trainer.skipped})  # checkpoint + HF export (checkpoint.export_hf)
+    done = run_recipe(cfg, plan, info, ("prune", "finetune", "export"))
+    if done.preempted is not None:
+        return done.preempted
+    trainer, stats, final = done.trainer, done.pruned, done.final
+    assert stats is not None and final is not None
     hf_dir = os.path.join(cfg.output_dir, "hf")
     summary = {
         "prune_achieved_sparsity": stats["achieved_sparsity"],
@@ -93,8 +77,9 @@ def command_config(path: str | None, overrides: list[str]) -> RunConfig:
     """The run config for the command: no training before pruning (the model is loaded),
     the LR schedule spans the fine-tuning steps, and the result is exported to HF."""
     cfg = load_config(path, overrides)
-    if cfg.prune.method == "none":
-        raise ConfigError("python -m harness.prune needs prune.method (magnitude, wanda, sparsegpt or gradprobe)")
+    if not cfg.prune.enabled:
+        names = list(PRUNE_METHOD_FACTS)
+        raise ConfigError(f"python -m harness.prune needs prune.method ({', '.join(names[:-1])} or {names[-1]})")
     if cfg.checkpoint.resume not in ("", "none"):
         raise ConfigError(
             "python -m harness.prune prunes model.name; to prune a checkpoint, export it first "

@@ -21,37 +21,28 @@ if __package__ in (None, ""):  # run as a file by a launcher: make `harness` imp
 from harness.config import RunConfig, load_config, load_strategy
 from harness.distributed import DistInfo, exit_process
 from harness.engine import EnginePlan
-from harness.runner import build_run, evaluate, parse_command_line, preflight, run_check, run_command, run_prune_stage
+from harness.runner import parse_command_line, preflight, run_check, run_command, run_recipe
 
 
 def train(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, float]:
-    trainer, resumed = build_run(cfg, plan, info)
-    engine, data, observer, ckpt = trainer.engine, trainer.data, trainer.observer, trainer.ckpt
-    last = cfg.steps
-    if not trainer.train(resumed.step, cfg.steps):
-        return {"preempted_at_step": trainer.stopped_at, "skipped_steps": trainer.skipped}
-    if cfg.prune.method != "none":  # prune, then fine-tune with the masks enforced
-        if resumed.step <= cfg.steps:  # the trained model on disk first: a stop or crash while pruning loses no step
-            ckpt.ensure_saved(cfg.steps, {"skipped_steps": trainer.skipped})
-        trainer.after_step = run_prune_stage(engine, data, cfg, info, observer, cfg.steps, ckpt=ckpt, resumed=resumed).after_step
-        last = cfg.steps + cfg.prune.finetune_steps
-        if not trainer.train(max(resumed.step, cfg.steps), last):
-            return {"preempted_at_step": trainer.stopped_at, "skipped_steps": trainer.skipped}
-    final = evaluate(engine, data, cfg, info)
-    observer.log_eval(last, final)
+    stages = ("train", "prune", "finetune", "export") if cfg.prune.enabled else ("train", "export")
+    done = run_recipe(cfg, plan, info, stages)  # build, then each stage (prune: masks enforced while fine-tuning)
+    if done.preempted is not None:
+        return done.preempted
+    trainer, final = done.trainer, done.final
+    assert final is not None
     summary = {
         "final_train_loss": trainer.loss_mean,
         "final_eval_loss": final["eval/loss"],
         "final_eval_perplexity": final["eval/perplexity"],
         "skipped_steps": trainer.skipped,
     }
-    ckpt.finish(last, {"skipped_steps": trainer.skipped})  # the final checkpoint and HF export, if configured
-    observer.log_summary(summary)
+    trainer.observer.log_summary(summary)
     trainer.close()
     if info.is_main:
         print(
             f"[harness] final eval perplexity {final['eval/perplexity']:.2f}; outputs in {os.path.abspath(cfg.output_dir)}; "
-            f"{ckpt.result_line()}",
+            f"{trainer.ckpt.result_line()}",
             flush=True,
         )
     return summary

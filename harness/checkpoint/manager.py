@@ -107,9 +107,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class CheckpointManager:
     """Saves and restores one run's checkpoints; every method is called on every rank.
 
-    `masks` (optional): a dict of tensors the pruning stage sets; saved per rank. Set
-    `masks_sharded=True` when each rank holds a different piece (then they only restore
-    at the same world size).
+    Pruning masks, once a stage registers them (`register_masks`), are saved per rank with
+    every later checkpoint.
     """
 
     def __init__(
@@ -130,8 +129,8 @@ class CheckpointManager:
         self.root = checkpoint_root(cfg.output_dir)
         self.every = cfg.checkpoint.every
         self.keep = max(1, cfg.checkpoint.keep)
-        self.masks: dict[str, torch.Tensor] | None = None
-        self.masks_sharded = False
+        self._masks: Any = None  # `register_masks`: a Stateful whose state_dict() is name -> this rank's mask
+        self._masks_sharded = False
         self.last_path: str | None = None  # the newest complete checkpoint of this run
         self.last_step: int | None = None
         self.preempted = False
@@ -141,6 +140,14 @@ class CheckpointManager:
         self._barrier()
 
     # --------------------------------------------------------------- public API
+    def register_masks(self, masks: Any, sharded: bool) -> None:
+        """Later checkpoints carry `masks` (a Stateful: `state_dict()` -> name -> this rank's mask
+        tensor), as the sampler's position is carried; `sharded`: each rank holds a different
+        piece, restorable at the same world size only. The newest checkpoint, if any, predates
+        them (the weights changed in place): the end-of-run save is written again."""
+        self._masks, self._masks_sharded = masks, sharded
+        self.last_step = None
+
     @property
     def final_save(self) -> bool:
         c = self.cfg.checkpoint
@@ -290,7 +297,7 @@ class CheckpointManager:
         os.makedirs(self.root, exist_ok=True)
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
-        for sub in ("rng", *self.per_rank, *(("masks",) if self.masks is not None else ())):
+        for sub in ("rng", *self.per_rank, *(("masks",) if self._masks is not None else ())):
             os.makedirs(os.path.join(tmp, sub))
 
     def _write(self, tmp: str, step: int, counters: dict[str, Any] | None) -> None:
@@ -301,8 +308,9 @@ class CheckpointManager:
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{self.info.rank:05d}.pt"))
         for name, obj in self.per_rank.items():
             torch.save(obj.state_dict(), os.path.join(tmp, name, f"rank{self.info.rank:05d}.pt"))
-        if self.masks is not None:
-            torch.save({k: v.detach().cpu() for k, v in self.masks.items()}, os.path.join(tmp, "masks", f"rank{self.info.rank:05d}.pt"))
+        if self._masks is not None:
+            state = {k: v.detach().cpu() for k, v in self._masks.state_dict().items()}
+            torch.save(state, os.path.join(tmp, "masks", f"rank{self.info.rank:05d}.pt"))
         if self.info.is_main:
             torch.save({**self.engine.trainer_state(), "counters": dict(counters or {})}, os.path.join(tmp, "trainer_state.pt"))
             self._write_hf_files(os.path.join(tmp, "hf_config"))
@@ -384,7 +392,7 @@ class CheckpointManager:
             model=cfg.model.name,
             precision=cfg.precision,
             config=config_to_dict(cfg),
-            masks="none" if self.masks is None else ("sharded" if self.masks_sharded else "replicated"),
+            masks="none" if self._masks is None else ("sharded" if self._masks_sharded else "replicated"),
         )
 
     def _commit(self, tmp: str, final: str, step: int) -> None:

@@ -15,6 +15,7 @@ from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.drop_in import adopt_settings
 from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
 from harness.config.presets import PRESETS, Preset, is_preset
+from harness.config.prune_methods import PER_ROW_BASES, PRUNE_METHOD_FACTS, MethodFacts, method_facts, needs_calibration, row_score
 from harness.config.prune_modes import check_original, is_original, resolve_prune
 from harness.config.schema import (
     AC_MODES,
@@ -28,6 +29,7 @@ from harness.config.schema import (
     OPTIMIZER_NAMES,
     PRECISIONS,
     PRUNE_BASES,
+    PRUNE_METHODS,
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
@@ -78,7 +80,11 @@ __all__ = [
     "OPTIMIZER_NAMES",
     "PRECISIONS",
     "PRESETS",
+    "PER_ROW_BASES",
     "PRUNE_BASES",
+    "PRUNE_METHOD_FACTS",
+    "PRUNE_METHODS",
+    "MethodFacts",
     "CheckpointConfig",
     "CheckpointFormat",
     "ConfigError",
@@ -111,11 +117,14 @@ __all__ = [
     "engine_kind",
     "is_given",
     "is_original",
+    "method_facts",
+    "needs_calibration",
     "is_preset",
     "load_config",
     "load_strategy",
     "parse_yaml",
     "read_config_file",
     "resolve_prune",
+    "row_score",
     "resolve_deepspeed_config",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+from harness.config.prune_methods import needs_calibration
 from harness.config.prune_modes import check_prune_mode
 from harness.config.schema import BF16_WEIGHT_OPTIMIZERS, EMBEDDED_CORPORA, INSTRUCTION_FORMATS, OPTIMIZER_LIBRARY, RunConfig, choice_fields
 from harness.config.strategies import Strategy
@@ -100,7 +101,7 @@ def check_values(cfg: RunConfig) -> None:
             raise ConfigError(f"prune.pattern={cfg.prune.pattern!r} must be 'unstructured' or N:M like 2:4") from None
         if not 0 < n < m:
             raise ConfigError(f"prune.pattern={cfg.prune.pattern}: N:M needs 0 < N < M")
-        if cfg.prune.method != "none" and abs(cfg.prune.sparsity - (m - n) / m) > 1e-9:
+        if cfg.prune.enabled and abs(cfg.prune.sparsity - (m - n) / m) > 1e-9:
             raise ConfigError(
                 f"prune.pattern={cfg.prune.pattern} prunes {(m - n) / m:g} of each group "
                 f"but prune.sparsity={cfg.prune.sparsity}; set prune.sparsity={(m - n) / m:g}"
@@ -146,14 +147,14 @@ def check_lora_values(cfg: RunConfig) -> None:
 def check_lora(cfg: RunConfig, strategy_kind: str, zero_stage: int = 0) -> None:
     """What LoRA/QLoRA can run with, decided before any process group starts."""
     lo = cfg.lora
-    if cfg.data.format in INSTRUCTION_FORMATS and cfg.prune.method != "none":
+    if cfg.data.format in INSTRUCTION_FORMATS and cfg.prune.enabled:
         raise ConfigError(
             f"data.format={cfg.data.format} cannot calibrate pruning (its blocks carry labels); prune on text data, "
             "export, then fine-tune the pruned model"
         )
     if not lo.enabled:
         return
-    if cfg.prune.method != "none":
+    if cfg.prune.enabled:
         raise ConfigError(
             f"lora.enabled=true with prune.method={cfg.prune.method}: prune first (harness.prune), export the "
             "pruned model, then fine-tune it with LoRA (see notes/lora.md)"
@@ -216,10 +217,10 @@ def check_prune_config(cfg: RunConfig, world: int) -> None:
     """What can be checked before any process starts: the calibration set must fill one probe
     step (every rank runs `grad_accum` micro-batches per probe step)."""
     p = cfg.prune
-    if p.method == "none":
+    if not p.enabled:
         return
     per_step = cfg.micro_batch_size * cfg.grad_accum * world
-    if p.method != "magnitude" and p.calib_samples < per_step:
+    if needs_calibration(p) and p.calib_samples < per_step:
         raise ConfigError(
             f"prune.calib_samples={p.calib_samples} cannot fill one probe step of micro_batch_size*grad_accum*world "
             f"({cfg.micro_batch_size}*{cfg.grad_accum}*{world}={per_step}); raise it to a multiple of {per_step}"
@@ -343,7 +344,7 @@ def check_sequence_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> N
         raise ConfigError(f"{what} must divide the world size ({world}): each group of {n} ranks shares its samples")
     if cfg.data.seq_len % n:
         raise ConfigError(f"{what} must divide data.seq_len={cfg.data.seq_len}: each rank holds an equal slice of every sample")
-    if cfg.prune.method != "none":
+    if cfg.prune.enabled:
         raise ConfigError(
             f"{what} with prune.method={cfg.prune.method}: pruning's calibration runs whole sequences; set parallel.sequence=1"
         )

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from harness.config.prune_methods import method_facts, reads_base, row_score, row_score_key
 from harness.config.schema import PruneConfig
 from harness.errors import ConfigError
 
@@ -34,7 +35,7 @@ MODE_KEYS = ("scope", "stat_dtype", "exact_target", "sequential", "group_size")
 
 
 def is_original(p: PruneConfig) -> bool:
-    return p.method == "gradprobe" and p.decision == "original"
+    return reads_base(p) and p.decision == "original"
 
 
 def mode_defaults(p: PruneConfig) -> dict[str, Any]:
@@ -50,13 +51,13 @@ def mode_defaults(p: PruneConfig) -> dict[str, Any]:
             "sequential": True,
             "group_size": 1,
         }
-    # SparseGPT rewrites each group's weights before the next is measured, so it alone
-    # runs sequentially by default; the others measure the model as the stage found it.
+    # A method that rewrites each group's weights before the next is measured (SparseGPT) runs
+    # sequentially by default; the others measure the model as the stage found it.
     return {
         "scope": "per_matrix",
         "stat_dtype": "bf16",
         "exact_target": True,
-        "sequential": p.method == "sparsegpt",
+        "sequential": method_facts(p).sequential,
         "group_size": p.group_size,
     }
 
@@ -78,13 +79,13 @@ def check_prune_mode(p: PruneConfig) -> None:
 
     Checked on the config as written, so an explicit contradiction is named, not overridden.
     """
-    if p.method == "none":
+    if not p.enabled:
         return
-    row_score = "wanda" if p.method == "wanda" else p.base if p.method == "gradprobe" and p.base != "magnitude" else None
-    if row_score is not None and p.scope == "global":
+    by_row = row_score(p)
+    if by_row is not None and p.scope == "global":
         raise ConfigError(
-            f"prune.scope=global with {'prune.base' if p.method == 'gradprobe' else 'prune.method'}={row_score}: "
-            f"{row_score} compares weights within an output row; unset prune.scope (or per_matrix)"
+            f"prune.scope=global with {row_score_key(p)}={by_row}: "
+            f"{by_row} compares weights within an output row; unset prune.scope (or per_matrix)"
         )
     if p.allocation != "uniform":
         if p.pattern != "unstructured" or p.scope == "global":
@@ -99,14 +100,14 @@ def check_prune_mode(p: PruneConfig) -> None:
                 f"prune.owl_lambda={p.owl_lambda} must be in (0, {min(p.sparsity, 1.0 - p.sparsity):g}] so every "
                 f"block's sparsity stays within [0, 1) around prune.sparsity={p.sparsity}"
             )
-        if p.decision == "original" and p.method == "gradprobe":
+        if is_original(p):
             raise ConfigError(
                 "prune.allocation=owl with prune.decision=original: the original prunes to one global threshold; unset prune.allocation"
             )
     if p.decision == "original":
         check_original(p)
         return
-    if p.method != "gradprobe":
+    if not reads_base(p):
         return
     if p.exact_target is False:
         raise ConfigError(
@@ -129,7 +130,7 @@ def check_prune_mode(p: PruneConfig) -> None:
 def check_original(p: PruneConfig) -> None:
     """The original mode's own contradictions (also checked by `run_pruning`, which library
     callers reach without a run config's checks)."""
-    if p.method != "gradprobe":
+    if not reads_base(p):
         raise ConfigError(
             f"prune.decision=original is GradProbe's rule; prune.method={p.method} has no gradient veto: set "
             "prune.method=gradprobe or unset prune.decision"

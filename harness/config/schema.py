@@ -302,6 +302,11 @@ class PruneConfig(Section):
     owl_lambda: float = 0.08  # OWL: block sparsities span target +- lambda
     owl_m: float = 5.0  # OWL: an outlier is a Wanda score above m x its block's mean
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the run prunes at all (`method: none` does not)."""
+        return self.method != "none"
+
 
 @dataclass
 class LoraConfig(Section):

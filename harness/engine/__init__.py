@@ -25,6 +25,7 @@ from harness.engine.deepspeed_engine import DeepSpeedEngine
 from harness.engine.finite import weights_finite
 from harness.engine.parallelize import apply_memory_techniques, fsdp_wrap, sequence_group
 from harness.engine.plan import EnginePlan, hidden_size_of, plan_engine
+from harness.engine.probe import DeepSpeedProbe, GradientProbe, gradient_probe
 from harness.engine.shard_base import ParamShard
 from harness.engine.shards import memory_storage, shard_of
 from harness.engine.storage import local_part
@@ -45,7 +46,9 @@ def read_model_weights(
 __all__ = [
     "DeepSpeedEngine",
     "Engine",
+    "DeepSpeedProbe",
     "EnginePlan",
+    "GradientProbe",
     "LossFn",
     "ParamShard",
     "StepResult",
@@ -53,6 +56,7 @@ __all__ = [
     "apply_memory_techniques",
     "build_engine",
     "fsdp_wrap",
+    "gradient_probe",
     "hidden_size_of",
     "is_deepspeed_engine",
     "load_model",

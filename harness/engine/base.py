@@ -10,6 +10,7 @@ is answered here, by the engine that knows.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -17,10 +18,12 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from harness.config import CheckpointFormat, EngineKind, RunConfig
 from harness.distributed import DistInfo
 from harness.engine.plan import EnginePlan
+from harness.engine.probe import GradientProbe
 from harness.engine.shard_base import ParamShard
 from harness.engine.shards import memory_storage, shard_of
 from harness.memory import ActivationOffload, ModelStorage
@@ -60,6 +63,8 @@ class Engine:
         # Checkpoints keep the trainable parameters only (LoRA: the adapters); see EnginePlan.trainable_only.
         self.trainable_only = plan.trainable_only
         self.startup_s = dict(startup_s)  # seconds spent loading the model and initialising the engine
+        # `register_post_step_hook`'s, run by `step` (an OrderedDict: the handle keeps a weak reference to it)
+        self._post_step_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
 
     @classmethod
     def build(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> Engine:
@@ -82,6 +87,12 @@ class Engine:
     def backward_without_step(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes run inside do not step the optimizer (gradient probes, e.g. pruning)."""
         return contextlib.nullcontext()
+
+    def gradient_probe(self, grad_accum: int | None = None) -> GradientProbe:
+        """Backward passes that measure gradients without stepping (pruning's probes), run this
+        engine's way: its accumulation boundaries, its wrapper's reduction. `grad_accum`: micro-
+        batches per probe step (default this engine's)."""
+        raise NotImplementedError
 
     def forward_loss(self, batch: torch.Tensor, num_items: float | None = None) -> torch.Tensor:
         """The loss of one micro-batch: its summed token losses over ``num_items`` (default: its
@@ -123,6 +134,23 @@ class Engine:
         (a quantized base's packed codes are bit patterns, which may read as NaN)."""
         codes = quantized_codes(self.model)
         return [p.detach() for p in self.model.parameters() if p.numel() and id(p) not in codes]
+
+    def register_post_step_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Run `hook` after every optimizer step (pruning's mask enforcer keeps pruned weights at
+        zero); `handle.remove()` ends it. A torch optimizer runs it from its own step post-hook, so
+        any step of it is covered; other optimizers (DeepSpeed's, optimizer-in-backward's) have
+        no such hook, and `step` runs it once the training step is done, skipped or not."""
+        optimizer = self.optimizer
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer.register_step_post_hook(lambda *_: hook())
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = hook
+        return handle
+
+    def _run_post_step_hooks(self) -> None:
+        """Called by each engine's `step` as its last action."""
+        for hook in list(self._post_step_hooks.values()):
+            hook()
 
     # ------------------------------------------------------------------ engine-specific
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:

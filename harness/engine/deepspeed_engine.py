@@ -29,6 +29,7 @@ from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.extension_lock import guarded_builds
 from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, lora_base
 from harness.engine.plan import EnginePlan
+from harness.engine.probe import DeepSpeedProbe, GradientProbe
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
 from harness.errors import CheckpointError, ConfigError
 from harness.log import get_logger
@@ -223,6 +224,9 @@ class DeepSpeedEngine(Engine):
     def lr_schedulers(self) -> list[Any]:
         return [self.ds.lr_scheduler] if self.ds.lr_scheduler is not None else []
 
+    def gradient_probe(self, grad_accum: int | None = None) -> GradientProbe:
+        return DeepSpeedProbe(self.ds, grad_accum)
+
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         # DeepSpeed divides by gradient_accumulation_steps itself and knows the boundary.
         self.ds.backward(loss)
@@ -257,6 +261,7 @@ class DeepSpeedEngine(Engine):
         skipped_now = int(getattr(self.ds, "skipped_steps", 0))
         skipped = dropped or skipped_now > self._skipped_before or not math.isfinite(norm_f)
         self._skipped_before = skipped_now
+        self._run_post_step_hooks()
         return StepResult(norm_f, skipped)
 
     @property

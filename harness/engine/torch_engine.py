@@ -33,6 +33,7 @@ from harness.distributed import DistInfo, local_tensor
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, empty_model_to_train, fsdp_wrap, sequence_group
 from harness.engine.plan import EnginePlan
+from harness.engine.probe import GradientProbe
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
 from harness.memory import OptimizerInBackward
 from harness.models import ModelSpec, materialize, quant_state_tensors, quantized_codes, use_ulysses
@@ -203,6 +204,9 @@ class TorchEngine(Engine):
     def optimizer(self) -> Any:
         return self._optimizer
 
+    def gradient_probe(self, grad_accum: int | None = None) -> GradientProbe:
+        return GradientProbe(self.model, grad_accum or self.grad_accum)
+
     def _sync_context(self, last_micro: bool):
         if self.kind == "ddp" and not last_micro:
             return self.model.no_sync()
@@ -244,6 +248,7 @@ class TorchEngine(Engine):
             norm = self._oib.last_grad_norm()
             skipped = not math.isfinite(norm)
             self.scheduler.step()
+            self._run_post_step_hooks()
             return StepResult(norm, skipped)
         agreed = self._norm is not None  # the caller read the norm's finiteness into `skip`
         norm = self.grad_norm()
@@ -261,6 +266,7 @@ class TorchEngine(Engine):
             self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self._run_post_step_hooks()
         return result
 
     @property

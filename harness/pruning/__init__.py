@@ -4,12 +4,18 @@ Entry points for the trainer:
     run_pruning(model_or_engine, calib_batches, cfg.prune, loss_fn, grad_accum=...) -> PruneReport
     MaskEnforcer(model_or_engine, report.masks, cfg.prune.targets)  # call after each optimizer step
     report.masks.save(dir, views, comm) / MaskSet.load(dir, views, comm)
+For measurements and tests:
+    snap = snapshot_views(views); ...; restore_views(views, snap, comm)  # masks chosen, weights put back
+    with recording_g0() as g0: run_pruning(...)  # GradProbe's dense-gradient statistic as computed
+
+A method is one entry of `harness.pruning.registry` and its module.
 """
 
 from harness.pruning.calibration import calibration_samples, shard_calibration
+from harness.pruning.gradprobe import recording_g0
 from harness.pruning.masks import MaskEnforcer, MaskSet
 from harness.pruning.pipeline import LayerReport, PruneReport, run_pruning
-from harness.pruning.schedule import ScheduleReport, run_schedule
+from harness.pruning.schedule import ScheduleReport, restore_views, run_schedule, snapshot_views
 from harness.pruning.shards import ShardView, build_views
 
 __all__ = [
@@ -21,7 +27,10 @@ __all__ = [
     "ShardView",
     "build_views",
     "calibration_samples",
+    "recording_g0",
+    "restore_views",
     "run_pruning",
     "run_schedule",
     "shard_calibration",
+    "snapshot_views",
 ]

@@ -19,6 +19,7 @@ backward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -26,11 +27,9 @@ from typing import Any
 import psutil
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from harness.distributed import Collectives
-from harness.engine import is_deepspeed_engine, unwrap
+from harness.engine import gradient_probe
 from harness.errors import StopRequested
 from harness.pruning.prefix import PrefixCache
 from harness.pruning.shards import ShardView
@@ -91,15 +90,9 @@ class Runner:
         self.comm = comm or Collectives()
         self.probed_only = probed_only  # False: every probe runs the full forward and backward (the reference for tests)
         self.loss_fn = loss_fn
-        self.module: nn.Module = unwrap(model_or_engine)
-        self.deepspeed = is_deepspeed_engine(model_or_engine)
-        if self.deepspeed:
-            gas = model_or_engine.gradient_accumulation_steps()
-            if grad_accum not in (None, gas):
-                raise ValueError(f"grad_accum={grad_accum} differs from the DeepSpeed engine's gradient_accumulation_steps={gas}")
-            self.accum = gas
-        else:
-            self.accum = grad_accum or 1
+        self.probe = gradient_probe(model_or_engine, grad_accum)  # how this engine runs a backward that must not step
+        self.module: nn.Module = self.probe.module
+        self.accum = self.probe.accum
         self.prefix = PrefixCache(self.module, lambda: available_bytes(next(self.module.parameters()).device))
         self.fwd_batches = 0  # micro-batches run forward only
         self.fwd_bwd_batches = 0  # micro-batches run forward + backward
@@ -143,38 +136,22 @@ class Runner:
         if params and self._computes_probed_only(params):
             self._probed_backward(step, params, min(v.target.unit for v in probed))
             return
-        if not self.deepspeed:
-            for batch in step:
-                (self.loss_fn(self.target, batch) / self.accum).backward()
-                self.fwd_bwd_batches += 1
-            return
-        engine = self.target
-        # Our probe steps are not the engine's optimizer steps, so its micro-step counter
-        # cannot tell where they end: mark the boundary (the ZeRO-1/2 gradient reduction)
-        # ourselves, then hand the decision back (the engine re-pushes it to its optimizer
-        # at every backward).
-        saved = engine._is_gradient_accumulation_boundary
-        try:
-            for i, batch in enumerate(step):
-                engine.set_gradient_accumulation_boundary(i == len(step) - 1)
-                engine.backward(self.loss_fn(engine, batch))
-                self.fwd_bwd_batches += 1
-        finally:
-            engine._is_gradient_accumulation_boundary = saved
+        self.probe.backward_step([functools.partial(self._counted_loss, batch) for batch in step])
+
+    def _counted_loss(self, batch: Any) -> torch.Tensor:
+        self.fwd_bwd_batches += 1
+        return self.loss_fn(self.target, batch)
 
     def _computes_probed_only(self, probed: Sequence[nn.Parameter]) -> bool:
-        """Whole, trainable weights outside DeepSpeed: one process or DDP, not FSDP2 (DTensor)."""
-        return self.probed_only and not self.deepspeed and all(p.requires_grad and not isinstance(p, DTensor) for p in probed)
+        """Whether the engine lets the probed weights' gradients be computed alone (whole weights)."""
+        return self.probed_only and self.probe.computes_alone(probed)
 
     def _probed_backward(self, step: list[Any], params: list[nn.Parameter], lowest: int) -> None:
-        """The probed weights' gradients alone, accumulated into their `.grad` as `backward` would.
-
-        DDP's reducer averages inside `backward`; here the forward runs under `no_sync` and the
-        probed gradients are averaged over ranks afterwards (divided, then summed, as DDP does).
+        """The probed weights' gradients alone, accumulated into their `.grad` as `backward` would
+        (averaged over ranks by the probe where a wrapper would have: `partial_backward`).
         Optimizer-in-backward hooks do not fire: `autograd.grad` accumulates nothing.
         """
-        ddp = isinstance(self.target, DistributedDataParallel)
-        with self.target.no_sync() if ddp else contextlib.nullcontext():
+        with self.probe.partial_backward(params, self.comm):
             for batch in step:
                 grads = torch.autograd.grad(self._probe_loss(batch, lowest) / self.accum, params)
                 for p, g in zip(params, grads):
@@ -183,10 +160,6 @@ class Runner:
                     else:
                         p.grad.add_(g)
                 self.fwd_bwd_batches += 1
-        if ddp and self.comm.distributed:
-            for p in params:
-                assert p.grad is not None
-                p.grad.copy_(self.comm.all_reduce_sum(p.grad.div_(self.comm.world)))
 
     def _probe_loss(self, batch: Any, lowest: int) -> torch.Tensor:
         """The loss of `batch`, blocks below `lowest` replayed where the prefix cache allows;
@@ -210,14 +183,7 @@ class Runner:
         return loss
 
     def zero_grad(self) -> None:
-        if self.deepspeed:
-            opt = self.target.optimizer
-            if opt is not None and hasattr(opt, "zero_grad"):
-                opt.zero_grad()
-            else:
-                self.target.zero_grad()
-        else:
-            self.module.zero_grad(set_to_none=True)
+        self.probe.zero_grad()
 
 
 class InputStats:

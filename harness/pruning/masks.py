@@ -60,6 +60,26 @@ class MaskSet:
     def __contains__(self, name: str) -> bool:
         return name in self.masks
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's pieces on the host: what a checkpoint keeps (the Stateful of
+        `harness.checkpoint.CheckpointManager.register_masks`)."""
+        return {name: m.detach().cpu() for name, m in self.masks.items()}
+
+    @classmethod
+    def from_state(cls, saved: dict[str, torch.Tensor], views: list[ShardView]) -> MaskSet:
+        """The masks of a checkpoint's `state_dict()`: a mask saved at world 1 is whole, and each
+        rank takes its range of it; one saved sharded is this rank's range already."""
+        local = {}
+        for v in views:
+            if v.name in saved:
+                m = saved[v.name].reshape(-1)
+                local[v.name] = m[v.start : v.end] if m.numel() == v.numel and m.numel() != v.local_numel else m
+                if local[v.name].numel() != v.local_numel:
+                    raise ValueError(
+                        f"resumed pruning mask of {v.name} has {local[v.name].numel()} elements, this rank holds {v.local_numel}"
+                    )
+        return cls(local)
+
     def apply(self, views: list[ShardView], comm: Collectives) -> None:
         """Zero the masked weights (working copy and fp32 master). Collective."""
         for v in views:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.config import PRUNE_BASES
+from harness.config import PruneConfig, row_score
 from harness.distributed import Collectives
 from harness.pruning.layout import Layout, exchange_split_units
 from harness.pruning.select import (
@@ -22,6 +22,7 @@ from harness.pruning.select import (
     _bits,
     count_for,
     float_keys,
+    parse_pattern,
     radix_select,
     select_global,
     select_per_matrix,
@@ -51,24 +52,24 @@ class Rule:
         return self.m - self.n
 
 
-def make_rule(method: str, base: str, pattern: tuple[int, int] | None, sparsity: float, scope: str) -> Rule:
-    """The selection shape a method uses. Wanda (and GradProbe on a Wanda base) compares
-    within output rows, by Wanda's definition; a global scope is refused for them rather
-    than silently ignored."""
+def make_rule(cfg: PruneConfig) -> Rule:
+    """The selection shape of a resolved config: N:M from `pattern`; per row where the method's
+    score compares within output rows (Wanda, GradProbe on a per-row base: `row_score`), by
+    that score's definition, a global scope being refused for them rather than silently
+    ignored; otherwise the config's scope."""
+    assert cfg.scope is not None, "make_rule reads a resolved config (harness.config.resolve_prune)"
+    pattern, sparsity = parse_pattern(cfg.pattern), cfg.sparsity
     if pattern is not None:
         n, m = pattern
         if abs(sparsity - (m - n) / m) > 1e-9:
             raise ValueError(f"pattern {n}:{m} prunes {(m - n) / m:g} of the weights; set sparsity={(m - n) / m:g} (got {sparsity:g})")
         return Rule("nm", sparsity, n, m)
-    per_row = method == "wanda" or (method == "gradprobe" and base in PER_ROW_BASES)
-    if per_row:
-        if scope == "global":
-            raise ValueError(
-                f"{base if method == 'gradprobe' else method} compares weights within an output row; "
-                "scope=global does not apply (use per_matrix)"
-            )
+    by_row = row_score(cfg)
+    if by_row is not None:
+        if cfg.scope == "global":
+            raise ValueError(f"{by_row} compares weights within an output row; scope=global does not apply (use per_matrix)")
         return Rule("per_row", sparsity)
-    return Rule(scope, sparsity)
+    return Rule(cfg.scope, sparsity)
 
 
 def widen(rule: Rule, pool: float) -> Rule:
@@ -102,10 +103,9 @@ def select(
     raise ValueError(f"unknown selection {rule.kind}")
 
 
-# Base scores GradProbe can draw its candidates from (PRUNE_BASES). All but magnitude compare weights
-# within an output row, as Wanda does. magnitude and wanda are here; the bases measured worse
+# Base scores GradProbe can draw its candidates from (PRUNE_BASES; those that compare within an
+# output row: PER_ROW_BASES). magnitude and wanda are here; the bases measured worse
 # (taylor, gblm, ria) are in harness.pruning.experimental.bases.
-PER_ROW_BASES = tuple(b for b in PRUNE_BASES if b != "magnitude")
 
 
 def magnitude_scores(weight: torch.Tensor) -> torch.Tensor:
@@ -204,33 +204,10 @@ def sparsegpt_prune(
         raise ValueError(f"SparseGPT selects per block (unstructured) or N:M, not {rule.kind}")
     C = layout.cols
     dev = weight.device
-    first, last = layout.whole_units(C)
-    split = {r: t for r, t in exchange_split_units(layout, weight, C, comm).items() if _touches(layout, r * C, (r + 1) * C)}
-    split_forced = {}
-    if forced is not None:
-        split_forced = exchange_split_units(layout, forced, C, comm)
-    row_ids = sorted(set(range(first, last)) | set(split))
+    row_ids, W, F, counts_here = _rows_held(layout, weight, forced, comm)
     nr = len(row_ids)
-    W = torch.zeros(nr, C, dtype=torch.float64, device=dev)
-    F = torch.zeros(nr, C, dtype=torch.bool, device=dev)
-    for i, r in enumerate(row_ids):
-        if r in split:
-            W[i] = split[r].double()
-            if forced is not None:
-                F[i] = split_forced[r]
-        else:
-            sl = layout.local_slice(r * C, (r + 1) * C)
-            W[i] = weight[sl].double()
-            if forced is not None:
-                F[i] = forced[sl]
-    counts_here = torch.tensor([r not in split or layout.owner_of(r * C) == comm.rank for r in row_ids], dtype=torch.bool, device=dev)
     row_index = torch.tensor(row_ids, dtype=torch.int64, device=dev)
-
-    H = H.to(dev, torch.float64).clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    H += damp * torch.mean(torch.diag(H)) * torch.eye(C, dtype=H.dtype, device=dev)
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    U = _inverse_hessian_factor(H, damp, dev)
 
     mask = torch.zeros(nr, C, dtype=torch.bool, device=dev)
     index_bits = _bits(layout.numel)
@@ -264,7 +241,50 @@ def sparsegpt_prune(
         W[:, i1:i2] = Q1
         mask[:, i1:i2] = M1
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    return _to_local_range(layout, row_ids, W, mask)
 
+
+def _rows_held(
+    layout: Layout, weight: torch.Tensor, forced: torch.Tensor | None, comm: Collectives
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole rows this rank updates, fp64 (rows a ZeRO boundary cuts reassembled from their
+    holders), their forced masks, and which of them this rank counts in a selection (the
+    holder of the row's first element)."""
+    C, dev = layout.cols, weight.device
+    first, last = layout.whole_units(C)
+    split = {r: t for r, t in exchange_split_units(layout, weight, C, comm).items() if _touches(layout, r * C, (r + 1) * C)}
+    split_forced = {}
+    if forced is not None:
+        split_forced = exchange_split_units(layout, forced, C, comm)
+    row_ids = sorted(set(range(first, last)) | set(split))
+    W = torch.zeros(len(row_ids), C, dtype=torch.float64, device=dev)
+    F = torch.zeros(len(row_ids), C, dtype=torch.bool, device=dev)
+    for i, r in enumerate(row_ids):
+        if r in split:
+            W[i] = split[r].double()
+            if forced is not None:
+                F[i] = split_forced[r]
+        else:
+            sl = layout.local_slice(r * C, (r + 1) * C)
+            W[i] = weight[sl].double()
+            if forced is not None:
+                F[i] = forced[sl]
+    counts_here = torch.tensor([r not in split or layout.owner_of(r * C) == comm.rank for r in row_ids], dtype=torch.bool, device=dev)
+    return row_ids, W, F, counts_here
+
+
+def _inverse_hessian_factor(H: torch.Tensor, damp: float, device: torch.device) -> torch.Tensor:
+    """The upper Cholesky factor of the damped H^-1 (fp64); dead inputs (zero diagonal) get 1."""
+    H = H.to(device, torch.float64).clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    H += damp * torch.mean(torch.diag(H)) * torch.eye(H.shape[0], dtype=H.dtype, device=device)
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+
+def _to_local_range(layout: Layout, row_ids: list[int], W: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's flat range of the updated rows and their mask (fp32 weights, bool)."""
+    C, dev = layout.cols, W.device
     new_local = torch.empty(layout.local_numel, dtype=torch.float32, device=dev)
     new_mask = torch.zeros(layout.local_numel, dtype=torch.bool, device=dev)
     for i, r in enumerate(row_ids):

@@ -18,7 +18,6 @@ Passes over the calibration data, per method (K = layers per group, L = layers):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -29,31 +28,15 @@ import torch
 
 from harness.config import PruneConfig, check_original, is_original, resolve_prune
 from harness.distributed import Collectives
-from harness.pruning.allocation import view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
 from harness.pruning.experimental import owl_sparsities
-from harness.pruning.gradprobe import ProbeSettings, run_gradprobe
 from harness.pruning.masks import MaskSet
-from harness.pruning.methods import (
-    Rule,
-    magnitude_scores,
-    make_rule,
-    score_keys,
-    select,
-    sparsegpt_prune,
-    wanda_scores,
-)
-from harness.pruning.select import FLOAT_KEY_BITS, parse_pattern
-from harness.pruning.shards import ShardView, build_views, sync_views
-from harness.training import DTYPES
+from harness.pruning.method_run import Method, MethodRun
+from harness.pruning.methods import Rule, make_rule
+from harness.pruning.registry import method_of
+from harness.pruning.shards import ShardView, build_views
 
 log = logging.getLogger(__name__)
-
-# Exact-target GradProbe probes this many times more candidates than it prunes (1.25x
-# the target): enough room to keep the worst offenders, small enough that the pool stays
-# among weights the base strategy already considers unimportant. Read from
-# `PruneConfig.pool` when the config has that field.
-DEFAULT_POOL = 0.25
 
 
 @dataclass
@@ -86,12 +69,11 @@ class PruneReport:
     world_size: int
     exact_target: bool
     masks: MaskSet = field(repr=False)
-    g0: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # local G0 shards (keep_g0)
     # Of the fwd+bwd passes, the share whose blocks below the probed ones were replayed, not computed.
     replayed_passes: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("masks", "g0", "layers")}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("masks", "layers")}
         out["layers"] = [{"name": x.name, "numel": x.numel, "pruned": x.pruned, "sparsity": x.sparsity} for x in self.layers]
         return out
 
@@ -115,125 +97,54 @@ def run_pruning(
     *,
     grad_accum: int | None = None,
     comm: Collectives | None = None,
-    sequential: bool | None = None,
     prior: MaskSet | None = None,
-    stat_dtype: torch.dtype | None = None,
-    keep_g0: bool = False,
-    apply: bool = True,
-    pool: float | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> PruneReport:
-    """Prune the target Linears of `model_or_engine` in place and report.
+    """Prune the target Linears of `model_or_engine` (a harness Engine, a DeepSpeed engine, DDP,
+    an FSDP2 module or a plain module) in place and report.
 
     `calib_batches` are this rank's micro-batches (every rank the same count);
-    `loss_fn(model_or_engine, batch)` returns the scalar loss. A probe step is
-    `grad_accum` micro-batches (a DeepSpeed engine's own accumulation). `prior` masks stay
-    pruned (iterative schedules, reloaded masks). `sequential` applies each group's result
-    before the next group's statistics (default `cfg.sequential`, else the decision mode's:
-    SparseGPT, whose update rewrites weights, and GradProbe's original mode). `stat_dtype`
-    overrides `cfg.stat_dtype`. Unset config keys take the mode's defaults
-    (`harness.config.prune_modes`); decision=original probes one matrix per group. `pool`:
-    exact-target GradProbe's extra candidates (default `cfg.pool` if the config has it,
-    else DEFAULT_POOL). `apply=False` returns masks without zeroing weights
-    (not for SparseGPT, which rewrites weights). `should_stop`, asked before every
-    calibration step on every rank (it may be a collective), ends the pruning with
-    StopRequested, the weights left part-way. Collective: every rank calls it with the
-    same config.
+    `loss_fn(model_or_engine, batch)` returns the scalar loss. A probe step is `grad_accum`
+    micro-batches (default: an engine's own accumulation, else 1). `prior` masks stay pruned
+    (iterative schedules, reloaded masks). Every setting comes from `cfg`; its unset keys take
+    the decision mode's defaults (`harness.config.prune_modes`: `sequential` for methods that
+    rewrite weights and GradProbe's original mode, which probes one matrix per group).
+    `should_stop`, asked before every calibration step on every rank (it may be a collective),
+    ends the pruning with StopRequested, the weights left part-way. Collective: every rank
+    calls it with the same config.
     """
-    if cfg.method == "none":
-        raise ValueError("prune.method is 'none': nothing to run")
-    if sequential is not None:
-        cfg = dataclasses.replace(cfg, sequential=sequential)
-    if stat_dtype is not None:
-        cfg = dataclasses.replace(cfg, stat_dtype=next(k for k, t in DTYPES.items() if t == stat_dtype))
+    method = method_of(cfg)  # ValueError for `none`
     if cfg.decision == "original":
         check_original(cfg)
     cfg, filled = resolve_prune(cfg)
-    sequential = bool(cfg.sequential)
-    assert cfg.stat_dtype is not None and cfg.scope is not None and cfg.exact_target is not None
-    stat_dtype = DTYPES[cfg.stat_dtype]  # prune.stat_dtype names the storage of G0 and G1
     comm = comm or Collectives()
     comm.barrier()
-    start = time.perf_counter()
-    cuda = torch.cuda.is_available() and comm.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base_alloc = torch.cuda.memory_allocated()
+    start, peak = time.perf_counter(), _DevicePeak(comm)
+    runner = Runner(model_or_engine, loss_fn, grad_accum, comm, should_stop=should_stop)
     views = build_views(model_or_engine, cfg.targets, comm)
     if not views:
         raise ValueError(f"no Linear layers match targets={cfg.targets}")
-    runner = Runner(model_or_engine, loss_fn, grad_accum, comm, should_stop=should_stop)
-    batches = list(calib_batches)
-    if comm.all_reduce_min_int(len(batches)) != len(batches) or comm.all_reduce_min_int(-len(batches)) != -len(batches):
-        raise ValueError("every rank must pass the same number of calibration micro-batches")
-    if cfg.method != "magnitude" and not batches:
-        raise ValueError(f"prune.method={cfg.method} needs calibration batches")
-    rule = make_rule(cfg.method, cfg.base, parse_pattern(cfg.pattern), cfg.sparsity, cfg.scope)
+    batches = _checked_inputs(list(calib_batches), method, cfg, comm)
+    rule = make_rule(cfg)
     if comm.rank == 0 and filled and is_original(cfg):
         log.info(f"prune: decision=original filled what the config left unset: {', '.join(filled)}")
-    if not apply and (sequential or cfg.method == "sparsegpt"):
-        raise ValueError("apply=False cannot be honoured by a sequential run (each group is applied before the next)")
-    if cfg.method == "sparsegpt" and not sequential:
-        raise ValueError("SparseGPT rewrites the weights of each group before the next is measured; sequential=False is not supported")
-
-    if is_original(cfg):
-        k, groups = 1, [[v] for v in views]  # one matrix at a time, in model order (build_views' order)
-    else:
-        units = sorted({v.target.unit for v in views})
-        device = views[0].lp().device
-        k = cfg.group_size or default_group_size(views, units, comm, hessian=cfg.method == "sparsegpt", device=device)
-        k = max(1, min(k, len(units)))
-        groups = [[v for v in views if v.target.unit in units[i : i + k]] for i in range(0, len(units), k)]
-    forced = None if prior is None else {v.name: prior[v.name] for v in views if v.name in prior}
+    k, groups = _groups(cfg, method, views, comm)
+    forced = {} if prior is None else {v.name: prior[v.name] for v in views if v.name in prior}
     ledger = Ledger()
-    g0: dict[str, torch.Tensor] = {}
-
     with runner.eval_mode():
         alloc = _allocation(cfg, views, rule, runner, batches, comm, ledger)
-        if cfg.method == "magnitude":
-            masks = _magnitude(groups, rule, forced, comm, sequential, alloc)
-        elif cfg.method == "wanda":
-            masks = _wanda(groups, rule, forced, runner, batches, comm, sequential, ledger, alloc)
-        elif cfg.method == "sparsegpt":
-            masks = _sparsegpt(groups, rule, forced, runner, batches, comm, ledger, alloc)
-        elif cfg.method == "gradprobe":
-            pool_frac = float(pool if pool is not None else getattr(cfg, "pool", DEFAULT_POOL))
-            settings = ProbeSettings(
-                base=cfg.base,
-                reduction=cfg.reduction,
-                threshold=cfg.threshold,
-                exact=cfg.exact_target,
-                pool=pool_frac,
-                stat_dtype=stat_dtype,
-                sequential=sequential,
-                decision=cfg.decision,
-                keep_g0=keep_g0,
-                dense_candidates=is_original(cfg),
-                allocation=alloc,
-            )
-            masks = run_gradprobe(groups, rule, settings, runner, runner.steps(batches), comm, ledger, forced)
-            g0 = settings.g0
-        else:
-            raise ValueError(f"unknown prune.method {cfg.method!r}")
-    if apply and not sequential:
+        masks = method.run(MethodRun(cfg, groups, rule, forced, runner, batches, comm, ledger, alloc))
+    if not cfg.sequential:  # a sequential run applied each group before measuring the next
         masks.apply(views, comm)
     masks.meta.update(method=cfg.method, pattern=cfg.pattern, sparsity=cfg.sparsity, base=cfg.base)
-
-    counts = masks.counts(views, comm)
-    layers = [LayerReport(name, numel, pruned) for name, pruned, numel in counts]
-    total = sum(x.numel for x in layers)
-    peak_dev = None
-    if cuda:
-        torch.cuda.synchronize()
-        peak_dev = comm.all_reduce_min_int(-(torch.cuda.max_memory_allocated() - base_alloc)) * -1
+    layers = [LayerReport(name, numel, pruned) for name, pruned, numel in masks.counts(views, comm)]
+    n, peak_device = max(1, len(batches)), peak.read()
     comm.barrier()
-    n = max(1, len(batches))
     report = PruneReport(
         method=cfg.method,
         pattern=cfg.pattern,
         target_sparsity=cfg.sparsity,
-        achieved_sparsity=sum(x.pruned for x in layers) / total,
+        achieved_sparsity=sum(x.pruned for x in layers) / sum(x.numel for x in layers),
         layers=layers,
         group_size=k,
         groups=len(groups),
@@ -241,16 +152,61 @@ def run_pruning(
         fwd_bwd_passes=runner.fwd_bwd_batches / n,
         wall_time_s=time.perf_counter() - start,
         peak_probe_bytes=-comm.all_reduce_min_int(-ledger.peak),
-        peak_device_bytes=peak_dev,
+        peak_device_bytes=peak_device,
         world_size=comm.world,
-        exact_target=cfg.exact_target,
+        exact_target=bool(cfg.exact_target),
         masks=masks,
-        g0=g0,
         replayed_passes=runner.prefix.replays / n,
     )
     if comm.rank == 0:
         log.info(report.summary())
     return report
+
+
+class _DevicePeak:
+    """The CUDA allocator's peak above the start of pruning, max over ranks (None on CPU)."""
+
+    def __init__(self, comm: Collectives) -> None:
+        self.comm = comm
+        self.cuda = torch.cuda.is_available() and comm.device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+
+    def read(self) -> int | None:
+        """Collective on CUDA."""
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        return -self.comm.all_reduce_min_int(-(torch.cuda.max_memory_allocated() - self.base))
+
+
+def _checked_inputs(batches: list[Any], method: Method, cfg: PruneConfig, comm: Collectives) -> list[Any]:
+    """The calibration micro-batches, checked: every rank the same count (collective), some where
+    the method reads data; a method that rewrites weights runs sequentially."""
+    if comm.all_reduce_min_int(len(batches)) != len(batches) or comm.all_reduce_min_int(-len(batches)) != -len(batches):
+        raise ValueError("every rank must pass the same number of calibration micro-batches")
+    if method.needs_calibration and not batches:
+        raise ValueError(f"prune.method={cfg.method} needs calibration batches")
+    if method.facts.rewrites_weights and not cfg.sequential:
+        raise ValueError(
+            f"prune.method={cfg.method} rewrites the weights of each group before the next is measured; sequential=False is not supported"
+        )
+    return batches
+
+
+def _groups(cfg: PruneConfig, method: Method, views: list[ShardView], comm: Collectives) -> tuple[int, list[list[ShardView]]]:
+    """(K, the groups): K consecutive decoder blocks per group, from the config or from the free
+    memory (`default_group_size`, the same on every rank); decision=original: one matrix at a
+    time, in model order (`build_views`' order)."""
+    if is_original(cfg):
+        return 1, [[v] for v in views]
+    units = sorted({v.target.unit for v in views})
+    device = views[0].lp().device
+    k = cfg.group_size or default_group_size(views, units, comm, hessian=method.facts.hessian, device=device)
+    k = max(1, min(k, len(units)))
+    return k, [[v for v in views if v.target.unit in units[i : i + k]] for i in range(0, len(units), k)]
 
 
 def _allocation(
@@ -268,99 +224,3 @@ def _allocation(
     alloc = owl_sparsities(views, stats, cfg.sparsity, cfg.owl_lambda, cfg.owl_m, comm)
     ledger.drop("stats/")
     return alloc
-
-
-def _magnitude(
-    groups: list[list[ShardView]],
-    rule: Rule,
-    forced: dict[str, torch.Tensor] | None,
-    comm: Collectives,
-    sequential: bool,
-    alloc: dict[str, float] | None = None,
-) -> MaskSet:
-    forced = forced or {}
-    chunks = [[v for g in groups for v in g]] if rule.kind == "global" else groups
-    masks: dict[str, torch.Tensor] = {}
-    for views in chunks:
-        keys = [score_keys(magnitude_scores(v.weight()), forced.get(v.name)) for v in views]
-        _select_group(views, keys, rule, comm, alloc, masks, sequential)
-    return MaskSet(masks)
-
-
-def _select_group(
-    views: list[ShardView],
-    keys: list[torch.Tensor],
-    rule: Rule,
-    comm: Collectives,
-    alloc: dict[str, float] | None,
-    masks: dict[str, torch.Tensor],
-    sequential: bool,
-) -> None:
-    """Select one group's masks from its score keys into `masks`; when sequential, apply them
-    at once, so the next group is scored on the model with this group pruned."""
-    for v, m in zip(views, select(rule, [v.layout for v in views], keys, comm, FLOAT_KEY_BITS, view_sparsities(views, alloc))):
-        masks[v.name] = m
-    if sequential:
-        MaskSet({v.name: masks[v.name] for v in views}).apply(views, comm)
-
-
-def _wanda(
-    groups: list[list[ShardView]],
-    rule: Rule,
-    forced: dict[str, torch.Tensor] | None,
-    runner: Runner,
-    batches: list[Any],
-    comm: Collectives,
-    sequential: bool,
-    ledger: Ledger,
-    alloc: dict[str, float] | None = None,
-) -> MaskSet:
-    """Scores |W| * ||X_j||; the norms need one forward pass (per group when sequential)."""
-    forced = forced or {}
-    stats = None
-    if not sequential:
-        stats = InputStats([v for g in groups for v in g], hessian=False, ledger=ledger)
-        forward_pass(runner, batches, stats)
-        stats.finalize(comm)
-    masks: dict[str, torch.Tensor] = {}
-    for views in groups:
-        if sequential:
-            stats = InputStats(views, hessian=False, ledger=ledger)
-            forward_pass(runner, batches, stats)
-            stats.finalize(comm)
-        assert stats is not None
-        keys = [score_keys(wanda_scores(v.weight(), v.layout, stats.norms(v.name)), forced.get(v.name)) for v in views]
-        _select_group(views, keys, rule, comm, alloc, masks, sequential)
-    return MaskSet(masks)
-
-
-def _sparsegpt(
-    groups: list[list[ShardView]],
-    rule: Rule,
-    forced: dict[str, torch.Tensor] | None,
-    runner: Runner,
-    batches: list[Any],
-    comm: Collectives,
-    ledger: Ledger,
-    alloc: dict[str, float] | None = None,
-) -> MaskSet:
-    """Hessians of a group from one forward pass, then the OBS update, written in place."""
-    if rule.kind == "global":
-        raise ValueError("SparseGPT selects within blocks of columns; scope=global does not apply (use per_matrix)")
-    forced = forced or {}
-    masks: dict[str, torch.Tensor] = {}
-    for gi, views in enumerate(groups):
-        stats = InputStats(views, hessian=True, ledger=ledger)
-        forward_pass(runner, batches, stats)
-        stats.finalize(comm)
-        for v in views:
-            assert v.layout is not None
-            own = dataclasses.replace(rule, sparsity=alloc[v.name]) if alloc else rule
-            values, mask = sparsegpt_prune(v.layout, v.weight(), stats.hessian_of(v.name), own, comm, forced.get(v.name))
-            v.write(torch.ones_like(mask), values, master=True)
-            masks[v.name] = mask
-            ledger.add(f"mask/{v.name}", mask)
-        sync_views(views, comm)
-        ledger.drop("stats/")
-        del stats
-    return MaskSet(masks)

@@ -10,6 +10,10 @@ matrix evenly, as ZeRO would, and an all-gather of the changed ranges keeps the 
 identical.
 
 No view ever materialises another rank's weights or gradients.
+
+Why not `Engine.shards()`: that lists every parameter as this rank stores it; pruning wants the
+target Linears only, a replica's work split across ranks (`split`), and bare modules as well as
+engines. Both call the engine's `shard_of`, the one place that knows the storage.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from torch import nn
 
 from harness.distributed import Collectives
-from harness.engine import ParamShard, shard_of, unwrap
+from harness.engine import ParamShard, gradient_probe, shard_of
 from harness.memory import clean_fqn
 from harness.models import decoder_blocks
 from harness.pruning.layout import Layout, even_ranges, gather_ranges
@@ -184,7 +188,7 @@ def sync_views(views: list[ShardView], comm: Collectives) -> None:
 
 def build_views(model_or_engine: Any, targets: str, comm: Collectives) -> list[ShardView]:
     """A ShardView per target, in a deterministic order identical on every rank."""
-    module = unwrap(model_or_engine)
+    module = gradient_probe(model_or_engine).module  # the user's model, whatever wraps it (a harness Engine too)
     views = []
     split = lambda numel: even_ranges(numel, comm.world)[comm.rank]  # replicas: the ranks share the scoring
     for t in find_targets(module, targets):

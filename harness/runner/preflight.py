@@ -155,7 +155,7 @@ def block_users(cfg: RunConfig, strategy: Strategy) -> list[str]:
         "strategy=fsdp (one FSDP2 unit per block)": strategy.kind == "fsdp",
         f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}": cfg.memory.activation_checkpointing != "none",
         "memory.compile=block": cfg.memory.compile == "block",
-        f"prune.method={cfg.prune.method}": cfg.prune.method != "none",
+        f"prune.method={cfg.prune.method}": cfg.prune.enabled,
         "memory.layer_hooks": cfg.memory.layer_hooks,
     }
     return [what for what, used in users.items() if used]
@@ -232,7 +232,7 @@ def check_model(cfg: RunConfig) -> None:
             f"data.seq_len={seq} exceeds the model's {positions} positions (max_position_embeddings); set data.seq_len <= {positions}"
         )
     check_sequence_heads(cfg, shape)
-    if cfg.prune.method != "none" and cfg.prune.pattern != "unstructured":
+    if cfg.prune.enabled and cfg.prune.pattern != "unstructured":
         m = int(cfg.prune.pattern.split(":")[1])
         heads, hidden = shape.get("num_attention_heads"), shape.get("hidden_size")
         widths = {
@@ -398,7 +398,7 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
         return
     meta = verified_meta(path)  # a checkpoint lost or truncated since it was written: CheckpointError (exit 6), naming the file
     check_compatible(meta, path, cfg, strategy, world, model_shape(cfg.model.name))
-    last = cfg.steps + (cfg.prune.finetune_steps if cfg.prune.method != "none" else 0)
+    last = cfg.steps + (cfg.prune.finetune_steps if cfg.prune.enabled else 0)
     if meta.step > last:
         raise ConfigError(
             f"checkpoint '{path}' is at step {meta.step} but this run ends at step {last} (steps={cfg.steps}); its later "

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from harness.checkpoint import CheckpointManager, ResumeState
-from harness.config import RunConfig
+from harness.config import RunConfig, needs_calibration
 from harness.data import PackedData
 from harness.distributed import Collectives, DistInfo
 from harness.engine import Engine
@@ -31,6 +31,7 @@ from harness.observability import Observer
 from harness.pruning import (
     MaskEnforcer,
     MaskSet,
+    PruneReport,
     build_views,
     calibration_samples,
     run_pruning,
@@ -48,31 +49,20 @@ HOLDOUT_SPLIT = "calib_holdout"  # calib-split blocks not drawn for calibration:
 
 
 class PruneStats(dict):
-    """The stage's numbers (a plain dict: logged, returned, written as JSON) carrying what the
-    trainer needs afterwards: `after_step()`, called after every `engine.step()`, keeps the
-    pruned weights at exactly zero.
+    """The stage's numbers (a plain dict: logged, returned, written as JSON) and its masks. The
+    masks stay enforced through every later step by a post-step hook on the engine
+    (`Engine.register_post_step_hook`) until `release()`."""
 
-    For a torch optimizer the enforcer is installed as a post-step hook (so any step of it
-    is covered) and `after_step` does nothing; DeepSpeed owns its step and
-    optimizer-in-backward steps inside backward, so there `after_step` does the work.
-    """
-
-    def __init__(self, values: dict[str, Any], enforcer: Any = None, masks: Any = None, hook: Any = None) -> None:
+    def __init__(self, values: dict[str, Any], masks: MaskSet | None = None, hook: Any = None) -> None:
         super().__init__(values)
-        self.enforcer = enforcer
         self.masks = masks
         self._hook = hook
 
-    def after_step(self) -> None:
-        if self.enforcer is not None and self._hook is None:
-            self.enforcer()
-
     def release(self) -> None:
-        """Stop enforcing (removes the optimizer hook); for callers that prune the same engine again."""
+        """Stop enforcing (removes the hook); for callers that prune the same engine again."""
         if self._hook is not None:
             self._hook.remove()
         self._hook = None
-        self.enforcer = None
 
 
 # ----------------------------------------------------------------------------- calibration data
@@ -85,7 +75,7 @@ def calibration_split(data: PackedData, cfg: RunConfig) -> tuple[torch.Tensor, n
     nor calibration ever reads the eval split."""
     pool = torch.from_numpy(np.asarray(data.blocks["calib"]).astype(np.int64))
     order = calibration_samples(pool, pool.shape[0], cfg.prune.calib_seed)  # the whole pool, permuted
-    n = cfg.prune.calib_samples if cfg.prune.method != "magnitude" else 0  # magnitude reads no data
+    n = cfg.prune.calib_samples if needs_calibration(cfg.prune) else 0  # a method that reads no data draws none
     if n > pool.shape[0]:
         raise ConfigError(
             f"prune.calib_samples={n} but the calib split has {pool.shape[0]} blocks of {cfg.data.seq_len} tokens; "
@@ -115,34 +105,44 @@ def run_prune_stage(
     *,
     ckpt: CheckpointManager | None = None,
     resumed: ResumeState | None = None,
-    enforce: bool = True,
-    save_masks: bool = True,
-    before: dict[str, float] | None = None,
 ) -> PruneStats:
-    """Prune `engine`'s model per `cfg.prune`, measure, log, and keep the masks enforced.
+    """Prune `engine`'s model per `cfg.prune`, measure, log, save the masks and keep them enforced.
 
     `ckpt` (a CheckpointManager) receives the masks so later checkpoints carry them; a run
-    `resumed` from such a checkpoint gets its masks back instead of being pruned twice.
-    `enforce=False` / `save_masks=False` / `before` (the dense model's eval numbers, if
-    known) are for callers that prune one engine many times (the benchmark). Collective.
+    `resumed` from such a checkpoint gets its masks back instead of being pruned twice. Collective.
     """
     steps_begin()  # a stop from here ends the pruning at a calibration step all ranks agree on
     comm = Collectives()
     if resumed is not None and resumed.masks:
         return _restore(engine, cfg, info, resumed.masks, ckpt, comm)
+    before = evaluate(engine, data, cfg, info)
+    with _stopped_with_advice(ckpt, step):
+        stats, report = prune_and_measure(engine, data, cfg, info, before, comm)
+    hook = None
+    if report is not None:
+        report.masks.save(os.path.join(cfg.output_dir, MASKS_DIR), build_views(engine, cfg.prune.targets, comm), comm)
+        stats["masks_dir"] = os.path.join(cfg.output_dir, MASKS_DIR)
+        hook = _enforce(engine, report.masks, cfg.prune.targets, comm)
+        _hand_to_checkpoints(ckpt, report.masks, comm)
+    _publish(stats, cfg, info, observer, step)
+    return PruneStats(stats, None if report is None else report.masks, hook)
+
+
+def prune_and_measure(
+    engine: Engine, data: PackedData, cfg: RunConfig, info: DistInfo, before: dict[str, float], comm: Collectives
+) -> tuple[dict[str, Any], PruneReport | None]:
+    """The stage's pruning and its numbers, nothing kept: calibrate on the `calib` split, prune
+    (or run `prune.schedule`), evaluate after; `before` is the dense model's `evaluate`. Returns
+    (the stats, the report; None when a schedule accepted no round). Collective."""
     p = cfg.prune
     samples, holdout = calibration_split(data, cfg)
     batches = calibration_batches(samples, cfg, info, comm)
-    used = len(batches) * cfg.micro_batch_size * info.world_size
-    before = before or evaluate(engine, data, cfg, info)
-    target = engine.model
     kwargs: dict[str, Any] = dict(
-        grad_accum=None if engine.owns_grad_accumulation else cfg.grad_accum,
         comm=comm,
         should_stop=lambda: comm.any([signal_received()])[0],  # every rank stops at the same calibration step
-    )  # sequential and stat_dtype: from `p`, unset keys filled by the decision mode inside run_pruning
+    )  # probe steps: the engine's accumulation; unset keys of `p`: the decision mode's (run_pruning)
     loss_fn = lambda _, batch: engine.forward_loss(batch)
-    with engine.backward_without_step(), _stopped_with_advice(ckpt, step):  # probe backwards must not step
+    with engine.backward_without_step():  # probe backwards must not step
         if p.schedule:
             val = dataclasses.replace(data, blocks={**data.blocks, HOLDOUT_SPLIT: holdout})
             if holdout.shape[0] == 0:
@@ -151,7 +151,7 @@ def run_prune_stage(
                     "prune.calib_samples or raise data.calib_fraction"
                 )
             metric = lambda _: evaluate(engine, val, cfg, info, split=HOLDOUT_SPLIT)["eval/loss"]
-            sched = run_schedule(target, batches, p, loss_fn, metric, list(p.schedule), p.max_metric_increase, **kwargs)
+            sched = run_schedule(engine, batches, p, loss_fn, metric, list(p.schedule), p.max_metric_increase, **kwargs)
             report = sched.accepted
             extra: dict[str, Any] = {
                 "schedule": {
@@ -161,7 +161,7 @@ def run_prune_stage(
                 }
             }
         else:
-            report = run_pruning(target, batches, p, loss_fn, **kwargs)
+            report = run_pruning(engine, batches, p, loss_fn, **kwargs)
             extra = {}
     after = evaluate(engine, data, cfg, info)
     stats: dict[str, Any] = report.to_dict() if report is not None else {"method": p.method, "achieved_sparsity": 0.0, "layers": []}
@@ -171,20 +171,10 @@ def run_prune_stage(
         eval_perplexity_before=before["eval/perplexity"],
         eval_loss_after=after["eval/loss"],
         eval_perplexity_after=after["eval/perplexity"],
-        calib_samples_used=used,
+        calib_samples_used=len(batches) * cfg.micro_batch_size * info.world_size,
         calib_seed=p.calib_seed,
     )
-    enforcer = hook = None
-    if report is not None:
-        views = build_views(target, p.targets, comm)
-        if save_masks:
-            report.masks.save(os.path.join(cfg.output_dir, MASKS_DIR), views, comm)
-            stats["masks_dir"] = os.path.join(cfg.output_dir, MASKS_DIR)
-        if enforce:
-            enforcer, hook = _install(engine, report.masks, p.targets, comm)
-            _hand_to_checkpoints(ckpt, report.masks, comm)
-    _publish(stats, cfg, info, observer, step, save=save_masks)
-    return PruneStats(stats, enforcer, None if report is None else report.masks, hook)
+    return stats, report
 
 
 @contextlib.contextmanager
@@ -205,22 +195,18 @@ def _stopped_with_advice(ckpt: CheckpointManager | None, step: int) -> Iterator[
         raise StopRequested(f"{stop}; {where}") from None
 
 
-def _install(engine: Engine, masks: MaskSet, targets: str, comm: Collectives) -> tuple[MaskEnforcer, Any]:
-    """A MaskEnforcer on the engine; hooked into a torch optimizer's step where there is one."""
-    enforcer = MaskEnforcer(engine.model, masks, targets, comm)
-    optimizer = engine.optimizer
-    hook = enforcer.install(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
-    return enforcer, hook
+def _enforce(engine: Engine, masks: MaskSet, targets: str, comm: Collectives, now: bool = False) -> Any:
+    """Keep `masks` pruned after every optimizer step of `engine` (`now`: also at once); the hook's handle."""
+    enforcer = MaskEnforcer(engine, masks, targets, comm)
+    if now:
+        enforcer()
+    return engine.register_post_step_hook(enforcer)
 
 
 def _hand_to_checkpoints(ckpt: CheckpointManager | None, masks: MaskSet, comm: Collectives) -> None:
-    """Later checkpoints carry the masks; the one of this step (if any) predates pruning, so
-    the end-of-run save must be written again."""
-    if ckpt is None:
-        return
-    ckpt.masks = {name: m.detach().cpu() for name, m in masks.masks.items()}
-    ckpt.masks_sharded = comm.world > 1  # each rank holds its own range (world 1: the whole mask)
-    ckpt.last_step = None
+    """Later checkpoints carry the masks (a Stateful registered with the checkpoint manager)."""
+    if ckpt is not None:
+        ckpt.register_masks(masks, sharded=comm.world > 1)  # each rank holds its own range (world 1: the whole mask)
 
 
 def _restore(
@@ -228,15 +214,8 @@ def _restore(
 ) -> PruneStats:
     """Masks from a resumed checkpoint: enforce them again rather than pruning twice. A mask
     saved at world 1 is whole; at another world size each rank takes its range of it."""
-    views = build_views(engine.model, cfg.prune.targets, comm)
-    local = {}
-    for v in views:
-        if v.name in saved:
-            m = saved[v.name].reshape(-1)
-            local[v.name] = m[v.start : v.end] if m.numel() == v.numel and m.numel() != v.local_numel else m
-            if local[v.name].numel() != v.local_numel:
-                raise ValueError(f"resumed pruning mask of {v.name} has {local[v.name].numel()} elements, this rank holds {v.local_numel}")
-    masks = MaskSet(local)
+    views = build_views(engine, cfg.prune.targets, comm)
+    masks = MaskSet.from_state(saved, views)
     counts = masks.counts(views, comm)
     total = sum(n for _, _, n in counts)
     stats = {
@@ -245,24 +224,22 @@ def _restore(
         "achieved_sparsity": sum(k for _, k, _ in counts) / max(1, total),
         "layers": [{"name": name, "numel": n, "pruned": k, "sparsity": k / n} for name, k, n in counts],
     }
-    enforcer, hook = _install(engine, masks, cfg.prune.targets, comm)
-    enforcer()  # the checkpoint's weights are already zero there; this makes it hold by construction
+    hook = _enforce(engine, masks, cfg.prune.targets, comm, now=True)  # the checkpoint's weights are zero there already: by construction
     _hand_to_checkpoints(ckpt, masks, comm)
     ckpt_step = ckpt.last_path if ckpt is not None else None
     log.info(f"prune: masks restored from {ckpt_step} (sparsity {stats['achieved_sparsity']:.4f}); not pruning again")
-    return PruneStats(stats, enforcer, masks, hook)
+    return PruneStats(stats, masks, hook)
 
 
-def _publish(stats: dict[str, Any], cfg: RunConfig, info: DistInfo, observer: Observer | None, step: int, save: bool) -> None:
+def _publish(stats: dict[str, Any], cfg: RunConfig, info: DistInfo, observer: Observer | None, step: int) -> None:
     """metrics.jsonl (per-layer sparsity, before/after perplexity), the report file, one summary line."""
     if observer is not None:
         observer.log_prune(stats, step)
     if not info.is_main:
         return
-    if save:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.output_dir, REPORT_FILE), "w") as f:
-            json.dump(stats, f, indent=1, default=str)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    with open(os.path.join(cfg.output_dir, REPORT_FILE), "w") as f:
+        json.dump(stats, f, indent=1, default=str)
     line = (
         f"prune {stats['method']} {cfg.prune.pattern}: sparsity {stats['achieved_sparsity']:.4f} over the pruned layers "
         f"(target {stats.get('target_sparsity', cfg.prune.sparsity):g}); eval perplexity {stats['eval_perplexity_before']:.3f} -> "

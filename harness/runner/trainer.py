@@ -1,7 +1,7 @@
 """The `Trainer`: the whole training run once it is built, readable in one sitting; and evaluation.
 
-One `Trainer` serves training, fine-tuning after pruning (`after_step` keeps pruned weights
-at zero) and `python -m harness.prune`: `train(first, stop)` runs steps, `close()` ends the
+One `Trainer` serves training, fine-tuning after pruning (the engine's post-step hook keeps
+pruned weights at zero) and `python -m harness.prune`: `train(first, stop)` runs steps, `close()` ends the
 run's outputs. It never asks which engine it has.
 """
 
@@ -117,7 +117,7 @@ def tokens_per_micro_batch(batches: list[torch.Tensor], comm: Collectives) -> fl
 @dataclass
 class Trainer:
     """Everything the steps touch, so one trainer serves training, fine-tuning after pruning
-    (`after_step` keeps pruned weights at zero) and `python -m harness.prune`."""
+    (the engine's post-step hook keeps pruned weights at zero) and `python -m harness.prune`."""
 
     cfg: RunConfig
     info: DistInfo
@@ -131,7 +131,6 @@ class Trainer:
     skipped: int = 0
     loss_mean: float = float("nan")
     stopped_at: int | None = None  # the step a stop request ended the run at (checkpoint saved)
-    after_step: Callable[[], None] | None = None  # run after every engine.step(), e.g. the pruning stage's mask enforcer
     before_step: Callable[[int], None] | None = None  # run with the step's reduced gradients, before engine.step() (the check's recorder)
     started_at: float | None = None  # time.perf_counter() when the run began building: time to first step is part of its cost
     comm: Collectives = field(default_factory=Collectives)  # the counted tokens and memory peaks over ranks
@@ -169,9 +168,7 @@ class Trainer:
                     self.before_step(step)
                 # the step's one host sync: every rank agrees on a non-finite loss or gradient and a stop request
                 agreed = guard.agree(loss_sum, engine.grad_norm())
-                result = engine.step(skip=agreed.skip)
-                if self.after_step is not None:
-                    self.after_step()
+                result = engine.step(skip=agreed.skip)  # and its post-step hooks (`Engine.register_post_step_hook`)
             if step == 0:
                 state_points.append(engine.state_bytes())
                 write_state_bytes(cfg.output_dir, info, state_points)

@@ -32,6 +32,7 @@ from launching import REPO, env, launch_command, side_by_side, tiny_config
 from harness.checkpoint import CheckpointManager, latest_checkpoint, read_meta
 from harness.errors import CheckpointError
 from harness.observability.metrics import read_records
+from harness.pruning import MaskSet
 
 WORLD_CHANGE_RTOL = 1e-4  # world 1 vs world 2 fp32 reduction order (observed: < 1e-6)
 
@@ -220,7 +221,7 @@ def test_masks_rng_optimizer_round_trip_and_keep_last_k(tmp_path):
     engine.backward(engine.forward_loss(batch), last_micro=True)
     engine.step()
     masks = {"model.layers.0.mlp.up_proj.weight": torch.rand(176, 64) < 0.5}
-    manager.masks = masks
+    manager.register_masks(MaskSet(masks), sharded=False)  # the pruning stage's Stateful
     for step in (1, 2, 3):
         manager.save(step, {"skipped_steps": 7})
     root = tmp_path / "checkpoints"

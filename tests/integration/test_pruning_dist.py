@@ -99,7 +99,7 @@ def _write_check(target, batches, comm) -> dict:
 def _run_strategy(strategy: str, target, step, accum: int, out: str, comm, results: dict, install=None) -> None:
     """Every configured pruning run (restoring the dense weights in between), then three
     training steps with the last run's masks enforced."""
-    from harness.pruning import MaskEnforcer, build_views, run_pruning, shard_calibration
+    from harness.pruning import MaskEnforcer, build_views, recording_g0, run_pruning, shard_calibration
     from harness.pruning.schedule import restore_views, snapshot_views
 
     batches = shard_calibration(samples(), 1, accum, comm)
@@ -111,11 +111,12 @@ def _run_strategy(strategy: str, target, step, accum: int, out: str, comm, resul
     dense = snapshot_views(views)
     runs = RUNS[strategy]
     for i, (name, cfg) in enumerate(runs.items()):
-        report = run_pruning(target, batches, cfg, lm_loss, grad_accum=accum, keep_g0=name == "gp_wanda")
+        with recording_g0() as g0:
+            report = run_pruning(target, batches, cfg, lm_loss, grad_accum=accum)
         where = os.path.join(out, f"{strategy}_{name}_w{comm.world}")
         report.masks.save(where, views, comm)
-        if report.g0:
-            torch.save({v.name: (v.start, report.g0[v.name]) for v in views}, os.path.join(where, f"g0_{comm.rank}.pt"))
+        if name == "gp_wanda":
+            torch.save({v.name: (v.start, g0[v.name]) for v in views}, os.path.join(where, f"g0_{comm.rank}.pt"))
         results[f"{strategy}/{name}"] = {
             "achieved": report.achieved_sparsity,
             "fwd_bwd": report.fwd_bwd_passes,
@@ -315,11 +316,12 @@ def test_g0_equals_a_plain_single_process_model(launched, strategy: str) -> None
     compared across worlds only."""
     from harness.distributed import Collectives
     from harness.models import build_model
-    from harness.pruning import run_pruning, shard_calibration
+    from harness.pruning import recording_g0, run_pruning, shard_calibration
 
     out = launched(strategy)
     model = build_model("tiny-llama", config_overrides=OVERRIDES[strategy])
-    ref = run_pruning(model, shard_calibration(samples(), 1, 2, Collectives()), GP_WANDA, lm_loss, grad_accum=2, keep_g0=True).g0
+    with recording_g0() as ref:
+        run_pruning(model, shard_calibration(samples(), 1, 2, Collectives()), GP_WANDA, lm_loss, grad_accum=2)
     for world in (1, 2):
         parts = [torch.load(os.path.join(out, f"{strategy}_gp_wanda_w{world}", f"g0_{r}.pt")) for r in range(world)]
         for name, want in ref.items():

@@ -11,7 +11,7 @@ from harness.config import PruneConfig
 from harness.distributed import Collectives
 from harness.errors import StopRequested
 from harness.models import build_model, decoder_blocks
-from harness.pruning import build_views, run_pruning, shard_calibration
+from harness.pruning import build_views, recording_g0, restore_views, run_pruning, shard_calibration, snapshot_views
 from harness.pruning.calibration import Runner, gradient_max
 
 
@@ -25,9 +25,13 @@ def calib() -> list[torch.Tensor]:
 
 
 def probe(group_size: int, targets: str = "decoder_linears", sequential: bool = False):
+    """The run's report, with the G0 it computed as `.g0` (recorded: `recording_g0`)."""
     model = build_model("tiny-llama")
-    cfg = PruneConfig(method="gradprobe", base="wanda", sparsity=0.5, group_size=group_size, targets=targets)
-    return run_pruning(model, calib(), cfg, lm_loss, keep_g0=True, sequential=sequential)
+    cfg = PruneConfig(method="gradprobe", base="wanda", sparsity=0.5, group_size=group_size, targets=targets, sequential=sequential)
+    with recording_g0() as g0:
+        report = run_pruning(model, calib(), cfg, lm_loss)
+    report.g0 = g0
+    return report
 
 
 def test_k1_and_kall_agree_on_g0_and_differ_in_passes() -> None:
@@ -138,11 +142,16 @@ def test_linears_sharing_an_input_share_one_hessian_with_identical_statistics() 
     assert torch.equal(shared.norms(name), alone.norms(name))
 
 
-def test_apply_false_returns_the_masks_without_touching_weights() -> None:
+def test_masks_chosen_then_weights_restored_leave_the_model_untouched() -> None:
+    """What measurements that only want the masks do (snapshot, prune, restore): same masks as
+    the applied run, every weight back bit for bit."""
     applied, dry = build_model("tiny-llama"), build_model("tiny-llama")
     cfg = PruneConfig(method="gradprobe", sparsity=0.5, group_size=2)
     a = run_pruning(applied, calib(), cfg, lm_loss)
-    b = run_pruning(dry, calib(), cfg, lm_loss, apply=False)
+    views = build_views(dry, cfg.targets, Collectives())
+    dense = snapshot_views(views)
+    b = run_pruning(dry, calib(), cfg, lm_loss)
+    restore_views(views, dense, Collectives())
     for name in a.masks.masks:
         assert torch.equal(a.masks[name], b.masks[name])
     assert all(torch.equal(p, q) for p, q in zip(dry.parameters(), build_model("tiny-llama").parameters()))

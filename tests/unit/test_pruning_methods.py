@@ -3,19 +3,22 @@ plus exact-target sparsity and 2:4 validity on the tiny Llama."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from harness.config import PruneConfig
+from harness.config import PER_ROW_BASES, PRUNE_METHOD_FACTS, PRUNE_METHODS, PruneConfig
 from harness.distributed import Collectives
 from harness.models import build_model, decoder_blocks
 from harness.pruning import run_pruning
 from harness.pruning.experimental import exact_keys
 from harness.pruning.layout import Layout
-from harness.pruning.methods import PER_ROW_BASES, Rule, select, veto_keys
+from harness.pruning.methods import Rule, select, veto_keys
+from harness.pruning.registry import METHODS as REGISTRY
+from harness.pruning.registry import method_of
 from harness.pruning.select import count_for
 
 
@@ -135,7 +138,7 @@ def test_gradprobe_original_mode_hand_case(threshold: float) -> None:
 def test_gradprobe_exact_mode_hand_case() -> None:
     toy = Toy(PROBE_W)
     cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, exact_target=True, decision="rank")
-    report = run_pruning(toy, PROBE_BATCHES, cfg, probe_loss, pool=0.5)
+    report = run_pruning(toy, PROBE_BATCHES, dataclasses.replace(cfg, pool=0.5), probe_loss)
     w = PROBE_W[0]
     pool = [0, 1, 2]  # floor(0.5 * 1.5 * 4) = 3 smallest |w|
     g0 = hand_g(w)  # [1, 2, 2, 0]
@@ -253,7 +256,7 @@ def lowest(scores: list[float], k: int) -> set[tuple[int, int]]:
 
 def test_taylor_base_is_weight_times_gradient_rms() -> None:
     toy = Toy(PROBE_W)
-    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="taylor", sparsity=0.5), probe_loss, pool=0.0)
+    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="taylor", sparsity=0.5, pool=0.0), probe_loss)
     w = PROBE_W[0]
     g = probe_grads(w)  # [[-1,0,0,0], [0,2,2,0]]
     scores = [abs(w[j]) * math.sqrt(sum(step[j] ** 2 for step in g)) for j in range(4)]  # [1, 4, 6, 0]
@@ -263,7 +266,7 @@ def test_taylor_base_is_weight_times_gradient_rms() -> None:
 
 def test_gblm_base_adds_the_rescaled_gradient_term_to_wanda() -> None:
     toy = Toy(PROBE_W)
-    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="gblm", sparsity=0.25), probe_loss, pool=0.0)
+    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="gblm", sparsity=0.25, pool=0.0), probe_loss)
     w = PROBE_W[0]
     g = probe_grads(w)
     norms = [math.sqrt(sum(x[0, j].item() ** 2 for x, _ in PROBE_BATCHES)) for j in range(4)]  # [1, 1, 1, 0]
@@ -278,7 +281,7 @@ def test_gblm_base_adds_the_rescaled_gradient_term_to_wanda() -> None:
 def test_ria_hand_case() -> None:
     toy = Toy(W)
     x = torch.tensor([[[1.0, 0.0, 0.0, 2.0], [1.0, 0.0, 1.0, 0.0]]])  # ||X_j|| = [sqrt2, 0, 1, 2]
-    run_pruning(toy, [(x, torch.zeros(1, 2, 2))], PruneConfig(method="gradprobe", base="ria", sparsity=0.5), probe_loss, pool=0.0)
+    run_pruning(toy, [(x, torch.zeros(1, 2, 2))], PruneConfig(method="gradprobe", base="ria", sparsity=0.5, pool=0.0), probe_loss)
     a = [[abs(v) for v in row] for row in W]
     rows = [sum(r) for r in a]
     cols = [sum(a[i][j] for i in range(2)) for j in range(4)]
@@ -319,7 +322,7 @@ def test_veto_keeps_the_base_order_where_rank_reorders() -> None:
 def test_veto_and_rank_through_the_stage(decision: str) -> None:
     toy = Toy(PROBE_W)
     cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, decision=decision)
-    run_pruning(toy, PROBE_BATCHES, cfg, probe_loss, pool=0.5)
+    run_pruning(toy, PROBE_BATCHES, dataclasses.replace(cfg, pool=0.5), probe_loss)
     # pool = w0, w1, w2; G1/G0 = [1.5, 0.25, 0.25]: w0 is vetoed (veto) or ranked last (rank)
     assert pruned(toy) == {(0, 1), (0, 2)}
 
@@ -332,7 +335,7 @@ def test_saliency_picks_the_pair_whose_removal_costs_least() -> None:
     and veto decisions choose) 5.0; without w0, w2 2.5."""
     toy = Toy(PROBE_W)
     cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, decision="saliency")
-    run_pruning(toy, PROBE_BATCHES, cfg, probe_loss, pool=0.5)
+    run_pruning(toy, PROBE_BATCHES, dataclasses.replace(cfg, pool=0.5), probe_loss)
     assert pruned(toy) == {(0, 0), (0, 1)}
 
     def loss(w: list[float]) -> float:
@@ -374,3 +377,16 @@ def test_owl_prunes_the_block_with_more_outliers_less() -> None:
         rows, cols = next(m.weight.shape for n, m in model.named_modules() if n == layer.name)
         assert layer.pruned == rows * count_for(sparsity[block], cols), layer.name
     assert report.fwd_passes == 2  # OWL's own pass over the dense model, then Wanda's
+
+
+def test_every_config_method_has_one_registry_entry_with_its_facts() -> None:
+    """The config's vocabulary, the facts table and the pipeline's registry name the same
+    methods (a name in one and not the others would be refused late or silently ignored); no
+    I/O, milliseconds."""
+    named = set(PRUNE_METHODS) - {"none"}
+    assert set(PRUNE_METHOD_FACTS) == named == set(REGISTRY)
+    for name, method in REGISTRY.items():
+        assert method.facts is PRUNE_METHOD_FACTS[name]
+        assert method_of(PruneConfig(method=name)) is method
+    with pytest.raises(ValueError, match="names no pruning method"):
+        method_of(PruneConfig(method="none"))

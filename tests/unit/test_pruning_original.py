@@ -12,7 +12,7 @@ from torch import nn
 from harness.config import PruneConfig
 from harness.config.prune_modes import resolve_prune
 from harness.models import build_model, decoder_blocks
-from harness.pruning import run_pruning
+from harness.pruning import recording_g0, run_pruning
 from harness.pruning.select import count_for
 
 
@@ -85,7 +85,8 @@ def test_original_mode_equals_a_plain_reimplementation(threshold: float) -> None
     cfg = PruneConfig(
         method="gradprobe", base="magnitude", decision="original", sparsity=sparsity, reduction=reduction, threshold=threshold
     )
-    report = run_pruning(model, calib(), cfg, lm_loss, keep_g0=True)
+    with recording_g0() as g0:
+        report = run_pruning(model, calib(), cfg, lm_loss)
     mats = matrices(model)
     assert len(mats) == 14  # tiny-llama: 7 Linears x 2 blocks
     assert report.fwd_bwd_passes == 2 * len(mats)  # G0 and G1 per matrix
@@ -93,7 +94,7 @@ def test_original_mode_equals_a_plain_reimplementation(threshold: float) -> None
     # them; the first replay is checked against one full forward of one micro-batch.
     assert report.replayed_passes == 2 * 7 - 1 and report.fwd_passes == 1 / len(calib())
     assert report.groups == len(mats) and report.group_size == 1 and not report.exact_target
-    assert all(t.dtype == torch.float32 for t in report.g0.values()) and len(report.g0) == len(mats)
+    assert all(t.dtype == torch.float32 for t in g0.values()) and len(g0) == len(mats)
     for name, lin in mats:
         got = report.masks[name].reshape(lin.weight.shape)
         assert torch.equal(got, expected[name]), (name, int((got != expected[name]).sum()))
