@@ -27,8 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.distributed import Collectives
-from harness.engine.shards import is_deepspeed_engine, unwrap
+from harness.distributed import Collectives, is_deepspeed_engine, unwrap
 
 
 class GradientProbe:
