@@ -60,8 +60,12 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
 
     The head is its own unit (kept gathered after forward: backward needs it at once), so
     its large weight is not gathered with the root's small leftovers (final norm, rotary
-    buffers). A head tied to the input embeddings shares one weight, which one group must
-    own: the root's (the weight is used at the start and at the end of the forward anyway).
+    buffers). Those leftovers are kept gathered after forward too, as torch does for a root
+    by default: backward begins with the root's group, so resharding it would only gather the
+    same few bytes again, one more collective per micro-batch. A head tied to the input
+    embeddings shares one weight, which one group must own: the root's (the weight is used
+    at the start and at the end of the forward anyway); that root follows the strategy, so
+    the whole embedding is not held through the loss.
     Called on the meta model: each rank then allocates only its shards. One module per
     `fully_shard` call: torch's FSDPMemTracker instruments each
     module's parameter group once, and a group shared by two modules breaks its tracking.
@@ -87,7 +91,8 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
         fully_shard(block, **kwargs)
     if head is not None and not tied:
         fully_shard(head, **{**kwargs, "reshard_after_forward": False})
-    fully_shard(model, **kwargs)
+    leftovers_only = embed is not None and head is not None and not tied
+    fully_shard(model, **({**kwargs, "reshard_after_forward": False} if leftovers_only else kwargs))
     return model
 
 

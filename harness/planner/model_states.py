@@ -377,13 +377,6 @@ def engine_model(spec: EngineSpec, info: ParamInfo, rank: int = 0) -> EngineMode
     raise ValueError(f"no model-state formulas for kind={spec.kind!r} stage={spec.stage}")
 
 
-def ranks_to_check(spec: EngineSpec) -> list[int]:
-    """Ranks whose model state differs: ZeRO-1/2 gradient partitions depend on where parameters fall."""
-    if spec.kind == "deepspeed" and spec.stage in (1, 2):
-        return list(range(spec.world))
-    return [0]
-
-
 # ------------------------------------------------------------------------------- the per-dtype view
 
 
@@ -407,7 +400,6 @@ __all__ = [
     "dtype_breakdown",
     "engine_model",
     "fsdp_local_numel",
-    "ranks_to_check",
     "zero12_partition",
     "zero3_partitions",
     "zero3_subgroups",

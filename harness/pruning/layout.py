@@ -87,12 +87,6 @@ def even_ranges(numel: int, world: int) -> tuple[tuple[int, int], ...]:
     return tuple((min(r * per, numel), min((r + 1) * per, numel)) for r in range(world))
 
 
-def row_ranges(rows: int, cols: int, world: int) -> tuple[tuple[int, int], ...]:
-    """FSDP2's Shard(0) split (torch.chunk on dim 0) expressed as flat ranges."""
-    per = -(-rows // world)
-    return tuple((min(r * per, rows) * cols, min((r + 1) * per, rows) * cols) for r in range(world))
-
-
 def gather_ranges(local: list[tuple[int, int]], comm: Collectives) -> list[tuple[tuple[int, int], ...]]:
     """Every rank's (start, end) for each of `local`'s matrices, with one all_gather."""
     t = torch.tensor([x for pair in local for x in pair], dtype=torch.int64).reshape(-1)

@@ -29,6 +29,7 @@ forward. The override is one stable bound method, so torch.compile guards stay v
 
 from __future__ import annotations
 
+import itertools
 import types
 from typing import Any
 
@@ -56,18 +57,24 @@ def _blockwise_ce(logits: torch.Tensor, targets: torch.Tensor, rows: int, grad: 
     gradient is written *unscaled* (entries in [-1, 1]) so that fp16 can hold it; the
     1/token-count and loss-scaler factors are applied in backward, where autograd's own
     cross-entropy would apply them before its fp16 cast.
+
+    The targets' masks are made once for all rows, so a block costs only its own arithmetic
+    (its ops run once per block: on a small model they are a visible part of a step).
     """
+    valid = (targets != IGNORE_INDEX).unsqueeze(1)
+    safe = torch.where(valid, targets.unsqueeze(1), 0)  # an ignored row picks column 0, weighted 0
+    weight = valid.to(torch.float32)  # 1 counted, 0 ignored: multiplies exactly like the bool mask
+    minus_weight = -weight
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
-    for start in range(0, logits.shape[0], rows):
-        t = targets[start : start + rows]
-        valid = t != IGNORE_INDEX
-        safe = torch.where(valid, t, 0).unsqueeze(1)
-        logp = torch.log_softmax(logits[start : start + rows], dim=-1, dtype=torch.float32)
-        total -= (logp.gather(1, safe).squeeze(1) * valid).sum()
-        if grad is not None:
+    blocks = zip(logits.split(rows), safe.split(rows), weight.split(rows), minus_weight.split(rows))
+    grads = grad.split(rows) if grad is not None else itertools.repeat(None)
+    for (block, picks, w, minus_w), g_out in zip(blocks, grads):
+        logp = torch.log_softmax(block, dim=-1, dtype=torch.float32)
+        total -= (logp.gather(1, picks) * w).sum()
+        if g_out is not None:
             g = logp.exp_()  # softmax, in logp's memory
-            g.scatter_add_(1, safe, -valid.unsqueeze(1).to(g.dtype))
-            grad[start : start + rows] = g.mul_(valid.unsqueeze(1))
+            g.scatter_add_(1, picks, minus_w)
+            torch.mul(g, w, out=g_out)  # masked and cast into the gradient in one op
     return total
 
 
