@@ -15,7 +15,7 @@ from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.drop_in import adopt_settings
 from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
 from harness.config.presets import PRESETS, Preset, is_preset
-from harness.config.prune_modes import check_original, is_original, resolve_prune
+from harness.config.prune_modes import check_original, is_original, is_reconstruct, resolve_prune
 from harness.config.schema import (
     AC_MODES,
     BF16_WEIGHT_OPTIMIZERS,
@@ -107,6 +107,7 @@ __all__ = [
     "engine_kind",
     "is_given",
     "is_original",
+    "is_reconstruct",
     "is_preset",
     "load_config",
     "load_strategy",

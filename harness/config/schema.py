@@ -33,8 +33,9 @@ OnNonfinite = Literal["skip", "stop"]
 PruneMethod = Literal["none", "magnitude", "wanda", "sparsegpt", "gradprobe"]
 # GradProbe's base scores: magnitude, wanda in harness.pruning.methods; gblm, taylor, ria (measured worse) in harness.pruning.experimental
 PruneBase = Literal["magnitude", "wanda", "gblm", "taylor", "ria"]
-# GradProbe's decision rule (harness/config/prune_modes.py); rank and saliency (measured worse): harness.pruning.experimental
-PruneDecision = Literal["rank", "veto", "saliency", "original"]
+# GradProbe's decision rule (harness/config/prune_modes.py); rank and saliency (measured worse): harness.pruning.experimental;
+# reconstruct: block-streamed OBS masks, then the block's surviving weights fitted by gradient steps (harness.pruning.reconstruct)
+PruneDecision = Literal["rank", "veto", "saliency", "original", "reconstruct"]
 PruneAllocation = Literal["uniform", "owl"]  # owl (measured worse): harness.pruning.experimental.owl
 PruneScope = Literal["per_matrix", "global"]
 PruneTargets = Literal["decoder_linears", "all_linears"]
@@ -219,6 +220,9 @@ class PruneConfig:
     allocation: PruneAllocation = "uniform"  # per-block sparsity; owl: outlier-weighted (harness/pruning/experimental/owl.py)
     owl_lambda: float = 0.08  # OWL: block sparsities span target +- lambda
     owl_m: float = 5.0  # OWL: an outlier is a Wanda score above m x its block's mean
+    # decision=reconstruct: Adam epochs over the calibration set per block, and their step size
+    recon_steps: int = 4
+    recon_lr: float = 1e-4
 
 
 @dataclass

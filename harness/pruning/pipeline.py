@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from harness.config import PruneConfig, check_original, is_original, resolve_prune
+from harness.config import PruneConfig, check_original, is_original, is_reconstruct, resolve_prune
 from harness.distributed import Collectives
 from harness.pruning.allocation import view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
@@ -43,6 +43,7 @@ from harness.pruning.methods import (
     sparsegpt_prune,
     wanda_scores,
 )
+from harness.pruning.reconstruct import ReconSettings, run_reconstruct
 from harness.pruning.select import FLOAT_KEY_BITS, parse_pattern
 from harness.pruning.shards import ShardView, build_views, sync_views
 from harness.training import DTYPES
@@ -169,7 +170,8 @@ def run_pruning(
         raise ValueError("every rank must pass the same number of calibration micro-batches")
     if cfg.method != "magnitude" and not batches:
         raise ValueError(f"prune.method={cfg.method} needs calibration batches")
-    rule = make_rule(cfg.method, cfg.base, parse_pattern(cfg.pattern), cfg.sparsity, cfg.scope)
+    # The reconstruct mode chooses its masks by SparseGPT's rule (per block of columns, or N:M).
+    rule = make_rule("sparsegpt" if is_reconstruct(cfg) else cfg.method, cfg.base, parse_pattern(cfg.pattern), cfg.sparsity, cfg.scope)
     if comm.rank == 0 and filled and is_original(cfg):
         log.info(f"prune: decision=original filled what the config left unset: {', '.join(filled)}")
     if not apply and (sequential or cfg.method == "sparsegpt"):
@@ -179,6 +181,8 @@ def run_pruning(
 
     if is_original(cfg):
         k, groups = 1, [[v] for v in views]  # one matrix at a time, in model order (build_views' order)
+    elif is_reconstruct(cfg):  # one decoder block at a time
+        k, groups = 1, [[v for v in views if v.target.unit == u] for u in sorted({v.target.unit for v in views})]
     else:
         units = sorted({v.target.unit for v in views})
         device = views[0].lp().device
@@ -197,6 +201,9 @@ def run_pruning(
             masks = _wanda(groups, rule, forced, runner, batches, comm, sequential, ledger, alloc)
         elif cfg.method == "sparsegpt":
             masks = _sparsegpt(groups, rule, forced, runner, batches, comm, ledger, alloc)
+        elif is_reconstruct(cfg):
+            settings_r = ReconSettings(steps=cfg.recon_steps, lr=cfg.recon_lr)
+            masks = MaskSet(run_reconstruct(runner, batches, views, rule, comm, ledger, settings_r, forced, alloc))
         elif cfg.method == "gradprobe":
             pool_frac = float(pool if pool is not None else getattr(cfg, "pool", DEFAULT_POOL))
             settings = ProbeSettings(
