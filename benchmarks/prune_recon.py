@@ -6,7 +6,7 @@ SparseGPT on SmolLM2-135M, chosen on the calibration holdout (never eval).
 Same setup as `prune_bench.py --model smollm2-135m` (world 1, fp32, 32 calibration sequences of
 256, holdout = the last 32 blocks of the seed's calib permutation, eval = the first 32 eval
 blocks), all variants in one process so wall times compare within a call. A variant is a method
-(`wanda`, `sparsegpt`) or `recon:key=value,...` (ReconSettings fields). Each row is appended to
+(`wanda`, `sparsegpt`) or `recon:key=value,...` (ReconSettings fields; `eval=1`: eval perplexity for this variant). Each row is appended to
 `--out` (JSONL) with holdout perplexity, wall time and, with `--eval`, eval perplexity.
 """
 
@@ -102,6 +102,7 @@ def main() -> int:
     out_path = REPO / args.out
     for spec in args.variants:
         name, over = parse_variant(spec)
+        want_eval = args.eval or bool(over.pop("eval", 0))  # `eval=1` in a variant: eval for that one only
         engine.module.load_state_dict(dense_state)
         torch.manual_seed(0)
         t0 = time.perf_counter()
@@ -133,7 +134,7 @@ def main() -> int:
         wall = time.perf_counter() - t0
         row = {"variant": spec, "pattern": args.pattern, "seed": args.seed, "wall_s": wall, **extra}
         row["holdout_ppl"] = evaluate(engine, val, cfg, info, split=HOLDOUT_SPLIT)["eval/perplexity"]
-        if args.eval:
+        if want_eval:
             row["eval_ppl"] = evaluate(engine, data, cfg, info)["eval/perplexity"]
         row["when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         print(json.dumps(row), flush=True)

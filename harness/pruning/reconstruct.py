@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from harness.distributed import Collectives
 from harness.models import decoder_blocks
@@ -125,44 +126,38 @@ def _step_gradients(
     scale: float,
     comm: Collectives,
 ) -> dict[str, torch.Tensor]:
-    """The gradient of one probe step's block error, reduced across ranks the way the runner
-    reduces a probe step's: each micro-batch's loss divided by the micro-batches per rank (a
-    DeepSpeed engine divides by its own accumulation), then averaged over ranks."""
+    """This rank's range of the gradient of one probe step's block error, summed over the step's
+    micro-batches of every rank and divided by their count (what a probe step's reduced gradient
+    is, `Runner`).
+
+    Wherever the forward sees whole weight tensors (one process, DDP, ZeRO-1/2, and ZeRO-3, which
+    gathers a block's weights for its forward and backward) the targets' gradients are asked of
+    autograd alone and reduced here, one block's worth of full gradients at a time: the arithmetic
+    is then the same at every world size, and no engine hook runs outside the engine's own step.
+    FSDP2's forward runs on unsharded copies of its DTensor parameters, so there the backward runs
+    and FSDP2's reduce-scatter (an average over ranks) delivers the range."""
     params = [v.param for v in views]
     n = len(items)
 
     def loss_of(x: torch.Tensor, kw: dict[str, Any], y: torch.Tensor) -> torch.Tensor:
         return (_out(block(x, **kw)) - y).float().pow(2).sum() / scale
 
-    if runner._computes_probed_only(params):  # whole weights: the targets' gradients alone
-        acc: list[torch.Tensor] | None = None
-        for x, kw, y in items:
-            gs = torch.autograd.grad(loss_of(x, kw, y) / n, params)
-            acc = list(gs) if acc is None else [a.add_(g) for a, g in zip(acc, gs)]
-            runner.fwd_bwd_batches += 1
-        assert acc is not None
-        for p, g in zip(params, acc):
-            p.grad = comm.all_reduce_sum(g.div_(comm.world)) if comm.distributed else g
-    elif runner.deepspeed:
-        engine, saved = runner.target, runner.target._is_gradient_accumulation_boundary
-        try:
-            for i, (x, kw, y) in enumerate(items):
-                engine.set_gradient_accumulation_boundary(i == n - 1)
-                engine.backward(loss_of(x, kw, y))
-                runner.fwd_bwd_batches += 1
-        finally:
-            engine._is_gradient_accumulation_boundary = saved
-    else:
+    if any(isinstance(p, DTensor) for p in params):
         for x, kw, y in items:
             (loss_of(x, kw, y) / n).backward()
             runner.fwd_bwd_batches += 1
-    grads = {v.name: v.grad().clone() for v in views}
-    if runner._computes_probed_only(params):
-        for p in params:
-            p.grad = None
-    else:
+        grads = {v.name: v.grad().clone() for v in views}
         runner.zero_grad()
-    return grads
+        return grads
+    acc: list[torch.Tensor] | None = None
+    for x, kw, y in items:
+        gs = torch.autograd.grad(loss_of(x, kw, y) / n, params)
+        acc = [g.detach().float() for g in gs] if acc is None else [a.add_(g) for a, g in zip(acc, gs)]
+        runner.fwd_bwd_batches += 1
+    assert acc is not None
+    if comm.distributed:
+        acc = [comm.all_reduce_sum(g.div_(comm.world)) for g in acc]
+    return {v.name: g.reshape(-1)[v.start : v.end].clone() for v, g in zip(views, acc)}
 
 
 def reconstruct_block(
