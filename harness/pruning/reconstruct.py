@@ -138,6 +138,7 @@ def _step_gradients(
     and FSDP2's reduce-scatter (an average over ranks) delivers the range."""
     params = [v.param for v in views]
     n = len(items)
+    share = 1.0 / len(decoder_blocks(runner.module))  # a block's fwd+bwd: this share of a model pass
 
     def loss_of(x: torch.Tensor, kw: dict[str, Any], y: torch.Tensor) -> torch.Tensor:
         return (_out(block(x, **kw)) - y).float().pow(2).sum() / scale
@@ -145,7 +146,7 @@ def _step_gradients(
     if any(isinstance(p, DTensor) for p in params):
         for x, kw, y in items:
             (loss_of(x, kw, y) / n).backward()
-            runner.fwd_bwd_batches += 1
+            runner.fwd_bwd_batches += share
         grads = {v.name: v.grad().clone() for v in views}
         runner.zero_grad()
         return grads
@@ -153,7 +154,7 @@ def _step_gradients(
     for x, kw, y in items:
         gs = torch.autograd.grad(loss_of(x, kw, y) / n, params)
         acc = [g.detach().float() for g in gs] if acc is None else [a.add_(g) for a, g in zip(acc, gs)]
-        runner.fwd_bwd_batches += 1
+        runner.fwd_bwd_batches += share
     assert acc is not None
     if comm.distributed:
         acc = [comm.all_reduce_sum(g.div_(comm.world)) for g in acc]
