@@ -94,3 +94,12 @@ def test_a_stop_request_ends_the_stage() -> None:
     with pytest.raises(StopRequested, match="the pruning was not finished"):
         run_pruning(build_model("tiny-llama"), calib(), cfg(), lm_loss, should_stop=should_stop)
     assert len(asked) == 6
+
+
+@pytest.mark.parametrize("bad", [{"scope": "global"}, {"sequential": False}, {"recon_lr": 0.0}, {"recon_steps": -1}])
+def test_settings_the_mode_cannot_honour_are_refused(bad: dict) -> None:
+    from harness.config.prune_modes import check_prune_mode
+    from harness.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="prune.decision=reconstruct"):
+        check_prune_mode(cfg(**bad))
