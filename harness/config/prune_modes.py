@@ -87,6 +87,11 @@ def check_prune_mode(p: PruneConfig) -> None:
     """
     if p.method == "none":
         return
+    if is_reconstruct(p) and (p.scope == "global" or p.sequential is False or p.recon_steps < 0 or p.recon_lr <= 0):
+        raise ConfigError(
+            "prune.decision=reconstruct prunes one decoder block after another, each on the pruned blocks' outputs, "
+            "per block of columns or N:M: unset prune.scope and prune.sequential; prune.recon_steps >= 0, prune.recon_lr > 0"
+        )
     row_score = "wanda" if p.method == "wanda" else p.base if p.method == "gradprobe" and p.base != "magnitude" else None
     if row_score is not None and p.scope == "global":
         raise ConfigError(
@@ -119,11 +124,6 @@ def check_prune_mode(p: PruneConfig) -> None:
         raise ConfigError(
             f"prune.exact_target=false with prune.decision={p.decision}: {p.decision} prunes exactly the target; "
             "the undershooting veto (prune only where the gradient did not grow) is prune.decision=original"
-        )
-    if p.decision == "reconstruct" and (p.scope == "global" or p.sequential is False or p.recon_steps < 0 or p.recon_lr <= 0):
-        raise ConfigError(
-            "prune.decision=reconstruct prunes one decoder block after another, each on the pruned blocks' outputs, "
-            "per block of columns or N:M: unset prune.scope and prune.sequential; prune.recon_steps >= 0, prune.recon_lr > 0"
         )
     if p.decision == "saliency" and p.scope == "global":
         raise ConfigError(
