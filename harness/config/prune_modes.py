@@ -13,6 +13,9 @@ Per mode: candidates; groups; decision; statistics.
   vetoes; bf16.
 - saliency: as rank, ranked by the loss increase the probe predicts (a Hessian-vector
   product); bf16 max, fp32 sums.
+- reconstruct: SparseGPT's rule (per block of columns, or N:M) on each decoder block in turn,
+  on the pruned blocks' outputs; then `recon_steps` epochs of Adam fit the block's surviving
+  weights to the dense block's outputs (`harness.pruning.reconstruct`); sequential.
 - original: the base rule at the target, once, on the dense model (magnitude: one global
   threshold; Wanda: per row); one matrix at a time in model order, each applied before the
   next; G1 <= G0 (1 + threshold), undershoots; fp32.
@@ -38,6 +41,10 @@ def is_original(p: PruneConfig) -> bool:
     return reads_base(p) and p.decision == "original"
 
 
+def is_reconstruct(p: PruneConfig) -> bool:
+    return reads_base(p) and p.decision == "reconstruct"
+
+
 def mode_defaults(p: PruneConfig) -> dict[str, Any]:
     """What an unset key means under this config's mode."""
     if is_original(p):
@@ -57,7 +64,7 @@ def mode_defaults(p: PruneConfig) -> dict[str, Any]:
         "scope": "per_matrix",
         "stat_dtype": "bf16",
         "exact_target": True,
-        "sequential": method_facts(p).sequential,
+        "sequential": method_facts(p).sequential or is_reconstruct(p),
         "group_size": p.group_size,
     }
 
@@ -81,6 +88,11 @@ def check_prune_mode(p: PruneConfig) -> None:
     """
     if not p.enabled:
         return
+    if is_reconstruct(p) and (p.scope == "global" or p.sequential is False or p.recon_steps < 0 or p.recon_lr <= 0):
+        raise ConfigError(
+            "prune.decision=reconstruct prunes one decoder block after another, each on the pruned blocks' outputs, "
+            "per block of columns or N:M: unset prune.scope and prune.sequential; prune.recon_steps >= 0, prune.recon_lr > 0"
+        )
     by_row = row_score(p)
     if by_row is not None and p.scope == "global":
         raise ConfigError(

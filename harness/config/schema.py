@@ -33,8 +33,9 @@ OnNonfinite = Literal["skip", "stop"]
 PruneMethod = Literal["none", "magnitude", "wanda", "sparsegpt", "gradprobe"]
 # GradProbe's base scores: magnitude, wanda in harness.pruning.methods; gblm, taylor, ria (measured worse) in harness.pruning.experimental
 PruneBase = Literal["magnitude", "wanda", "gblm", "taylor", "ria"]
-# GradProbe's decision rule (harness/config/prune_modes.py); rank and saliency (measured worse): harness.pruning.experimental
-PruneDecision = Literal["rank", "veto", "saliency", "original"]
+# GradProbe's decision rule (harness/config/prune_modes.py); rank and saliency (measured worse): harness.pruning.experimental;
+# reconstruct: block-streamed OBS masks, then the block's surviving weights fitted by gradient steps (harness.pruning.reconstruct)
+PruneDecision = Literal["rank", "veto", "saliency", "original", "reconstruct"]
 PruneAllocation = Literal["uniform", "owl"]  # owl (measured worse): harness.pruning.experimental.owl
 PruneScope = Literal["per_matrix", "global"]
 PruneTargets = Literal["decoder_linears", "all_linears"]
@@ -288,7 +289,11 @@ class PruneConfig(Section):
     exact_target: bool | None = None
     # gradprobe: one of PRUNE_DECISIONS (harness/pruning/gradprobe.py). veto is the default because
     # it is the decision that costs least against its Wanda base on the pruning benchmark
-    # (notes/pruning.md); rank and saliency are measured there to do worse.
+    # (notes/pruning.md); rank and saliency are measured there to do worse. reconstruct
+    # (harness/pruning/reconstruct.py): decoder blocks pruned in turn by SparseGPT's rule on the
+    # pruned blocks' outputs, each block's surviving weights then fitted to the dense block's
+    # outputs by masked Adam on probe gradients (prune.recon_steps, prune.recon_lr); measured at
+    # 2:4 on one seed so far (notes/pruning.md), hence not yet the default.
     decision: PruneDecision = "veto"
     scope: PruneScope | None = None
     targets: PruneTargets = "decoder_linears"
@@ -301,6 +306,10 @@ class PruneConfig(Section):
     allocation: PruneAllocation = "uniform"  # per-block sparsity; owl: outlier-weighted (harness/pruning/experimental/owl.py)
     owl_lambda: float = 0.08  # OWL: block sparsities span target +- lambda
     owl_m: float = 5.0  # OWL: an outlier is a Wanda score above m x its block's mean
+    # decision=reconstruct: masked-Adam epochs over the calibration set per block (0: SparseGPT's
+    # rule streamed block by block, no fit); 2 with lr 1e-4 is the measured setting (notes/pruning.md)
+    recon_steps: int = 2
+    recon_lr: float = 1e-4  # decision=reconstruct: the fit's Adam step size
 
     @property
     def enabled(self) -> bool:

@@ -18,6 +18,7 @@ Passes over the calibration data, per method (K = layers per group, L = layers):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from harness.config import PruneConfig, check_original, is_original, resolve_prune
+from harness.config import PruneConfig, check_original, is_original, is_reconstruct, resolve_prune
 from harness.distributed import Collectives
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
 from harness.pruning.experimental import owl_sparsities
@@ -125,7 +126,8 @@ def run_pruning(
     if not views:
         raise ValueError(f"no Linear layers match targets={cfg.targets}")
     batches = _checked_inputs(list(calib_batches), method, cfg, comm)
-    rule = make_rule(cfg)
+    # the reconstruct mode chooses its masks by SparseGPT's rule (per block of columns, or N:M)
+    rule = make_rule(dataclasses.replace(cfg, method="sparsegpt") if is_reconstruct(cfg) else cfg)
     if comm.rank == 0 and filled and is_original(cfg):
         log.info(f"prune: decision=original filled what the config left unset: {', '.join(filled)}")
     k, groups = _groups(cfg, method, views, comm)
@@ -199,10 +201,12 @@ def _checked_inputs(batches: list[Any], method: Method, cfg: PruneConfig, comm: 
 def _groups(cfg: PruneConfig, method: Method, views: list[ShardView], comm: Collectives) -> tuple[int, list[list[ShardView]]]:
     """(K, the groups): K consecutive decoder blocks per group, from the config or from the free
     memory (`default_group_size`, the same on every rank); decision=original: one matrix at a
-    time, in model order (`build_views`' order)."""
+    time, in model order (`build_views`' order); decision=reconstruct: one decoder block at a time."""
     if is_original(cfg):
         return 1, [[v] for v in views]
     units = sorted({v.target.unit for v in views})
+    if is_reconstruct(cfg):  # one decoder block at a time
+        return 1, [[v for v in views if v.target.unit == u] for u in units]
     device = views[0].lp().device
     k = cfg.group_size or default_group_size(views, units, comm, hessian=method.facts.hessian, device=device)
     k = max(1, min(k, len(units)))

@@ -116,12 +116,14 @@ WORLD_CASES = {
     # GradProbe (Wanda candidates, unstructured) under FSDP2; GradProbe 2:4 under ZeRO-3.
     "fsdp": {"method": "gradprobe", "base": "wanda"},
     "zero3": {"method": "gradprobe", "base": "magnitude", "pattern": "2:4"},
+    # GradProbe's reconstruct mode (block-streamed masks, block fitted by gradient steps) under FSDP2
+    "fsdp-reconstruct": {"method": "gradprobe", "decision": "reconstruct", "recon_steps": 1},
 }
 
 
-@pytest.mark.parametrize("strategy", sorted(WORLD_CASES))
-def test_stage_world_invariance_and_masks_survive_finetuning(cache: Path, tmp_path: Path, strategy: str) -> None:
-    prune = WORLD_CASES[strategy]
+@pytest.mark.parametrize("case", sorted(WORLD_CASES))
+def test_stage_world_invariance_and_masks_survive_finetuning(cache: Path, tmp_path: Path, case: str) -> None:
+    prune, strategy = WORLD_CASES[case], case.split("-")[0]
     outs = {w: tmp_path / f"w{w}" for w in (1, 2)}
     for world, out in outs.items():
         train_with_pruning(cache, out, world, strategy, prune)
