@@ -10,7 +10,7 @@ import torch
 
 from harness.distributed import Collectives
 from harness.pruning.allocation import view_sparsities
-from harness.pruning.calibration import InputStats, forward_pass
+from harness.pruning.calibration import InputStats, Ledger, forward_pass
 from harness.pruning.masks import MaskSet
 from harness.pruning.method_run import MethodRun
 from harness.pruning.methods import Rule, magnitude_scores, score_keys, select, sparsegpt_prune, wanda_scores
@@ -86,14 +86,31 @@ def sparsegpt(run: MethodRun) -> MaskSet:
         stats = InputStats(views, hessian=True, ledger=ledger)
         forward_pass(runner, batches, stats)
         stats.finalize(comm)
-        for v in views:
-            assert v.layout is not None
-            own = dataclasses.replace(rule, sparsity=alloc[v.name]) if alloc else rule
-            values, mask = sparsegpt_prune(v.layout, v.weight(), stats.hessian_of(v.name), own, comm, forced.get(v.name))
-            v.write(torch.ones_like(mask), values, master=True)
-            masks[v.name] = mask
-            ledger.add(f"mask/{v.name}", mask)
-        sync_views(views, comm)
-        ledger.drop("stats/")
+        masks.update(obs_prune(views, stats, rule, alloc, forced, comm, ledger))
         del stats
     return MaskSet(masks)
+
+
+def obs_prune(
+    views: list[ShardView],
+    stats: InputStats,
+    rule: Rule,
+    alloc: dict[str, float] | None,
+    forced: dict[str, torch.Tensor],
+    comm: Collectives,
+    ledger: Ledger,
+) -> dict[str, torch.Tensor]:
+    """SparseGPT's step on one group whose Hessians `stats` holds: each view's mask chosen and its
+    surviving weights updated (OBS), written to the weights and their master, then the replicas
+    re-synchronised. Shared by SparseGPT and GradProbe's reconstruct mode. Returns the masks."""
+    masks: dict[str, torch.Tensor] = {}
+    for v in views:
+        assert v.layout is not None
+        own = dataclasses.replace(rule, sparsity=alloc[v.name]) if alloc else rule
+        values, mask = sparsegpt_prune(v.layout, v.weight(), stats.hessian_of(v.name), own, comm, forced.get(v.name))
+        v.write(torch.ones_like(mask), values, master=True)
+        masks[v.name] = mask
+        ledger.add(f"mask/{v.name}", mask)
+    sync_views(views, comm)
+    ledger.drop("stats/")
+    return masks

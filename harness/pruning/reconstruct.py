@@ -24,7 +24,6 @@ and Adam's two fp32 moments for the block's local shard (8 B per local weight of
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +33,11 @@ from torch.distributed.tensor import DTensor
 
 from harness.distributed import Collectives
 from harness.models import decoder_blocks
+from harness.pruning.baselines import obs_prune
 from harness.pruning.calibration import InputStats, Ledger, Runner
 from harness.pruning.masks import MaskSet
 from harness.pruning.method_run import MethodRun
-from harness.pruning.methods import Rule, sparsegpt_prune
+from harness.pruning.methods import Rule
 from harness.pruning.shards import ShardView, sync_views
 
 Inputs = list[tuple[torch.Tensor, dict[str, Any]]]  # per calibration micro-batch: hidden states, keyword arguments
@@ -223,15 +223,7 @@ def run_reconstruct(
             targets = _run_block(block, dense)
             dense = [(y, kw) for y, (_, kw) in zip(targets, dense)]
             runner.fwd_batches += len(inputs) / n_blocks
-        for v in mine:
-            assert v.layout is not None
-            own = dataclasses.replace(rule, sparsity=alloc[v.name]) if alloc else rule
-            values, mask = sparsegpt_prune(v.layout, v.weight(), stats.hessian_of(v.name), own, comm, forced.get(v.name))
-            v.write(torch.ones_like(mask), values, master=True)
-            masks[v.name] = mask
-            ledger.add(f"mask/{v.name}", mask)
-        sync_views(mine, comm)
-        ledger.drop("stats/")
+        masks.update(obs_prune(mine, stats, rule, alloc, forced, comm, ledger))
         del stats
         ledger.add("recon/activations", sum(h.numel() * h.element_size() for h, _ in inputs) * (3 if dense is not None else 2))
         if settings.steps and mine:
