@@ -14,6 +14,7 @@ from functools import cache
 from pathlib import Path
 
 from launching import REPO
+from source_names import top_level_names
 
 BENCHMARKS = REPO / "benchmarks"
 
@@ -36,15 +37,7 @@ def _defined(module: str) -> frozenset[str]:
     path = _module_file(module)
     if path is None:
         return frozenset()
-    names: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    names = top_level_names(ast.parse(path.read_text()))
     if path.name == "__init__.py":
         names.update(p.stem for p in path.parent.glob("*.py") if p.name != "__init__.py")
         names.update(p.parent.name for p in path.parent.glob("*/__init__.py"))

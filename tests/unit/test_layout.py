@@ -20,6 +20,7 @@ from functools import cache
 from pathlib import Path
 
 from launching import REPO
+from source_names import top_level_names
 
 PKG = REPO / "harness"
 MAP = REPO / "notes" / "architecture.md"
@@ -247,16 +248,7 @@ def test_function_local_imports_are_the_ones_the_map_lists() -> None:
 
 def _defined(module: str) -> set[str]:
     """Top-level names of a module: definitions, assignments, imports (a package: what its __init__ binds)."""
-    names = set()
-    for node in _tree(_modules()[module]).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-    return names
+    return top_level_names(_tree(_modules()[module]))
 
 
 def _dotted_name_exists(name: str) -> bool:
