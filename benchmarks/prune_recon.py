@@ -6,8 +6,9 @@ SparseGPT on SmolLM2-135M, chosen on the calibration holdout (never eval).
 Same setup as `prune_bench.py --model smollm2-135m` (world 1, fp32, 32 calibration sequences of
 256, holdout = the last 32 blocks of the seed's calib permutation, eval = the first 32 eval
 blocks), all variants in one process so wall times compare within a call. A variant is a method
-(`wanda`, `sparsegpt`) or `recon:key=value,...` (ReconSettings fields; `eval=1`: eval perplexity for this variant). Each row is appended to
-`--out` (JSONL) with holdout perplexity, wall time and, with `--eval`, eval perplexity.
+(`magnitude`, `wanda`, `sparsegpt`, `gradprobe`: its defaults, the veto) or `recon:key=value,...`
+(ReconSettings fields; `eval=1`: eval perplexity for this variant). Each row is appended to
+`--out` (JSONL) with holdout perplexity, wall and process CPU seconds and, with `--eval`, eval perplexity.
 """
 
 from __future__ import annotations
@@ -103,11 +104,12 @@ def main() -> int:
         want_eval = args.eval or bool(over.pop("eval", 0))  # `eval=1` in a variant: eval for that one only
         engine.module.load_state_dict(dense_state)
         torch.manual_seed(0)
-        t0 = time.perf_counter()
-        if name in ("wanda", "sparsegpt", "magnitude"):
-            rep = run_pruning(
-                engine.model, batches, dataclasses.replace(base_prune, method=name), loss_fn, grad_accum=cfg.grad_accum, comm=comm
-            )
+        t0, c0 = time.perf_counter(), time.process_time()
+        if name in ("wanda", "sparsegpt", "magnitude", "gradprobe"):
+            method_config = dataclasses.replace(base_prune, method=name)
+            if name == "gradprobe":  # the veto, GradProbe's first default, whatever the schema's default is now
+                method_config = dataclasses.replace(method_config, decision="veto")
+            rep = run_pruning(engine.model, batches, method_config, loss_fn, grad_accum=cfg.grad_accum, comm=comm)
             extra = {"fwd_passes": rep.fwd_passes, "peak_probe_bytes": rep.peak_probe_bytes, "achieved_sparsity": rep.achieved_sparsity}
         elif name == "recon":
             settings = ReconSettings(**over)
@@ -129,8 +131,8 @@ def main() -> int:
             }
         else:
             raise SystemExit(f"unknown variant {spec}")
-        wall = time.perf_counter() - t0
-        row = {"variant": spec, "pattern": args.pattern, "seed": args.seed, "wall_s": wall, **extra}
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        row = {"variant": spec, "pattern": args.pattern, "seed": args.seed, "wall_s": wall, "cpu_s": cpu, **extra}
         row["holdout_ppl"] = evaluate(engine, val, cfg, info, split=HOLDOUT_SPLIT)["eval/perplexity"]
         if want_eval:
             row["eval_ppl"] = evaluate(engine, data, cfg, info)["eval/perplexity"]
