@@ -49,6 +49,13 @@ class GradientProbe:
         trainable weights held by this process (one process or DDP), not FSDP2's DTensors."""
         return all(p.requires_grad and not isinstance(p, DTensor) for p in params)
 
+    def forward_sees_whole(self, params: Sequence[nn.Parameter]) -> bool:
+        """Whether a forward through the module holding `params` computes with them whole, so that
+        `torch.autograd.grad` of a loss of that forward returns their full gradients: true for
+        plain tensors (one process, DDP, and ZeRO, whose stage 3 gathers a block's weights for its
+        forward), false for FSDP2's DTensors, whose gradients only FSDP2's backward delivers."""
+        return not any(isinstance(p, DTensor) for p in params)
+
     @contextlib.contextmanager
     def partial_backward(self, params: Sequence[nn.Parameter], comm: Collectives) -> Iterator[None]:
         """Around `torch.autograd.grad` of `params` (accumulated into their `.grad` by the caller):

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from harness.distributed import Collectives
 from harness.models import decoder_blocks
@@ -145,7 +144,7 @@ def _step_gradients(
     def loss_of(x: torch.Tensor, kw: dict[str, Any], y: torch.Tensor) -> torch.Tensor:
         return (_out(block(x, **kw)) - y).float().pow(2).sum() / scale
 
-    if any(isinstance(p, DTensor) for p in params):
+    if not runner.probe.forward_sees_whole(params):
         for x, kw, y in items:
             (loss_of(x, kw, y) / n).backward()
             runner.fwd_bwd_batches += share
