@@ -229,7 +229,8 @@ def check_prune_config(cfg: RunConfig, world: int) -> None:
         raise ConfigError(f"prune.schedule raises an unstructured target; prune.pattern={p.pattern} fixes the sparsity")
     if p.finetune_steps < 0:
         raise ConfigError(f"prune.finetune_steps={p.finetune_steps} must be >= 0")
-    check_prune_mode(p)
+    written = getattr(cfg, "given_keys", None)  # None: built in code, nothing known about what was written
+    check_prune_mode(p, None if written is None else {k.removeprefix("prune.") for k in written if k.startswith("prune.")})
 
 
 def check_strategy_against_run(strategy: Strategy, cfg: RunConfig, has_accelerator: bool) -> None:

@@ -285,16 +285,16 @@ class PruneConfig(Section):
     threshold: float = 0.0
     reduction: float = 0.1
     # The next four: None = the decision mode's default (harness/config/prune_modes.py): rank/veto
-    # exact, per_matrix, bf16, sequential for SparseGPT only; original: veto, global (magnitude base), fp32, sequential.
+    # exact, per_matrix, bf16, sequential for SparseGPT only; reconstruct: sequential; original: veto,
+    # global (magnitude base), fp32, sequential.
     exact_target: bool | None = None
-    # gradprobe: one of PRUNE_DECISIONS (harness/pruning/gradprobe.py). veto is the default because
-    # it is the decision that costs least against its Wanda base on the pruning benchmark
-    # (notes/pruning.md); rank and saliency are measured there to do worse. reconstruct
-    # (harness/pruning/reconstruct.py): decoder blocks pruned in turn by SparseGPT's rule on the
-    # pruned blocks' outputs, each block's surviving weights then fitted to the dense block's
-    # outputs by masked Adam on probe gradients (prune.recon_steps, prune.recon_lr); measured at
-    # 2:4 on one seed so far (notes/pruning.md), hence not yet the default.
-    decision: PruneDecision = "veto"
+    # gradprobe: one of PRUNE_DECISIONS. reconstruct is the default: it measured best on the pruning benchmark
+    # (notes/pruning.md: below SparseGPT at 2:4, 60% and 70%, below Wanda at 50%): decoder blocks pruned in turn by
+    # SparseGPT's rule on the pruned blocks' outputs, each block's surviving weights then fitted to the dense block's
+    # outputs by masked Adam on probe gradients (harness/pruning/reconstruct.py; prune.recon_steps, prune.recon_lr).
+    # veto (Wanda's order, the gradient only vetoes) is GradProbe's first default, kept; rank and saliency measured
+    # worse. prune.base, pool, threshold, reduction, stat_dtype, group_size: read by the other decisions only.
+    decision: PruneDecision = "reconstruct"
     scope: PruneScope | None = None
     targets: PruneTargets = "decoder_linears"
     pool: float = 0.25  # exact-target GradProbe: probe (1 + pool) x target candidates
