@@ -43,6 +43,7 @@ from harness.config.schema import (
     Section,
     default_lr,
     freeze,
+    given_in,
     is_given,
 )
 from harness.config.strategies import (
@@ -116,6 +117,7 @@ __all__ = [
     "freeze",
     "Section",
     "engine_kind",
+    "given_in",
     "is_given",
     "is_original",
     "method_facts",

@@ -380,6 +380,13 @@ def is_given(cfg: RunConfig, key: str) -> bool:
     return True if given is None else key in given
 
 
+def given_in(cfg: RunConfig, section: str) -> frozenset[str] | None:
+    """The keys of `section` the user wrote, without the section's name; None where `load_config`
+    recorded nothing (a RunConfig built in code, or copied by `dataclasses.replace`)."""
+    given = getattr(cfg, "given_keys", None)
+    return None if given is None else frozenset(k.removeprefix(section + ".") for k in given if k.startswith(section + "."))
+
+
 # The learning rates used when `optim.lr` is not given, by what is trained: the values the
 # field's recipes publish (torchtune's and axolotl's full fine-tunes of 1-8B models, 2e-5;
 # LoRA/QLoRA, 2e-4 as in the QLoRA paper and peft's examples; a small model from random init, 3e-3).

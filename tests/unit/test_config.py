@@ -247,3 +247,15 @@ def test_a_switch_given_off_explicitly_keeps_its_sections_keys():
     """`lora.enabled: false` in a file that keeps its LoRA settings: the user turned it off."""
     assert load_config(None, ["lora.enabled=false", "lora.r=4"]).lora.r == 4
     assert load_config(None, ["prune.method=none", "prune.sparsity=0.3"]).prune.sparsity == 0.3
+
+
+def test_the_prune_command_refuses_a_veto_key_written_at_its_default(tmp_path):
+    """`python -m harness.prune` copies the config before its pre-flight (which then knows no written
+    keys): the refusal runs on the config as written. Milliseconds: no model is read."""
+    from harness.prune import command_config
+
+    out = f"output_dir={tmp_path / 'out'}"
+    with pytest.raises(ConfigError) as err:
+        command_config(None, [*GRADPROBE, "prune.base=wanda", out])
+    assert str(err.value).startswith(f"prune.base=wanda is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}")
+    assert command_config(None, [*GRADPROBE, "prune.decision=veto", "prune.base=wanda", out]).prune.decision == "veto"
