@@ -50,17 +50,19 @@ from safetensors import safe_open  # noqa: E402
 # (key in results.json, label in the table, prune overrides). Every row runs at 50% unstructured
 # and 2:4 for each calibration seed (magnitude reads no calibration data: one seed). GradProbe's
 # rows with pool=0 have a candidate pool equal to the target: the probe cannot change the base's
-# choice, so they measure the base score alone (the gradient bases still need G0's pass).
+# choice, so they measure the base score alone (the gradient bases still need G0's pass). Every
+# GradProbe row names its decision: the default changed from the veto to reconstruct
+# (benchmarks/prune_recon.py measures that one), and the rows and their cached results are the veto's.
 VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("magnitude", "magnitude", {"method": "magnitude"}),
     ("wanda", "wanda", {"method": "wanda"}),
     ("sparsegpt", "sparsegpt", {"method": "sparsegpt"}),
-    ("gradprobe", "gradprobe (the defaults)", {"method": "gradprobe"}),
+    ("gradprobe", "gradprobe veto (the first default)", {"method": "gradprobe", "decision": "veto"}),
     ("gradprobe_rank_wanda", "gradprobe rank, wanda base", {"method": "gradprobe", "base": "wanda", "decision": "rank"}),
     ("gradprobe_veto_wanda", "gradprobe veto, wanda base", {"method": "gradprobe", "base": "wanda", "decision": "veto"}),
-    ("score_taylor", "score alone: taylor |W|·‖G‖", {"method": "gradprobe", "base": "taylor", "pool": 0.0}),
-    ("score_gblm", "score alone: gblm |W|·‖X‖ + |W|·‖G‖", {"method": "gradprobe", "base": "gblm", "pool": 0.0}),
-    ("score_ria", "score alone: ria", {"method": "gradprobe", "base": "ria", "pool": 0.0}),
+    ("score_taylor", "score alone: taylor |W|·‖G‖", {"method": "gradprobe", "base": "taylor", "decision": "veto", "pool": 0.0}),
+    ("score_gblm", "score alone: gblm |W|·‖X‖ + |W|·‖G‖", {"method": "gradprobe", "base": "gblm", "decision": "veto", "pool": 0.0}),
+    ("score_ria", "score alone: ria", {"method": "gradprobe", "base": "ria", "decision": "veto", "pool": 0.0}),
     ("gradprobe_rank_gblm", "gradprobe rank, gblm base", {"method": "gradprobe", "base": "gblm", "decision": "rank"}),
     ("gradprobe_veto_gblm", "gradprobe veto, gblm base", {"method": "gradprobe", "base": "gblm", "decision": "veto"}),
     ("gradprobe_veto_ria", "gradprobe veto, ria base", {"method": "gradprobe", "base": "ria", "decision": "veto"}),
@@ -289,7 +291,9 @@ def prune_in_process(
                 "steps": 1,
                 "output_dir": str(work / "prune_w1"),
                 "checkpoint": {"overwrite": True},
-                "prune": {**cfg_dict["prune"], "method": "wanda"},  # each run replaces the method
+                # each run replaces the method; the decision (read by gradprobe only, whose rows name theirs)
+                # stays the veto, the default when the cached runs were made, so their cache keys still match
+                "prune": {**cfg_dict["prune"], "method": "wanda", "decision": "veto"},
             }
         )
     )
@@ -491,7 +495,7 @@ def prune_world2(work: Path, cfg_dict: dict[str, Any], hf: str, group_size: int)
                 "output_dir": str(out),
                 "strategy": "fsdp",
                 "checkpoint": {"overwrite": True},
-                "prune": {**cfg_dict["prune"], "method": "gradprobe", "group_size": group_size},
+                "prune": {**cfg_dict["prune"], "method": "gradprobe", "decision": "veto", "group_size": group_size},
             }
         )
     )
@@ -584,7 +588,8 @@ def tables(
         target = results[0]["target_numel"]
         lines += [
             "",
-            "GradProbe cost per rank (its defaults, 50% unstructured, seed 0; world 2 is FSDP2 through `torchrun -m harness.prune`):",
+            "GradProbe cost per rank (the veto, its first default, 50% unstructured, seed 0; "
+            "world 2 is FSDP2 through `torchrun -m harness.prune`):",
             "",
             "| world | K | groups | fwd+bwd passes | wall time (s) | probe memory per rank (MiB) | B per pruned parameter per rank |",
             "|---|---|---|---|---|---|---|",

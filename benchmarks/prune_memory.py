@@ -6,7 +6,7 @@ under FSDP2 and ZeRO-3 at world 1 and 2 (SmolLM2-135M; `prune_bench.py --model s
 For each (strategy, world) one launch (`torchrun --nproc_per_node=W benchmarks/prune_memory.py
 --rank-body ...`) builds the run as `python -m harness.prune` does (`harness.runner.build_run`,
 the engine from the pre-flight plan), then, on the same dense model and calibration batches,
-runs Wanda and then GradProbe (its defaults), each followed by putting the dense weights back
+runs Wanda and then GradProbe (the veto, its first default), each followed by putting the dense weights back
 (`snapshot_views` before, `restore_views` after, outside the measured window), so the second
 method sees the same model. Per rank and method it records:
 
@@ -167,7 +167,7 @@ def launch(out: Path, strategy: str, world: int, calib: int, micro_batch: int) -
         micro_batch_size=micro_batch,
         output_dir=str(out / f"{strategy}_w{world}"),
         checkpoint={"overwrite": True},
-        prune={**cfg["prune"], "method": "gradprobe"},
+        prune={**cfg["prune"], "method": "gradprobe", "decision": "veto"},  # the veto, as measured in notes/pruning.md
     )
     path = out / f"{strategy}_w{world}.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -174,7 +174,14 @@ def finetune_world2(
         "output_dir": str(out),
         "checkpoint": {"overwrite": True},
         "optim": {"lr": lr, "warmup_steps": max(1, steps // 10)},
-        "prune": {**cfg_dict["prune"], "method": method, "pattern": pattern, "calib_seed": 0, "finetune_steps": steps},
+        "prune": {
+            **cfg_dict["prune"],
+            "method": method,
+            **({"decision": "veto"} if method == "gradprobe" else {}),  # the veto, as measured in notes/pruning.md
+            "pattern": pattern,
+            "calib_seed": 0,
+            "finetune_steps": steps,
+        },
     }
     if dense:  # no prune keys at all: harness.train refuses prune settings without a method
         del cfg["prune"]

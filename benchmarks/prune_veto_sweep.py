@@ -2,11 +2,11 @@
 
     OMP_NUM_THREADS=2 nice -n 19 python benchmarks/prune_veto_sweep.py --thresholds 0 0.1 0.5 2 inf
 
-GradProbe's default decision (`veto`) prunes Wanda's order inside a pool 25% wider than the
+GradProbe's veto decision (`veto`, its first default) prunes Wanda's order inside a pool 25% wider than the
 target, except that pool members whose gradient grew when the pool was shrunk (G1/G0 > 1 +
 `threshold`) go behind the others. G0 and G1 do not depend on the threshold, so one probe
 (its two forward+backward passes) serves every threshold: the probe runs once through
-`run_pruning` (GradProbe's defaults, nothing applied), its per-matrix decision inputs (pool,
+`run_pruning` (the veto at its default settings, nothing applied), its per-matrix decision inputs (pool,
 G0, G1, base scores) are recorded as `veto_keys` receives them, and each threshold's masks are
 the same selection on `veto_keys(..., threshold)`. Threshold 0 reproduces the default run;
 threshold inf vetoes nothing and must give Wanda's masks exactly (checked).
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_dir:
         cfg_dict["model"] = {"name": args.model_dir}
     path = work / "veto_sweep.yaml"
-    prune = {**cfg_dict["prune"], "method": "gradprobe", "pattern": args.pattern, "calib_seed": args.seed}
+    # the veto, named (the default decision is reconstruct now); prune_bench.py's Wanda masks are found by the same settings
+    prune = {**cfg_dict["prune"], "method": "gradprobe", "decision": "veto", "pattern": args.pattern, "calib_seed": args.seed}
     path.write_text(yaml.safe_dump({**cfg_dict, "output_dir": str(work / "veto_sweep"), "checkpoint": {"overwrite": True}, "prune": prune}))
     cfg = load_config(str(path), ["strategy=ddp"])
     info = dist_utils.init_distributed(cfg.device)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     del dense
     gradprobe.veto_keys = original_veto_keys
     if len(recorded) != len(views):
-        raise RuntimeError(f"recorded {len(recorded)} decisions for {len(views)} matrices (the default decision must be veto)")
+        raise RuntimeError(f"recorded {len(recorded)} decisions for {len(views)} matrices (the decision must be veto)")
     rule = make_rule(dataclasses.replace(cfg.prune, method="gradprobe", scope="per_matrix"))
     layouts = [v.layout for v in views]
 

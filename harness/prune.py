@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a file by a launcher: make `harness` imp
 
 from safetensors import safe_open
 
-from harness.config import PRUNE_METHOD_FACTS, RunConfig, load_config, load_strategy
+from harness.config import PRUNE_METHOD_FACTS, RunConfig, check_reconstruct_keys, given_in, load_config, load_strategy
 from harness.distributed import Collectives, DistInfo, exit_process
 from harness.engine import EnginePlan
 from harness.errors import ConfigError
@@ -86,6 +86,9 @@ def command_config(path: str | None, overrides: list[str]) -> RunConfig:
             "(python -m harness.export <checkpoint> --out <dir>) and set model.name=<dir>"
         )
     check_prune_output(cfg)
+    # here, on the keys as written: the copy below records none of them, and the pre-flight's check then
+    # sees only values other than the defaults
+    check_reconstruct_keys(cfg.prune, given_in(cfg, "prune"))
     return dataclasses.replace(cfg, steps=max(1, cfg.prune.finetune_steps), checkpoint=dataclasses.replace(cfg.checkpoint, export_hf=True))
 
 

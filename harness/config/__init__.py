@@ -16,7 +16,7 @@ from harness.config.drop_in import adopt_settings
 from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
 from harness.config.presets import PRESETS, Preset, is_preset
 from harness.config.prune_methods import PER_ROW_BASES, PRUNE_METHOD_FACTS, MethodFacts, method_facts, needs_calibration, row_score
-from harness.config.prune_modes import check_original, is_original, is_reconstruct, resolve_prune
+from harness.config.prune_modes import check_original, check_reconstruct_keys, is_original, is_reconstruct, resolve_prune
 from harness.config.schema import (
     AC_MODES,
     BF16_WEIGHT_OPTIMIZERS,
@@ -43,6 +43,7 @@ from harness.config.schema import (
     Section,
     default_lr,
     freeze,
+    given_in,
     is_given,
 )
 from harness.config.strategies import (
@@ -105,6 +106,7 @@ __all__ = [
     "apply_overrides",
     "check_optimizer_in_backward",
     "check_original",
+    "check_reconstruct_keys",
     "check_run",
     "check_sequence_heads",
     "check_strategy_against_run",
@@ -115,6 +117,7 @@ __all__ = [
     "freeze",
     "Section",
     "engine_kind",
+    "given_in",
     "is_given",
     "is_original",
     "method_facts",

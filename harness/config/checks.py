@@ -12,7 +12,15 @@ import importlib.util
 
 from harness.config.prune_methods import needs_calibration
 from harness.config.prune_modes import check_prune_mode
-from harness.config.schema import BF16_WEIGHT_OPTIMIZERS, EMBEDDED_CORPORA, INSTRUCTION_FORMATS, OPTIMIZER_LIBRARY, RunConfig, choice_fields
+from harness.config.schema import (
+    BF16_WEIGHT_OPTIMIZERS,
+    EMBEDDED_CORPORA,
+    INSTRUCTION_FORMATS,
+    OPTIMIZER_LIBRARY,
+    RunConfig,
+    choice_fields,
+    given_in,
+)
 from harness.config.strategies import Strategy
 from harness.errors import ConfigError, did_you_mean
 
@@ -229,7 +237,7 @@ def check_prune_config(cfg: RunConfig, world: int) -> None:
         raise ConfigError(f"prune.schedule raises an unstructured target; prune.pattern={p.pattern} fixes the sparsity")
     if p.finetune_steps < 0:
         raise ConfigError(f"prune.finetune_steps={p.finetune_steps} must be >= 0")
-    check_prune_mode(p)
+    check_prune_mode(p, given_in(cfg, "prune"))
 
 
 def check_strategy_against_run(strategy: Strategy, cfg: RunConfig, has_accelerator: bool) -> None:

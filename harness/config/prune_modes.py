@@ -9,13 +9,16 @@ launch (`check_prune_mode`, called from `checks.check_prune_config`).
 Per mode: candidates; groups; decision; statistics.
 - rank: the base rule x (1 + pool) per group; K decoder blocks; exactly the target, ranked by
   G1/G0; bf16.
-- veto (default): as rank, but exactly the target in base order, G1/G0 > 1 + threshold only
-  vetoes; bf16.
+- veto (GradProbe's first default): as rank, but exactly the target in base order, G1/G0 >
+  1 + threshold only vetoes; bf16.
 - saliency: as rank, ranked by the loss increase the probe predicts (a Hessian-vector
   product); bf16 max, fp32 sums.
-- reconstruct: SparseGPT's rule (per block of columns, or N:M) on each decoder block in turn,
-  on the pruned blocks' outputs; then `recon_steps` epochs of Adam fit the block's surviving
-  weights to the dense block's outputs (`harness.pruning.reconstruct`); sequential.
+- reconstruct (default): SparseGPT's rule (per block of columns, or N:M) on each decoder block
+  in turn, on the pruned blocks' outputs; then `recon_steps` epochs of Adam fit the block's
+  surviving weights to the dense block's outputs (`harness.pruning.reconstruct`); sequential.
+  It reads none of `OTHER_DECISIONS_KEYS`: one the user set is refused (`check_reconstruct_keys`),
+  since a config that sets `prune.base` and no decision meant the veto before reconstruct became
+  the default.
 - original: the base rule at the target, once, on the dense model (magnitude: one global
   threshold; Wanda: per row); one matrix at a time in model order, each applied before the
   next; G1 <= G0 (1 + threshold), undershoots; fp32.
@@ -27,6 +30,7 @@ passes per matrix.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 from harness.config.prune_methods import method_facts, reads_base, row_score, row_score_key
@@ -35,6 +39,10 @@ from harness.errors import ConfigError
 
 # The keys a mode fills when the user left them unset (None; group_size 0 = automatic).
 MODE_KEYS = ("scope", "stat_dtype", "exact_target", "sequential", "group_size")
+# GradProbe's keys that every decision but reconstruct reads (candidates, probe, grouping);
+# reconstruct chooses its masks by SparseGPT's rule, one decoder block at a time.
+OTHER_DECISIONS_KEYS = ("base", "pool", "threshold", "reduction", "stat_dtype", "group_size")
+PRUNE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PruneConfig)}
 
 
 def is_original(p: PruneConfig) -> bool:
@@ -81,17 +89,21 @@ def resolve_prune(p: PruneConfig) -> tuple[PruneConfig, list[str]]:
     return dataclasses.replace(p, **filled), shown
 
 
-def check_prune_mode(p: PruneConfig) -> None:
+def check_prune_mode(p: PruneConfig, given: Collection[str] | None = None) -> None:
     """Refuse (ConfigError, one line) a decision mode combined with a setting it cannot honour.
 
     Checked on the config as written, so an explicit contradiction is named, not overridden.
+    `given`: the `prune` keys the user wrote (`RunConfig.given_keys` without the section), None
+    when unknown (a config built in code).
     """
     if not p.enabled:
         return
+    check_reconstruct_keys(p, given)
     if is_reconstruct(p) and (p.scope == "global" or p.sequential is False or p.recon_steps < 0 or p.recon_lr <= 0):
         raise ConfigError(
-            "prune.decision=reconstruct prunes one decoder block after another, each on the pruned blocks' outputs, "
-            "per block of columns or N:M: unset prune.scope and prune.sequential; prune.recon_steps >= 0, prune.recon_lr > 0"
+            f"{_reconstruct_named(given)} prunes one decoder block after another, each on the pruned blocks' outputs, "
+            "per block of columns or N:M: unset prune.scope and prune.sequential (or set prune.decision=veto, "
+            "GradProbe's first default); prune.recon_steps >= 0, prune.recon_lr > 0"
         )
     by_row = row_score(p)
     if by_row is not None and p.scope == "global":
@@ -137,6 +149,36 @@ def check_prune_mode(p: PruneConfig) -> None:
             "global ranking needs every matrix probed before any is pruned; set prune.sequential=false, "
             "prune.scope=per_matrix, or prune.decision=original (global candidates, applied matrix by matrix)"
         )
+
+
+def check_reconstruct_keys(p: PruneConfig, given: Collection[str] | None = None) -> None:
+    """Refuse a key only the other decisions read (`OTHER_DECISIONS_KEYS`) under
+    `decision=reconstruct`, which would ignore it. A key counts when its value is not the
+    schema's default, or when the user wrote it (`given`, the `prune` keys written; None: not
+    known) and left the decision to its default: such a config meant the veto when the veto was
+    the default. Written at its default beside a written `decision: reconstruct` (a saved full
+    config) it changes nothing and passes. Also called by `run_pruning` for library callers."""
+    if not is_reconstruct(p):
+        return
+    decision_written = given is not None and "decision" in given
+    clash = [
+        k for k in OTHER_DECISIONS_KEYS if getattr(p, k) != PRUNE_DEFAULTS[k] or (given is not None and k in given and not decision_written)
+    ]
+    if not clash:
+        return
+    names = ", ".join(f"prune.{k}={getattr(p, k)}" for k in clash)
+    one = len(clash) == 1
+    raise ConfigError(
+        f"{names} {'is' if one else 'are'} read by prune.decision=veto/rank/saliency/original only; "
+        f"{_reconstruct_named(given)} chooses its masks by SparseGPT's rule one decoder block at a time: set "
+        f"prune.decision=veto (GradProbe's first default) to use {'it' if one else 'them'}, or unset "
+        + ", ".join(f"prune.{k}" for k in clash)
+    )
+
+
+def _reconstruct_named(given: Collection[str] | None) -> str:
+    """How a refusal names the reconstruct decision: '(the default)' unless the user wrote it."""
+    return "prune.decision=reconstruct" + ("" if given is not None and "decision" in given else " (the default)")
 
 
 def check_original(p: PruneConfig) -> None:

@@ -285,16 +285,16 @@ class PruneConfig(Section):
     threshold: float = 0.0
     reduction: float = 0.1
     # The next four: None = the decision mode's default (harness/config/prune_modes.py): rank/veto
-    # exact, per_matrix, bf16, sequential for SparseGPT only; original: veto, global (magnitude base), fp32, sequential.
+    # exact, per_matrix, bf16, sequential for SparseGPT only; reconstruct: sequential; original: veto,
+    # global (magnitude base), fp32, sequential.
     exact_target: bool | None = None
-    # gradprobe: one of PRUNE_DECISIONS (harness/pruning/gradprobe.py). veto is the default because
-    # it is the decision that costs least against its Wanda base on the pruning benchmark
-    # (notes/pruning.md); rank and saliency are measured there to do worse. reconstruct
-    # (harness/pruning/reconstruct.py): decoder blocks pruned in turn by SparseGPT's rule on the
-    # pruned blocks' outputs, each block's surviving weights then fitted to the dense block's
-    # outputs by masked Adam on probe gradients (prune.recon_steps, prune.recon_lr); measured at
-    # 2:4 on one seed so far (notes/pruning.md), hence not yet the default.
-    decision: PruneDecision = "veto"
+    # gradprobe: one of PRUNE_DECISIONS. reconstruct is the default: it measured best on the pruning benchmark
+    # (notes/pruning.md: below SparseGPT at 2:4, 60% and 70%, below Wanda at 50%): decoder blocks pruned in turn by
+    # SparseGPT's rule on the pruned blocks' outputs, each block's surviving weights then fitted to the dense block's
+    # outputs by masked Adam on probe gradients (harness/pruning/reconstruct.py; prune.recon_steps, prune.recon_lr).
+    # veto (Wanda's order, the gradient only vetoes) is GradProbe's first default, kept; rank and saliency measured
+    # worse. prune.base, pool, threshold, reduction, stat_dtype, group_size: read by the other decisions only.
+    decision: PruneDecision = "reconstruct"
     scope: PruneScope | None = None
     targets: PruneTargets = "decoder_linears"
     pool: float = 0.25  # exact-target GradProbe: probe (1 + pool) x target candidates
@@ -307,9 +307,10 @@ class PruneConfig(Section):
     owl_lambda: float = 0.08  # OWL: block sparsities span target +- lambda
     owl_m: float = 5.0  # OWL: an outlier is a Wanda score above m x its block's mean
     # decision=reconstruct: masked-Adam epochs over the calibration set per block (0: SparseGPT's
-    # rule streamed block by block, no fit); 2 with lr 1e-4 is the measured setting (notes/pruning.md)
-    recon_steps: int = 2
-    recon_lr: float = 1e-4  # decision=reconstruct: the fit's Adam step size
+    # rule streamed block by block, no fit). 1 epoch at lr 1e-3 was chosen on the calibration holdout
+    # (notes/pruning.md: better than 2 at 1e-4, and within 2x SparseGPT's time; each epoch ~0.6x of it)
+    recon_steps: int = 1
+    recon_lr: float = 1e-3  # decision=reconstruct: the fit's Adam step size
 
     @property
     def enabled(self) -> bool:
@@ -378,6 +379,13 @@ def is_given(cfg: RunConfig, key: str) -> bool:
     replaced silently)."""
     given = getattr(cfg, "given_keys", None)
     return True if given is None else key in given
+
+
+def given_in(cfg: RunConfig, section: str) -> frozenset[str] | None:
+    """The keys of `section` the user wrote, without the section's name; None where `load_config`
+    recorded nothing (a RunConfig built in code, or copied by `dataclasses.replace`)."""
+    given = getattr(cfg, "given_keys", None)
+    return None if given is None else frozenset(k.removeprefix(section + ".") for k in given if k.startswith(section + "."))
 
 
 # The learning rates used when `optim.lr` is not given, by what is trained: the values the

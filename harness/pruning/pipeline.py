@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from harness.config import PruneConfig, check_original, is_original, is_reconstruct, resolve_prune
+from harness.config import PruneConfig, check_original, check_reconstruct_keys, is_original, is_reconstruct, resolve_prune
 from harness.distributed import Collectives
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
 from harness.pruning.experimental import owl_sparsities
@@ -117,6 +117,7 @@ def run_pruning(
     method = method_of(cfg)  # ValueError for `none`
     if cfg.decision == "original":
         check_original(cfg)
+    check_reconstruct_keys(cfg)  # before the mode's defaults fill the config: a key set for another decision
     cfg, filled = resolve_prune(cfg)
     comm = comm or Collectives()
     comm.barrier()

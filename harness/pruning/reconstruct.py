@@ -44,8 +44,8 @@ Inputs = list[tuple[torch.Tensor, dict[str, Any]]]  # per calibration micro-batc
 
 @dataclass(frozen=True)
 class ReconSettings:
-    steps: int = 2  # Adam epochs over the calibration set per block (0: SparseGPT streamed block by block)
-    lr: float = 1e-4  # Adam's step size on the block's surviving weights
+    steps: int = 1  # Adam epochs over the calibration set per block (0: SparseGPT streamed block by block)
+    lr: float = 1e-3  # Adam's step size on the block's surviving weights
     dense_targets: bool = False  # Y from the dense model's own inputs (corrects the error of the blocks below too)
 
 

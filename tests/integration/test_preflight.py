@@ -191,11 +191,16 @@ CASES = [
         ["prune.method=gradprobe", "prune.decision=original", "prune.pattern=2:4"],
         "use prune.decision=rank for N:M",
     ),
-    ("prune_rank_without_exact_target", {}, ["prune.method=gradprobe", "prune.exact_target=false"], "the undershooting veto"),
+    (
+        "prune_rank_without_exact_target",
+        {},
+        ["prune.method=gradprobe", "prune.decision=veto", "prune.exact_target=false"],
+        "the undershooting veto",
+    ),
     (
         "prune_global_sequential_rank",
         {},
-        ["prune.method=gradprobe", "prune.base=magnitude", "prune.scope=global", "prune.sequential=true"],
+        ["prune.method=gradprobe", "prune.decision=veto", "prune.base=magnitude", "prune.scope=global", "prune.sequential=true"],
         "needs every matrix probed before any is pruned",
     ),
 ]

@@ -114,8 +114,8 @@ def train_with_pruning(cache: Path, out: Path, world: int, strategy: str, prune:
 
 WORLD_CASES = {
     # GradProbe (Wanda candidates, unstructured) under FSDP2; GradProbe 2:4 under ZeRO-3.
-    "fsdp": {"method": "gradprobe", "base": "wanda"},
-    "zero3": {"method": "gradprobe", "base": "magnitude", "pattern": "2:4"},
+    "fsdp": {"method": "gradprobe", "base": "wanda", "decision": "veto"},
+    "zero3": {"method": "gradprobe", "base": "magnitude", "decision": "veto", "pattern": "2:4"},
     # GradProbe's reconstruct mode (block-streamed masks, block fitted by gradient steps) under FSDP2
     "fsdp-reconstruct": {"method": "gradprobe", "decision": "reconstruct", "recon_steps": 1},
 }
@@ -217,7 +217,7 @@ def test_prune_command_rejects_bad_input(tmp_path: Path, cache: Path, monkeypatc
         "prune.calib_samples=2": "cannot fill one probe step",
         "prune.decision=original": "prune.decision=original is GradProbe's rule",
         ("prune.method=gradprobe", "prune.decision=original", "prune.group_size=2"): "prune.group_size=2 with prune.decision=original",
-        ("prune.method=gradprobe", "prune.exact_target=false"): "the undershooting veto",
+        ("prune.method=gradprobe", "prune.decision=veto", "prune.exact_target=false"): "the undershooting veto",
     }
     for override, message in cases.items():
         if isinstance(override, tuple):

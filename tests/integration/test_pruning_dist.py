@@ -25,13 +25,13 @@ from launching import finish, run_rank, start
 from harness.config import PruneConfig
 from harness.config.prune_modes import resolve_prune
 
-GP_WANDA = PruneConfig(method="gradprobe", base="wanda", sparsity=0.5, group_size=1)
+GP_WANDA = PruneConfig(method="gradprobe", base="wanda", decision="veto", sparsity=0.5, group_size=1)
 RUNS = {
     "fsdp": {
         "gp_wanda": GP_WANDA,
-        "gp_24": PruneConfig(method="gradprobe", base="magnitude", pattern="2:4", sparsity=0.5, group_size=2),
-        "gp_original": PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, exact_target=False, group_size=1),
-        "gp_gblm": PruneConfig(method="gradprobe", base="gblm", sparsity=0.5, group_size=1),
+        "gp_24": PruneConfig(method="gradprobe", base="magnitude", decision="veto", pattern="2:4", sparsity=0.5, group_size=2),
+        "gp_original": PruneConfig(method="gradprobe", base="magnitude", decision="veto", sparsity=0.5, exact_target=False, group_size=1),
+        "gp_gblm": PruneConfig(method="gradprobe", base="gblm", decision="veto", sparsity=0.5, group_size=1),
         # the original GradProbe (candidates from one global threshold, then one matrix at a time, each
         # applied before the next is probed, fp32 statistics) and its Wanda-base variant
         "gp_decision_original": PruneConfig(method="gradprobe", base="magnitude", decision="original", sparsity=0.5),
@@ -45,7 +45,7 @@ RUNS = {
         "sparsegpt": PruneConfig(method="sparsegpt", sparsity=0.5, group_size=2),
         "magnitude_global": PruneConfig(method="magnitude", sparsity=0.4, scope="global"),
         "gp_ria_veto": PruneConfig(method="gradprobe", base="ria", decision="veto", sparsity=0.5, group_size=1),
-        "gp_taylor": PruneConfig(method="gradprobe", base="taylor", sparsity=0.5, group_size=2),
+        "gp_taylor": PruneConfig(method="gradprobe", base="taylor", decision="veto", sparsity=0.5, group_size=2),
         "gp_reconstruct_24": PruneConfig(
             method="gradprobe", decision="reconstruct", pattern="2:4", sparsity=0.5, recon_steps=2, recon_lr=1e-3
         ),

@@ -95,10 +95,10 @@ ORIGINAL = ["prune.method=gradprobe", "prune.decision=original"]
         ([*ORIGINAL, "prune.stat_dtype=fp16"], "prune.stat_dtype=fp16 with prune.decision=original"),
         ([*ORIGINAL, "prune.base=wanda", "prune.scope=global"], "wanda compares weights within an output row"),
         (["prune.method=wanda", "prune.decision=original"], "prune.decision=original is GradProbe's rule"),
-        (["prune.method=gradprobe", "prune.exact_target=false"], "the undershooting veto"),
+        (["prune.method=gradprobe", "prune.decision=veto", "prune.exact_target=false"], "the undershooting veto"),
         (["prune.method=gradprobe", "prune.decision=veto", "prune.exact_target=false"], "veto prunes exactly the target"),
         (
-            ["prune.method=gradprobe", "prune.base=magnitude", "prune.scope=global", "prune.sequential=true"],
+            ["prune.method=gradprobe", "prune.decision=veto", "prune.base=magnitude", "prune.scope=global", "prune.sequential=true"],
             "needs every matrix probed before any is pruned",
         ),
         (["prune.method=wanda", "prune.scope=global"], "wanda compares weights within an output row"),
@@ -127,13 +127,85 @@ def test_prune_mode_contradictions_are_refused_before_launch(overrides, message)
             "prune.group_size=1",
         ],
         [*ORIGINAL, "prune.base=wanda", "prune.scope=per_matrix"],
-        ["prune.method=gradprobe", "prune.stat_dtype=fp32"],
-        ["prune.method=gradprobe", "prune.base=magnitude", "prune.scope=global"],
-        ["prune.method=gradprobe", "prune.sequential=true"],
+        ["prune.method=gradprobe", "prune.decision=veto", "prune.stat_dtype=fp32"],
+        ["prune.method=gradprobe", "prune.decision=veto", "prune.base=magnitude", "prune.scope=global"],
+        ["prune.method=gradprobe", "prune.decision=veto", "prune.sequential=true"],
     ],
 )
 def test_prune_modes_accepted(overrides):
     check_run(load_config(None, overrides), load_strategy("ddp"), 1, False)
+
+
+GRADPROBE = ["prune.method=gradprobe"]
+RECONSTRUCT_BY_DEFAULT = "prune.decision=reconstruct (the default) chooses its masks by SparseGPT's rule one decoder block at a time"
+OTHER_DECISIONS = "read by prune.decision=veto/rank/saliency/original only"
+
+
+def test_gradprobe_decides_by_reconstruct_unless_told():
+    assert load_config(None, GRADPROBE).prune.decision == "reconstruct"
+    check_run(load_config(None, GRADPROBE), load_strategy("ddp"), 1, False)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [*GRADPROBE, "prune.base=magnitude"],
+            f"prune.base=magnitude is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}: set prune.decision=veto "
+            "(GradProbe's first default) to use it, or unset prune.base",
+        ),
+        # written at its default value: the user still meant the veto, the default when the key was written
+        ([*GRADPROBE, "prune.base=wanda"], f"prune.base=wanda is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}"),
+        (
+            [*GRADPROBE, "prune.pool=0.5", "prune.threshold=0.2"],
+            f"prune.pool=0.5, prune.threshold=0.2 are {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}: set prune.decision=veto "
+            "(GradProbe's first default) to use them, or unset prune.pool, prune.threshold",
+        ),
+        ([*GRADPROBE, "prune.group_size=2"], f"prune.group_size=2 is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}"),
+        ([*GRADPROBE, "prune.stat_dtype=fp32"], f"prune.stat_dtype=fp32 is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}"),
+        (
+            [*GRADPROBE, "prune.decision=reconstruct", "prune.reduction=0.9"],
+            f"prune.reduction=0.9 is {OTHER_DECISIONS}; prune.decision=reconstruct chooses its masks by SparseGPT's rule",
+        ),
+        (
+            [*GRADPROBE, "prune.scope=global"],
+            "prune.decision=reconstruct (the default) prunes one decoder block after another, each on the pruned blocks' "
+            "outputs, per block of columns or N:M: unset prune.scope and prune.sequential (or set prune.decision=veto",
+        ),
+        ([*GRADPROBE, "prune.exact_target=false"], "prune.exact_target=false with prune.decision=reconstruct"),
+    ],
+)
+def test_keys_only_the_other_decisions_read_are_refused_under_reconstruct(overrides, message):
+    """A config that sets GradProbe's veto keys and no decision meant the veto, the default when it was
+    written; reconstruct would ignore them. One line from check_run."""
+    with pytest.raises(ConfigError) as err:
+        check_run(load_config(None, overrides), load_strategy("ddp"), 1, False)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # a saved full config: every key written, at its default, beside the decision written out
+        [*GRADPROBE, "prune.decision=reconstruct", "prune.base=wanda", "prune.pool=0.25", "prune.group_size=0", "prune.threshold=0.0"],
+        [*GRADPROBE, "prune.decision=veto", "prune.base=magnitude", "prune.pool=0.5", "prune.group_size=2", "prune.stat_dtype=fp32"],
+        ["prune.method=wanda", "prune.group_size=2"],  # not GradProbe: its own grouping
+    ],
+)
+def test_keys_the_decision_reads_are_accepted(overrides):
+    check_run(load_config(None, overrides), load_strategy("ddp"), 1, False)
+
+
+def test_a_config_built_in_code_is_refused_by_the_values_it_changes():
+    """Nothing says which keys code wrote: a value other than the schema's default counts."""
+    from harness.config import PruneConfig, check_reconstruct_keys
+
+    with pytest.raises(ConfigError) as err:
+        check_reconstruct_keys(PruneConfig(method="gradprobe", base="magnitude"))
+    assert str(err.value).startswith(f"prune.base=magnitude is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}")
+    check_reconstruct_keys(PruneConfig(method="gradprobe", base="wanda", pool=0.25))
+    check_reconstruct_keys(PruneConfig(method="gradprobe", decision="veto", base="magnitude"))
 
 
 @pytest.mark.parametrize(
@@ -175,3 +247,15 @@ def test_a_switch_given_off_explicitly_keeps_its_sections_keys():
     """`lora.enabled: false` in a file that keeps its LoRA settings: the user turned it off."""
     assert load_config(None, ["lora.enabled=false", "lora.r=4"]).lora.r == 4
     assert load_config(None, ["prune.method=none", "prune.sparsity=0.3"]).prune.sparsity == 0.3
+
+
+def test_the_prune_command_refuses_a_veto_key_written_at_its_default(tmp_path):
+    """`python -m harness.prune` copies the config before its pre-flight (which then knows no written
+    keys): the refusal runs on the config as written. Milliseconds: no model is read."""
+    from harness.prune import command_config
+
+    out = f"output_dir={tmp_path / 'out'}"
+    with pytest.raises(ConfigError) as err:
+        command_config(None, [*GRADPROBE, "prune.base=wanda", out])
+    assert str(err.value).startswith(f"prune.base=wanda is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}")
+    assert command_config(None, [*GRADPROBE, "prune.decision=veto", "prune.base=wanda", out]).prune.decision == "veto"

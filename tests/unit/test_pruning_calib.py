@@ -27,7 +27,9 @@ def calib() -> list[torch.Tensor]:
 def probe(group_size: int, targets: str = "decoder_linears", sequential: bool = False):
     """The run's report, with the G0 it computed as `.g0` (recorded: `recording_g0`)."""
     model = build_model("tiny-llama")
-    cfg = PruneConfig(method="gradprobe", base="wanda", sparsity=0.5, group_size=group_size, targets=targets, sequential=sequential)
+    cfg = PruneConfig(
+        method="gradprobe", base="wanda", decision="veto", sparsity=0.5, group_size=group_size, targets=targets, sequential=sequential
+    )
     with recording_g0() as g0:
         report = run_pruning(model, calib(), cfg, lm_loss)
     report.g0 = g0
@@ -146,7 +148,7 @@ def test_masks_chosen_then_weights_restored_leave_the_model_untouched() -> None:
     """What measurements that only want the masks do (snapshot, prune, restore): same masks as
     the applied run, every weight back bit for bit."""
     applied, dry = build_model("tiny-llama"), build_model("tiny-llama")
-    cfg = PruneConfig(method="gradprobe", sparsity=0.5, group_size=2)
+    cfg = PruneConfig(method="gradprobe", decision="veto", sparsity=0.5, group_size=2)
     a = run_pruning(applied, calib(), cfg, lm_loss)
     views = build_views(dry, cfg.targets, Collectives())
     dense = snapshot_views(views)

@@ -39,7 +39,7 @@ def train(model: nn.Module, steps: int, enforcer: MaskEnforcer | None) -> None:
 
 def pruned_model() -> tuple[nn.Module, MaskSet]:
     model = build_model("tiny-llama")
-    report = run_pruning(model, batches(1), PruneConfig(method="gradprobe", sparsity=0.5, group_size=0), lm_loss)
+    report = run_pruning(model, batches(1), PruneConfig(method="gradprobe", decision="veto", sparsity=0.5, group_size=0), lm_loss)
     return model, report.masks
 
 
@@ -105,7 +105,7 @@ def test_schedule_stops_at_the_limit_and_rolls_back_exactly() -> None:
         states.append([lin.weight.detach().clone() for lin in linears(m)])
         return 1.0 + sum(int((lin.weight == 0).sum()) for lin in linears(m)) / total
 
-    cfg = PruneConfig(method="gradprobe", base="magnitude", group_size=0)
+    cfg = PruneConfig(method="gradprobe", base="magnitude", decision="veto", group_size=0)
     report = run_schedule(model, batches(2), cfg, lm_loss, metric, targets=[0.2, 0.4, 0.6, 0.8], max_increase=0.5)
     assert [round(r[0], 2) for r in report.rounds] == [0.2, 0.4, 0.6]
     assert report.stopped_at == 0.6

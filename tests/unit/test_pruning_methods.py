@@ -122,7 +122,9 @@ def hand_g(w: list[float]) -> list[float]:
 @pytest.mark.parametrize("threshold", [0.0, 0.6])
 def test_gradprobe_original_mode_hand_case(threshold: float) -> None:
     toy = Toy(PROBE_W)
-    cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, reduction=0.5, threshold=threshold, exact_target=False)
+    cfg = PruneConfig(
+        method="gradprobe", base="magnitude", decision="veto", sparsity=0.5, reduction=0.5, threshold=threshold, exact_target=False
+    )
     report = run_pruning(toy, PROBE_BATCHES, cfg, probe_loss)
     w = PROBE_W[0]
     candidates = [0, 1]  # the two smallest |w|
@@ -163,11 +165,11 @@ METHODS = [
     ("magnitude", {}),
     ("wanda", {}),
     ("sparsegpt", {}),
-    ("gradprobe", {"base": "wanda"}),
-    ("gradprobe", {"base": "magnitude"}),
-    ("gradprobe", {"base": "ria"}),
+    ("gradprobe", {"base": "wanda", "decision": "veto"}),
+    ("gradprobe", {"base": "magnitude", "decision": "veto"}),
+    ("gradprobe", {"base": "ria", "decision": "veto"}),
     ("gradprobe", {"base": "gblm", "decision": "veto"}),
-    ("gradprobe", {"base": "taylor"}),
+    ("gradprobe", {"base": "taylor", "decision": "veto"}),
 ]
 
 
@@ -212,7 +214,7 @@ def test_two_four_validity(method: str, extra: dict) -> None:
 def test_gradprobe_original_mode_undershoots_and_stays_within_candidates() -> None:
     dense = build_model("tiny-llama")
     model = build_model("tiny-llama")
-    cfg = PruneConfig(method="gradprobe", base="magnitude", sparsity=0.5, exact_target=False, group_size=0)
+    cfg = PruneConfig(method="gradprobe", base="magnitude", decision="veto", sparsity=0.5, exact_target=False, group_size=0)
     report = run_pruning(model, calib(), cfg, lm_loss)
     mag = build_model("tiny-llama")
     run_pruning(mag, [], PruneConfig(method="magnitude", sparsity=0.5), lm_loss)
@@ -229,7 +231,7 @@ def test_gradprobe_original_mode_undershoots_and_stays_within_candidates() -> No
 def test_refusals_are_explicit() -> None:
     model = build_model("tiny-llama")
     with pytest.raises(ValueError, match="exact_target"):
-        run_pruning(model, calib(), PruneConfig(method="gradprobe", pattern="2:4", exact_target=False), lm_loss)
+        run_pruning(model, calib(), PruneConfig(method="gradprobe", decision="veto", pattern="2:4", exact_target=False), lm_loss)
     with pytest.raises(ValueError, match="sparsity"):
         run_pruning(model, calib(), PruneConfig(method="magnitude", pattern="2:4", sparsity=0.6), lm_loss)
     with pytest.raises(ValueError, match="row"):
@@ -256,7 +258,7 @@ def lowest(scores: list[float], k: int) -> set[tuple[int, int]]:
 
 def test_taylor_base_is_weight_times_gradient_rms() -> None:
     toy = Toy(PROBE_W)
-    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="taylor", sparsity=0.5, pool=0.0), probe_loss)
+    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="taylor", decision="veto", sparsity=0.5, pool=0.0), probe_loss)
     w = PROBE_W[0]
     g = probe_grads(w)  # [[-1,0,0,0], [0,2,2,0]]
     scores = [abs(w[j]) * math.sqrt(sum(step[j] ** 2 for step in g)) for j in range(4)]  # [1, 4, 6, 0]
@@ -266,7 +268,7 @@ def test_taylor_base_is_weight_times_gradient_rms() -> None:
 
 def test_gblm_base_adds_the_rescaled_gradient_term_to_wanda() -> None:
     toy = Toy(PROBE_W)
-    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="gblm", sparsity=0.25, pool=0.0), probe_loss)
+    run_pruning(toy, PROBE_BATCHES, PruneConfig(method="gradprobe", base="gblm", decision="veto", sparsity=0.25, pool=0.0), probe_loss)
     w = PROBE_W[0]
     g = probe_grads(w)
     norms = [math.sqrt(sum(x[0, j].item() ** 2 for x, _ in PROBE_BATCHES)) for j in range(4)]  # [1, 1, 1, 0]
@@ -281,7 +283,9 @@ def test_gblm_base_adds_the_rescaled_gradient_term_to_wanda() -> None:
 def test_ria_hand_case() -> None:
     toy = Toy(W)
     x = torch.tensor([[[1.0, 0.0, 0.0, 2.0], [1.0, 0.0, 1.0, 0.0]]])  # ||X_j|| = [sqrt2, 0, 1, 2]
-    run_pruning(toy, [(x, torch.zeros(1, 2, 2))], PruneConfig(method="gradprobe", base="ria", sparsity=0.5, pool=0.0), probe_loss)
+    run_pruning(
+        toy, [(x, torch.zeros(1, 2, 2))], PruneConfig(method="gradprobe", base="ria", decision="veto", sparsity=0.5, pool=0.0), probe_loss
+    )
     a = [[abs(v) for v in row] for row in W]
     rows = [sum(r) for r in a]
     cols = [sum(a[i][j] for i in range(2)) for j in range(4)]

@@ -145,6 +145,6 @@ def test_mode_defaults_fill_only_unset_keys() -> None:
         )
     )
     assert filled == [] and explicit.stat_dtype == "fp32"
-    rank, _ = resolve_prune(PruneConfig(method="gradprobe"))  # today's defaults, unchanged
+    rank, _ = resolve_prune(PruneConfig(method="gradprobe", decision="veto"))  # the veto's defaults, unchanged
     assert (rank.scope, rank.stat_dtype, rank.exact_target, rank.sequential, rank.group_size) == ("per_matrix", "bf16", True, False, 0)
     assert resolve_prune(PruneConfig(method="sparsegpt"))[0].sequential is True

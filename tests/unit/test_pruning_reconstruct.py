@@ -103,3 +103,23 @@ def test_settings_the_mode_cannot_honour_are_refused(bad: dict) -> None:
 
     with pytest.raises(ConfigError, match="prune.decision=reconstruct"):
         check_prune_mode(cfg(**bad))
+
+
+def test_run_pruning_refuses_a_key_only_the_other_decisions_read_before_any_pass() -> None:
+    """A library caller's `PruneConfig(method="gradprobe", pool=0.0)` meant the veto when the veto was
+    the default: refused before the model is touched, not pruned by reconstruct ignoring `pool`."""
+    from harness.errors import ConfigError
+
+    model = build_model("tiny-llama")
+    dense = [p.detach().clone() for p in model.parameters()]
+    calls: list[int] = []
+
+    def counting_loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        calls.append(0)
+        return lm_loss(m, batch)
+
+    with pytest.raises(
+        ConfigError, match=r"prune.pool=0.0 is read by prune.decision=veto/rank/saliency/original only; .*unset prune.pool$"
+    ):
+        run_pruning(model, calib(), PruneConfig(method="gradprobe", sparsity=0.5, pool=0.0), counting_loss)
+    assert calls == [] and all(torch.equal(p, q) for p, q in zip(model.parameters(), dense))
