@@ -105,6 +105,11 @@ def check_prune_mode(p: PruneConfig, given: Collection[str] | None = None) -> No
             "per block of columns or N:M: unset prune.scope and prune.sequential (or set prune.decision=veto, "
             "GradProbe's first default); prune.recon_steps >= 0, prune.recon_lr > 0"
         )
+    if is_reconstruct(p) and p.targets != "decoder_linears":
+        raise ConfigError(
+            f"prune.targets={p.targets} with {_reconstruct_named(given)}: it fits one decoder block at a time, "
+            "so it prunes decoder-block Linears only; unset prune.targets, or set prune.decision=veto"
+        )
     by_row = row_score(p)
     if by_row is not None and p.scope == "global":
         raise ConfigError(

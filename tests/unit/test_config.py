@@ -173,6 +173,10 @@ def test_gradprobe_decides_by_reconstruct_unless_told():
             "outputs, per block of columns or N:M: unset prune.scope and prune.sequential (or set prune.decision=veto",
         ),
         ([*GRADPROBE, "prune.exact_target=false"], "prune.exact_target=false with prune.decision=reconstruct"),
+        (
+            [*GRADPROBE, "prune.targets=all_linears"],
+            "prune.targets=all_linears with prune.decision=reconstruct (the default): it fits one decoder block at a time",
+        ),
     ],
 )
 def test_keys_only_the_other_decisions_read_are_refused_under_reconstruct(overrides, message):
