@@ -30,7 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -112,11 +114,12 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def worker(model: str, rounds: int, block: int, out_json: Path, overrides: list[str]) -> None:
+def run_sides(model: str, steps: int, block: int, overrides: list[str], measure: Callable[[Any, HandLoop, Any], dict]) -> dict:
+    """In this rank (under torchrun): harness's trainer and the hand loop on the same run config
+    and data, both warmed up by one block of steps, then `measure(trainer, hand, info)`; its dict."""
     from harness.config import load_config, load_strategy
     from harness.runner import build_run, preflight, run_command
 
-    steps = (rounds + 1) * block
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "run.yaml"
         config.write_text(yaml.safe_dump(run_config(model, Path(tmp) / "out", steps, overrides)))
@@ -129,20 +132,28 @@ def worker(model: str, rounds: int, block: int, out_json: Path, overrides: list[
         def body(cfg, plan, info) -> None:
             trainer, _ = build_run(cfg, plan, info)
             hand = HandLoop(cfg, trainer.data, info.rank, info.world_size)
-            trainer.train(0, block)  # warm-up, both sides
+            trainer.train(0, block)  # warm-up, both sides (and the memory split's steps 0, 1)
             for s in range(block):
                 hand.step(s)
-            h_times, b_times = [], []
-            for r in range(1, rounds + 1):
-                first = r * block
-                h_times.append(timed(lambda: trainer.train(first, first + block)) / block)
-                b_times.append(timed(lambda: [hand.step(s) for s in range(first, first + block)]) / block)
+            result.update(measure(trainer, hand, info))
             trainer.close()
-            result.update(harness_s=h_times, hand_s=b_times)
 
         code = run_command("bench", load, body)
     if code != 0:
         raise SystemExit(code)
+    return result
+
+
+def worker(model: str, rounds: int, block: int, out_json: Path, overrides: list[str]) -> None:
+    def measure(trainer, hand: HandLoop, _info) -> dict:
+        h_times, b_times = [], []
+        for r in range(1, rounds + 1):
+            first = r * block
+            h_times.append(timed(lambda: trainer.train(first, first + block)) / block)
+            b_times.append(timed(lambda: [hand.step(s) for s in range(first, first + block)]) / block)
+        return {"harness_s": h_times, "hand_s": b_times}
+
+    result = run_sides(model, (rounds + 1) * block, block, overrides, measure)
     if int(os.environ.get("RANK", "0")) == 0:
         out_json.write_text(json.dumps(result))
 

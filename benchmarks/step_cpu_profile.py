@@ -37,11 +37,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fsdp_loop_ratio import HandLoop, run_config
+from fsdp_loop_ratio import HandLoop, run_sides
 
 
 def cpu_block(fn: Callable[[], None], steps: int) -> tuple[float, float]:
@@ -85,46 +84,23 @@ def py_table(fn: Callable[[], None], steps: int, dump: Path | None) -> dict[str,
 
 
 def worker(model: str, rounds: int, block: int, out_dir: Path, overrides: list[str]) -> None:
-    from harness.config import load_config, load_strategy
-    from harness.runner import build_run, preflight, run_command
+    def measure(trainer, hand: HandLoop, info) -> dict:
+        def sides(first: int) -> dict[str, Callable[[], None]]:
+            return {
+                "harness": lambda: trainer.train(first, first + block),
+                "loop": lambda: [hand.step(s) for s in range(first, first + block)],
+            }
 
-    steps = (rounds + 3) * block
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "run.yaml"
-        config.write_text(yaml.safe_dump(run_config(model, Path(tmp) / "out", steps, overrides)))
-        result: dict = {}
+        cpu: dict[str, list[tuple[float, float]]] = {"harness": [], "loop": []}
+        for r in range(1, rounds + 1):
+            for side, fn in sides(r * block).items():
+                cpu[side].append(cpu_block(fn, block))
+        first = (rounds + 1) * block
+        ops = {side: op_table(fn, block) for side, fn in sides(first).items()}
+        py = {side: py_table(fn, block, out_dir / f"rank{info.rank}_{side}.pstats") for side, fn in sides(first + block).items()}
+        return {"rank": info.rank, "cpu": cpu, "ops": ops, "py": py}
 
-        def load():
-            cfg = load_config(str(config), [])
-            return cfg, preflight(cfg, load_strategy(cfg.strategy))
-
-        def body(cfg, plan, info) -> None:
-            trainer, _ = build_run(cfg, plan, info)
-            hand = HandLoop(cfg, trainer.data, info.rank, info.world_size)
-            trainer.train(0, block)  # warm-up, both sides (and the memory split's steps 0, 1)
-            for s in range(block):
-                hand.step(s)
-
-            def sides(first: int) -> dict[str, Callable[[], None]]:
-                return {
-                    "harness": lambda: trainer.train(first, first + block),
-                    "loop": lambda: [hand.step(s) for s in range(first, first + block)],
-                }
-
-            cpu: dict[str, list[tuple[float, float]]] = {"harness": [], "loop": []}
-            for r in range(1, rounds + 1):
-                for side, fn in sides(r * block).items():
-                    cpu[side].append(cpu_block(fn, block))
-            first = (rounds + 1) * block
-            ops = {side: op_table(fn, block) for side, fn in sides(first).items()}
-            rank = info.rank
-            py = {side: py_table(fn, block, out_dir / f"rank{rank}_{side}.pstats") for side, fn in sides(first + block).items()}
-            trainer.close()
-            result.update(rank=info.rank, cpu=cpu, ops=ops, py=py)
-
-        code = run_command("bench", load, body)
-    if code != 0:
-        raise SystemExit(code)
+    result = run_sides(model, (rounds + 3) * block, block, overrides, measure)
     (out_dir / f"rank{int(os.environ.get('RANK', '0'))}.json").write_text(json.dumps(result))
 
 
