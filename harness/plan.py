@@ -33,18 +33,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from harness.config import Strategy, StrategyFacts, load_config, load_strategy, read_config_file, shipped_equivalent
 from harness.errors import EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, EXIT_PLAN_NOTHING_FITS, ConfigError, command_errors
 from harness.planner import PlanError
+from harness.planner.candidates import Candidate, most_frugal, with_candidate
 from harness.planner.estimate import estimate, resolve_vocab
 from harness.planner.ladder import CPU_ADAM_PARAMS_PER_S, PCIE_BYTES_PER_S, first_fit, format_ladder, offload_seconds, walk_ladder
 from harness.planner.long_context import SEQ_STEP, format_search, max_seq_len
-from harness.planner.recommend import (
-    Candidate,
-    evaluate_lora,
-    most_frugal,
-    recommend,
-    recommended_config,
-    with_candidate,
-    write_recommended,
-)
+from harness.planner.recommend import evaluate_lora, recommend, recommended_config, write_recommended
 from harness.planner.report import format_estimate, gib, gpu_allowance, parse_size, verdict
 from harness.planner.trace import build_fake_model, param_info
 
@@ -61,7 +54,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--fastest",
         action="store_true",
-        help="with --recommend: search precision x checkpointing x micro-batch x strategy x offload for the fastest config that fits",
+        help="with --recommend: search precision x AC x micro-batch x strategy x offload x sequence split for the fastest config that fits",
     )
     parser.add_argument(
         "--cpu-adam-rate",

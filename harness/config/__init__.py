@@ -10,7 +10,14 @@ and the run config leaves to defaults), `accelerate_table` (the verdict on each
 `accelerate launch` flag and config-file key), `accelerate_launch` (the reading of its variables), `checks` (every rule on a config)."""
 
 from harness.config.accelerate_launch import launcher_settings, wrap_class_problem
-from harness.config.checks import check_optimizer_in_backward, check_run, check_sequence_heads, check_strategy_against_run, check_values
+from harness.config.checks import (
+    check_optimizer_in_backward,
+    check_run,
+    check_sequence_heads,
+    check_sequence_parallel,
+    check_strategy_against_run,
+    check_values,
+)
 from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.drop_in import adopt_settings
 from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
@@ -109,6 +116,7 @@ __all__ = [
     "check_reconstruct_keys",
     "check_run",
     "check_sequence_heads",
+    "check_sequence_parallel",
     "check_strategy_against_run",
     "checkpoint_format",
     "check_values",

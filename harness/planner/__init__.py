@@ -6,7 +6,8 @@
   DeepSpeed ZeRO-1/2/3 buffers and offload - in formulas named after each engine buffer.
 - ``estimate``: the two combined into the worst rank's peak, by category, with its moment.
 - ``report``: the text the CLI prints, the GPU allowance and the per-dtype table.
-- ``recommend``: the fastest configuration that fits (the memory decision tree, walked by expected speed).
+- ``recommend``: the fastest configuration that fits (the memory decision tree, walked by expected speed);
+  ``candidates``: its search space (precision x AC x micro-batch x strategy x sequence split) and step-time factors.
 - ``ladder``: the memory ladder ``--recommend`` walks: one rung per technique, in memory order, the first that fits.
 - ``lora``: LoRA traced as its own model; QLoRA's quantized base in formulas over that trace.
 - ``measure``: the ground truth - real CPU steps measured with MemTracker - for tests.
@@ -15,7 +16,8 @@ The command line is ``python -m harness.plan`` (``harness/plan.py``).
 """
 
 from harness.planner.estimate import Estimate, Moment, estimate
-from harness.planner.ladder import MLP_TILE_TOKENS, sequence_degree
+from harness.planner.ladder import MLP_TILE_TOKENS
+from harness.planner.long_context import sequence_degree
 from harness.planner.recommend import Recommendation, recommend
 from harness.planner.report import format_estimate, parse_size, verdict
 from harness.planner.trace import PlanError

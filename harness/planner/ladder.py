@@ -21,7 +21,6 @@ is left out where nothing shards further); `{grad_clip}` is the user's own `opti
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -29,16 +28,15 @@ from harness.config import (
     RunConfig,
     Strategy,
     StrategyFacts,
-    check_sequence_heads,
     facts_of,
     load_config,
     load_strategy,
     more_sharding,
 )
 from harness.errors import ConfigError
-from harness.models import model_config
+from harness.planner.candidates import SPEED
 from harness.planner.estimate import Estimate, estimate
-from harness.planner.recommend import SPEED
+from harness.planner.long_context import sequence_degree
 from harness.planner.report import gib, gpu_allowance, verdict
 from harness.planner.trace import PlanError
 
@@ -138,31 +136,6 @@ def net(overrides: list[str]) -> list[str]:
         last.pop(key, None)
         last[key] = o
     return list(last.values())
-
-
-def sequence_degree(cfg: RunConfig, world: int, vocab_size: int | None = None) -> int:
-    """The sequence-parallel rung's degree: the largest N > 1 that divides the world and `data.seq_len`
-    and that pre-flight's check of the model's heads accepts (`check_sequence_heads`); 1 (no such rung)
-    when there is none, when the config already splits its sequences or packs instruction data
-    (refused under it), or when the model's shape cannot be read. Anything else the trainer refuses
-    with it (pruning, optimizer-in-backward in the user's config) the rung's row reports."""
-    if cfg.parallel.sequence > 1 or (cfg.data.format == "instruction" and cfg.data.packing):
-        return 1
-    try:
-        shape = model_config(cfg.model.name, vocab_size=vocab_size).to_dict()
-    except Exception:  # the first rung, the config as written, reports an unreadable model
-        return 1
-    for n in range(world, 1, -1):
-        if world % n or cfg.data.seq_len % n:
-            continue
-        trial = copy.deepcopy(cfg)
-        trial.parallel.sequence = n
-        try:
-            check_sequence_heads(trial, shape)
-        except ConfigError:
-            continue
-        return n
-    return 1
 
 
 def rung_overrides(
@@ -303,7 +276,7 @@ def format_ladder(
         offload = f"+{r.offload_s:.1f} s" if r.offload_s else ""
         lines.append(f"  {mark} {r.rung.name:<{width}} {device:>13} {host:>11} {time:>6} {offload:>9}  {r.reason}")
     lines.append(
-        "  time: expected step time relative to bf16/DDP/no recomputation (stated heuristics, harness.planner.recommend.SPEED); "
+        "  time: expected step time relative to bf16/DDP/no recomputation (stated heuristics, harness.planner.candidates.SPEED); "
         f"offload: the host's part of a step on its own, unoverlapped (CPU Adam at {cpu_adam_rate / 1e9:.2f}G params/s per "
         f"node, PCIe {PCIE_BYTES_PER_S / 1e9:.0f} GB/s: assumed, see notes/ladder.md)"
     )
@@ -322,6 +295,5 @@ __all__ = [
     "offload_seconds",
     "relative_time",
     "rung_overrides",
-    "sequence_degree",
     "walk_ladder",
 ]

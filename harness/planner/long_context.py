@@ -23,12 +23,39 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from harness.config import RunConfig
+from harness.config import RunConfig, check_sequence_heads
+from harness.errors import ConfigError
+from harness.models import model_config
 from harness.planner.estimate import Estimate, estimate
 from harness.planner.report import Verdict, gib, verdict
 
 SEQ_STEP = 256  # default granularity of the answer, in tokens
 SEQ_LIMIT = 1 << 24  # 16M tokens: the search's ceiling
+
+
+def sequence_degree(cfg: RunConfig, world: int, vocab_size: int | None = None) -> int:
+    """The sequence-parallel rung's degree: the largest N > 1 that divides the world and `data.seq_len`
+    and that pre-flight's check of the model's heads accepts (`check_sequence_heads`); 1 (no such rung)
+    when there is none, when the config already splits its sequences or packs instruction data
+    (refused under it), or when the model's shape cannot be read. Anything else the trainer refuses
+    with it (pruning, optimizer-in-backward in the user's config) the rung's row reports."""
+    if cfg.parallel.sequence > 1 or (cfg.data.format == "instruction" and cfg.data.packing):
+        return 1
+    try:
+        shape = model_config(cfg.model.name, vocab_size=vocab_size).to_dict()
+    except Exception:  # the first rung, the config as written, reports an unreadable model
+        return 1
+    for n in range(world, 1, -1):
+        if world % n or cfg.data.seq_len % n:
+            continue
+        trial = copy.deepcopy(cfg)
+        trial.parallel.sequence = n
+        try:
+            check_sequence_heads(trial, shape)
+        except ConfigError:
+            continue
+        return n
+    return 1
 
 
 @dataclass
@@ -165,4 +192,4 @@ def format_search(search: SeqSearch, gpu_mem: int, title: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Probe", "SEQ_STEP", "SeqSearch", "format_search", "max_seq_len"]
+__all__ = ["Probe", "SEQ_STEP", "SeqSearch", "format_search", "max_seq_len", "sequence_degree"]

@@ -5,14 +5,14 @@ with accumulation -> ZeRO/FSDP stages -> offload) is searched whole, but walked 
 *expected speed* rather than in the tree's fixed order: on several GPUs ZeRO-2 costs less
 than recomputing activations, so it is tried first. Every branch of the tree is a
 dimension here: precision x activation checkpointing x micro-batch (global batch kept by
-gradient accumulation) x strategy stage x offload.
+gradient accumulation) x strategy stage x offload x sequence parallelism. The last is the
+long-sequence branch: splitting each sample over N ranks (harness's Ulysses, torch engines
+only) divides the activations that grow with the sequence by about N for a few all-to-alls, so
+at long sequences it can beat recomputation; its degree is the user's own, or the largest the
+world, ``data.seq_len`` and the model's heads allow (`sequence_degree`).
 
-Expected speed is a product of stated relative step-time factors (``SPEED``; a strategy's is
-its resolved facts' `StrategyFacts.step_time`, harness.config.strategy_facts). They are
-heuristics from published measurements, not measured here (no GPU on the development
-machine): bf16 vs fp32 from the Peak Memory study (6.79 vs 2.52 samples/s), one extra
-forward of recomputation for full checkpointing, communication volume of each stage
-relative to DDP's all-reduce, PCIe traffic plus a CPU optimizer for offload.
+Expected speed and the candidates themselves (which combinations the trainer runs, with which
+accumulation) are `harness.planner.candidates`'.
 
 Candidates whose model state alone (no activations) cannot fit are rejected without a
 trace; the others are estimated (traces are cached and shared by every strategy that runs
@@ -27,8 +27,6 @@ speed over a full fine-tune that fits; the first that fits is named.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,80 +35,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import (
     RunConfig,
-    StrategyFacts,
     apply_overrides,
-    check_strategy_against_run,
-    check_values,
     facts_of,
     load_config,
     load_strategy,
     shipped_equivalent,
     shipped_facts,
-    shipped_names,
 )
-from harness.errors import ConfigError
+from harness.planner.candidates import SPEED, Candidate, accum_for, candidates, lora_candidates, most_frugal, with_candidate
 from harness.planner.estimate import Estimate, estimate, resolve_vocab, specs_for, walk
 from harness.planner.model_states import engine_model, fsdp_local_numel
 from harness.planner.report import CUDA_CONTEXT, FRAGMENTATION, LIBRARY_WORKSPACES, NCCL_BUFFERS, gib, verdict
 from harness.planner.trace import ParamInfo, TraceResult, build_fake_model, param_info
 from harness.training import DTYPE_BYTES
-
-# Relative step time (lower is faster); see the module docstring for where each comes from.
-SPEED: dict[str, dict[str, float]] = {
-    "precision": {"bf16": 1.0, "bf16_pure": 1.0, "fp16": 1.05, "fp32": 2.7},
-    "ac": {"none": 1.0, "op": 1.08, "selective": 1.15, "full": 1.33},
-}
-# The tree's last steps (LoRA, then QLoRA): taken only when no full fine-tune fits. NF4 costs a
-# dequantization per matmul (QLoRA paper: slower than 16-bit LoRA); an assumed factor.
-SPEED["lora"] = {"none": 1.0, "lora": 1.0, "nf4": 1.3}
-# Long-sequence knobs (stated, not measured here): the tiled MLP runs one more MLP forward (~2/3 of a
-# block's linear FLOPs, a forward being ~1/4 of a checkpointed step: +~15%, less where attention's
-# s^2 term dominates); checkpoint-input offload overlaps its copies on a side stream (accelerate
-# measured +0.6% on Qwen3-0.6B at 1M tokens); sequence parallelism (assumed, per step with the
-# global batch kept by accumulation: each rank computes the same tokens, plus four all-to-alls of
-# attention's q/k/v/output per block each way, on NVLink a small share of a block's time).
-SPEED["memory"] = {"tiled_mlp": 1.15, "offload_checkpoint_inputs": 1.01, "sequence_parallel": 1.05}
-LORA_STEPS = ("lora", "nf4")
-MICRO_BATCH_HALVING = 0.05  # each halving of the micro-batch: ~5% lower GPU efficiency
-
-
-@dataclass(frozen=True)
-class Candidate:
-    precision: str
-    ac: str
-    micro_batch: int
-    grad_accum: int
-    strategy: str
-    lora: str = "none"  # none (full fine-tune) | lora | nf4 (QLoRA)
-
-    def overrides(self) -> list[str]:
-        out = [
-            f"precision={self.precision}",
-            f"memory.activation_checkpointing={self.ac}",
-            f"micro_batch_size={self.micro_batch}",
-            f"grad_accum={self.grad_accum}",
-            f"strategy={self.strategy}",
-        ]
-        if self.ac == "selective":
-            out.append("memory.ac_every=2")
-        if self.lora != "none":
-            out += ["lora.enabled=true", f"lora.quantize={'nf4' if self.lora == 'nf4' else 'none'}"]
-        return out
-
-    def cost(self, base_micro: int) -> float:
-        halvings = math.log2(base_micro / self.micro_batch) if self.micro_batch < base_micro else 0.0
-        return (
-            SPEED["precision"][self.precision]
-            * SPEED["ac"][self.ac]
-            * shipped_facts(self.strategy).step_time
-            * SPEED["lora"][self.lora]
-            * (1 + MICRO_BATCH_HALVING * halvings)
-        )
-
-    def label(self) -> str:
-        ac = f"AC {self.ac}" if self.ac != "none" else "no AC"
-        tuned = {"none": "", "lora": ", LoRA (base frozen)", "nf4": ", QLoRA (NF4 base, bitsandbytes)"}
-        return f"{self.strategy}, {self.precision}, {ac}, micro-batch {self.micro_batch} x accum {self.grad_accum}{tuned[self.lora]}"
 
 
 @dataclass
@@ -132,44 +69,6 @@ class Recommendation:
     @property
     def best(self) -> Evaluated | None:
         return self.fits[0] if self.fits else None
-
-
-def strategies_for(world: int, nvme: bool, target: str) -> list[str]:
-    """The shipped strategies that mean something at this world size on this target, read from
-    their facts: NVMe offload only where there is NVMe; on one rank sharding alone gains nothing,
-    so DDP and DeepSpeed's offload (FSDP2's offload is searched from two ranks on)."""
-
-    def meaningful(facts: StrategyFacts) -> bool:
-        if "nvme" in (facts.offload_optimizer, facts.offload_params):
-            return nvme
-        return world > 1 or facts.kind == "ddp" or (facts.kind == "deepspeed" and facts.offloads_optimizer)
-
-    return [name for name in shipped_names() if meaningful(shipped_facts(name))]
-
-
-def runs_with(cfg: RunConfig, strategy_name: str, target: str) -> bool:
-    """Whether the run's optimizer and precision may run under this strategy (the config checks'
-    rule: DeepSpeed runs only its own optimizers, bitsandbytes cannot step FSDP2 shards, ...)."""
-    try:
-        check_strategy_against_run(load_strategy(strategy_name), cfg, has_accelerator=target == "cuda")
-    except ConfigError:
-        return False
-    return True
-
-
-def candidates(cfg: RunConfig, world: int, nvme: bool, target: str) -> list[Candidate]:
-    precisions = sorted({cfg.precision, "bf16"}, key=lambda p: SPEED["precision"][p])
-    acs = ["none", "op", "selective", "full"]
-    micro, accum = cfg.micro_batch_size, cfg.grad_accum
-    micros = sorted({micro} | {micro >> k for k in range(1, micro.bit_length()) if micro >> k >= 1}, reverse=True)
-    out = []
-    for p in precisions:
-        for ac in acs:
-            for m in micros:
-                new_accum = max(1, math.ceil(micro * accum / m))
-                for s in [s for s in strategies_for(world, nvme, target) if runs_with(cfg, s, target)]:
-                    out.append(Candidate(p, ac, m, new_accum, s))
-    return sorted(out, key=lambda c: c.cost(micro))
 
 
 def _model_state_floor(cfg: RunConfig, world: int, target: str, info: ParamInfo, vocab: int | None) -> int:
@@ -232,7 +131,7 @@ def recommend(
         results[c] = ev
         return ev
 
-    ordered = candidates(cfg, world, nvme, target)
+    ordered = candidates(cfg, world, nvme, target, vocab)
     for c in ordered:
         if len(fits) >= max_fits or traced >= max_traced:
             break
@@ -260,17 +159,6 @@ def recommend(
                 "micro-batch 1, everything offloaded): the adapters train, the base is frozen",
             )
     return rec
-
-
-def lora_candidates(cfg: RunConfig, world: int) -> list[Candidate]:
-    """LoRA then QLoRA; within each, the user's micro-batch without recomputation before the most frugal."""
-    out = []
-    for mode in LORA_STEPS:
-        for ac, micro in (("none", cfg.micro_batch_size), ("full", 1)):
-            accum = max(1, math.ceil(cfg.micro_batch_size * cfg.grad_accum / micro))
-            for strategy in ("ddp", "fsdp") if world > 1 else ("ddp",):
-                out.append(Candidate("bf16", ac, micro, accum, strategy, lora=mode))
-    return out
 
 
 def evaluate_lora(
@@ -312,14 +200,6 @@ def evaluate_lora(
     )
 
 
-def most_frugal(cfg: RunConfig, world: int, nvme: bool, target: str = "cuda") -> Candidate:
-    """bf16, full recomputation, micro-batch 1 (same global batch), everything offloaded: ZeRO-3's
-    offload, or where the run's optimizer cannot run under DeepSpeed, FSDP2's (then plain FSDP2, DDP)."""
-    corners = ["zero3_nvme" if nvme else "zero3_offload", "fsdp_offload" if target == "cuda" else "fsdp", "fsdp", "ddp"]
-    strategy = next((s for s in corners if runs_with(cfg, s, target)), "ddp")
-    return Candidate("bf16", "full", 1, max(1, cfg.micro_batch_size * cfg.grad_accum), strategy)
-
-
 def gpu_allowance_for(peak: int, world: int) -> int:
     """The report's GPU allowance for a bare number (used on lower bounds)."""
 
@@ -336,8 +216,15 @@ def explain(cfg: RunConfig, chosen: Candidate, evaluate: Any) -> list[str]:
         "ac": cfg.memory.activation_checkpointing,
         "micro_batch": cfg.micro_batch_size,
         "strategy": shipped_equivalent(own) or cfg.strategy or own.kind,
+        "sequence": cfg.parallel.sequence,
     }
-    names = {"precision": "precision", "ac": "activation checkpointing", "micro_batch": "micro-batch", "strategy": "strategy"}
+    names = {
+        "precision": "precision",
+        "ac": "activation checkpointing",
+        "micro_batch": "micro-batch",
+        "strategy": "strategy",
+        "sequence": "sequence split (ranks per sample)",
+    }
     reasons = []
     for dim, theirs in user.items():
         ours = getattr(chosen, dim)
@@ -345,12 +232,16 @@ def explain(cfg: RunConfig, chosen: Candidate, evaluate: Any) -> list[str]:
             continue
         if dim == "ac" and theirs not in SPEED["ac"]:
             continue
-        back = replace(chosen, **{dim: theirs})
-        if dim == "micro_batch":
-            back = replace(back, grad_accum=cfg.grad_accum)
         if dim == "strategy" and shipped_equivalent(own) is None:
             reasons.append(f"{names[dim]} {theirs} -> {ours}: a shipped strategy the planner can rank")
             continue
+        back = replace(chosen, **{dim: theirs})
+        if back.sequence > 1 and shipped_facts(back.strategy).kind == "deepspeed":  # harness's Ulysses: torch engines only
+            if dim == "sequence":
+                reasons.append(f"{names[dim]} {theirs} -> {ours}: {chosen.strategy} (DeepSpeed) runs whole sequences")
+                continue
+            back = replace(back, sequence=1)
+        back = replace(back, grad_accum=accum_for(cfg, back.micro_batch, back.sequence))
         ev = evaluate(back)
         if ev.fits:
             reasons.append(
@@ -360,24 +251,6 @@ def explain(cfg: RunConfig, chosen: Candidate, evaluate: Any) -> list[str]:
         else:
             reasons.append(f"{names[dim]} {theirs} -> {ours}: without this change {ev.reason}")
     return reasons
-
-
-def with_candidate(cfg: RunConfig, c: Candidate) -> RunConfig:
-    """``cfg`` with the candidate's five settings; every other setting kept."""
-    memory = dataclasses.replace(cfg.memory, activation_checkpointing=c.ac, ac_every=2 if c.ac == "selective" else cfg.memory.ac_every)
-    lora = cfg.lora if c.lora == "none" else dataclasses.replace(cfg.lora, enabled=True, quantize="nf4" if c.lora == "nf4" else "none")
-    run = dataclasses.replace(
-        cfg,
-        precision=c.precision,
-        micro_batch_size=c.micro_batch,
-        grad_accum=c.grad_accum,
-        strategy=c.strategy,
-        memory=memory,
-        global_batch_size=None,
-        lora=lora,
-    )
-    check_values(run)
-    return run
 
 
 def _param_info(cfg: RunConfig, vocab: int | None) -> ParamInfo:
@@ -400,18 +273,11 @@ def write_recommended(path: str, data: dict[str, Any], header: str) -> None:
 
 
 __all__ = [
-    "Candidate",
     "Evaluated",
-    "LORA_STEPS",
     "Recommendation",
-    "SPEED",
-    "candidates",
     "evaluate_lora",
-    "lora_candidates",
-    "most_frugal",
+    "explain",
     "recommend",
     "recommended_config",
-    "strategies_for",
-    "with_candidate",
     "write_recommended",
 ]

@@ -11,7 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import check_run, load_config, load_strategy
 from harness.planner.estimate import estimate
-from harness.planner.ladder import RUNGS, first_fit, offload_seconds, rung_overrides, sequence_degree, walk_ladder
+from harness.planner.ladder import RUNGS, first_fit, offload_seconds, rung_overrides, walk_ladder
+from harness.planner.long_context import sequence_degree
 from harness.planner.model_states import fsdp_local_numel
 from harness.planner.optimizer_model import EngineSpec, step_bytes_per_element
 from harness.planner.trace import build_fake_model, param_info

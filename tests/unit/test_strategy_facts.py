@@ -22,8 +22,9 @@ from harness.config import (
     shipped_facts,
     shipped_names,
 )
+from harness.planner.candidates import SPEED, Candidate
 from harness.planner.ladder import offload_seconds, relative_time, rung_overrides
-from harness.planner.recommend import SPEED, Candidate, explain
+from harness.planner.recommend import explain
 from harness.reliability import oom
 
 TINY = ["model.name=tiny-llama", "data.seq_len=64", "micro_batch_size=2"]
@@ -123,7 +124,7 @@ def test_launcher_flags_and_the_planners_search_name_shipped_strategies_by_their
     NVMe: those are laid on the stage's own file), and the planner's search is every shipped strategy
     that means something at the world size, so a new shipped file needs no list edited. Milliseconds."""
     from harness.config.strategies import strategy_from_launcher
-    from harness.planner.recommend import strategies_for
+    from harness.planner.candidates import strategies_for
 
     for name in shipped_names():
         facts = shipped_facts(name)
