@@ -3,6 +3,7 @@
     python benchmarks/long_context.py > table.md
     python benchmarks/long_context.py --seq-lens 8192 16384 --model small-llama --vocab-size 4096
     python benchmarks/long_context.py --sequence 2   # Ulysses: per-rank planned vs measured at world 2
+    python benchmarks/long_context.py --packed --seq-lens 4096 8192   # packed instruction rows, N=1 and 2
 
 First the MLP alone (hidden 64, intermediate 1024, seq 8192): its activation peak by harness's
 own per-category tracker (``StepMemoryTracker``) untiled and at 2 to 16 tiles. Then, for
@@ -20,6 +21,12 @@ trace). A CPU cannot show the device saving itself; notes/long_context.md says w
 FSDP2, with and without the tiled MLP: the largest per-rank peak of real steps (every rank fed its
 slice, `harness.planner.measure`) against the planner's estimate, beside one process's measured
 peak of the same whole sequence (the baseline, measured in the same run).
+
+``--packed``: instead, packed instruction rows (four examples a row, positions restarting:
+`harness.planner.measure.packed_rows`), whose attention mask is (B, 1, S, S): one process under
+DDP, and Ulysses at world 2 under DDP and FSDP2, measured against the planner, beside what the
+planner gives the same config with unpacked rows (what it traced for packed ones before it
+modelled the mask).
 """
 
 from __future__ import annotations
@@ -113,6 +120,29 @@ def sequence_table(args: argparse.Namespace, base: list[str]) -> None:
         )
 
 
+def packed_table(args: argparse.Namespace, base: list[str]) -> None:
+    packed = ["data.format=instruction", "data.source=x.jsonl", "data.packing=true"]
+    layouts = [(1, "ddp", []), (2, "ddp", ["parallel.sequence=2"]), (2, "fsdp", ["parallel.sequence=2"])]
+    runs: dict[int, list[list[str]]] = {1: [], 2: []}
+    for seq in args.seq_lens:
+        for world, engine, extra in layouts:
+            runs[world].append([*base, f"strategy={engine}", f"data.seq_len={seq}", *packed, *extra])
+    results = {w: launch(runs[w], w, steps=2, vocab_size=args.vocab_size, trainer_view=False, timeout=args.timeout) for w in (1, 2)}
+    print("| seq_len | world | engine | measured per rank | planned | error | planned as unpacked rows | its error |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for world in (1, 2):
+        for overrides, ranks in zip(runs[world], results[world]):
+            measured = max(r["peak"] for r in ranks)
+            est = estimate(load_config(None, overrides), world, target="cpu", vocab_size=args.vocab_size)
+            text = [o for o in overrides if o != "data.packing=true"] + ["data.packing=false"]
+            before = estimate(load_config(None, text), world, target="cpu", vocab_size=args.vocab_size).total
+            given = dict(o.split("=", 1) for o in overrides)
+            print(
+                f"| {given['data.seq_len']} | {world} | {given['strategy']} | {measured:,} | {est.total:,} | "
+                f"{(est.total - measured) / measured:+.2%} | {before:,} | {(before - measured) / measured:+.2%} |"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama")
@@ -121,8 +151,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--mlp-only", action="store_true", help="only the MLP table (one process, seconds)")
     parser.add_argument("--sequence", type=int, default=1, help="N > 1: only the sequence-parallel table, at world N")
+    parser.add_argument("--packed", action="store_true", help="only the packed-instruction table (world 1 and 2)")
     args = parser.parse_args()
     common = [f"model.name={args.model}", "micro_batch_size=1", "precision=fp32", "memory.activation_checkpointing=full"]
+    if args.packed:
+        return packed_table(args, [*common, "memory.loss_chunk_size=1024"])
     if args.sequence > 1:
         return sequence_table(args, [*common, "memory.loss_chunk_size=1024"])
     mlp_table()

@@ -41,14 +41,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.config import load_config, load_strategy
+from harness.config import INSTRUCTION_FORMATS, load_config, load_strategy
 from harness.data import SequenceSlice
 from harness.distributed import free_port, init_distributed, teardown
 from harness.engine import build_engine, hidden_size_of, plan_engine
 from harness.memory import CATEGORIES as CATS
 from harness.memory import AllocatorTrace, FrozenAwareMemTracker, StepMemoryTracker, category_of
 from harness.models import model_spec
-from harness.training import causal_lm_loss, name_compiles_step, sequence_shard_loss
+from harness.training import IGNORE_INDEX, loss_for, name_compiles_step
 
 
 def cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
@@ -102,11 +102,12 @@ def measure_config(
             vocab = int(spec.config.vocab_size)
             plan = plan_engine(cfg, strategy, info.world_size, info.device, hidden_size_of(spec.config))
             cfg = plan.config  # as the run resolves it (a DeepSpeed file's own numbers taken in)
-            base_loss = sequence_shard_loss if cfg.parallel.sequence > 1 else causal_lm_loss
+            packed = cfg.data.format in INSTRUCTION_FORMATS and cfg.data.packing
+            base_loss = loss_for(cfg.parallel.sequence, packed)
             loss_fn = lambda m, ids: base_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
             engine = build_engine(spec, cfg, plan, info, loss_fn)
-            whole = (cfg.micro_batch_size, cfg.data.seq_len)
-            batches = [piece(torch.randint(0, vocab, whole, generator=gen)) for _ in range(cfg.grad_accum)]
+            make = packed_rows if packed else lambda b, s, v, g: torch.randint(0, v, (b, s), generator=g)
+            batches = [piece(make(cfg.micro_batch_size, cfg.data.seq_len, vocab, gen)) for _ in range(cfg.grad_accum)]
         # The trainer's split of a compiling step (saved tensors, gradient hooks, state counted), every step.
         split = (
             StepMemoryTracker(engine.model, engine.optimizer, category_every=1, storage=engine.memory_storage(), compiled=True)
@@ -149,6 +150,17 @@ def measure_config(
     del engine, tracker, split
     gc.collect()
     return result
+
+
+def packed_rows(rows: int, seq_len: int, vocab: int, gen: torch.Generator, examples: int = 4) -> torch.Tensor:
+    """`(rows, 3, seq_len)` packed instruction blocks as `harness.data.instructions` makes them:
+    ``examples`` back to back in each row, positions restarting at each, the first half of each
+    (its prompt) unlabelled. What the real run's attention mask is made from."""
+    ids = torch.randint(0, vocab, (rows, seq_len), generator=gen)
+    width = -(-seq_len // examples)
+    positions = (torch.arange(seq_len) % width).expand(rows, -1)
+    labels = ids.masked_fill(positions < width // 2, IGNORE_INDEX)
+    return torch.stack([ids, labels, positions], dim=1).contiguous()
 
 
 def run_step(engine: Any, batches: list[torch.Tensor], tracker: Any = None) -> None:

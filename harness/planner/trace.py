@@ -40,7 +40,7 @@ from harness.memory import ActivationOffload, apply_activation_checkpointing, ap
 from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config, use_ulysses
 from harness.planner.packed import pack_block_linears
 from harness.planner.timeline import CAT_INDEX, CATS, tracker_class
-from harness.training import DTYPES, causal_lm_loss, precision_policy, sequence_shard_loss
+from harness.training import DTYPES, loss_for, precision_policy
 
 
 class PlanError(ValueError):
@@ -72,6 +72,7 @@ class TraceSpec:
     nf4_storage: str | None = None  # QLoRA: the block linears' NF4 codes packed in this dtype (harness.planner.packed)
     frozen_dtype: str | None = None  # LoRA: the frozen base held in this dtype, not module_dtype (PrecisionPolicy.frozen_dtype)
     sequence: int = 1  # Ulysses: each sample's sequence split over this many ranks; the trace is one rank's slice
+    packed: bool = False  # rows pack several instruction examples: attention gets the (B, 1, S, S) mask that keeps them apart
 
 
 @dataclass
@@ -163,15 +164,20 @@ def fake_process_group(world_size: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def real_run_masking() -> Iterator[None]:
+def real_run_masking(packed: bool = False) -> Iterator[None]:
     """Make HF's attention-mask logic decide as it does on the trainer's real inputs.
 
     HF treats fake tensors as "tracing" and then refuses to prove that the position ids
     (``arange``, generated inside the model) hold no packed sequences, so it builds a 4-D
     mask, which also turns off grouped-query SDPA and makes every layer copy K/V per head.
-    A real run of the trainer (contiguous blocks, no padding mask, no position ids) proves
-    it and runs mask-free. Without this the trace over-counts attention activations.
+    A real run of the trainer on text (contiguous blocks, no padding mask, no position ids)
+    proves it and runs mask-free. Without this the trace over-counts attention activations.
+    ``packed``: the rows pack several examples, the real run finds them and builds that mask
+    (its (B, 1, S, S) booleans and what attention does with them): HF's own decision is kept.
     """
+    if packed:
+        yield
+        return
     try:
         from transformers import masking_utils
     except ImportError:  # older transformers: nothing to align
@@ -270,18 +276,19 @@ def _wrap_fsdp(model: nn.Module, spec: TraceSpec) -> nn.Module:
 
 
 def _step_input(spec: TraceSpec, vocab: int) -> torch.Tensor:
-    """One micro-batch as this rank gets it: whole sequences, or under sequence parallelism its
-    `(B, 3, L+1)` slice of (input_ids, labels, positions) (`harness.data.SequenceSlice`)."""
+    """One micro-batch as this rank gets it: whole sequences (packed instruction data: `(B, 3, S)`
+    blocks of (input_ids, labels, positions)), or under sequence parallelism its `(B, 3, L+1)` slice
+    of them (`harness.data.SequenceSlice`)."""
     if spec.sequence > 1:
         return torch.randint(0, vocab, (spec.micro_batch, 3, spec.seq_len // spec.sequence + 1))
+    if spec.packed:
+        return torch.randint(0, vocab, (spec.micro_batch, 3, spec.seq_len))
     return torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
 
 
 def _loss(model: nn.Module, batch: torch.Tensor, spec: TraceSpec) -> torch.Tensor:
-    """The trainer's loss for this input (`harness.runner.build`'s choice)."""
-    if spec.sequence > 1:
-        return sequence_shard_loss(model, batch, chunk_size=spec.loss_chunk_size)
-    return causal_lm_loss(model, batch, chunk_size=spec.loss_chunk_size)
+    """The trainer's loss for this input (unpacked instruction rows cost what text does)."""
+    return loss_for(spec.sequence, spec.packed)(model, batch, chunk_size=spec.loss_chunk_size)
 
 
 def trace_step(spec: TraceSpec) -> TraceResult:
@@ -310,7 +317,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     try:
         with fake_process_group(world):
             if spec.sequence > 1:  # as the trainer: attention swapped before AC, tiling and sharding
-                use_ulysses(model, sequence_group(DistInfo(0, world, 0, torch.device("cpu"), "fake"), spec.sequence))
+                use_ulysses(model, sequence_group(DistInfo(0, world, 0, torch.device("cpu"), "fake"), spec.sequence), spec.packed)
             if any(spec.mlp_tiles):
                 apply_tiled_mlp(model, *spec.mlp_tiles)
             if spec.ac_mode != "none":
@@ -329,7 +336,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                 # the trainer's own offload, simulated: the device copy is released at pack time and an empty one
                 # comes back when backward (or the prefetch ahead of it) asks for it
                 offload = ActivationOffload(scope="checkpoint_inputs", model=model, simulate=True)
-                with warnings.catch_warnings(), real_run_masking(), tracker:
+                with warnings.catch_warnings(), real_run_masking(packed=spec.packed), tracker:
                     warnings.simplefilter("ignore")
                     for micro, batch in enumerate(ids):
                         last = micro == len(ids) - 1

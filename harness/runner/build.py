@@ -34,7 +34,7 @@ from harness.models import model_spec, twin_spec
 from harness.observability import Observer
 from harness.reliability import StepGuard, entering, signal_received
 from harness.runner.trainer import Trainer
-from harness.training import causal_lm_loss, labelled_lm_loss, sequence_shard_loss
+from harness.training import loss_for
 
 log = get_logger(__name__)
 
@@ -90,9 +90,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
     if twin_layers is not None:
         spec = twin_spec(spec, twin_layers)
     labelled = cfg.data.format in INSTRUCTION_FORMATS  # blocks carry (input_ids, labels): loss on the responses only
-    # sequence parallelism: every block is a rank's slice (input_ids, labels, positions), text or instruction alike
-    base_loss = sequence_shard_loss if cfg.parallel.sequence > 1 else labelled_lm_loss if labelled else causal_lm_loss
-    loss_fn = functools.partial(base_loss, chunk_size=cfg.memory.loss_chunk_size)
+    loss_fn = functools.partial(loss_for(cfg.parallel.sequence, labelled), chunk_size=cfg.memory.loss_chunk_size)
     if plan.taken and info.is_main:
         log.info(f"run config values taken from outside it: {'; '.join(plan.taken)}")
     if plan.launcher_said and info.is_main:

@@ -3,12 +3,14 @@ LR schedules, precision policies."""
 
 from harness.config import BF16_WEIGHT_OPTIMIZERS, OPTIMIZER_NAMES
 from harness.training.loss import (
+    IGNORE_INDEX,
     causal_lm_loss,
     ce_sum,
     chunked_ce_sum,
     count_targets,
     install_loss_forward,
     labelled_lm_loss,
+    loss_for,
     sequence_shard_loss,
     shift_targets,
 )
@@ -25,6 +27,7 @@ from harness.training.optim import (
 from harness.training.precision import DTYPE_BYTES, DTYPE_NAMES, DTYPES, PrecisionPolicy, bf16_supported, precision_policy
 
 __all__ = [
+    "IGNORE_INDEX",
     "BF16_WEIGHT_OPTIMIZERS",
     "DTYPES",
     "DTYPE_BYTES",
@@ -41,6 +44,7 @@ __all__ = [
     "count_targets",
     "install_loss_forward",
     "labelled_lm_loss",
+    "loss_for",
     "sequence_shard_loss",
     "lr_lambda",
     "name_compiles_step",

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -251,6 +252,12 @@ def sequence_shard_loss(
     if num_items is None:
         num_items = (targets != IGNORE_INDEX).sum().clamp(min=1)
     return loss_of_targets(model, input_ids, targets, chunk_size=chunk_size, num_items=num_items, position_ids=positions)
+
+
+def loss_for(sequence: int, labelled: bool) -> Callable[..., torch.Tensor]:
+    """The trainer's loss for its blocks: a rank's slice under sequence parallelism (text or
+    instruction alike), labelled `(B, 3, S)` instruction blocks, or `(B, S)` text."""
+    return sequence_shard_loss if sequence > 1 else labelled_lm_loss if labelled else causal_lm_loss
 
 
 def count_targets(batch: torch.Tensor) -> int:

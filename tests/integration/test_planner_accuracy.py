@@ -75,16 +75,24 @@ SEQUENCE_RUNS = [
     ["strategy=fsdp", *SHAPE, "precision=bf16", "parallel.sequence=2", "memory.activation_checkpointing=none"],
     ["strategy=fsdp", *SHAPE, "precision=fp32", "parallel.sequence=2", "memory.tiled_mlp=2", "memory.loss_chunk_size=32"],
 ]
+# Packed instruction rows (positions restart with each example): attention gets a (B, 1, S, S) mask that
+# keeps the examples apart, made by transformers in one process and by Ulysses for the whole sequence on
+# every rank of a sequence group. At 2048 tokens the mask's part is a quarter to a third of the peak: a
+# planner tracing text rows would be 26-34% under.
+PACKED = ["model.name=tiny-llama", "micro_batch_size=1", "data.seq_len=2048", "precision=fp32", "memory.activation_checkpointing=full"]
+PACKED += ["memory.loss_chunk_size=1024", "data.format=instruction", "data.source=x.jsonl", "data.packing=true"]
+PACKED_RUNS = {1: [["strategy=ddp", *PACKED]], 2: [["strategy=fsdp", *PACKED, "parallel.sequence=2"]]}
 # Every run of a world size, measured by one launch: the configs run one after another in the
 # same ranks (each engine built and measured from scratch, see harness.planner.measure), so
 # the interpreters' start-up is paid twice for the module instead of once per test.
 RUNS_BY_WORLD = {
-    1: [run for s in CPU_STRATEGIES for run in _ac_runs(s)] + LORA_RUNS[1],
+    1: [run for s in CPU_STRATEGIES for run in _ac_runs(s)] + LORA_RUNS[1] + PACKED_RUNS[1],
     2: [run for s in CPU_STRATEGIES for run in _ac_runs(s)]
     + [run for s in ACCUMULATION_STRATEGIES for run in _accumulation_runs(s)]
     + OIB_RUNS
     + LORA_RUNS[2]
-    + SEQUENCE_RUNS,
+    + SEQUENCE_RUNS
+    + PACKED_RUNS[2],
 }
 
 
@@ -179,6 +187,13 @@ def test_lora_within_3_percent(world: int, measured_peaks) -> None:
 def test_sequence_parallel_within_3_percent(measured_peaks) -> None:
     """`parallel.sequence=2` under DDP and FSDP2: per-rank slices, the attention exchange, the tiled MLP on a slice."""
     _check(SEQUENCE_RUNS, 2, measured_peaks)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_packed_instruction_rows_within_3_percent(world: int, measured_peaks) -> None:
+    """Packed instruction rows: the measured step is fed (input_ids, labels, positions) blocks of four
+    examples each (`harness.planner.measure.packed_rows`); one process, and Ulysses at world 2."""
+    _check(PACKED_RUNS[world], world, measured_peaks)
 
 
 def test_tied_262k_vocabulary_within_3_percent(tied_vocab_model: str, measured_peaks) -> None:

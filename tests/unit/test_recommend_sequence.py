@@ -4,7 +4,7 @@ long sequence, splitting each sample over the ranks can fit where whole sequence
 from __future__ import annotations
 
 from harness.config import check_run, load_config, load_strategy, shipped_facts
-from harness.planner import estimate
+from harness.planner import estimate, sequence_degree
 from harness.planner.candidates import Candidate, candidates, with_candidate
 from harness.planner.recommend import recommend
 
@@ -48,3 +48,11 @@ def test_the_split_is_searched_only_where_the_trainer_runs_it() -> None:
     mine = candidates(own, 2, nvme=False, target="cuda", vocab=VOCAB)
     assert {c.sequence for c in mine} == {1, 2}
     assert {c.grad_accum for c in mine if c.micro_batch == 1} == {1, 2}  # 2 accumulated split samples = 1 whole one per rank
+
+
+def test_packed_instruction_rows_are_offered_the_split() -> None:
+    """The trainer keeps packed examples apart under Ulysses (a whole-sequence mask on every rank), and the
+    planner traces that mask, so the ladder's rung and the fastest search offer the split for them too."""
+    packed = load_config(None, [*LONG, "strategy=fsdp", "data.format=instruction", "data.source=x.jsonl", "data.packing=true"])
+    assert sequence_degree(packed, 2, VOCAB) == 2
+    assert {c.sequence for c in candidates(packed, 2, nvme=False, target="cuda", vocab=VOCAB)} == {1, 2}
