@@ -8,7 +8,10 @@ reduction order changes, so the bound is the one between world 1 and world 2 run
 
 Chains keep the number of launches down; each run resumes from the previous one:
   single (world 1, every 2) --1->2--> fsdp x2 --2->1--> fsdp x1,   fsdp x2 --2->2--> fsdp x2
-  zero3 x1 (every 2)        --1->2--> zero3 x2 --2->1--> zero3 x1, zero3 x2 --2->2--> zero3 x2
+  zero3 x1 (every 2)        --1->2--> zero3 x2 --2->1--> zero3 x1
+A ZeRO-3 resume at the same world size is DeepSpeed's own `load_checkpoint` of its own shards: proven
+bit-exact at world 2 by QLoRA's ZeRO-3 chain (tests/integration/test_lora_runs.py); here
+ZeRO-3's full state goes through the universal checkpoint both ways.
 Global batch 8 everywhere (world 1: grad_accum 4; world 2: grad_accum 2).
 The FSDP launches that depend only on the same earlier run go side by side (`side_by_side`);
 the ZeRO ones do not (several DeepSpeed processes at once race to JIT-build its CPU ops when
@@ -147,7 +150,7 @@ def test_fsdp_resume_same_world_bit_exact_and_across_world_sizes(ws, single_ref)
     assert _eval_exported(ws, again / "hf") == pytest.approx(final_eval(again), rel=1e-5)
 
 
-def test_zero3_resume_same_world_bit_exact_and_across_world_sizes(ws):
+def test_zero3_resume_across_world_sizes_and_export_in_one_process(ws):
     z1, _ = launch(ws, "zero3_w1", 1, "strategy=zero3")
     ref = losses(z1)
     # 1 -> 2: DeepSpeed cannot repartition a ZeRO checkpoint itself; the universal conversion does.
@@ -161,10 +164,6 @@ def test_zero3_resume_same_world_bit_exact_and_across_world_sizes(ws):
     # 2 -> 1
     z1b, _ = launch(ws, "zero3_w1b", 1, "strategy=zero3", f"checkpoint.resume={step_dir(z2, 4)}")
     assert [losses(z1b)[s] for s in (5, 6)] == pytest.approx([got[s] for s in (5, 6)], rel=WORLD_CHANGE_RTOL)
-
-    # 2 -> 2: bit-exact.
-    z2b, _ = launch(ws, "zero3_w2b", 2, "strategy=zero3", f"checkpoint.resume={step_dir(z2, 4)}")
-    assert [losses(z2b)[s] for s in (5, 6)] == [got[s] for s in (5, 6)]
 
     # Export a world-2 ZeRO-3 checkpoint in one plain process (no process group, no world size).
     hf = ws["root"] / "zero3_hf"

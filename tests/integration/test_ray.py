@@ -1,10 +1,13 @@
-"""`python -m harness.ray` on a real local Ray cluster (2 CPU workers, gloo): the run trains exactly
-as torchrun's 2 ranks do, a worker that is killed ends the run with one line, exit 5 and a
-resumable checkpoint, `checkpoint.resume=auto` under Ray continues it to the same losses, and
-ZeRO-2 under Ray trains to them too.
+"""`python -m harness.ray` on a real local Ray cluster (2 CPU workers, gloo), under DeepSpeed ZeRO-2:
+the run trains exactly as torchrun's 2 ranks do, a worker that is killed ends the run with one
+line, exit 5 and a resumable checkpoint, and `checkpoint.resume=auto` under Ray continues it to
+the same losses.
 
 One chain of launches (a Ray launch costs ~30-60 s here: the cluster, its controller and worker
-processes start each time).
+processes start each time). The Ray worker (`harness.scaleout.ray_train.worker_loop`) runs the train
+command as a launcher does, with whatever engine the config names, from the rank environment Ray
+Train sets; DeepSpeed is the engine that starts its own communication layer on top of it, so it
+is the engine run here. FSDP2 under Ray was this chain's engine until 2026-11-28 (notes/scaleout.md).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def _ray(config: Path, overrides: list[str], **extra_env: str) -> subprocess.Com
 
 
 def test_ray_trains_as_torchrun_loses_a_worker_in_one_line_and_resumes(tmp_path: Path, data_cache: Path) -> None:
-    config = tiny_config(tmp_path / "run.yaml", data_cache, tmp_path / "unused", strategy="fsdp")
+    config = tiny_config(tmp_path / "run.yaml", data_cache, tmp_path / "unused", strategy="zero2")
     ref, out = tmp_path / "torchrun", tmp_path / "ray"
     lost = ["output_dir=" + str(out), "checkpoint.every=2"]
     _, killed = side_by_side(
@@ -48,11 +51,3 @@ def test_ray_trains_as_torchrun_loses_a_worker_in_one_line_and_resumes(tmp_path:
     assert step_losses(out) == pytest.approx(step_losses(ref), rel=1e-6)
     assert final_eval(out) == pytest.approx(final_eval(ref), rel=1e-6)
     assert not list(out.glob(".harness-ray-exit-*"))  # the launcher's own exit records are gone
-
-    # DeepSpeed under Ray: the same worker body with the engine the config names. ZeRO-2 and FSDP2
-    # train this fp32 model to the same losses (torchrun's ZeRO-2 gave FSDP2's digits, notes/scaleout.md)
-    zero2 = tmp_path / "ray_zero2"
-    proc = _ray(config, [f"output_dir={zero2}", "strategy=zero2"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert step_losses(zero2) == pytest.approx(step_losses(ref), rel=1e-6)
-    assert final_eval(zero2) == pytest.approx(final_eval(ref), rel=1e-6)
