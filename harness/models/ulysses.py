@@ -11,11 +11,12 @@ The hook is transformers' own attention registry: a function registered under `U
 and set as the model's attention implementation. transformers builds no mask for an
 implementation it has no mask function for, so the local slice's mask (wrong for the whole
 sequence) never exists; the causal mask is sdpa's `is_causal`. Packed examples (a run whose
-data packs them: position ids that restart inside a row) are kept apart as transformers keeps
-them at world 1: the group's position ids are all-gathered into the whole sequence's once per
-forward, transformers' `find_packed_sequence_indices` numbers its examples, and sdpa gets the
-block-diagonal causal mask (batch x 1 x S x S booleans, held from one forward to the backward's
-recomputation). Other runs never gather nor check: no collective and no host sync added. The all-to-all is its own
+data packs them: position ids that restart inside a row) are kept apart: the group's position
+ids are all-gathered into the whole sequence's once per forward, read on the host for where each
+example starts, and sdpa runs causal over each example on its own (`attend_per_example`). No
+S x S mask exists (at one process transformers builds one, batch x 1 x S x S booleans plus sdpa's
+float copy: ~5 S^2 bytes, which under a split every rank would hold whole). Other runs never
+gather nor read: no collective and no host sync added. The all-to-all is its own
 inverse in layout, so its backward is the same exchange of the gradients (autograd through a
 collective: each rank's backward delivers its loss's gradient to the ranks that computed the
 inputs, so the group's gradients sum to those of the whole sequence).
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 ULYSSES = "harness_ulysses"
 
@@ -73,42 +75,65 @@ def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     return recv.permute(1, 2, 0, 3, 4).reshape(b, total // n, n * h, d)
 
 
-class WholeSequenceMask:
-    """The whole sequence's attention mask under a sequence group, made once per forward.
+TRACED_EXAMPLES = 2  # a planner's fake positions hold no values: its rows are taken as this many equal examples
+
+
+class WholeSequenceExamples:
+    """Where each packed example of the whole sequence starts and ends, found once per forward.
 
     Every decoder layer gets the same position-id tensor in a forward (and the same again in
-    activation checkpointing's recomputation), so the mask is kept for the last tensor seen: one
-    all-gather and one check for packing per forward, however many layers."""
+    activation checkpointing's recomputation), so the spans are kept for the last tensor seen: one
+    all-gather and one read on the host per forward, however many layers. A row whose positions
+    never restart is one example (plain causal attention)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self._key: Any = None
-        self._mask: torch.Tensor | None = None
+        self._spans: list[list[tuple[int, int]]] | None = None
 
-    def __call__(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
-        """None (causal over the whole sequence: one example per row) or the (B, 1, S, S) boolean
-        mask, True where a query may attend a key: causal and inside its own example."""
+    def __call__(self, position_ids: torch.Tensor | None) -> list[list[tuple[int, int]]] | None:
+        """None (every row one example) or, per row, the (start, end) of each example."""
         if position_ids is None:
             return None
         if self._key is not None and self._key() is position_ids:
-            return self._mask
-        from transformers import masking_utils
-
+            return self._spans
         parts = [torch.empty_like(position_ids) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, position_ids.contiguous(), group=self.group)
-        examples = masking_utils.find_packed_sequence_indices(torch.cat(parts, dim=-1))  # slices in rank order
-        mask = None
-        if examples is not None:
-            total = examples.shape[-1]
-            causal = torch.ones(total, total, dtype=torch.bool, device=examples.device).tril()
-            mask = (examples[:, None, :, None] == examples[:, None, None, :]) & causal
-        self._key, self._mask = weakref.ref(position_ids), mask
-        return mask
+        whole = torch.cat(parts, dim=-1)  # slices in rank order
+        rows, total = whole.shape
+        if is_fake(whole):
+            width = -(-total // TRACED_EXAMPLES)
+            spans = [[(a, min(a + width, total)) for a in range(0, total, width)]] * rows
+        else:
+            restarts = torch.diff(whole, dim=-1) != 1  # a position that does not follow its left neighbour starts an example
+            spans = []
+            for row in restarts.cpu():
+                starts = [0, *(row.nonzero().flatten() + 1).tolist()]
+                spans.append(list(zip(starts, [*starts[1:], total])))
+        self._key, self._spans = weakref.ref(position_ids), None if all(len(r) == 1 for r in spans) else spans
+        return self._spans
+
+
+def attend_per_example(
+    module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[list[tuple[int, int]]], **kwargs: Any
+) -> torch.Tensor:
+    """Causal sdpa inside each example of each row, in attention's output layout (batch, S, heads,
+    dim): what a block-diagonal causal mask computes, without the (batch, 1, S, S) mask, and with
+    the sum of the examples' squared lengths of work rather than S squared."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows = []
+    for b, row in enumerate(spans):
+        parts = [
+            sdpa_attention_forward(module, *(t[b : b + 1, :, s:e] for t in (q, k, v)), None, is_causal=True, **kwargs)[0] for s, e in row
+        ]
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows, dim=0)
 
 
 def ulysses_sdpa(
     group: dist.ProcessGroup,
-    whole_mask: WholeSequenceMask | None,
+    examples: WholeSequenceExamples | None,
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -117,15 +142,17 @@ def ulysses_sdpa(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
     """The attention function registered under `ULYSSES`: sdpa, causal over the whole sequence
-    and, given a `WholeSequenceMask` (packed examples), inside each example."""
+    or, given `WholeSequenceExamples` (packed rows), inside each example."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is not None:
         raise ValueError("Ulysses attention builds its own causal mask; a padding attention mask is not supported")
-    mask = whole_mask(kwargs.get("position_ids")) if whole_mask is not None else None
+    spans = examples(kwargs.get("position_ids")) if examples is not None else None
     q, k, v = (sequence_to_heads(t, group) for t in (query, key, value))
     kwargs.pop("is_causal", None)
-    out, weights = sdpa_attention_forward(module, q, k, v, mask, is_causal=mask is None, **kwargs)
+    if spans is not None:
+        return heads_to_sequence(attend_per_example(module, q, k, v, spans, **kwargs), group), None
+    out, weights = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)
     return heads_to_sequence(out, group), weights
 
 
@@ -141,8 +168,8 @@ def use_ulysses(model: nn.Module, group: dist.ProcessGroup, packed: bool = False
     attention must keep apart; otherwise a row is one sequence and sdpa's `is_causal` is the mask."""
     from transformers import AttentionInterface
 
-    mask = WholeSequenceMask(group) if packed else None
-    AttentionInterface.register(ULYSSES, functools.partial(ulysses_sdpa, group, mask))
+    examples = WholeSequenceExamples(group) if packed else None
+    AttentionInterface.register(ULYSSES, functools.partial(ulysses_sdpa, group, examples))
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     hf.set_attn_implementation(ULYSSES)
     if hf.config._attn_implementation != ULYSSES:  # a model that cannot switch (pre-flight refuses those)

@@ -10,7 +10,6 @@ is one that leaves a run training without an error, and the check must name it.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -67,7 +66,8 @@ def packing_leak() -> None:
     def without_positions(model, batch, chunk_size=0, num_items=None):
         return causal_lm_loss(model, batch[:, 0].contiguous(), batch[:, 1].contiguous(), chunk_size=chunk_size, num_items=num_items)
 
-    build.labelled_lm_loss = functools.wraps(build.labelled_lm_loss)(without_positions)
+    chosen = build.loss_for
+    build.loss_for = lambda sequence, labelled: without_positions if labelled and sequence == 1 else chosen(sequence, labelled)
 
 
 PLANTS = {"unreduced": unreduced, "accum_scale": accum_scale, "tied_not_updated": tied_not_updated, "packing_leak": packing_leak}

@@ -81,10 +81,9 @@ SEQUENCE_RUNS = [
     ["strategy=fsdp", *SHAPE, "precision=bf16", "parallel.sequence=2", "memory.activation_checkpointing=none"],
     ["strategy=fsdp", *SHAPE, "precision=fp32", "parallel.sequence=2", "memory.tiled_mlp=2", "memory.loss_chunk_size=32"],
 ]
-# Packed instruction rows (positions restart with each example): attention gets a (B, 1, S, S) mask that
-# keeps the examples apart, made by transformers in one process and by Ulysses for the whole sequence on
-# every rank of a sequence group. At 2048 tokens the mask's part is a quarter to a third of the peak: a
-# planner tracing text rows would be 26-34% under.
+# Packed instruction rows (positions restart with each example): in one process transformers keeps the
+# examples apart with a (B, 1, S, S) mask, a third of the peak at 2048 tokens (a planner tracing text rows
+# is 34% under); under Ulysses each example is attended on its own (no S x S tensor), traced as such.
 PACKED = ["model.name=tiny-llama", "micro_batch_size=1", "data.seq_len=2048", "precision=fp32", "memory.activation_checkpointing=full"]
 PACKED += ["memory.loss_chunk_size=1024", "data.format=instruction", "data.source=x.jsonl", "data.packing=true"]
 PACKED_RUNS = {1: [["strategy=ddp", *PACKED]], 2: [["strategy=fsdp", *PACKED, "parallel.sequence=2"]]}
