@@ -238,8 +238,8 @@ class ParallelConfig(Section):
     # swaps sequence slices for head shares with two all-to-alls around sdpa (transformers' attention registry),
     # positions and targets are the whole sequence's, every token counted once in the loss; gradients reduced over
     # the whole world. Must divide the world, data.seq_len, the attention and key/value heads; packed instruction
-    # data keeps attention inside each example (the group's position ids gathered, a block-diagonal causal mask of
-    # S x S booleans per row for sdpa, as transformers builds at world 1); refused in one line under DeepSpeed,
+    # data keeps attention inside each example (the group's position ids gathered, causal sdpa run per example:
+    # no S x S mask, which transformers builds at world 1); refused in one line under DeepSpeed,
     # with pruning, optimizer-in-backward, sliding-window or eager-only attention. Measured: notes/long_context.md
     sequence: int = 1
 
