@@ -176,6 +176,12 @@ class DataConfig(Section):
     # every seq_len tokens
     block_bos: bool = True
 
+    @property
+    def packs_examples(self) -> bool:
+        """Whether a row holds several instruction examples (positions restarting at each), which
+        attention must keep apart."""
+        return self.format in INSTRUCTION_FORMATS and self.packing
+
 
 @dataclass
 class OptimConfig(Section):

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.config import INSTRUCTION_FORMATS, RunConfig
+from harness.config import RunConfig
 from harness.distributed import DistInfo, local_tensor
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, empty_model_to_train, fsdp_wrap, sequence_group
@@ -162,7 +162,7 @@ class TorchEngine(Engine):
         strategy, policy = plan.strategy, plan.precision
         model = empty_model_to_train(spec, cfg.lora, policy)
         if cfg.parallel.sequence > 1:
-            packed = cfg.data.format in INSTRUCTION_FORMATS and cfg.data.packing  # examples attention must keep apart
+            packed = cfg.data.packs_examples
             use_ulysses(model, sequence_group(info, cfg.parallel.sequence), packed)
         weights = WeightsToLoad(spec, lora=cfg.lora.enabled, model=model)
         if plan.kind == "fsdp":

@@ -22,7 +22,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import (
-    INSTRUCTION_FORMATS,
     RunConfig,
     Strategy,
     check_run,
@@ -171,7 +170,7 @@ def specs_for(
         nf4_storage=DTYPE_NAMES[policy.compute_dtype] if lora.enabled and lora.quantize == "nf4" else None,
         frozen_dtype=DTYPE_NAMES[policy.frozen_dtype] if lora.enabled and policy.frozen_dtype != policy.param_dtype else None,
         sequence=cfg.parallel.sequence,
-        packed=cfg.data.format in INSTRUCTION_FORMATS and cfg.data.packing,
+        packed=cfg.data.packs_examples,
     )
     common = dict(
         kind=kind,

@@ -10,10 +10,10 @@ The search is a bisection over multiples of ``step`` tokens, with the next probe
 the straight line through the two bracketing probes crosses the budget (regula falsi): a
 step's bytes grow linearly with the sequence length for a fixed config (attention here is
 SDPA's memory-efficient kernels, never an s x s score matrix; the chunked loss bounds the
-logits; packed instruction rows are the exception: their (B, 1, S, S) mask grows with the square,
-and the bisection below takes over), so the line lands within a step or two of the answer and each trace (seconds to a
-minute at 8B) is spent near it. Where the bytes bend (two probes in a row move the same end
-of the bracket), the next probe bisects, so the search costs about twice a bisection at worst.
+logits; packed instruction rows in one process are the exception: transformers' (B, 1, S, S) mask
+grows with the square, and the bisection below takes over), so the line lands within a step or
+two of the answer and each trace (seconds to a minute at 8B) is spent near it. Where the bytes
+bend (two probes in a row move the same end of the bracket), the next probe bisects, so the search costs about twice a bisection at worst.
 Before a probe fails, the lengths grow along the line through the last two (at least by half).
 """
 
@@ -38,8 +38,8 @@ def sequence_degree(cfg: RunConfig, world: int, vocab_size: int | None = None) -
     """The sequence-parallel rung's degree: the largest N > 1 that divides the world and `data.seq_len`
     and that pre-flight's check of the model's heads accepts (`check_sequence_heads`); 1 (no such rung)
     when there is none, when the config already splits its sequences, or when the model's shape
-    cannot be read. Packed instruction rows split too (their whole-sequence mask is traced on every
-    rank). Anything else the trainer refuses with it (pruning, optimizer-in-backward in the user's
+    cannot be read. Packed instruction rows split too (Ulysses attends each example on its own).
+    Anything else the trainer refuses with it (pruning, optimizer-in-backward in the user's
     config) the rung's row reports."""
     if cfg.parallel.sequence > 1:
         return 1

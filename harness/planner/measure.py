@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.config import INSTRUCTION_FORMATS, load_config, load_strategy
+from harness.config import load_config, load_strategy
 from harness.data import SequenceSlice
 from harness.distributed import free_port, init_distributed, teardown
 from harness.engine import build_engine, hidden_size_of, plan_engine
@@ -102,7 +102,7 @@ def measure_config(
             vocab = int(spec.config.vocab_size)
             plan = plan_engine(cfg, strategy, info.world_size, info.device, hidden_size_of(spec.config))
             cfg = plan.config  # as the run resolves it (a DeepSpeed file's own numbers taken in)
-            packed = cfg.data.format in INSTRUCTION_FORMATS and cfg.data.packing
+            packed = cfg.data.packs_examples
             base_loss = loss_for(cfg.parallel.sequence, packed)
             loss_fn = lambda m, ids: base_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
             engine = build_engine(spec, cfg, plan, info, loss_fn)
