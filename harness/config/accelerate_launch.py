@@ -18,9 +18,8 @@ from harness.config.accelerate_table import REFUSED, SAID
 from harness.config.schema import PRECISIONS
 
 # Sequence parallelism: the run config key accelerate's `--parallelism_config_sp_size` maps to
-# (harness's Ulysses; `launcher_values` takes the size into it, under the drop-in rule). A DeepSpeed
-# file's `sequence_parallel_size` and ALST `sequence_parallel` block stay refused (`deepspeed_keys`):
-# harness's sequence parallelism runs under the torch engines only.
+# (harness's Ulysses under the torch engines, DeepSpeed's ALST under DeepSpeed; `launcher_values` takes
+# the size into it, under the drop-in rule, as `drop_in` takes a DeepSpeed file's `sequence_parallel_size`).
 SEQUENCE_PARALLEL_KEY: str | None = "parallel.sequence"
 
 _TRUE = ("true", "1", "yes")

@@ -363,13 +363,15 @@ def check_sequence_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> N
 
 
 def check_sequence_engine(cfg: RunConfig, strategy: Strategy) -> None:
-    """Sequence parallelism is harness's own for the torch engines (the planner skips the strategies this refuses)."""
+    """Sequence parallelism is harness's own Ulysses under the torch engines and DeepSpeed's ALST
+    (`UlyssesSPAttentionHF`) under DeepSpeed. ALST runs sdpa causal over the whole gathered row and
+    discards every mask: packed examples would attend to each other, so a DeepSpeed run that packs
+    them is refused (harness's own Ulysses attends each example apart)."""
     n = cfg.parallel.sequence
-    if n > 1 and strategy.kind == "deepspeed":
+    if n > 1 and strategy.kind == "deepspeed" and cfg.data.packs_examples:
         raise ConfigError(
-            f"parallel.sequence={n} is harness's Ulysses for the torch engines; under DeepSpeed ({strategy.name}) it would need "
-            "DeepSpeed's own ALST (deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF with its "
-            "UlyssesSPDataLoaderAdapter), which harness does not build: use strategy=fsdp or ddp"
+            f"parallel.sequence={n} under DeepSpeed ({strategy.name}) runs DeepSpeed's ALST, whose sdpa attention would cross "
+            "the packed examples of a row: set data.packing=false, or use strategy=fsdp or ddp (harness's Ulysses keeps them apart)"
         )
 
 

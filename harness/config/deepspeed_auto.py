@@ -235,11 +235,15 @@ def resolve_deepspeed_config(
         warnings += ignored
     _settle(ds, "train_micro_batch_size_per_gpu", cfg.micro_batch_size, "micro_batch_size", problems, filled)
     _settle(ds, "gradient_accumulation_steps", cfg.grad_accum, "grad_accum", problems, filled)
+    sequence = cfg.parallel.sequence
+    if sequence > 1 or "sequence_parallel_size" in ds:  # DeepSpeed's Ulysses degree (ALST): parallel.sequence
+        _settle(ds, "sequence_parallel_size", sequence, "parallel.sequence", problems, filled)
+    data_world = world_size // sequence if world_size % sequence == 0 else world_size  # (the config checks refuse the rest)
     _settle(
         ds,
         "train_batch_size",
-        cfg.micro_batch_size * cfg.grad_accum * world_size,
-        f"micro_batch_size*grad_accum*world ({cfg.micro_batch_size}*{cfg.grad_accum}*{world_size})",
+        cfg.micro_batch_size * cfg.grad_accum * data_world,
+        f"micro_batch_size*grad_accum*data-parallel world ({cfg.micro_batch_size}*{cfg.grad_accum}*{data_world})",
         problems,
         filled,
     )
@@ -264,7 +268,7 @@ def resolve_deepspeed_config(
         if where.split(".")[0] in unknown or any(f"'{where}'" in p or p.startswith(f"{where} ") for p in problems):
             continue  # inside a key already named as unknown, or named by a problem of its own
         problems.append(f"'{where}' is 'auto' but harness cannot fill it; give a value")
-    for line in deepspeed_problems(ds, world_size, cross_checks=not problems):
+    for line in deepspeed_problems(ds, data_world, cross_checks=not problems):
         head = line.split(" (")[0]
         if not any(p.split(" (")[0] == head for p in problems):  # already named (with a did-you-mean) by key_problems
             problems.append(line)

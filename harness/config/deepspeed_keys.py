@@ -180,13 +180,12 @@ def layout_problems(raw: dict[str, Any]) -> list[str]:
         problems.append(
             "pipeline (DeepSpeed pipeline parallelism) needs a PipelineModule, which harness does not build: remove the pipeline block"
         )
-    if _int(raw.get("sequence_parallel_size")) > 1:
-        problems.append("sequence_parallel_size > 1 (Ulysses sequence parallelism) is not supported by harness: remove it")
-    sp = raw.get("sequence_parallel")  # the ALST block (LLaMA-Factory's ds_z3_alst_config.json)
+    sp = raw.get("sequence_parallel")  # LLaMA-Factory's ALST block (ds_z3_alst_config.json): read by LLaMA-Factory, not DeepSpeed
     if isinstance(sp, dict) and sp.get("enabled", True) is not False and _int(sp.get("size", 1)) > 1:
         problems.append(
-            f"sequence_parallel (ALST/Ulysses, size {_int(sp['size'])}) splits each sequence across ranks, which harness does "
-            "not do yet: remove the block (or set enabled false)"
+            f"sequence_parallel (LLaMA-Factory's ALST block, size {_int(sp['size'])}) is read by LLaMA-Factory, not DeepSpeed: "
+            f"set parallel.sequence={_int(sp['size'])} (harness then runs DeepSpeed's ALST), memory.tiled_mlp_tokens for its "
+            "tiling, and remove the block (or set enabled false)"
         )
     return problems
 

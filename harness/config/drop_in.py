@@ -30,6 +30,7 @@ FILE_NUMBERS = {
     "train_micro_batch_size_per_gpu": "micro_batch_size",
     "gradient_accumulation_steps": "grad_accum",
     "gradient_clipping": "optim.grad_clip",
+    "sequence_parallel_size": "parallel.sequence",  # DeepSpeed's Ulysses degree: harness runs ALST for it
 }
 OPTIMIZER_PARAMS = {"lr": "optim.lr", "weight_decay": "optim.weight_decay", "betas": "optim.betas", "eps": "optim.eps"}
 OPTIMIZER_NAMES = choice_fields(RunConfig)["optim.name"][0]
@@ -102,6 +103,7 @@ def _derived_batch(strategy: Strategy, cfg: RunConfig, world: int, fixed: set[st
     tbs = strategy.raw.get("train_batch_size")
     if not _number(tbs) or ("micro_batch_size" in fixed and "grad_accum" in fixed):
         return None
+    world //= max(1, cfg.parallel.sequence)  # DeepSpeed's world here is the data-parallel one: a sequence group reads one sample
     if "micro_batch_size" in fixed:
         per = cfg.micro_batch_size * world
         key, value = "grad_accum", tbs / per

@@ -239,14 +239,16 @@ class MemoryConfig(Section):
 class ParallelConfig(Section):
     """How the world's ranks split the work beyond data parallelism (`harness.engine`)."""
 
-    # Ulysses sequence parallelism (torch engines: single/DDP/FSDP2): each sample's sequence is split over this
-    # many consecutive ranks (the world is data x sequence; global batch = micro x accum x world / N); attention
-    # swaps sequence slices for head shares with two all-to-alls around sdpa (transformers' attention registry),
-    # positions and targets are the whole sequence's, every token counted once in the loss; gradients reduced over
-    # the whole world. Must divide the world, data.seq_len, the attention and key/value heads; packed instruction
-    # data keeps attention inside each example (the group's position ids gathered, causal sdpa run per example:
-    # no S x S mask, which transformers builds at world 1); refused in one line under DeepSpeed,
-    # with pruning, optimizer-in-backward, sliding-window or eager-only attention. Measured: notes/long_context.md
+    # Ulysses sequence parallelism: each sample's sequence is split over this many consecutive ranks (the world
+    # is data x sequence; global batch = micro x accum x world / N); attention swaps sequence slices for head
+    # shares with two all-to-alls around sdpa (transformers' attention registry), positions and targets are the
+    # whole sequence's, every token counted once in the loss; gradients reduced over the whole world. harness's
+    # own under single/DDP/FSDP2; DeepSpeed's ALST under DeepSpeed (a file's sequence_parallel_size is taken
+    # here). Must divide the world, data.seq_len, the attention and key/value heads; packed instruction data
+    # keeps attention inside each example under the torch engines (the group's position ids gathered, causal
+    # sdpa run per example: no S x S mask, which transformers builds at world 1) and is refused under DeepSpeed
+    # (ALST's sdpa would cross examples); refused with pruning, optimizer-in-backward, sliding-window or
+    # eager-only attention. Measured: notes/long_context.md
     sequence: int = 1
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from harness.config import OptimConfig, RunConfig
 from harness.distributed import DistInfo
 from harness.engine.base import Engine, LossFn, StepResult
+from harness.engine.deepspeed_ulysses import alst_groups, alst_loss_divisor
 from harness.engine.extension_lock import guarded_builds
 from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, lora_base
 from harness.engine.plan import EnginePlan
@@ -125,6 +126,7 @@ class DeepSpeedEngine(Engine):
         # per-micro-step bookkeeping, and ZeRO-3 then loses the first micro-batches' gradients.
         self.model = ds_engine
         self._skipped_before = 0
+        self._loss_divisor = alst_loss_divisor(plan.config.parallel.sequence, self.zero_stage)
 
     @classmethod
     def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
@@ -205,12 +207,14 @@ class DeepSpeedEngine(Engine):
         log.info(f"DeepSpeed config {strategy.path}: filled from the run config: {', '.join(filled) or 'nothing'}{used}")
         for line in plan.deepspeed_ignored if info.is_main else ():
             log.warning(f"DeepSpeed config {strategy.path}: {line}")
+        mpu = alst_groups(model, cfg.parallel.sequence, cfg.micro_batch_size, info) if cfg.parallel.sequence > 1 else None
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
             config=ds_config,
+            mpu=mpu,
             dist_init_required=False,
         )
         release_shm_names(info)
@@ -229,7 +233,7 @@ class DeepSpeedEngine(Engine):
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         # DeepSpeed divides by gradient_accumulation_steps itself and knows the boundary.
-        self.ds.backward(loss)
+        self.ds.backward(loss / self._loss_divisor if self._loss_divisor > 1 else loss)
         if not last_micro:
             self.ds.step()  # a no-op apart from DeepSpeed's micro-step bookkeeping
 

@@ -112,10 +112,13 @@ def strategies_for(world: int, nvme: bool, target: str) -> list[str]:
 def runs_with(cfg: RunConfig, strategy_name: str, target: str, sequence: int = 1, world: int = 1) -> bool:
     """Whether the run's optimizer and precision may run under this strategy (the config checks'
     rule: DeepSpeed runs only its own optimizers, bitsandbytes cannot step FSDP2 shards, ...),
-    with each sample split over ``sequence`` ranks of ``world`` (refused under DeepSpeed, with
-    pruning, with optimizer-in-backward)."""
+    with each sample split over ``sequence`` ranks of ``world`` (refused with pruning, with
+    optimizer-in-backward). The split is searched under the torch engines only: the trace is
+    harness's own Ulysses, and DeepSpeed's ALST was not measured against it."""
     trial = with_sequence(cfg, sequence)
     strategy = load_strategy(strategy_name)
+    if sequence > 1 and strategy.kind == "deepspeed":
+        return False
     try:
         check_strategy_against_run(strategy, trial, has_accelerator=target == "cuda")
         check_sequence_parallel(trial, strategy, world)

@@ -236,7 +236,7 @@ def explain(cfg: RunConfig, chosen: Candidate, evaluate: Any) -> list[str]:
             reasons.append(f"{names[dim]} {theirs} -> {ours}: a shipped strategy the planner can rank")
             continue
         back = replace(chosen, **{dim: theirs})
-        if back.sequence > 1 and shipped_facts(back.strategy).kind == "deepspeed":  # harness's Ulysses: torch engines only
+        if back.sequence > 1 and shipped_facts(back.strategy).kind == "deepspeed":  # split on torch engines only (`runs_with`)
             if dim == "sequence":
                 reasons.append(f"{names[dim]} {theirs} -> {ours}: {chosen.strategy} (DeepSpeed) runs whole sequences")
                 continue

@@ -64,8 +64,8 @@ def candidate_changes(
     run launched without `strategy:` is a DeepSpeed run, never told to become FSDP2. ``long_sequence``
     (activations dominate): then the long-sequence knobs, in the memory ladder's order and with its
     values (`harness.planner.ladder`); checkpoint-input offload only on a GPU (on a CPU the host is
-    the device), sequence parallelism under the torch engines only, its accumulation keeping the
-    global batch."""
+    the device), sequence parallelism under the torch engines only (the planner traces harness's own
+    Ulysses, not DeepSpeed's ALST), its accumulation keeping the global batch."""
     candidates: list[list[tuple[str, Any]]] = []
     if cfg.memory.activation_checkpointing == "none":
         candidates.append([("memory.activation_checkpointing", "full")])

@@ -78,6 +78,11 @@ def describe_lr(cfg: RunConfig) -> str:
     return f"lr {cfg.optim.lr:g}" + (f" (optim.lr's default for {why})" if cfg.optim.lr == value else "")
 
 
+def ulysses_of(plan: EnginePlan) -> str:
+    """Whose Ulysses splits the sequences: DeepSpeed's own under DeepSpeed, harness's otherwise."""
+    return "DeepSpeed's Ulysses, ALST" if plan.kind == "deepspeed" else "Ulysses"
+
+
 def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int | None = None) -> tuple[Trainer, ResumeState]:
     """Data, model, engine, checkpoint restore, observer: everything before the first step
     (shared with `python -m harness.prune`), the engine from pre-flight's plan. Returns the trainer and the restored state.
@@ -130,7 +135,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
         f"{f' ({plan.host_optimizer})' if plan.host_optimizer else ''}, "
         f"{engine.num_parameters():,} params, "
         f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens, {describe_lr(cfg)}"
-        + (f", each sequence split over {cfg.parallel.sequence} ranks (Ulysses)" if cfg.parallel.sequence > 1 else "")
+        + (f", each sequence split over {cfg.parallel.sequence} ranks ({ulysses_of(plan)})" if cfg.parallel.sequence > 1 else "")
     )
     trainer = Trainer(
         cfg,

@@ -120,7 +120,12 @@ CASES = [
     ("seq_len_beyond_positions", {}, ["data.seq_len=1024"], "exceeds the model's 512 positions"),
     ("global_batch_not_divisible_by_world", {}, ["global_batch_size=6"], "not divisible by micro_batch_size*world (2*2=4)"),
     # Ulysses sequence parallelism (parallel.sequence): what it cannot split or run under
-    ("sequence_under_deepspeed", {}, ["strategy=zero2", "parallel.sequence=2"], "DeepSpeed's own ALST"),
+    (
+        "sequence_packed_under_deepspeed",
+        {},
+        ["strategy=zero2", "parallel.sequence=2", "data.source={root}/alpaca.jsonl", "data.format=instruction", "data.packing=true"],
+        "runs DeepSpeed's ALST, whose sdpa attention would cross the packed examples",
+    ),
     ("sequence_not_dividing_world", {}, ["strategy=fsdp", "parallel.sequence=3"], "must divide the world size (2)"),
     ("sequence_not_dividing_kv_heads", {"WORLD_SIZE": "4"}, ["strategy=fsdp", "parallel.sequence=4"], "num_key_value_heads=2"),
     ("sequence_eager_only_model", {}, ["model.name={root}/bloom", "parallel.sequence=2"], "(eager attention only)"),

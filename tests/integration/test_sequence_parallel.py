@@ -14,7 +14,9 @@ attention is split too):
 - the train command: a world-1 run (grad_accum 2) saves a checkpoint at step 2; a world-2 run
   with parallel.sequence=2 under FSDP2 (data-parallel size 1: every gradient is reduced over the
   sequence group only) resumes from it at that other N and trains steps 3-4 with the same
-  losses, gradient norms and eval loss as the world-1 run.
+  losses, gradient norms and eval loss as the world-1 run; and world-2 DeepSpeed ZeRO-2 and
+  ZeRO-3 runs whose file asks for `sequence_parallel_size: 2` (DeepSpeed's own Ulysses, ALST)
+  train all 4 steps as the world-1 run does.
 """
 
 from __future__ import annotations
@@ -174,21 +176,52 @@ def _losses(output: Path, key: str) -> list[float]:
     return [r[key] for r in rows if key in r]
 
 
+COMMON = {"steps": 4, "eval_batches": 4, "optim.grad_clip": 0.0}
+
+
+@pytest.fixture(scope="module")
+def world_one(tmp_path_factory, data_cache) -> Path:
+    """The reference: a world-1 run of 4 steps (grad_accum 2), saving a checkpoint at step 2."""
+    from launching import launch_command, run, tiny_config
+
+    root = tmp_path_factory.mktemp("w1")
+    run(launch_command("python", 1, tiny_config(root / "w1.yaml", data_cache, root / "w1", **COMMON, **{"checkpoint.every": 2}), []))
+    return root / "w1"
+
+
 @pytest.mark.integration
-def test_a_run_resumed_at_another_sequence_split_trains_as_world_one(tmp_path, data_cache):
+def test_a_run_resumed_at_another_sequence_split_trains_as_world_one(tmp_path, data_cache, world_one):
     from launching import final_eval, launch_command, run, tiny_config
 
-    common = {"steps": 4, "eval_batches": 4, "optim.grad_clip": 0.0}
-    ref_cfg = tiny_config(tmp_path / "w1.yaml", data_cache, tmp_path / "w1", **common, **{"checkpoint.every": 2})
-    run(launch_command("python", 1, ref_cfg, []))
-    saved = tmp_path / "w1" / "checkpoints" / "step_00000002"
-    assert saved.is_dir(), sorted(p.name for p in (tmp_path / "w1").iterdir())
-    sp_cfg = tiny_config(tmp_path / "sp.yaml", data_cache, tmp_path / "sp", **common)
+    saved = world_one / "checkpoints" / "step_00000002"
+    assert saved.is_dir(), sorted(p.name for p in world_one.iterdir())
+    sp_cfg = tiny_config(tmp_path / "sp.yaml", data_cache, tmp_path / "sp", **COMMON)
     proc = run(launch_command("torchrun", 2, sp_cfg, ["strategy=fsdp", "parallel.sequence=2", f"checkpoint.resume={saved}"]))
     assert "each sequence split over 2 ranks (Ulysses)" in proc.stdout + proc.stderr
     for key in ("train/loss", "train/grad_norm"):
-        assert _losses(tmp_path / "sp", key) == pytest.approx(_losses(tmp_path / "w1", key)[2:], rel=RTOL), key
-    assert final_eval(tmp_path / "sp") == pytest.approx(final_eval(tmp_path / "w1"), rel=RTOL)
+        assert _losses(tmp_path / "sp", key) == pytest.approx(_losses(world_one, key)[2:], rel=RTOL), key
+    assert final_eval(tmp_path / "sp") == pytest.approx(final_eval(world_one), rel=RTOL)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_runs_its_own_ulysses_and_trains_as_world_one(tmp_path, data_cache, world_one, stage):
+    """Under DeepSpeed, `parallel.sequence` (here taken from the file's `sequence_parallel_size`, as
+    DeepSpeed's users write it) runs ALST's attention: world 2, data-parallel size 1, so every
+    gradient is reduced over the sequence group only; 4 steps with accumulation give the world-1
+    run's losses, gradient norms (which tell a summed gradient from a mean: Adam's steps do not)
+    and eval loss. ZeRO-2 and ZeRO-3 average the sequence group's gradients differently."""
+    from launching import final_eval, launch_command, run, tiny_config
+
+    ds_file = tmp_path / "zero2_sp.json"
+    ds_file.write_text(json.dumps({"zero_optimization": {"stage": stage}, "sequence_parallel_size": 2}))
+    cfg = tiny_config(tmp_path / "ds.yaml", data_cache, tmp_path / "ds", **COMMON)
+    proc = run(launch_command("deepspeed", 2, cfg, [f"strategy={ds_file}"]))
+    log = proc.stdout + proc.stderr
+    assert "parallel.sequence=2 (from" in log and "each sequence split over 2 ranks (DeepSpeed's Ulysses, ALST)" in log, log[-3000:]
+    for key in ("train/loss", "train/grad_norm"):
+        assert _losses(tmp_path / "ds", key) == pytest.approx(_losses(world_one, key), rel=RTOL), key
+    assert final_eval(tmp_path / "ds") == pytest.approx(final_eval(world_one), rel=RTOL)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

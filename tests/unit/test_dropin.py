@@ -67,7 +67,7 @@ VERDICTS: dict[str, list[str] | None] = {
     "tests/data/dropin/llama-factory/ds_z3_partial_offload_config.json": None,  # zero_force_ds_cpu_optimizer: DeepSpeedCPUAdam
     "tests/data/dropin/llama-factory/ds_z3_fp8_config.json": None,  # the same, and its `fp8` block DeepSpeed ignores (warned)
     "tests/data/dropin/llama-factory/ds_z3_alst_config.json": [
-        "sequence_parallel (ALST/Ulysses, size 4) splits each sequence across ranks, which harness does not do yet",
+        "sequence_parallel (LLaMA-Factory's ALST block, size 4) is read by LLaMA-Factory, not DeepSpeed: set parallel.sequence=4",
         *(f"unknown DeepSpeed key 'bf16.{key}' (DeepSpeed's DeepSpeedBF16Config has no such field)" for key in BF16_EXTRA),
     ],
     "tests/data/dropin/llama-factory/ds_z2_autotp_config.json": ["tensor_parallel (AutoTP, size 2) splits each layer across ranks"],
@@ -389,3 +389,18 @@ def test_preflight_resolves_into_a_read_only_copy_and_leaves_the_users_config_as
     variant = copy.deepcopy(plan.config)  # a variant (the planner's, the check's twin) is writable
     variant.optim.lr = 1.0
     assert plan.config.optim.lr != 1.0
+
+
+def test_sequence_parallel_size_is_taken_as_parallel_sequence_and_batches_count_data_parallel_ranks(tmp_path):
+    """DeepSpeed's `sequence_parallel_size` is its Ulysses degree: taken into `parallel.sequence` where
+    the run config leaves it unset (harness runs ALST for it), refused where the two differ; the batch
+    arithmetic counts the data-parallel ranks (world / degree), as DeepSpeed's own config does under ALST."""
+    path = _file(tmp_path, {"zero_optimization": {"stage": 2}, "sequence_parallel_size": 2, "train_batch_size": 8})
+    plan, cfg = _plan(path)  # world 2: one data-parallel rank
+    assert cfg.parallel.sequence == 2 and "parallel.sequence=2 (from" in " ".join(plan.taken)
+    assert cfg.grad_accum * cfg.micro_batch_size == 8 and plan.deepspeed["train_batch_size"] == 8
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size=2 contradicts the run config's parallel.sequence=1"):
+        _plan(path, ["parallel.sequence=1"])
+    plan, _ = _plan(_file(tmp_path, {"zero_optimization": {"stage": 2}}), ["parallel.sequence=2", "grad_accum=3"])
+    assert plan.deepspeed["sequence_parallel_size"] == 2 and plan.deepspeed["train_batch_size"] == plan.config.micro_batch_size * 3
+    assert "sequence_parallel_size" not in _plan(_file(tmp_path, {"zero_optimization": {"stage": 2}}))[0].deepspeed
