@@ -49,16 +49,30 @@ def _last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+def _preparing(outs: list[tuple[str, str]]) -> list[str]:
+    """The stdout of each process that tokenized (the other waited for it)."""
+    return [o for o, _ in outs if "[harness] data: " in o and " tokens (train " in o]
+
+
 @pytest.fixture(scope="module")
-def prepared(corpus, tmp_path_factory) -> tuple[Path, dict]:
-    """One complete preparation by the command (its cache directory, its JSON line): the CLI test
-    reads it, and the killed-preparation test compares its redone streams against it."""
+def prepared(corpus, tmp_path_factory) -> tuple[Path, dict, list[tuple[str, str]]]:
+    """Two preparers of one cache started at once, by the command: one tokenizes, the other waits for
+    it. Returns the cache directory, the tokenizing one's JSON line and both outputs: the two-preparer
+    test reads the outputs, the CLI test the line, and the killed-preparation test compares its redone
+    streams against the cache."""
     cache = tmp_path_factory.mktemp("prepared")
-    return cache, _last_json(run(_data_cmd(corpus, cache), timeout=600).stdout)
+    procs = [
+        subprocess.Popen(_data_cmd(corpus, cache), cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    tokenized = _preparing(outs)
+    return cache, _last_json(tokenized[0] if tokenized else outs[0][0]), outs
 
 
 def test_cli_prints_the_cache_as_its_last_line(corpus, prepared):
-    cache, info = prepared
+    cache, info, _ = prepared
     assert info["tokens"] == sum(info["tokens_per_split"].values()) > 1_000_000
     assert info["seconds"] > 0 and info["tokens_per_s"] > 0 and info["bytes"] > 5_000_000
     assert (Path(info["cache"]) / "meta.json").is_file()
@@ -86,16 +100,10 @@ def test_a_preparation_killed_midway_is_redone_not_trusted(corpus, prepared, tmp
         assert (Path(info["cache"]) / f"{split}.bin").read_bytes() == (Path(clean["cache"]) / f"{split}.bin").read_bytes()
 
 
-def test_two_preparers_of_one_cache_tokenize_once(corpus, tmp_path):
-    procs = [
-        subprocess.Popen(_data_cmd(corpus, tmp_path), cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
-    outs = [p.communicate(timeout=600) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    prepared = [o for o, _ in outs if "[harness] data: " in o and " tokens (train " in o]
+def test_two_preparers_of_one_cache_tokenize_once(prepared):
+    outs = prepared[2]
     waited = [o for o, _ in outs if "waiting for" in o and "to finish preparing the data cache" in o]
-    assert len(prepared) == 1 and len(waited) == 1
+    assert len(_preparing(outs)) == 1 and len(waited) == 1, outs
     assert _last_json(outs[0][0])["cache"] == _last_json(outs[1][0])["cache"]
 
 
