@@ -108,15 +108,23 @@ def _next_probe(lo: Probe | None, hi: Probe, step: int, gpu_mem: int, cpu_mem: i
     return guess if lo.seq_len < guess < hi.seq_len else middle
 
 
+GROWTH_LIMIT = 4  # at most this many times the longest fitting probe, per probe, while growing
+
+
 def _beyond(a: Probe, b: Probe, step: int, gpu_mem: int, cpu_mem: int | None) -> int:
     """Past where the line through two fitting probes crosses the budget (by a tenth), so the next
     probe is most likely the first over it; at least half again ``b`` (a curve the line
-    underestimates still grows geometrically); twice ``b`` when the line does not fall."""
+    underestimates still grows geometrically); twice ``b`` when the line does not fall. Never
+    more than `GROWTH_LIMIT` times ``b``: where the peak is a moment the sequence barely moves (the
+    optimizer step's, while activations are small) the line is nearly flat and crosses the budget
+    millions of tokens out, and a probe there traces a step that long (SmolLM2 with recomputation
+    on a 2.5 GiB budget: its third probe was 16M tokens, still tracing after 15 minutes)."""
     m_a, m_b = _margin(a, gpu_mem, cpu_mem), _margin(b, gpu_mem, cpu_mem)
     if m_a <= m_b:
         return 2 * b.seq_len
     cross = b.seq_len + (b.seq_len - a.seq_len) * m_b / (m_a - m_b)
-    return -(-int(max(cross * 1.1, b.seq_len * 1.5, b.seq_len + step)) // step) * step
+    far = -(-int(max(cross * 1.1, b.seq_len * 1.5, b.seq_len + step)) // step) * step
+    return min(far, GROWTH_LIMIT * b.seq_len)
 
 
 def max_seq_len(

@@ -52,6 +52,18 @@ def test_a_curved_step_falls_back_to_bisection_and_stays_exact(monkeypatch) -> N
     assert len(search.probes) <= 20
 
 
+def test_a_flat_stretch_does_not_send_a_probe_millions_of_tokens_out(monkeypatch) -> None:
+    """The peak is the optimizer step's (model state) until activations outgrow it: the first probes
+    barely differ, and the line through them crosses the budget millions of tokens out. The search
+    grows at most 4x per probe and still lands on the exact boundary."""
+    need = lambda s: max(2 * GIB + 8 * s, GIB + 300_000 * s)  # flat (8 B/token), then activations dominate
+    search = _search(monkeypatch, need, gpu=int(2.4 * GIB), start=256)
+    assert search.longest == _brute(lambda s: need(s) <= int(2.4 * GIB), 256)
+    grown = [p.seq_len for p in search.probes]
+    assert max(grown) <= 4 * search.longest, grown
+    assert len(grown) <= 12, grown
+
+
 def test_host_memory_bounds_the_answer_too(monkeypatch) -> None:
     device, host = (lambda s: 20 * GIB + 1000 * s), (lambda s: 8 * GIB + 50_000 * s)  # offloaded bytes grow on the host
     search = _search(monkeypatch, device, host, cpu=64 * GIB)
