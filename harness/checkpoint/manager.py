@@ -388,7 +388,7 @@ class CheckpointManager:
             kind=self.engine.kind,
             strategy=self.strategy.name,
             zero_stage=self.engine.zero_stage,
-            global_batch=cfg.micro_batch_size * cfg.grad_accum * self.info.world_size // cfg.parallel.sequence,
+            global_batch=cfg.micro_batch_size * cfg.grad_accum * cfg.parallel.data_world(self.info.world_size),
             model=cfg.model.name,
             precision=cfg.precision,
             config=config_to_dict(cfg),

@@ -334,7 +334,7 @@ def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: b
     check_optimizer_in_backward(cfg, strategy.kind, world)
     check_cpu_offload_world(cfg, strategy.kind, world)
     check_sequence_parallel(cfg, strategy, world)
-    check_batch(cfg, world // cfg.parallel.sequence)  # the data-parallel world: a sequence group reads one rank's samples
+    check_batch(cfg, cfg.parallel.data_world(world))
     check_prune_config(cfg, world)
     check_lora(cfg, strategy.kind, strategy.zero_stage)
     # A DeepSpeed file's contradictions and 'auto' holes are refused where its dict is resolved, once:

@@ -238,7 +238,7 @@ def resolve_deepspeed_config(
     sequence = cfg.parallel.sequence
     if sequence > 1 or "sequence_parallel_size" in ds:  # DeepSpeed's Ulysses degree (ALST): parallel.sequence
         _settle(ds, "sequence_parallel_size", sequence, "parallel.sequence", problems, filled)
-    data_world = world_size // sequence if world_size % sequence == 0 else world_size  # (the config checks refuse the rest)
+    data_world = cfg.parallel.data_world(world_size)
     _settle(
         ds,
         "train_batch_size",

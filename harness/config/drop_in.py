@@ -103,7 +103,7 @@ def _derived_batch(strategy: Strategy, cfg: RunConfig, world: int, fixed: set[st
     tbs = strategy.raw.get("train_batch_size")
     if not _number(tbs) or ("micro_batch_size" in fixed and "grad_accum" in fixed):
         return None
-    world //= max(1, cfg.parallel.sequence)  # DeepSpeed's world here is the data-parallel one: a sequence group reads one sample
+    world = cfg.parallel.data_world(world)  # DeepSpeed's world here is the data-parallel one
     if "micro_batch_size" in fixed:
         per = cfg.micro_batch_size * world
         key, value = "grad_accum", tbs / per

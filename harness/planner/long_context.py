@@ -14,7 +14,8 @@ logits; packed instruction rows in one process are the exception: transformers' 
 grows with the square, and the bisection below takes over), so the line lands within a step or
 two of the answer and each trace (seconds to a minute at 8B) is spent near it. Where the bytes
 bend (two probes in a row move the same end of the bracket), the next probe bisects, so the search costs about twice a bisection at worst.
-Before a probe fails, the lengths grow along the line through the last two (at least by half).
+Before a probe fails, the lengths grow along the line through the last two (at least by half, at
+most `GROWTH_LIMIT` times).
 """
 
 from __future__ import annotations
