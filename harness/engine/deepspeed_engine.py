@@ -138,6 +138,7 @@ class DeepSpeedEngine(Engine):
         A QLoRA base under ZeRO-3 is built on the host and partitioned onto the device."""
         import deepspeed
 
+        train_collectives_only()  # the first DeepSpeed call of every build
         ds_config = plan.deepspeed_config()
         dtype = _deepspeed_dtype(ds_config)
         if cfg.lora.enabled and cfg.lora.quantize != "none":
@@ -217,7 +218,6 @@ class DeepSpeedEngine(Engine):
             mpu=mpu,
             dist_init_required=False,
         )
-        release_shm_names(info)
         startup = {"load": loaded - started, "engine_init": time.perf_counter() - loaded}
         return cls(plan, engine, loss_fn, cfg.grad_accum, info.device, startup)
 
@@ -273,22 +273,19 @@ class DeepSpeedEngine(Engine):
         return float(self.ds.get_lr()[0])
 
 
-SHM_DIR = "/dev/shm"
+def train_collectives_only() -> None:
+    """Keep DeepSpeed's communicator to torch.distributed's collectives, which are all training uses.
+    On a CPU machine DeepSpeed's communicator otherwise builds and starts `deepspeed_shm_comm`: a C++
+    op JIT-compiled on a machine's first DeepSpeed run (~50 CPU s, before the first step) whose one
+    caller is `inference_all_reduce` (DeepSpeed's inference and AutoTP), and which maps a 69 MB POSIX
+    segment per rank that it never unlinks. DeepSpeed decides by its probed `__compatible_ops__`,
+    one dict kept so that edits to it hold; an op it cannot build there (a GPU machine's) is
+    unaffected. Call before DeepSpeed's communicator starts."""
+    import deepspeed.ops
 
-
-def release_shm_names(info: DistInfo) -> None:
-    """DeepSpeed's CPU all-reduce (`deepspeed_shm_comm`, when every rank is on one host) creates one
-    POSIX shared-memory segment per rank (69 MB, `deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`),
-    maps every rank's while its communication starts, and never unlinks them: each run left them in
-    /dev/shm, RAM held until reboot. Once every rank has mapped them (the barrier: DeepSpeed's
-    initialize has returned everywhere), each rank removes its own segment's name; the mappings stay
-    valid until the processes end, and nothing is left whichever way they end."""
-    if info.device.type != "cpu" or not dist.is_initialized() or dist.get_world_size() < 2:
-        return
-    dist.barrier()
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(SHM_DIR, f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"))
+    probed = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(probed, dict):
+        probed["deepspeed_shm_comm"] = False
 
 
 def deepspeed_lr_scheduler(ds_config: dict[str, Any], cfg: RunConfig) -> Any:

@@ -109,7 +109,9 @@ def test_two_ranks_shard_and_match_world_one(workspace, strategy, launcher):
         cmd[cmd.index("--config_file") : cmd.index("--config_file") + 2] = ACCELERATE_FSDP_FLAGS
     proc = run(cmd)
     assert f"{workspace['n_params']:,} params" in proc.stdout  # the whole model's size, however it is sharded
-    # DeepSpeed's CPU all-reduce segments (one per rank, named by the rendezvous port) are not left in /dev/shm
+    # DeepSpeed's inference all-reduce op is not started (`train_collectives_only`): no build, and none of
+    # its segments (one per rank, named by the rendezvous port) in /dev/shm
+    assert "shm_comm_op built successfully" not in proc.stdout + proc.stderr
     port = (
         next(a.split("=")[1] for a in cmd if a.startswith("--master_port="))
         if "--main_process_port" not in cmd
