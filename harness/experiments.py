@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import harness.startup  # first: as the program, the imports below run with the garbage collector held
+
+# isort: split
 import yaml
 
 from harness.config import apply_overrides, load_config, parse_yaml
@@ -270,4 +273,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    harness.startup.imports_done()
     sys.exit(main())

@@ -28,6 +28,9 @@ import os
 import sys
 from typing import Any
 
+import harness.startup  # first: as the program, the imports below run with the garbage collector held
+
+# isort: split
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import Strategy, StrategyFacts, load_config, load_strategy, read_config_file, shipped_equivalent
@@ -348,4 +351,5 @@ def _fastest(
 
 
 if __name__ == "__main__":
+    harness.startup.imports_done()
     sys.exit(main())

@@ -20,6 +20,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file by a launcher: make `harness` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import harness.startup  # first: as the program, the imports below run with the garbage collector held
+
+# isort: split
 from safetensors import safe_open
 
 from harness.config import PRUNE_METHOD_FACTS, RunConfig, check_reconstruct_keys, given_in, load_config, load_strategy
@@ -127,4 +130,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    harness.startup.imports_done()
     exit_process(main())

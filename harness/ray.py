@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import harness.startup  # first: as the program, the imports below run with the garbage collector held
 from harness.config import load_config, load_strategy
 from harness.errors import ConfigError, command_errors
 from harness.runner import preflight
@@ -57,4 +58,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    harness.startup.imports_done()
     sys.exit(main())

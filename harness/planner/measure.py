@@ -38,6 +38,9 @@ import sys
 import tempfile
 from typing import Any
 
+import harness.startup  # first: as the program, the imports below run with the garbage collector held
+
+# isort: split
 import torch
 import torch.distributed as dist
 
@@ -282,4 +285,5 @@ def _repo_root() -> str:
 
 
 if __name__ == "__main__":
+    harness.startup.imports_done()
     sys.exit(_main())
