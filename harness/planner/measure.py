@@ -210,6 +210,7 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         for overrides in runs:
             mine = measure_config(overrides, args.steps, args.vocab_size, not args.no_trainer_view, args.allocator, not args.no_dispatch)
+            gc.freeze()  # what outlived the config's engine (modules it imported, their caches) outlives the process's configs
             if dist.is_initialized() and dist.get_world_size() > 1:
                 gathered: list[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, mine)
