@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import harness
 import harness.startup as startup
 
-HARNESS_DIR = Path(harness.__file__).parent
+HARNESS_DIR = Path(startup.__file__).parent
 
 
 def _main_module(spec_name: str | None = None, file: str | None = None) -> types.ModuleType:
