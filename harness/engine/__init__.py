@@ -21,7 +21,7 @@ from harness.distributed import is_deepspeed_engine, unwrap  # re-exported: prun
 from harness.engine import deepspeed_engine, torch_engine
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.build import build_engine, load_model
-from harness.engine.deepspeed_engine import DeepSpeedEngine
+from harness.engine.deepspeed_engine import DeepSpeedEngine, train_collectives_only
 from harness.engine.finite import weights_finite
 from harness.engine.parallelize import apply_memory_techniques, fsdp_wrap, sequence_group
 from harness.engine.plan import EnginePlan, hidden_size_of, plan_engine
@@ -67,5 +67,6 @@ __all__ = [
     "read_model_weights",
     "weights_finite",
     "shard_of",
+    "train_collectives_only",
     "unwrap",
 ]

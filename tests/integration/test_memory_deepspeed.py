@@ -26,12 +26,13 @@ def _worker(out_path: str) -> None:
 
     from harness.config import RunConfig, load_strategy, resolve_deepspeed_config
     from harness.distributed import init_distributed, teardown
-    from harness.engine import memory_storage
+    from harness.engine import memory_storage, train_collectives_only
     from harness.memory import StepMemoryTracker, optimizer_state_bytes
     from harness.models import build_model
     from harness.training import causal_lm_loss
 
     init_distributed("cpu", force_group=True)
+    train_collectives_only()  # as the engine does: DeepSpeed's inference all-reduce op is not built
     cfg = RunConfig()
     cfg.micro_batch_size, cfg.grad_accum = 2, 1
     ids = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))

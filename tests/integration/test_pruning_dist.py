@@ -3,8 +3,9 @@ that survive training under each.
 
 One worker process per rank runs every strategy in turn, wrapping the models the way the
 trainer does (fully_shard per block then root with bf16 compute; deepspeed.initialize with
-AdamW; DDP). World 1 accumulates 2 micro-batches per probe step, world 2 runs one per rank,
-so both see the same global micro-batches. Masks are saved per rank and compared after
+torch's AdamW as the client optimizer and DeepSpeed's communicator kept to training's
+collectives, so no DeepSpeed op is JIT-built; DDP). World 1 accumulates 2 micro-batches per
+probe step, world 2 runs one per rank, so both see the same global micro-batches. Masks are saved per rank and compared after
 loading both into one single-process model (which also checks cross-world loading).
 
 Models for ZeRO and DDP have intermediate_size 175, so the 175x64 gate/up matrices are cut
@@ -173,6 +174,7 @@ def _torch_strategy(strategy: str, out: str, comm, results: dict) -> None:
 def _deepspeed_strategy(strategy: str, out: str, comm, results: dict) -> None:
     import deepspeed
 
+    from harness.engine import train_collectives_only
     from harness.models import build_model
 
     accum = 2 // comm.world
@@ -184,13 +186,14 @@ def _deepspeed_strategy(strategy: str, out: str, comm, results: dict) -> None:
         "gradient_accumulation_steps": accum,
         "train_batch_size": 2,
         "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
         "steps_per_print": 10**9,
         "bf16": {"enabled": False},
         "fp16": {"enabled": False},
     }
     model = build_model("tiny-llama", config_overrides=OVERRIDES[strategy])
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    train_collectives_only()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
     def step(micro: list[torch.Tensor]) -> None:
         engine.train()
