@@ -96,7 +96,7 @@ RUNGS: tuple[Rung, ...] = (
             "precision=bf16",  # DeepSpeed keeps fp32 masters
             "memory.optimizer_in_backward=false",
             "optim.grad_clip={grad_clip}",
-            # the planner splits sequences on the torch engines only (`candidates.runs_with`): whole sequences again
+            # ALST with offload was not run here (`long_context.splits_sequences`): whole sequences again
             "parallel.sequence=1",
             "grad_accum={grad_accum}",
         ),

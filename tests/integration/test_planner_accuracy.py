@@ -194,6 +194,30 @@ def test_sequence_parallel_within_3_percent(measured_peaks) -> None:
     _check(SEQUENCE_RUNS, 2, measured_peaks)
 
 
+# DeepSpeed's own Ulysses (ALST) at world 2: a long row, where the split matters. ALST's groups are
+# process-wide, made once, so each config is its own launch.
+ALST_RUNS = [
+    ["strategy=zero2", "model.name=tiny-llama", "micro_batch_size=1", "data.seq_len=1024", "precision=fp32", "parallel.sequence=2"],
+    [
+        "strategy=zero3",
+        "model.name=tiny-llama",
+        "micro_batch_size=1",
+        "data.seq_len=1024",
+        "precision=bf16",
+        "memory.activation_checkpointing=full",
+        "parallel.sequence=2",
+    ],
+]
+
+
+@pytest.mark.parametrize("run", ALST_RUNS, ids=["zero2-fp32", "zero3-bf16-ac"])
+def test_deepspeed_ulysses_alst_within_3_percent(run: list[str]) -> None:
+    """The planner traces harness's own Ulysses; DeepSpeed runs ALST. The trace holds for ALST's layout."""
+    results = launch([run], 2, steps=2, vocab_size=VOCAB, trainer_view=False, timeout=600.0)
+    measured = {tuple(run): max(rank["peak"] for rank in results[0])}
+    _check([run], 2, lambda world: measured)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_packed_instruction_rows_within_3_percent(world: int, measured_peaks) -> None:
     """Packed instruction rows: the measured step is fed (input_ids, labels, positions) blocks of four
