@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import harness.startup  # first: as the program, the imports below run with the garbage collector held
+from harness import imports_done  # the package first: as the program, the imports below run with the collector held
 from harness.checkpoint import check_export_target, export_hf, resolve_checkpoint_path, unreadable_as_checkpoint_error, verified_meta
 from harness.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT, CheckpointError, ConfigError, command_errors
 
@@ -50,5 +50,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    harness.startup.imports_done()
+    imports_done()
     sys.exit(main())

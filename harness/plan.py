@@ -28,7 +28,7 @@ import os
 import sys
 from typing import Any
 
-import harness.startup  # first: as the program, the imports below run with the garbage collector held
+from harness import imports_done  # the package first: as the program, the imports below run with the collector held
 
 # isort: split
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -351,5 +351,5 @@ def _fastest(
 
 
 if __name__ == "__main__":
-    harness.startup.imports_done()
+    imports_done()
     sys.exit(main())

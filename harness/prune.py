@@ -20,7 +20,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file by a launcher: make `harness` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import harness.startup  # first: as the program, the imports below run with the garbage collector held
+from harness import imports_done  # the package first: as the program, the imports below run with the collector held
 
 # isort: split
 from safetensors import safe_open
@@ -130,5 +130,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    harness.startup.imports_done()
+    imports_done()
     exit_process(main())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import harness.startup  # first: as the program, the imports below run with the garbage collector held
+from harness import imports_done  # the package first: as the program, the imports below run with the collector held
 from harness.config import load_config, load_strategy
 from harness.errors import ConfigError, command_errors
 from harness.runner import preflight
@@ -58,5 +58,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    harness.startup.imports_done()
+    imports_done()
     sys.exit(main())

@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 
-import harness.startup  # first: as the program, the imports below run with the garbage collector held
+from harness import imports_done  # the package first: as the program, the imports below run with the collector held
 from harness.config import check_run, load_config, load_strategy
 from harness.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError, command_errors
 from harness.scaleout import SlurmJob, render_sbatch
@@ -91,5 +91,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    harness.startup.imports_done()
+    imports_done()
     sys.exit(main())

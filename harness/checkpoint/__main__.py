@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-import harness.startup  # first: as the program, the imports below run with the garbage collector held
+from harness import imports_done  # the package first: as the program, the imports below run with the collector held
 from harness.checkpoint.layout import checkpoint_root, complete_checkpoints, latest_checkpoint, read_meta
 from harness.errors import EXIT_CHECKPOINT, EXIT_OK
 
@@ -25,5 +25,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    harness.startup.imports_done()
+    imports_done()
     sys.exit(main())

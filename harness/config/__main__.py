@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import harness.startup  # first: as the program, the imports below run with the garbage collector held
+from harness import imports_done  # the package first: as the program, the imports below run with the collector held
 from harness.config.reference import reference_markdown
 
 
@@ -22,5 +22,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    harness.startup.imports_done()
+    imports_done()
     sys.exit(main())

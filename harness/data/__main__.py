@@ -15,7 +15,7 @@ import resource
 import sys
 import time
 
-import harness.startup  # first: as the program, the imports below run with the garbage collector held
+from harness import imports_done  # the package first: as the program, the imports below run with the collector held
 from harness.config import load_config
 from harness.data.cache import is_complete, load_packed, prepare_data
 from harness.errors import command_errors
@@ -59,5 +59,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    harness.startup.imports_done()
+    imports_done()
     sys.exit(main())

@@ -38,7 +38,7 @@ import sys
 import tempfile
 from typing import Any
 
-import harness.startup  # first: as the program, the imports below run with the garbage collector held
+from harness import imports_done  # the package first: as the program, the imports below run with the collector held
 
 # isort: split
 import torch
@@ -286,5 +286,5 @@ def _repo_root() -> str:
 
 
 if __name__ == "__main__":
-    harness.startup.imports_done()
+    imports_done()
     sys.exit(_main())

@@ -1,4 +1,4 @@
-"""`harness.startup`: the collector is held only when a harness entry point is the program, and
+"""The `harness` package at import: the collector is held only when a harness entry point is the program, and
 `imports_done()` freezes the imports and turns collection back on (in this process: every
 change undone)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import harness.startup as startup
+import harness as startup
 
 HARNESS_DIR = Path(startup.__file__).parent
 
@@ -38,6 +38,16 @@ def _main_module(spec_name: str | None = None, file: str | None = None) -> types
 )
 def test_only_a_harness_entry_point_as_the_program_holds_the_collector(monkeypatch, main, entry) -> None:
     monkeypatch.setitem(sys.modules, "__main__", main)
+    assert startup._program_is_a_harness_entry_point() is entry
+
+
+@pytest.mark.parametrize(
+    ("orig_argv", "entry"), [(["python", "-u", "-m", "harness.planner.measure", "--runs"], True), (["python", "-m", "pytest"], False)]
+)
+def test_python_dash_m_is_read_from_the_command_line_while_runpy_imports_the_package(monkeypatch, orig_argv, entry) -> None:
+    monkeypatch.setitem(sys.modules, "__main__", _main_module())
+    monkeypatch.setattr(sys, "argv", ["-m"])
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
     assert startup._program_is_a_harness_entry_point() is entry
 
 
