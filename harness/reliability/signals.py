@@ -6,8 +6,11 @@ A run has two halves, and a stop means something different in each:
   extension build lock, preparing data, loading and sharding the model): there is nothing to
   save, so a stop ends the run at once. The handler raises `StopRequested` naming the phase;
   the command prints one line and exits 0 (`harness.errors`), on every rank that got the
-  signal. A main thread blocked inside C (a rendezvous, a collective waiting for a peer) runs
-  no Python handler until the call returns, so a watcher thread reads the signal from
+  signal. Python runs the handler wherever the main thread is, a finalizer included (a weakref
+  callback, a `__del__`), and swallows what a finalizer raises: the stop is then sent again, to
+  be raised where the main thread goes next (`_rearm_swallowed_stop`). A main thread blocked
+  inside C (a rendezvous, a collective waiting for a peer) runs no Python handler until the
+  call returns, so a watcher thread reads the signal from
   `signal.set_wakeup_fd` and, if the main thread has not left within `HARNESS_STOP_GRACE_S`
   (5 s), prints the same line and exits the process with 0 itself.
 - **Once steps run** (training, pruning, fine-tuning, the final save): the handler only records
@@ -20,11 +23,14 @@ SIGUSR2 asks for the next step's memory split by category
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
 import socket
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,7 +40,8 @@ from harness.log import ALL_RANKS, get_logger
 log = get_logger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-_SIGNAL: dict[str, Any] = {"received": None, "phase": None}  # phase: what runs before the first step; None once steps run
+# phase: what runs before the first step, None once steps run; unraisablehook: the one stop_requests replaced
+_SIGNAL: dict[str, Any] = {"received": None, "phase": None, "unraisablehook": sys.__unraisablehook__}
 
 
 def _on_signal(signum: int, frame: Any) -> None:
@@ -47,6 +54,26 @@ def _on_signal(signum: int, frame: Any) -> None:
             raise KeyboardInterrupt
         os.write(2, b"[harness] Ctrl-C: stopping at the next step boundary with a checkpoint (Ctrl-C again to abort without one)\n")
     _SIGNAL["received"] = signum  # acted on at the next step boundary, by every rank together
+
+
+def _rearm_swallowed_stop(unraisable: Any) -> None:
+    """`sys.unraisablehook` while stop requests are honoured: the handler's exception raised inside a
+    finalizer is discarded by Python (printed as "Exception ignored in"), which would lose the stop.
+    The signal is sent again instead, from a new thread once this hook has returned (sent from the
+    main thread, Python would run the handler at once, still inside the finalizer): the handler then
+    runs where the main thread goes next and raises there. Anything else goes to the previous hook."""
+    signum = _SIGNAL["received"]
+    ours = unraisable.exc_type is StopRequested or (unraisable.exc_type is KeyboardInterrupt and signum == signal.SIGINT)
+    if ours and signum is not None:
+        _thread.start_new_thread(_send_again, (signum,))  # not threading.Thread: its start() waits on the main thread
+        return
+    _SIGNAL["unraisablehook"](unraisable)
+
+
+def _send_again(signum: int, after_s: float = 0.01) -> None:
+    time.sleep(after_s)
+    if _SIGNAL["received"] == signum:  # still this run's stop, not a later caller's handlers
+        os.kill(os.getpid(), signum)
 
 
 def stop_line(signum: int, phase: str) -> str:
@@ -128,8 +155,9 @@ def stop_requests(phase: str = "starting") -> Iterator[None]:
     grace_s = env_seconds("HARNESS_STOP_GRACE_S", 5.0)
     saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     saved_state = dict(_SIGNAL)
-    _SIGNAL.update(received=None, phase=phase)
+    _SIGNAL.update(received=None, phase=phase, unraisablehook=sys.unraisablehook)
     install_signal_handlers()
+    sys.unraisablehook = _rearm_swallowed_stop
     watch = _BlockedMainWatch(grace_s)
     try:
         yield
@@ -137,6 +165,7 @@ def stop_requests(phase: str = "starting") -> Iterator[None]:
         watch.close()
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+        sys.unraisablehook = _SIGNAL["unraisablehook"]
         _SIGNAL.update(saved_state)
 
 

@@ -14,8 +14,10 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -170,6 +172,66 @@ def test_class2_a_stop_before_the_first_step_ends_the_phase_at_once_naming_it():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)
     assert signal.getsignal(signal.SIGTERM) is before and not signals.signal_received()  # restored for the next caller
+
+
+class _Finalized:
+    """An object whose finalizer is where the stop signal's handler runs: it sends the signal and
+    runs on, so the handler raises inside the finalizer, where Python swallows exceptions."""
+
+    def __init__(self, sig: int, via_weakref: bool):
+        self.sig = sig
+        if via_weakref:
+            self.ref = weakref.ref(_Referent(), self._finalize)  # the referent dies at once
+
+    def _finalize(self, *_: object) -> None:
+        signal.raise_signal(self.sig)  # the handler runs on this call's return, inside the finalizer
+        for _ in range(100):
+            pass
+
+    def __del__(self) -> None:
+        if not hasattr(self, "ref"):
+            self._finalize()
+
+
+class _Referent:
+    pass
+
+
+@pytest.mark.parametrize("via_weakref", [True, False], ids=["weakref-callback", "__del__"])
+def test_class2_a_stop_raised_inside_a_finalizer_is_not_swallowed(capfd, monkeypatch, via_weakref):
+    """Python swallows what a finalizer raises (a weakref callback, `__del__`), printing "Exception
+    ignored in": a stop handled there would be lost and leave a traceback. It is raised where the
+    main thread goes next, and nothing is printed; other unraisable errors still reach the previous hook."""
+    monkeypatch.setenv("HARNESS_STOP_GRACE_S", "60")  # the watcher's exit would hide a lost stop (and end pytest)
+    seen = []
+    previous, hook = sys.unraisablehook, seen.append
+    sys.unraisablehook = hook
+    try:
+        with signals.stop_requests("preparing the data"):
+            t0 = time.monotonic()
+            with pytest.raises(StopRequested, match=r"\(SIGTERM\) while preparing the data"):
+                _Finalized(signal.SIGTERM, via_weakref)
+                while time.monotonic() - t0 < 10:  # the phase goes on in Python, as a tokenizer does
+                    pass
+            assert time.monotonic() - t0 < 2
+            _Raising()  # an error that is not a stop: the previous hook gets it
+            signals.steps_begin()
+            os.kill(os.getpid(), signal.SIGINT)  # once steps run: the first Ctrl-C is recorded, a second aborts
+            time.sleep(0.05)
+            with pytest.raises(KeyboardInterrupt):
+                _Finalized(signal.SIGINT, via_weakref)
+                time.sleep(2)
+        assert [u.exc_type for u in seen] == [ValueError]
+        assert sys.unraisablehook is hook  # restored
+    finally:
+        sys.unraisablehook = previous
+    err = capfd.readouterr().err
+    assert "Exception ignored" not in err and "Traceback" not in err, err
+
+
+class _Raising:
+    def __del__(self) -> None:
+        raise ValueError("a finalizer's own error")
 
 
 def test_class2_once_steps_run_a_stop_is_only_recorded_for_the_step_boundary():
