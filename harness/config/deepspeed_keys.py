@@ -15,6 +15,10 @@ from typing import Any
 from harness.errors import did_you_mean
 
 OUR_DEEPSPEED_KEYS = {"comment"}  # harness's own keys a DeepSpeed file may carry (DeepSpeed ignores them)
+# Keys DeepSpeed's config reads only inside a live process group (`DeepSpeedConfig.__init__`, past
+# `dist.get_rank()`), where the empty-dict probe below never gets: the Ulysses degree, which harness
+# also reads (it is `parallel.sequence`).
+READ_UNDER_A_PROCESS_GROUP = {"sequence_parallel_size"}
 # An unknown top-level key this close to one DeepSpeed reads is taken for a misspelling (refused:
 # `zero_optimisation` would silently train at stage 0); any other DeepSpeed ignores, and so do we (warned).
 MISSPELLING_CUTOFF = 0.8
@@ -147,7 +151,7 @@ def key_problems(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
     silently at ZeRO stage 0), else a warning: DeepSpeed ignores it (`_comment`,
     `cuda_visible_devices`), and so does harness. Inside zero_optimization every key must be one
     DeepSpeed's own model declares (DeepSpeed itself refuses any other)."""
-    top = set(deepspeed_top_level_keys()) | OUR_DEEPSPEED_KEYS
+    top = set(deepspeed_top_level_keys()) | OUR_DEEPSPEED_KEYS | READ_UNDER_A_PROCESS_GROUP
     problems, warnings = [], []
     for key in raw:
         if key in top:

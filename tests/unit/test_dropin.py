@@ -398,6 +398,7 @@ def test_sequence_parallel_size_is_taken_as_parallel_sequence_and_batches_count_
     path = _file(tmp_path, {"zero_optimization": {"stage": 2}, "sequence_parallel_size": 2, "train_batch_size": 8})
     plan, cfg = _plan(path)  # world 2: one data-parallel rank
     assert cfg.parallel.sequence == 2 and "parallel.sequence=2 (from" in " ".join(plan.taken)
+    assert not plan.deepspeed_ignored  # read by DeepSpeed inside a process group, where the key probe does not reach
     assert cfg.grad_accum * cfg.micro_batch_size == 8 and plan.deepspeed["train_batch_size"] == 8
     with pytest.raises(ConfigError, match=r"sequence_parallel_size=2 contradicts the run config's parallel.sequence=1"):
         _plan(path, ["parallel.sequence=1"])
