@@ -19,6 +19,9 @@ OUR_DEEPSPEED_KEYS = {"comment"}  # harness's own keys a DeepSpeed file may carr
 # `dist.get_rank()`), where the empty-dict probe below never gets: the Ulysses degree, which harness
 # also reads (it is `parallel.sequence`).
 READ_UNDER_A_PROCESS_GROUP = {"sequence_parallel_size"}
+# Other tools' blocks that look like a misspelling of a DeepSpeed key but are not one: ignored by
+# DeepSpeed (warned), and refused by `layout_problems` where they would change the layout.
+OTHER_TOOLS_BLOCKS = {"sequence_parallel"}  # LLaMA-Factory's ALST block, beside DeepSpeed's sequence_parallel_size
 # An unknown top-level key this close to one DeepSpeed reads is taken for a misspelling (refused:
 # `zero_optimisation` would silently train at stage 0); any other DeepSpeed ignores, and so do we (warned).
 MISSPELLING_CUTOFF = 0.8
@@ -156,7 +159,7 @@ def key_problems(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
     for key in raw:
         if key in top:
             continue
-        if not key.startswith("_") and did_you_mean(key, sorted(top), cutoff=MISSPELLING_CUTOFF):
+        if not key.startswith("_") and key not in OTHER_TOOLS_BLOCKS and did_you_mean(key, sorted(top), cutoff=MISSPELLING_CUTOFF):
             problems.append(_unknown_key("", key, top))
         else:
             warnings.append(f"'{key}' is not a key DeepSpeed reads; DeepSpeed ignores it, and so does harness")
