@@ -26,7 +26,7 @@ from torch import nn
 from harness.config import OptimConfig, RunConfig
 from harness.distributed import DistInfo
 from harness.engine.base import Engine, LossFn, StepResult
-from harness.engine.deepspeed_ulysses import alst_groups, alst_loss_divisor
+from harness.engine.deepspeed_ulysses import alst_groups, alst_loss_divisor, checkpoint_io
 from harness.engine.extension_lock import guarded_builds
 from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, lora_base
 from harness.engine.plan import EnginePlan
@@ -86,7 +86,8 @@ class DeepSpeedEngine(Engine):
 
         client = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
         # an adapters-only checkpoint: no quantization state of the frozen base either
-        with without_quantization_state(self.module) if self.trainable_only else contextlib.nullcontext():
+        quantization = without_quantization_state(self.module) if self.trainable_only else contextlib.nullcontext()
+        with quantization, checkpoint_io(self.ds):
             self.ds.save_checkpoint(
                 os.path.join(directory, "ds"),
                 tag=DS_TAG,
@@ -97,7 +98,8 @@ class DeepSpeedEngine(Engine):
 
     def load_state(self, directory: str, saved_world_size: int, is_main: bool) -> None:
         if saved_world_size == dist.get_world_size():
-            loaded, _ = self.ds.load_checkpoint(os.path.join(directory, "ds"), tag=DS_TAG, load_module_strict=not self.trainable_only)
+            with checkpoint_io(self.ds):
+                loaded, _ = self.ds.load_checkpoint(os.path.join(directory, "ds"), tag=DS_TAG, load_module_strict=not self.trainable_only)
         else:
             universal = os.path.join(directory, DS_UNIVERSAL)
             if is_main and not os.path.isdir(universal):
@@ -108,7 +110,8 @@ class DeepSpeedEngine(Engine):
             dist.barrier()
             self.ds._config.load_universal_checkpoint = True  # read by load_checkpoint only
             try:
-                loaded, _ = self.ds.load_checkpoint(universal, tag=DS_TAG, load_module_strict=not self.trainable_only)
+                with checkpoint_io(self.ds):
+                    loaded, _ = self.ds.load_checkpoint(universal, tag=DS_TAG, load_module_strict=not self.trainable_only)
             finally:
                 self.ds._config.load_universal_checkpoint = False
         if loaded is None:

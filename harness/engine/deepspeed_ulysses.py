@@ -15,6 +15,8 @@ examples would attend to each other (the config checks refuse that combination).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -51,3 +53,45 @@ def alst_loss_divisor(degree: int, zero_stage: int) -> int:
     gradients by the data-parallel size (world / degree), i.e. they sum over a sequence group, so
     the loss is divided by the degree; ZeRO-3 divides by the whole world, as harness's loss expects."""
     return degree if degree > 1 and zero_stage < 3 else 1
+
+
+class _NoTensorParallel:
+    """ALST's parallel state as DeepSpeed's checkpoint IO must see it: no tensor parallelism.
+    Without it, DeepSpeed takes ALST's sequence group for a tensor-parallel one there: the saved
+    checkpoint declares `tp_degree` = the sequence degree beside one model file (its converter then
+    refuses it), and the universal loader asks for a tensor-parallel size ALST's module does not
+    have (AttributeError) and would load a slice of every parameter. Everything else is ALST's."""
+
+    def __init__(self, mpu: Any):
+        self._mpu = mpu
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mpu, name)
+
+    @staticmethod
+    def get_tensor_model_parallel_rank() -> int:
+        return 0
+
+    @staticmethod
+    def get_tensor_model_parallel_world_size() -> int:
+        return 1
+
+
+@contextlib.contextmanager
+def checkpoint_io(ds_engine: Any) -> Iterator[None]:
+    """Save or load a checkpoint under ALST as plain data-parallel ZeRO state (resumable at another
+    sequence degree or world size): the engine's and the optimizer's `mpu` say "no tensor
+    parallelism" for the IO only. Training keeps ALST's, whose model-parallel group (the sequence
+    group) DeepSpeed reduces the gradient norm over."""
+    holders = [h for h in (ds_engine, getattr(ds_engine, "optimizer", None)) if getattr(h, "mpu", None) is not None]
+    saved = [h.mpu for h in holders]
+    if not holders or any(hasattr(m, "get_tensor_model_parallel_world_size") for m in saved):
+        yield
+        return
+    for holder, mpu in zip(holders, saved):
+        holder.mpu = _NoTensorParallel(mpu)
+    try:
+        yield
+    finally:
+        for holder, mpu in zip(holders, saved):
+            holder.mpu = mpu

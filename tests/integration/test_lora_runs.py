@@ -3,7 +3,7 @@
 One world-1 reference run (tiny Llama, LoRA r=4 on every block linear, 4 steps, checkpoints
 at 2 and 4) and the runs that must agree with it: world 2 under FSDP2 and ZeRO-3
 (same losses; per-rank bytes show gradients and optimizer state for the adapters only; QLoRA's
-NF4 base sharded under both), a
+NF4 base sharded under both), DeepSpeed's Ulysses resumed across sequence degrees, a
 resume from step 2 (bit-exact), the adapter and merged exports (the merged model loads with
 `from_pretrained` and gives the run's own eval loss), and pruning of the merged model. (The
 quantized base refused on a CPU machine before anything starts: a case of test_preflight.py's battery.)
@@ -104,6 +104,29 @@ def test_world_two_matches_world_one_and_shards_adapter_state(ws, ref, counts, s
         assert held["grads"] == pytest.approx(share * 4 * trainable, rel=0.02), (strategy, rank, held)
         assert held["optim_state"] == pytest.approx(share * 8 * trainable, rel=0.02), (strategy, rank, held)
         assert held["params"] == pytest.approx(0.5 * 4 * total, rel=0.1), (strategy, rank, held)
+
+
+def test_lora_under_deepspeed_ulysses_resumes_across_sequence_degrees_as_one_process(ws):
+    """DeepSpeed's own Ulysses (ALST) with LoRA, and its checkpoints across sequence degrees: a
+    world-1 ZeRO-2 run of 6 steps (rows unpacked: ALST's attention would cross packed examples);
+    2 ranks at `sequence_parallel_size: 2` resumed from its step 2 (the state repartitioned through
+    DeepSpeed's universal checkpoint); one process resumed from that run's step 4. Each gives the
+    world-1 run's losses for its steps. Before harness gave DeepSpeed's checkpoint IO a parallel
+    state with no tensor parallelism, the first resume failed (ALST's state has no tensor-parallel
+    size) and the second was refused (the saved checkpoint declared tp_degree=2). ZeRO-3 passed the
+    same chain before and after (its checkpoint IO does not ask): not repeated here."""
+    zero2 = ws["root"] / "zero2.json"
+    zero2.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    alst = ws["root"] / "zero2_sp2.json"
+    alst.write_text(json.dumps({"zero_optimization": {"stage": 2}, "sequence_parallel_size": 2}))
+    rows = {"data.packing": False}
+    whole = lora_run(ws, "alst_ref", 1, f"strategy={zero2}", "steps=6", **rows)
+    split = lora_run(ws, "alst_sp2", 2, f"strategy={alst}", "steps=6", "grad_accum=2", f"checkpoint.resume={step_dir(whole, 2)}", **rows)
+    back = lora_run(ws, "alst_back", 1, f"strategy={zero2}", "steps=6", f"checkpoint.resume={step_dir(split, 4)}", **rows)
+    reference = step_losses(whole)
+    assert len(reference) == 6
+    assert step_losses(split) == pytest.approx(reference[2:], rel=WORLD_RTOL)
+    assert step_losses(back) == pytest.approx(reference[4:], rel=WORLD_RTOL)
 
 
 def test_resume_is_bit_exact_and_the_checkpoint_holds_adapters_only(ws, ref, counts):
