@@ -108,8 +108,10 @@ def verified_meta(path: str) -> CheckpointMeta:
 @contextlib.contextmanager
 def unreadable_as_checkpoint_error(path: str) -> Iterator[None]:
     """Reading checkpoint `path`: any failure of the readers (torch.load's unpickler and zip reader,
-    DCP, DeepSpeed's loaders) on a file whose size is right but whose bytes are not becomes one
-    CheckpointError naming the checkpoint and the file where the reader says it."""
+    DCP, DeepSpeed's loaders) becomes one CheckpointError naming the checkpoint and the file where
+    the reader says it. The manifest has already found every file at its written size, so the
+    bytes are damaged or the reader cannot take them (a DeepSpeed loader refusing a layout): the
+    line says both, not "corrupt", which would send a user to discard a sound checkpoint."""
     try:
         yield
     except (CheckpointError, ConfigError):
@@ -120,7 +122,8 @@ def unreadable_as_checkpoint_error(path: str) -> Iterator[None]:
         lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
         detail = next((ln for ln in reversed(lines) if "Error" in ln), lines[0] if lines else "")[:200]  # DCP: the rank's last error line
         raise CheckpointError(
-            f"checkpoint '{path}' is corrupt: {what} could not be read ({type(exc).__name__}: {detail}); {_ANOTHER}"
+            f"checkpoint '{path}' could not be read: {what} failed ({type(exc).__name__}: {detail}); every file is there at its "
+            f"written size, so its bytes are damaged or this reader cannot take them; {_ANOTHER}"
         ) from None
 
 

@@ -297,7 +297,7 @@ def test_class3_bytes_corrupted_at_the_right_size_are_exit_6_on_export(ws, tmp_p
 
     copy = _damaged(ws, tmp_path, ("write", "dcp/.metadata", os.urandom((ckpt(ws, 4) / "dcp" / ".metadata").stat().st_size)))
     code, stderr, _ = call_entry_point(harness.export.main, [str(copy), "--out", str(tmp_path / "hf")], world1(), monkeypatch, capfd)
-    one_line(code, stderr, 6, "is corrupt", "harness.export")
+    one_line(code, stderr, 6, "could not be read: ", "harness.export")
 
 
 def test_class3_bytes_corrupted_at_the_right_size_name_the_file_on_resume(ws, tmp_path):
