@@ -17,7 +17,7 @@ The command line is ``python -m harness.plan`` (``harness/plan.py``).
 
 from harness.planner.estimate import Estimate, Moment, estimate
 from harness.planner.ladder import MLP_TILE_TOKENS
-from harness.planner.long_context import sequence_degree, splits_sequences
+from harness.planner.long_context import sequence_degree
 from harness.planner.recommend import Recommendation, recommend
 from harness.planner.report import format_estimate, parse_size, verdict
 from harness.planner.trace import PlanError
@@ -33,6 +33,5 @@ __all__ = [
     "parse_size",
     "recommend",
     "sequence_degree",
-    "splits_sequences",
     "verdict",
 ]

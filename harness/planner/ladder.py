@@ -96,9 +96,6 @@ RUNGS: tuple[Rung, ...] = (
             "precision=bf16",  # DeepSpeed keeps fp32 masters
             "memory.optimizer_in_backward=false",
             "optim.grad_clip={grad_clip}",
-            # ALST with offload was not run here (`long_context.splits_sequences`): whole sequences again
-            "parallel.sequence=1",
-            "grad_accum={grad_accum}",
         ),
     ),
     Rung("ZeRO-3 offload: parameters too", ("strategy=zero3_offload",)),
@@ -144,7 +141,7 @@ def rung_overrides(
     """Each rung that applies at ``world`` with the overrides of it and every rung above it.
     ``strategy``: the run's resolved strategy (default DDP), which `{more_sharding}` continues;
     ``sequence``: the sequence-parallel rung's degree (1: no such rung, `sequence_degree`);
-    ``grad_accum``: the user's, which that rung multiplies and the DeepSpeed rungs restore."""
+    ``grad_accum``: the user's, which that rung multiplies."""
     further = more_sharding(StrategyFacts.of(strategy)) if strategy is not None else "fsdp"
     values = {
         "shard": "fsdp" if world > 1 else "ddp",
@@ -152,7 +149,6 @@ def rung_overrides(
         "more_sharding": further,
         "sequence": str(sequence),
         "sequence_accum": str(grad_accum * sequence),
-        "grad_accum": str(grad_accum),
     }
     out, applied = [], []
     for rung in RUNGS:

@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from harness.config import RunConfig, StrategyFacts, check_sequence_heads
+from harness.config import RunConfig, check_sequence_heads
 from harness.errors import ConfigError
 from harness.models import model_config
 from harness.planner.estimate import Estimate, estimate
@@ -33,14 +33,6 @@ from harness.planner.report import Verdict, gib, verdict
 
 SEQ_STEP = 256  # default granularity of the answer, in tokens
 SEQ_LIMIT = 1 << 24  # 16M tokens: the search's ceiling
-
-
-def splits_sequences(facts: StrategyFacts) -> bool:
-    """Whether the planner searches and advises `parallel.sequence` under this strategy: the torch
-    engines (harness's own Ulysses, the layout it traces) and DeepSpeed without offload (ALST, whose
-    per-rank peak the same trace predicts within 3%: test_planner_accuracy). ALST with ZeRO offload
-    was not run here, so offloading DeepSpeed strategies keep whole sequences."""
-    return facts.kind != "deepspeed" or not (facts.offloads_optimizer or facts.offloads_params)
 
 
 def sequence_degree(cfg: RunConfig, world: int, vocab_size: int | None = None) -> int:

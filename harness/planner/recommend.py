@@ -44,7 +44,6 @@ from harness.config import (
 )
 from harness.planner.candidates import SPEED, Candidate, accum_for, candidates, lora_candidates, most_frugal, with_candidate
 from harness.planner.estimate import Estimate, estimate, resolve_vocab, specs_for, walk
-from harness.planner.long_context import splits_sequences
 from harness.planner.model_states import engine_model, fsdp_local_numel
 from harness.planner.report import CUDA_CONTEXT, FRAGMENTATION, LIBRARY_WORKSPACES, NCCL_BUFFERS, gib, verdict
 from harness.planner.trace import ParamInfo, TraceResult, build_fake_model, param_info
@@ -237,11 +236,6 @@ def explain(cfg: RunConfig, chosen: Candidate, evaluate: Any) -> list[str]:
             reasons.append(f"{names[dim]} {theirs} -> {ours}: a shipped strategy the planner can rank")
             continue
         back = replace(chosen, **{dim: theirs})
-        if back.sequence > 1 and not splits_sequences(shipped_facts(back.strategy)):  # as `runs_with` searches
-            if dim == "sequence":
-                reasons.append(f"{names[dim]} {theirs} -> {ours}: {chosen.strategy} (DeepSpeed with offload) runs whole sequences")
-                continue
-            back = replace(back, sequence=1)
         back = replace(back, grad_accum=accum_for(cfg, back.micro_batch, back.sequence))
         ev = evaluate(back)
         if ev.fits:

@@ -21,7 +21,7 @@ import torch
 
 from harness.config import ConfigError, RunConfig, Strategy, StrategyFacts, load_strategy, more_sharding
 from harness.distributed import DistInfo
-from harness.planner import MLP_TILE_TOKENS, estimate, sequence_degree, splits_sequences
+from harness.planner import MLP_TILE_TOKENS, estimate, sequence_degree
 from harness.reliability.guard import StepGuard
 
 
@@ -64,8 +64,8 @@ def candidate_changes(
     run launched without `strategy:` is a DeepSpeed run, never told to become FSDP2. ``long_sequence``
     (activations dominate): then the long-sequence knobs, in the memory ladder's order and with its
     values (`harness.planner.ladder`); checkpoint-input offload only on a GPU (on a CPU the host is
-    the device), sequence parallelism where the planner splits sequences (`splits_sequences`: the torch
-    engines and DeepSpeed without offload), its accumulation keeping the global batch."""
+    the device), sequence parallelism (harness's Ulysses, or DeepSpeed's ALST), its accumulation
+    keeping the global batch."""
     candidates: list[list[tuple[str, Any]]] = []
     if cfg.memory.activation_checkpointing == "none":
         candidates.append([("memory.activation_checkpointing", "full")])
@@ -84,7 +84,7 @@ def candidate_changes(
     offloadable = mem.activation_checkpointing != "none" and not mem.activation_offload and mem.compile == "none"
     if target == "cuda" and offloadable and not mem.offload_checkpoint_inputs:
         candidates.append([("memory.offload_checkpoint_inputs", True)])
-    n = sequence_degree(cfg, world) if strategy is not None and splits_sequences(StrategyFacts.of(strategy)) else 1
+    n = sequence_degree(cfg, world) if strategy is not None else 1
     if n > 1:
         candidates.append([("parallel.sequence", n), ("grad_accum", cfg.grad_accum * n)])
     return candidates

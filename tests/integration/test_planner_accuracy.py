@@ -195,22 +195,17 @@ def test_sequence_parallel_within_3_percent(measured_peaks) -> None:
 
 
 # DeepSpeed's own Ulysses (ALST) at world 2: a long row, where the split matters. ALST's groups are
-# process-wide, made once, so each config is its own launch.
+# process-wide, made once, so each config is its own launch. With offload too (ALST's own recipe).
+_LONG_ROW = ["model.name=tiny-llama", "micro_batch_size=1", "data.seq_len=1024", "parallel.sequence=2"]
+_BF16_AC = ["precision=bf16", "memory.activation_checkpointing=full"]
 ALST_RUNS = [
-    ["strategy=zero2", "model.name=tiny-llama", "micro_batch_size=1", "data.seq_len=1024", "precision=fp32", "parallel.sequence=2"],
-    [
-        "strategy=zero3",
-        "model.name=tiny-llama",
-        "micro_batch_size=1",
-        "data.seq_len=1024",
-        "precision=bf16",
-        "memory.activation_checkpointing=full",
-        "parallel.sequence=2",
-    ],
+    ["strategy=zero2", *_LONG_ROW, "precision=fp32"],
+    ["strategy=zero3", *_LONG_ROW, *_BF16_AC],
+    ["strategy=zero3_offload", *_LONG_ROW, *_BF16_AC],
 ]
 
 
-@pytest.mark.parametrize("run", ALST_RUNS, ids=["zero2-fp32", "zero3-bf16-ac"])
+@pytest.mark.parametrize("run", ALST_RUNS, ids=["zero2-fp32", "zero3-bf16-ac", "zero3_offload-bf16-ac"])
 def test_deepspeed_ulysses_alst_within_3_percent(run: list[str]) -> None:
     """The planner traces harness's own Ulysses; DeepSpeed runs ALST. The trace holds for ALST's layout."""
     results = launch([run], 2, steps=2, vocab_size=VOCAB, trainer_view=False, timeout=600.0)

@@ -203,18 +203,25 @@ def test_a_run_resumed_at_another_sequence_split_trains_as_world_one(tmp_path, d
     assert final_eval(tmp_path / "sp") == pytest.approx(final_eval(world_one), rel=RTOL)
 
 
+ALST_ZERO = {
+    "zero2": {"stage": 2},
+    "zero3-offload": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+}
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_runs_its_own_ulysses_and_trains_as_world_one(tmp_path, data_cache, world_one, stage):
+@pytest.mark.parametrize("zero", list(ALST_ZERO))
+def test_deepspeed_runs_its_own_ulysses_and_trains_as_world_one(tmp_path, data_cache, world_one, zero):
     """Under DeepSpeed, `parallel.sequence` (here taken from the file's `sequence_parallel_size`, as
     DeepSpeed's users write it) runs ALST's attention: world 2, data-parallel size 1, so every
     gradient is reduced over the sequence group only; 4 steps with accumulation give the world-1
     run's losses, gradient norms (which tell a summed gradient from a mean: Adam's steps do not)
-    and eval loss. ZeRO-2 and ZeRO-3 average the sequence group's gradients differently."""
+    and eval loss. ZeRO-2 and ZeRO-3 average the sequence group's gradients differently; ZeRO-3 runs
+    with its optimizer and parameters offloaded (ALST's own single-GPU recipe)."""
     from launching import final_eval, launch_command, run, tiny_config
 
-    ds_file = tmp_path / "zero2_sp.json"
-    ds_file.write_text(json.dumps({"zero_optimization": {"stage": stage}, "sequence_parallel_size": 2}))
+    ds_file = tmp_path / f"{zero}_sp.json"
+    ds_file.write_text(json.dumps({"zero_optimization": ALST_ZERO[zero], "sequence_parallel_size": 2}))
     cfg = tiny_config(tmp_path / "ds.yaml", data_cache, tmp_path / "ds", **COMMON)
     proc = run(launch_command("deepspeed", 2, cfg, [f"strategy={ds_file}"]))
     log = proc.stdout + proc.stderr

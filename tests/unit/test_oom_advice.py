@@ -27,7 +27,7 @@ def test_the_long_sequence_knobs_are_offered_where_they_apply() -> None:
     assert gpu[-3:] == ["memory.tiled_mlp_tokens=4096", "memory.offload_checkpoint_inputs=True", "parallel.sequence=2 grad_accum=6"]
     assert "memory.offload_checkpoint_inputs=True" not in _changes(cfg, "ddp", "cpu")  # one memory: nothing moves
     assert any(c.startswith("parallel.sequence") for c in _changes(cfg, "zero2", "cuda"))  # DeepSpeed's own Ulysses (ALST)
-    assert not any(c.startswith("parallel.sequence") for c in _changes(cfg, "zero2_offload", "cuda"))  # ALST + offload: not run here
+    assert any(c.startswith("parallel.sequence") for c in _changes(cfg, "zero2_offload", "cuda"))  # ALST with offload too
     short = load_config(None, [*LONG, "data.seq_len=4096"])
     assert not any(c.startswith("memory.tiled_mlp") for c in _changes(short, "ddp", "cuda"))  # one tile would be the whole
 

@@ -38,7 +38,7 @@ def test_the_split_is_searched_only_where_the_trainer_runs_it() -> None:
     assert split and {c.sequence for c in split} == {2}
     facts = [shipped_facts(c.strategy) for c in split]
     assert any(f.kind == "deepspeed" for f in facts)  # DeepSpeed's own Ulysses (ALST) too
-    assert not any(f.kind == "deepspeed" and (f.offloads_optimizer or f.offloads_params) for f in facts)  # ALST + offload: not run here
+    assert any(f.kind == "deepspeed" and (f.offloads_optimizer or f.offloads_params) for f in facts)  # ALST with offload too
     assert any(shipped_facts(c.strategy).kind == "deepspeed" for c in found)  # whole sequences still try every engine
     assert all(c.grad_accum == 2 * next(w.grad_accum for w in found if w.sequence == 1 and w.micro_batch == c.micro_batch) for c in split)
     # refused with it: optimizer-in-backward (steps before the shards' gradients are summed); one rank has no split
