@@ -236,6 +236,8 @@ def main() -> None:
     first, *rest = names
     log: list[dict] = []
     measured = measured_longest(base + knobs[first], 2 * STEP, args.timeout, log, world, step_of(first))
+    if not measured:
+        raise SystemExit(f"{first}: not even {step_of(first)} tokens fit under {args.cap_gib} GiB per rank; raise --cap-gib")
     at = next(p for p in log if p["fits"] and p["seq"] == measured)
     overhead = at["cgroup_peak"] - at["cache"] - at["allocator_peak"]
     print(
