@@ -53,6 +53,29 @@ LORA_STEPS = ("lora", "nf4")
 MICRO_BATCH_HALVING = 0.05  # each halving of the micro-batch: ~5% lower GPU efficiency
 
 
+def step_time_factor(
+    precision: str,
+    ac: str,
+    strategy_step_time: float,
+    lora: str = "none",
+    sequence: int = 1,
+    tiled_mlp: bool = False,
+    offload_checkpoint_inputs: bool = False,
+) -> float:
+    """Expected step time relative to bf16 / DDP / no recomputation: the product of `SPEED`'s
+    stated factors, the one rule the search's candidates and the ladder's rungs are both costed by."""
+    memory = SPEED["memory"]
+    return (
+        SPEED["precision"].get(precision, 1.0)
+        * SPEED["ac"].get(ac, 1.0)
+        * strategy_step_time
+        * SPEED["lora"][lora]
+        * (memory["sequence_parallel"] if sequence > 1 else 1.0)
+        * (memory["tiled_mlp"] if tiled_mlp else 1.0)
+        * (memory["offload_checkpoint_inputs"] if offload_checkpoint_inputs else 1.0)
+    )
+
+
 @dataclass(frozen=True)
 class Candidate:
     precision: str
@@ -80,14 +103,8 @@ class Candidate:
 
     def cost(self, base_micro: int) -> float:
         halvings = math.log2(base_micro / self.micro_batch) if self.micro_batch < base_micro else 0.0
-        return (
-            SPEED["precision"][self.precision]
-            * SPEED["ac"][self.ac]
-            * shipped_facts(self.strategy).step_time
-            * SPEED["lora"][self.lora]
-            * (SPEED["memory"]["sequence_parallel"] if self.sequence > 1 else 1.0)
-            * (1 + MICRO_BATCH_HALVING * halvings)
-        )
+        factor = step_time_factor(self.precision, self.ac, shipped_facts(self.strategy).step_time, self.lora, self.sequence)
+        return factor * (1 + MICRO_BATCH_HALVING * halvings)
 
     def label(self) -> str:
         ac = f"AC {self.ac}" if self.ac != "none" else "no AC"
@@ -205,6 +222,7 @@ def with_candidate(cfg: RunConfig, c: Candidate) -> RunConfig:
 __all__ = [
     "LORA_STEPS",
     "SPEED",
+    "step_time_factor",
     "Candidate",
     "accum_for",
     "candidates",

@@ -34,7 +34,7 @@ from harness.config import (
     more_sharding,
 )
 from harness.errors import ConfigError
-from harness.planner.candidates import SPEED
+from harness.planner.candidates import step_time_factor
 from harness.planner.estimate import Estimate, estimate
 from harness.planner.long_context import sequence_degree
 from harness.planner.report import gib, gpu_allowance, verdict
@@ -169,15 +169,14 @@ def relative_time(cfg: RunConfig) -> float:
     """Expected step time relative to bf16 / DDP / no recomputation (`SPEED`: stated heuristics)."""
     mode = "none" if not cfg.lora.enabled else "lora" if cfg.lora.quantize == "none" else "nf4"
     mem = cfg.memory
-    tiled = mem.tiled_mlp > 1 or mem.tiled_mlp_tokens > 0
-    return (
-        SPEED["precision"].get(cfg.precision, 1.0)
-        * SPEED["ac"].get(cfg.memory.activation_checkpointing, 1.0)
-        * (SPEED["memory"]["tiled_mlp"] if tiled else 1.0)
-        * (SPEED["memory"]["offload_checkpoint_inputs"] if mem.offload_checkpoint_inputs else 1.0)
-        * (SPEED["memory"]["sequence_parallel"] if cfg.parallel.sequence > 1 else 1.0)
-        * facts_of(cfg.strategy).step_time
-        * SPEED["lora"][mode]
+    return step_time_factor(
+        cfg.precision,
+        mem.activation_checkpointing,
+        facts_of(cfg.strategy).step_time,
+        mode,
+        cfg.parallel.sequence,
+        tiled_mlp=mem.tiled_mlp > 1 or mem.tiled_mlp_tokens > 0,
+        offload_checkpoint_inputs=mem.offload_checkpoint_inputs,
     )
 
 
