@@ -215,6 +215,9 @@ def main() -> None:
     parser.add_argument("--knobs", nargs="+", default=list(KNOBS), choices=list(KNOBS))
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--ranks", type=int, default=1, help="N > 1: the split rows instead (N ranks, each under the cap)")
+    parser.add_argument(
+        "--overhead", type=int, default=None, help="bytes per rank an earlier run's first row measured: that row is not bisected again"
+    )
     args = parser.parse_args()
     if args.model is None:
         real = subprocess.run([sys.executable, str(REPO / "benchmarks" / "real_model.py")], capture_output=True, text=True, check=True)
@@ -234,18 +237,21 @@ def main() -> None:
     # its longest fitting step (the regime of the boundary, under the cap) are the overhead the planner
     # is given for every knob. The first knob's row checks that calibration; the others test the planner.
     first, *rest = names
-    log: list[dict] = []
-    measured = measured_longest(base + knobs[first], 2 * STEP, args.timeout, log, world, step_of(first))
-    if not measured:
-        raise SystemExit(f"{first}: not even {step_of(first)} tokens fit under {args.cap_gib} GiB per rank; raise --cap-gib")
-    at = next(p for p in log if p["fits"] and p["seq"] == measured)
-    overhead = at["cgroup_peak"] - at["cache"] - at["allocator_peak"]
-    print(
-        f"overhead at {measured} tokens ({first}): {at['cgroup_peak']:,} - {at['cache']:,} - {at['allocator_peak']:,} = {overhead:,}",
-        file=sys.stderr,
-    )
-    planned = planned_longest(base + knobs[first], cap - overhead, world, step_of(first))
-    rows = [{"knob": first, "planned": planned, "measured": measured, "probes": log}]
+    if args.overhead is None:
+        log: list[dict] = []
+        measured = measured_longest(base + knobs[first], 2 * STEP, args.timeout, log, world, step_of(first))
+        if not measured:
+            raise SystemExit(f"{first}: not even {step_of(first)} tokens fit under {args.cap_gib} GiB per rank; raise --cap-gib")
+        at = next(p for p in log if p["fits"] and p["seq"] == measured)
+        overhead = at["cgroup_peak"] - at["cache"] - at["allocator_peak"]
+        print(
+            f"overhead at {measured} tokens ({first}): {at['cgroup_peak']:,} - {at['cache']:,} - {at['allocator_peak']:,} = {overhead:,}",
+            file=sys.stderr,
+        )
+        planned = planned_longest(base + knobs[first], cap - overhead, world, step_of(first))
+        rows = [{"knob": first, "planned": planned, "measured": measured, "probes": log}]
+    else:  # the calibration row was bisected by an earlier run: its overhead is given
+        overhead, rows = args.overhead, []
     for name in rest:
         overrides = base + knobs[name]
         planned = planned_longest(overrides, cap - overhead, world, step_of(name))

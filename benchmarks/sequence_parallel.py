@@ -66,7 +66,9 @@ def main() -> None:
     parser.add_argument("--model", default="real", help="'real' (SmolLM2-135M), a preset or a model directory")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp"])
+    parser.add_argument(
+        "--strategy", default="fsdp", help="the world-N run's: fsdp, ddp, or a DeepSpeed stage (zero2, zero3, a file): ALST"
+    )
     parser.add_argument("--sequence", type=int, default=2, help="N: the world-N run's parallel.sequence (SmolLM2's 9 heads, 3 kv heads: 3)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for both runs")
     parser.add_argument("--work", type=Path, default=None, help="where runs and the data cache go (default: a temp dir)")
