@@ -89,10 +89,13 @@ def command_config(path: str | None, overrides: list[str]) -> RunConfig:
             "(python -m harness.export <checkpoint> --out <dir>) and set model.name=<dir>"
         )
     check_prune_output(cfg)
-    # here, on the keys as written: the copy below records none of them, and the pre-flight's check then
-    # sees only values other than the defaults
     check_reconstruct_keys(cfg.prune, given_in(cfg, "prune"))
-    return dataclasses.replace(cfg, steps=max(1, cfg.prune.finetune_steps), checkpoint=dataclasses.replace(cfg.checkpoint, export_hf=True))
+    run = dataclasses.replace(cfg, steps=max(1, cfg.prune.finetune_steps), checkpoint=dataclasses.replace(cfg.checkpoint, export_hf=True))
+    # a copy records no written keys (every key would count as written, and a DeepSpeed file's own
+    # micro-batch would be named a contradiction instead of taken): the user's, and the two set here
+    if cfg.given_keys is not None:
+        run.given_keys = cfg.given_keys | {"steps", "checkpoint.export_hf"}
+    return run
 
 
 RUN_OUTPUTS = ("hf", "adapter", "checkpoints", "metrics.jsonl")  # what a run leaves in its output_dir

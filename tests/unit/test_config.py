@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from harness.config import all_keys, check_run, default_lr, load_config, load_strategy
+from harness.config import all_keys, check_run, default_lr, is_given, load_config, load_strategy
 from harness.errors import ConfigError
 from harness.runner.build import describe_lr
 
@@ -263,3 +263,13 @@ def test_the_prune_command_refuses_a_veto_key_written_at_its_default(tmp_path):
         command_config(None, [*GRADPROBE, "prune.base=wanda", out])
     assert str(err.value).startswith(f"prune.base=wanda is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}")
     assert command_config(None, [*GRADPROBE, "prune.decision=veto", "prune.base=wanda", out]).prune.decision == "veto"
+
+
+def test_the_prune_command_keeps_what_the_user_wrote(tmp_path):
+    """Its copy of the config keeps the written keys: a key left out stays one a DeepSpeed file's own
+    number may fill (a copy that recorded none would count every key as written)."""
+    from harness.prune import command_config
+
+    cfg = command_config(None, [*GRADPROBE, "micro_batch_size=2", f"output_dir={tmp_path / 'out'}"])
+    assert is_given(cfg, "micro_batch_size") and is_given(cfg, "prune.method") and is_given(cfg, "steps")
+    assert not is_given(cfg, "grad_accum") and not is_given(cfg, "precision")
