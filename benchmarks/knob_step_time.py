@@ -2,7 +2,7 @@
 without it, interleaved in one invocation (the host is shared and noisy), beside the planner's
 stated factor (`harness.planner.candidates.SPEED["memory"]`).
 
-    OMP_NUM_THREADS=2 python benchmarks/knob_step_time.py [--model real] [--seq-len 2048] [--steps 4] [--repeats 2]
+    python benchmarks/knob_step_time.py [--model real] [--seq-len 2048] [--steps 4] [--repeats 2]
 
 Rows, each through the user's entry points (`python -m harness.train`, `torchrun harness/train.py`),
 fp32, micro-batch 1, activation checkpointing + chunked loss as the base:
@@ -12,7 +12,8 @@ fp32, micro-batch 1, activation checkpointing + chunked loss as the base:
 - two ranks (DDP), two sequences per step: whole sequences (one per rank) against each sequence
   split over both ranks (`parallel.sequence=2 grad_accum=2`: the same tokens per step and rank,
   plus the attention exchange over gloo, not NVLink).
-The step time of each run is the median of its steps after the first (`perf/step_time_s`);
+Every process runs one thread (`sequence_parallel.run`), so the 2-rank rows use both cores of a
+2-core host and the one-process rows one. The step time of each run is the median of its steps after the first (`perf/step_time_s`);
 each row's ratio is taken against its own base's median over the same repeats.
 The last line is JSON.
 """
