@@ -241,9 +241,9 @@ def collective_race_bytes(trace: TraceResult, cpu_run: bool, row: int | None = N
     backward behind a prefetched block's and reduce-scattered at its end; counting it at the
     loss planned 17-25% high, and no measured step held it (notes/planner_accuracy.md).
     FSDP2 only: DDP's buckets are resident and neither DDP nor DeepSpeed has shown it in the
-    accuracy tests; NCCL is not modelled (CUDA plans get 0). One buffer is what ranks with a core
-    each leave; ranks that outnumber the cores leave more (three on two cores: up to five of
-    SmolLM2's 14 MB layer buffers at once, notes/planner_accuracy.md), which no plan counts.
+    accuracy tests; NCCL is not modelled (CUDA plans get 0). Gloo can keep more than one, which no
+    plan counts: ranks that outnumber the cores (three on two: up to five of SmolLM2's 14 MB layer
+    buffers at once) and Ulysses' all-to-all buffers (notes/planner_accuracy.md).
     """
     if not cpu_run or trace.spec.wrap != "fsdp" or trace.spec.world_size < 2:
         return 0
