@@ -26,7 +26,10 @@ its own cgroup with the cap (a GPU's memory is per rank), whole sequences then `
 fit, and its peers are stopped. The planner is asked for N ranks of the cap less the overhead,
 calibrated at the first row's boundary as above:
 
-    python benchmarks/longest_sequence.py --ranks 3 --cap-gib 1.4 > table.md
+    python benchmarks/longest_sequence.py --ranks 3 --cap-gib 1.8 --timeout 2400 > table.md
+
+`--overhead BYTES` gives an earlier run's calibration instead of bisecting the first row again
+(the split row alone: `--ranks 3 --cap-gib 1.8 --overhead 290818328`).
 
 Why a cap and not the machine's 24 GiB: at 24 GiB the answers are tens of thousands of
 tokens, where one SmolLM2 step on 2 CPU cores takes many minutes (attention is quadratic); the cap
