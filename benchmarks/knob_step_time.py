@@ -9,11 +9,12 @@ fp32, micro-batch 1, activation checkpointing + chunked loss as the base:
 - one process: the base; + the tiled MLP (`memory.tiled_mlp_tokens`, 4 tiles of the sequence);
   + checkpoint-input offload (on a CPU the copy path runs, host to host: what it costs here is the
   bookkeeping and the copies, not a PCIe transfer, and nothing overlaps it);
-- two ranks (DDP), two sequences per step: whole sequences (one per rank) against each sequence
-  split over both ranks (`parallel.sequence=2 grad_accum=2`: the same tokens per step and rank,
-  plus the attention exchange over gloo, not NVLink).
-Every process runs one thread (`sequence_parallel.run`), so the 2-rank rows use both cores of a
-2-core host and the one-process rows one. The step time of each run is the median of its steps after the first (`perf/step_time_s`);
+- N ranks (DDP), N sequences per step: whole sequences (one per rank) against each sequence split
+  over the N ranks (`parallel.sequence=N grad_accum=N`: the same tokens per step and rank, plus the
+  attention exchange over gloo, not NVLink). N is the smallest degree the model's heads take
+  (SmolLM2's 9 heads and 3 key/value heads: 3, so on a 2-core host both rows share 2 cores among 3).
+Every process runs one thread (`sequence_parallel.run`).
+The step time of each run is the median of its steps after the first (`perf/step_time_s`);
 each row's ratio is taken against its own base's median over the same repeats.
 The last line is JSON.
 """
@@ -31,24 +32,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_model
 from sequence_parallel import BIN, run, steps_of, write_config
 
+from harness.models import model_spec
 from harness.planner.candidates import SPEED
 
 BASE = ["memory.activation_checkpointing=full", "memory.loss_chunk_size=1024"]
 
 
-def rows_for(seq_len: int) -> list[tuple[str, int, list[str], str, float]]:
+def rows_for(seq_len: int, ranks: int) -> list[tuple[str, int, list[str], str, float]]:
     """(row, ranks, overrides, the base it is compared with, the planner's stated factor)."""
     tiles = f"memory.tiled_mlp_tokens={seq_len // 4}"
     offload = "memory.offload_checkpoint_inputs=true"
-    split = ["strategy=ddp", "parallel.sequence=2", "grad_accum=2"]
-    one, two, memory = "base: AC + chunked loss", "2 ranks, whole sequences", SPEED["memory"]
+    split = ["strategy=ddp", f"parallel.sequence={ranks}", f"grad_accum={ranks}"]
+    one, whole, memory = "base: AC + chunked loss", f"{ranks} ranks, whole sequences", SPEED["memory"]
     return [
         (one, 1, BASE, "", 1.0),
         ("+ tiled MLP (4 tiles)", 1, [*BASE, tiles], one, memory["tiled_mlp"]),
         ("+ checkpoint-input offload", 1, [*BASE, offload], one, memory["offload_checkpoint_inputs"]),
-        (two, 2, [*BASE, "strategy=ddp"], "", 1.0),
-        ("2 ranks, split (parallel.sequence=2, grad_accum=2)", 2, [*BASE, *split], two, memory["sequence_parallel"]),
-    ]  # fmt: skip
+        (whole, ranks, [*BASE, "strategy=ddp"], "", 1.0),
+        (f"{ranks} ranks, split (parallel.sequence={ranks})", ranks, [*BASE, *split], whole, memory["sequence_parallel"]),
+    ]
+
+
+def smallest_degree(model: str) -> int:
+    """The smallest N > 1 that divides the model's attention heads and key/value heads."""
+    config = model_spec(model).config
+    heads = int(config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    return next(n for n in range(2, heads + 1) if heads % n == 0 and kv % n == 0)
 
 
 def timed_run(work: Path, name: str, model: str, seq_len: int, steps: int, ranks: int, overrides: list[str]) -> list[float]:
@@ -79,7 +89,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every row, interleaved")
     args = parser.parse_args()
     model = str(real_model.prepare()) if args.model == "real" else args.model
-    rows = rows_for(args.seq_len)
+    rows = rows_for(args.seq_len, smallest_degree(model))
     times: dict[str, list[float]] = {row[0]: [] for row in rows}
     with tempfile.TemporaryDirectory(prefix="knob-time-") as tmp:
         work = Path(tmp)
