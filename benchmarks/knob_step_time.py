@@ -2,7 +2,7 @@
 without it, interleaved in one invocation (the host is shared and noisy), beside the planner's
 stated factor (`harness.planner.candidates.SPEED["memory"]`).
 
-    python benchmarks/knob_step_time.py [--model real] [--seq-len 2048] [--steps 4] [--repeats 2]
+    python benchmarks/knob_step_time.py [--model real] [--seq-len 1152] [--steps 3] [--repeats 2]
 
 Rows, each through the user's entry points (`python -m harness.train`, `torchrun harness/train.py`),
 fp32, micro-batch 1, activation checkpointing + chunked loss as the base:
@@ -84,12 +84,15 @@ def timed_run(work: Path, name: str, model: str, seq_len: int, steps: int, ranks
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="real", help="'real' (SmolLM2-135M), a preset or a model directory")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=1152)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every row, interleaved")
     args = parser.parse_args()
     model = str(real_model.prepare()) if args.model == "real" else args.model
-    rows = rows_for(args.seq_len, smallest_degree(model))
+    degree = smallest_degree(model)
+    if args.seq_len % (4 * degree):
+        parser.error(f"--seq-len must be a multiple of {4 * degree}: 4 MLP tiles, and {degree} equal slices for the split")
+    rows = rows_for(args.seq_len, degree)
     times: dict[str, list[float]] = {row[0]: [] for row in rows}
     with tempfile.TemporaryDirectory(prefix="knob-time-") as tmp:
         work = Path(tmp)
