@@ -42,13 +42,16 @@ SPEED: dict[str, dict[str, float]] = {
 # The tree's last steps (LoRA, then QLoRA): taken only when no full fine-tune fits. NF4 costs a
 # dequantization per matmul (QLoRA paper: slower than 16-bit LoRA); an assumed factor.
 SPEED["lora"] = {"none": 1.0, "lora": 1.0, "nf4": 1.3}
-# Long-sequence knobs (stated, not measured here): the tiled MLP runs one more MLP forward (~2/3 of a
-# block's linear FLOPs, a forward being ~1/4 of a checkpointed step: +~15%, less where attention's
-# s^2 term dominates); checkpoint-input offload overlaps its copies on a side stream (accelerate
-# measured +0.6% on Qwen3-0.6B at 1M tokens); sequence parallelism (assumed, per step with the
-# global batch kept by accumulation: each rank computes the same tokens, plus four all-to-alls of
-# attention's q/k/v/output per block each way, on NVLink a small share of a block's time).
-SPEED["memory"] = {"tiled_mlp": 1.15, "offload_checkpoint_inputs": 1.01, "sequence_parallel": 1.05}
+# Long-sequence knobs. The tiled MLP runs one more MLP forward (~2/3 of a block's linear FLOPs, a
+# forward being ~1/4 of a checkpointed step): measured x1.20 on SmolLM2 at 1,152 tokens (CPU,
+# AC + chunked loss, `benchmarks/knob_step_time.py`), less where attention's s^2 term dominates.
+# Checkpoint-input offload: x1.008 measured there (host to host, nothing overlapped); on a GPU its
+# copies overlap on a side stream (accelerate measured +0.6% on Qwen3-0.6B at 1M tokens). Sequence
+# parallelism (assumed, per step with the global batch kept by accumulation: each rank computes the
+# same tokens, plus four all-to-alls of attention's q/k/v/output per block each way, on NVLink a
+# small share of a block's time; x1.43 measured on CPU over gloo, 3 ranks sharing 2 cores, which
+# says nothing of NVLink).
+SPEED["memory"] = {"tiled_mlp": 1.2, "offload_checkpoint_inputs": 1.01, "sequence_parallel": 1.05}
 LORA_STEPS = ("lora", "nf4")
 MICRO_BATCH_HALVING = 0.05  # each halving of the micro-batch: ~5% lower GPU efficiency
 
