@@ -41,12 +41,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CGROUP = Path("/sys/fs/cgroup/memory/harness_longest_sequence")
@@ -108,7 +109,7 @@ def step_under_cap(overrides: list[str], seq: int, timeout: float, world: int = 
         threads = os.environ.get("OMP_NUM_THREADS", "2" if world == 1 else "1")
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=threads, **GLIBC)
         if world > 1:
-            env |= {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            env |= {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         started = time.perf_counter()
         procs = []
         for rank, group in enumerate(groups):
@@ -157,12 +158,6 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
             break
         time.sleep(0.5)
     return [p.wait() for p in procs]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def planned_longest(overrides: list[str], budget: int, world: int = 1, step: int = STEP) -> int:
