@@ -25,7 +25,7 @@ from harness import imports_done  # the package first: as the program, the impor
 # isort: split
 from safetensors import safe_open
 
-from harness.config import PRUNE_METHOD_FACTS, RunConfig, check_reconstruct_keys, given_in, load_config, load_strategy
+from harness.config import PRUNE_METHOD_FACTS, RunConfig, load_config, load_strategy
 from harness.distributed import Collectives, DistInfo, exit_process
 from harness.engine import EnginePlan
 from harness.errors import ConfigError
@@ -89,7 +89,6 @@ def command_config(path: str | None, overrides: list[str]) -> RunConfig:
             "(python -m harness.export <checkpoint> --out <dir>) and set model.name=<dir>"
         )
     check_prune_output(cfg)
-    check_reconstruct_keys(cfg.prune, given_in(cfg, "prune"))
     run = dataclasses.replace(cfg, steps=max(1, cfg.prune.finetune_steps), checkpoint=dataclasses.replace(cfg.checkpoint, export_hf=True))
     # a copy records no written keys (every key would count as written, and a DeepSpeed file's own
     # micro-batch would be named a contradiction instead of taken): the user's, and the two set here

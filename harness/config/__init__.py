@@ -23,7 +23,7 @@ from harness.config.drop_in import adopt_settings
 from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
 from harness.config.presets import PRESETS, Preset, is_preset
 from harness.config.prune_methods import PER_ROW_BASES, PRUNE_METHOD_FACTS, MethodFacts, method_facts, needs_calibration, row_score
-from harness.config.prune_modes import check_original, check_reconstruct_keys, is_original, is_reconstruct, resolve_prune
+from harness.config.prune_modes import check_method_keys, check_original, is_original, resolve_prune
 from harness.config.schema import (
     AC_MODES,
     BF16_WEIGHT_OPTIMIZERS,
@@ -113,7 +113,7 @@ __all__ = [
     "apply_overrides",
     "check_optimizer_in_backward",
     "check_original",
-    "check_reconstruct_keys",
+    "check_method_keys",
     "check_run",
     "check_sequence_heads",
     "check_sequence_parallel",
@@ -130,7 +130,6 @@ __all__ = [
     "is_original",
     "method_facts",
     "needs_calibration",
-    "is_reconstruct",
     "is_preset",
     "load_config",
     "load_strategy",

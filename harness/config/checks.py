@@ -17,9 +17,9 @@ from harness.config.schema import (
     EMBEDDED_CORPORA,
     INSTRUCTION_FORMATS,
     OPTIMIZER_LIBRARY,
+    RENAMED,
     RunConfig,
     choice_fields,
-    given_in,
 )
 from harness.config.strategies import Strategy
 from harness.errors import ConfigError, did_you_mean
@@ -54,6 +54,8 @@ def check_values(cfg: RunConfig) -> None:
         value = functools.reduce(getattr, key.split("."), cfg)
         if value is None and none_ok:  # None: the default of the decision mode (prune_modes) or of the engine
             continue
+        if f"{key}={value}" in RENAMED:
+            raise ConfigError(f"{key}={value} is now {RENAMED[f'{key}={value}']}")
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{did_you_mean(str(value), list(allowed))}")
     positive = {
@@ -237,7 +239,7 @@ def check_prune_config(cfg: RunConfig, world: int) -> None:
         raise ConfigError(f"prune.schedule raises an unstructured target; prune.pattern={p.pattern} fixes the sparsity")
     if p.finetune_steps < 0:
         raise ConfigError(f"prune.finetune_steps={p.finetune_steps} must be >= 0")
-    check_prune_mode(p, given_in(cfg, "prune"))
+    check_prune_mode(p)
 
 
 def check_strategy_against_run(strategy: Strategy, cfg: RunConfig, has_accelerator: bool) -> None:

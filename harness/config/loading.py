@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from harness.config.checks import check_dead_keys, check_values
-from harness.config.schema import RunConfig
+from harness.config.schema import RENAMED, RunConfig
 from harness.errors import ConfigError, did_you_mean
 
 
@@ -77,6 +77,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in names:
+            if f"{prefix}{key}" in RENAMED:
+                raise ConfigError(f"config key '{prefix}{key}' is now {RENAMED[prefix + key]}")
             raise ConfigError(f"unknown config key '{prefix}{key}'{did_you_mean(key, names)}")
         typ = hints[key]
         if dataclasses.is_dataclass(typ):
@@ -188,6 +190,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, raw = item.split("=", 1)
         key = key.strip().lstrip("-")
         if key not in valid:
+            if key in RENAMED:
+                raise ConfigError(f"config key '{key}' is now {RENAMED[key]}")
             raise ConfigError(f"unknown config key '{key}'{did_you_mean(key, valid)}")
         try:
             value = parse_yaml(raw) if raw != "" else ""

@@ -1,4 +1,5 @@
-"""GradProbe's decision modes: the settings each implies, and the combinations none can run.
+"""The pruning methods' and GradProbe's decision modes' settings: what each implies, and the
+combinations none can run.
 
 `prune.decision` names the rule; `scope`, `stat_dtype`, `exact_target` and `sequential` left
 unset (None) take the mode's default, so a run that names `decision: original` gets the
@@ -9,28 +10,26 @@ launch (`check_prune_mode`, called from `checks.check_prune_config`).
 Per mode: candidates; groups; decision; statistics.
 - rank: the base rule x (1 + pool) per group; K decoder blocks; exactly the target, ranked by
   G1/G0; bf16.
-- veto (GradProbe's first default): as rank, but exactly the target in base order, G1/G0 >
+- veto (the default): as rank, but exactly the target in base order, G1/G0 >
   1 + threshold only vetoes; bf16.
 - saliency: as rank, ranked by the loss increase the probe predicts (a Hessian-vector
   product); bf16 max, fp32 sums.
-- reconstruct (default): SparseGPT's rule (per block of columns, or N:M) on each decoder block
-  in turn, on the pruned blocks' outputs; then `recon_steps` epochs of Adam fit the block's
-  surviving weights to the dense block's outputs (`harness.pruning.reconstruct`); sequential.
-  It reads none of `OTHER_DECISIONS_KEYS`: one the user set is refused (`check_reconstruct_keys`),
-  since a config that sets `prune.base` and no decision meant the veto before reconstruct became
-  the default.
 - original: the base rule at the target, once, on the dense model (magnitude: one global
   threshold; Wanda: per row); one matrix at a time in model order, each applied before the
   next; G1 <= G0 (1 + threshold), undershoots; fp32.
 
 The original mode is dcifrian/GradProbe's low-memory streaming pruner: 2 forward+backward
 passes per matrix.
+
+Wanda, SparseGPT and sparsegpt_fit are sequential by default, one decoder block at a time on the
+pruned blocks' outputs, as their reference code runs them (`harness.pruning.blockwise`); Wanda
+with `sequential: false` takes every norm from the dense model in one pass. sparsegpt_fit fits
+each block after SparseGPT's step (`fit_epochs`, `fit_lr`): decoder blocks only, sequential.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
 from typing import Any
 
 from harness.config.prune_methods import method_facts, reads_base, row_score, row_score_key
@@ -39,18 +38,15 @@ from harness.errors import ConfigError
 
 # The keys a mode fills when the user left them unset (None; group_size 0 = automatic).
 MODE_KEYS = ("scope", "stat_dtype", "exact_target", "sequential", "group_size")
-# GradProbe's keys that every decision but reconstruct reads (candidates, probe, grouping);
-# reconstruct chooses its masks by SparseGPT's rule, one decoder block at a time.
-OTHER_DECISIONS_KEYS = ("base", "pool", "threshold", "reduction", "stat_dtype", "group_size")
+# GradProbe's own keys: candidates, probe, grouping; the other methods read none of them.
+GRADPROBE_KEYS = ("base", "pool", "threshold", "reduction", "stat_dtype", "group_size")
+# The block fit's keys: read by the methods that fit (`MethodFacts.fits`) only.
+FIT_KEYS = ("fit_epochs", "fit_lr")
 PRUNE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PruneConfig)}
 
 
 def is_original(p: PruneConfig) -> bool:
     return reads_base(p) and p.decision == "original"
-
-
-def is_reconstruct(p: PruneConfig) -> bool:
-    return reads_base(p) and p.decision == "reconstruct"
 
 
 def mode_defaults(p: PruneConfig) -> dict[str, Any]:
@@ -66,13 +62,13 @@ def mode_defaults(p: PruneConfig) -> dict[str, Any]:
             "sequential": True,
             "group_size": 1,
         }
-    # A method that rewrites each group's weights before the next is measured (SparseGPT) runs
-    # sequentially by default; the others measure the model as the stage found it.
+    # Wanda and SparseGPT run sequentially by default, as their reference code does; GradProbe's
+    # other modes measure the model as the stage found it.
     return {
         "scope": "per_matrix",
         "stat_dtype": "bf16",
         "exact_target": True,
-        "sequential": method_facts(p).sequential or is_reconstruct(p),
+        "sequential": method_facts(p).sequential,
         "group_size": p.group_size,
     }
 
@@ -89,26 +85,23 @@ def resolve_prune(p: PruneConfig) -> tuple[PruneConfig, list[str]]:
     return dataclasses.replace(p, **filled), shown
 
 
-def check_prune_mode(p: PruneConfig, given: Collection[str] | None = None) -> None:
-    """Refuse (ConfigError, one line) a decision mode combined with a setting it cannot honour.
-
-    Checked on the config as written, so an explicit contradiction is named, not overridden.
-    `given`: the `prune` keys the user wrote (`RunConfig.given_keys` without the section), None
-    when unknown (a config built in code).
-    """
+def check_prune_mode(p: PruneConfig) -> None:
+    """Refuse (ConfigError, one line) a method or decision mode combined with a setting it cannot
+    honour. Checked on the config as written, so an explicit contradiction is named, not overridden."""
     if not p.enabled:
         return
-    check_reconstruct_keys(p, given)
-    if is_reconstruct(p) and (p.scope == "global" or p.sequential is False or p.recon_steps < 0 or p.recon_lr <= 0):
+    check_method_keys(p)
+    facts = method_facts(p)
+    if facts.fits and (p.scope == "global" or p.sequential is False or p.fit_epochs < 0 or p.fit_lr <= 0):
         raise ConfigError(
-            f"{_reconstruct_named(given)} prunes one decoder block after another, each on the pruned blocks' outputs, "
-            "per block of columns or N:M: unset prune.scope and prune.sequential (or set prune.decision=veto, "
-            "GradProbe's first default); prune.recon_steps >= 0, prune.recon_lr > 0"
+            f"prune.method={p.method} prunes one decoder block after another, each on the pruned blocks' outputs, "
+            "per block of columns or N:M, then fits it: unset prune.scope and prune.sequential; "
+            "prune.fit_epochs >= 0, prune.fit_lr > 0"
         )
-    if is_reconstruct(p) and p.targets != "decoder_linears":
+    if facts.fits and p.targets != "decoder_linears":
         raise ConfigError(
-            f"prune.targets={p.targets} with {_reconstruct_named(given)}: it fits one decoder block at a time, "
-            "so it prunes decoder-block Linears only; unset prune.targets, or set prune.decision=veto"
+            f"prune.targets={p.targets} with prune.method={p.method}: it fits one decoder block at a time, "
+            "so it prunes decoder-block Linears only; unset prune.targets, or use prune.method=sparsegpt"
         )
     by_row = row_score(p)
     if by_row is not None and p.scope == "global":
@@ -156,34 +149,27 @@ def check_prune_mode(p: PruneConfig, given: Collection[str] | None = None) -> No
         )
 
 
-def check_reconstruct_keys(p: PruneConfig, given: Collection[str] | None = None) -> None:
-    """Refuse a key only the other decisions read (`OTHER_DECISIONS_KEYS`) under
-    `decision=reconstruct`, which would ignore it. A key counts when its value is not the
-    schema's default, or when the user wrote it (`given`, the `prune` keys written; None: not
-    known) and left the decision to its default: such a config meant the veto when the veto was
-    the default. Written at its default beside a written `decision: reconstruct` (a saved full
-    config) it changes nothing and passes. Also called by `run_pruning` for library callers."""
-    if not is_reconstruct(p):
+def check_method_keys(p: PruneConfig) -> None:
+    """Refuse a key the configured method does not read: GradProbe's own keys (`GRADPROBE_KEYS`)
+    with another method, the fit's (`FIT_KEYS`) with a method that does not fit; a key counts when
+    its value is not the schema's default (a saved full config writes every key). Also called by
+    `run_pruning` for library callers."""
+    if not p.enabled:
         return
-    decision_written = given is not None and "decision" in given
-    clash = [
-        k for k in OTHER_DECISIONS_KEYS if getattr(p, k) != PRUNE_DEFAULTS[k] or (given is not None and k in given and not decision_written)
-    ]
+    facts = method_facts(p)
+    unread = [] if facts.reads_base else list(GRADPROBE_KEYS)
+    if not facts.fits:
+        unread += FIT_KEYS
+    clash = [k for k in unread if getattr(p, k) != PRUNE_DEFAULTS[k]]
     if not clash:
         return
     names = ", ".join(f"prune.{k}={getattr(p, k)}" for k in clash)
+    readers = "prune.method=gradprobe" if clash[0] in GRADPROBE_KEYS else "prune.method=sparsegpt_fit"
     one = len(clash) == 1
     raise ConfigError(
-        f"{names} {'is' if one else 'are'} read by prune.decision=veto/rank/saliency/original only; "
-        f"{_reconstruct_named(given)} chooses its masks by SparseGPT's rule one decoder block at a time: set "
-        f"prune.decision=veto (GradProbe's first default) to use {'it' if one else 'them'}, or unset "
-        + ", ".join(f"prune.{k}" for k in clash)
+        f"{names} {'is' if one else 'are'} read by {readers} only, not prune.method={p.method}: set {readers} to use "
+        f"{'it' if one else 'them'}, or unset " + ", ".join(f"prune.{k}" for k in clash)
     )
-
-
-def _reconstruct_named(given: Collection[str] | None) -> str:
-    """How a refusal names the reconstruct decision: '(the default)' unless the user wrote it."""
-    return "prune.decision=reconstruct" + ("" if given is not None and "decision" in given else " (the default)")
 
 
 def check_original(p: PruneConfig) -> None:

@@ -30,12 +30,13 @@ Device = Literal["auto", "cpu", "cuda"]
 OptimName = Literal["adamw", "adam", "sgd", "adamw_bf16", "adamw_8bit", "adamw_4bit", "paged_adamw_8bit"]
 Schedule = Literal["cosine", "linear", "constant"]
 OnNonfinite = Literal["skip", "stop"]
-PruneMethod = Literal["none", "magnitude", "wanda", "sparsegpt", "gradprobe"]
+# sparsegpt_fit: SparseGPT block by block, each block's surviving weights then fitted to the dense block's outputs
+# by gradient steps, guarded (harness.pruning.fit)
+PruneMethod = Literal["none", "magnitude", "wanda", "sparsegpt", "sparsegpt_fit", "gradprobe"]
 # GradProbe's base scores: magnitude, wanda in harness.pruning.methods; gblm, taylor, ria (measured worse) in harness.pruning.experimental
 PruneBase = Literal["magnitude", "wanda", "gblm", "taylor", "ria"]
-# GradProbe's decision rule (harness/config/prune_modes.py); rank and saliency (measured worse): harness.pruning.experimental;
-# reconstruct: block-streamed OBS masks, then the block's surviving weights fitted by gradient steps (harness.pruning.reconstruct)
-PruneDecision = Literal["rank", "veto", "saliency", "original", "reconstruct"]
+# GradProbe's decision rule (harness/config/prune_modes.py); rank and saliency (measured worse): harness.pruning.experimental
+PruneDecision = Literal["rank", "veto", "saliency", "original"]
 PruneAllocation = Literal["uniform", "owl"]  # owl (measured worse): harness.pruning.experimental.owl
 PruneScope = Literal["per_matrix", "global"]
 PruneTargets = Literal["decoder_linears", "all_linears"]
@@ -294,24 +295,21 @@ class PruneConfig(Section):
     pattern: str = "unstructured"  # unstructured | N:M, e.g. 2:4
     calib_samples: int = 16
     calib_seed: int = 0
-    group_size: int = 0  # K decoder blocks probed together; 0 = chosen from memory (decision=original: one matrix)
+    group_size: int = 0  # gradprobe: K decoder blocks probed together; 0 = chosen from memory (decision=original: one matrix)
     threshold: float = 0.0
     reduction: float = 0.1
-    # The next four: None = the decision mode's default (harness/config/prune_modes.py): rank/veto
-    # exact, per_matrix, bf16, sequential for SparseGPT only; reconstruct: sequential; original: veto,
-    # global (magnitude base), fp32, sequential.
+    # The next four: None = the method's or decision mode's default (harness/config/prune_modes.py): rank/veto
+    # exact, per_matrix, bf16, not sequential; Wanda and SparseGPT (and sparsegpt_fit): sequential, block by block;
+    # original: veto, global (magnitude base), fp32, sequential.
     exact_target: bool | None = None
-    # gradprobe: one of PRUNE_DECISIONS. reconstruct is the default: it measured best on the pruning benchmark
-    # (notes/pruning.md: below SparseGPT at 2:4, 60% and 70%, below Wanda at 50%): decoder blocks pruned in turn by
-    # SparseGPT's rule on the pruned blocks' outputs, each block's surviving weights then fitted to the dense block's
-    # outputs by masked Adam on probe gradients (harness/pruning/reconstruct.py; prune.recon_steps, prune.recon_lr).
-    # veto (Wanda's order, the gradient only vetoes) is GradProbe's first default, kept; rank and saliency measured
-    # worse. prune.base, pool, threshold, reduction, stat_dtype, group_size: read by the other decisions only.
-    decision: PruneDecision = "reconstruct"
+    # gradprobe: one of PRUNE_DECISIONS. veto (the default, GradProbe's own rule): the base score's order, the
+    # probe's gradient growth vetoes candidates; rank and saliency measured worse; original: the reference's
+    # low-memory streaming veto. prune.base, pool, threshold, reduction, stat_dtype, group_size: gradprobe's only.
+    decision: PruneDecision = "veto"
     scope: PruneScope | None = None
     targets: PruneTargets = "decoder_linears"
     pool: float = 0.25  # exact-target GradProbe: probe (1 + pool) x target candidates
-    sequential: bool | None = None  # apply each group's mask before probing the next
+    sequential: bool | None = None  # measure each block (gradprobe: group) on the outputs of those already pruned
     schedule: list[float] | None = None  # iterative targets, e.g. [0.3, 0.4, 0.5]
     max_metric_increase: float = 0.1  # iterative schedule stops when eval loss rises more than this
     stat_dtype: StatDtype | None = None  # storage of gradient statistics
@@ -319,16 +317,23 @@ class PruneConfig(Section):
     allocation: PruneAllocation = "uniform"  # per-block sparsity; owl: outlier-weighted (harness/pruning/experimental/owl.py)
     owl_lambda: float = 0.08  # OWL: block sparsities span target +- lambda
     owl_m: float = 5.0  # OWL: an outlier is a Wanda score above m x its block's mean
-    # decision=reconstruct: masked-Adam epochs over the calibration set per block (0: SparseGPT's
-    # rule streamed block by block, no fit). 1 epoch at lr 1e-3 was chosen on the calibration holdout
-    # (notes/pruning.md: better than 2 at 1e-4, and within 2x SparseGPT's time; each epoch ~0.6x of it)
-    recon_steps: int = 1
-    recon_lr: float = 1e-3  # decision=reconstruct: the fit's Adam step size
+    # sparsegpt_fit: Adam epochs over the calibration set per block (0: SparseGPT alone), and their step size
+    # (a fit the guard rejects is retried at a tenth of it, then SparseGPT's weights stay: harness/pruning/fit.py)
+    fit_epochs: int = 1
+    fit_lr: float = 1e-3
 
     @property
     def enabled(self) -> bool:
         """Whether the run prunes at all (`method: none` does not)."""
         return self.method != "none"
+
+
+# Keys and values that once existed, with what replaced them: named in the refusal instead of a guess.
+RENAMED = {
+    "prune.recon_steps": "prune.fit_epochs (with prune.method=sparsegpt_fit)",
+    "prune.recon_lr": "prune.fit_lr (with prune.method=sparsegpt_fit)",
+    "prune.decision=reconstruct": "prune.method=sparsegpt_fit (SparseGPT's masks, then each block fitted by gradient steps)",
+}
 
 
 @dataclass

@@ -15,8 +15,8 @@ from harness.pruning.calibration import calibration_samples, shard_calibration
 from harness.pruning.gradprobe import recording_g0
 from harness.pruning.masks import MaskEnforcer, MaskSet
 from harness.pruning.pipeline import LayerReport, PruneReport, run_pruning
-from harness.pruning.schedule import ScheduleReport, restore_views, run_schedule, snapshot_views
-from harness.pruning.shards import ShardView, build_views
+from harness.pruning.schedule import ScheduleReport, run_schedule
+from harness.pruning.shards import ShardView, build_views, restore_views, snapshot_views
 
 __all__ = [
     "LayerReport",

@@ -1,5 +1,6 @@
-"""The baseline methods' passes: magnitude (no data), Wanda (input norms, one forward pass) and
-SparseGPT (input Hessians and the OBS update, one forward pass per group). Each is a `run` of
+"""The baseline methods' passes: magnitude (no data), Wanda (input norms) and SparseGPT (input
+Hessians and the OBS update), the last two block by block on the pruned blocks' outputs as their
+reference code runs them (`harness.pruning.blockwise`). Each is a `run` of
 `harness.pruning.registry` over a `MethodRun`."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 
 from harness.distributed import Collectives
 from harness.pruning.allocation import view_sparsities
+from harness.pruning.blockwise import stream_blocks
 from harness.pruning.calibration import InputStats, Ledger, forward_pass
 from harness.pruning.masks import MaskSet
 from harness.pruning.method_run import MethodRun
@@ -47,48 +49,36 @@ def _select_group(
 
 
 def wanda(run: MethodRun) -> MaskSet:
-    """Scores |W| * ||X_j||; the norms need one forward pass (per group when sequential)."""
-    groups, rule, forced, runner, batches, comm, ledger = run.groups, run.rule, run.forced, run.runner, run.batches, run.comm, run.ledger
-    sequential, alloc = run.sequential, run.allocation
-    stats = None
-    if not sequential:
-        stats = InputStats([v for g in groups for v in g], hessian=False, ledger=ledger)
+    """Scores |W| * ||X_j||. Sequential (the default, as Wanda's reference code runs): block by
+    block, each block's norms from the pruned blocks' outputs (`blockwise`); otherwise every
+    norm from one forward pass of the dense model (the paper's description)."""
+    rule, forced, runner, batches, comm, ledger, alloc = run.rule, run.forced, run.runner, run.batches, run.comm, run.ledger, run.allocation
+    views = [v for g in run.groups for v in g]
+    masks: dict[str, torch.Tensor] = {}
+
+    def prune(views: list[ShardView], stats: InputStats) -> dict[str, torch.Tensor]:
+        keys = [score_keys(wanda_scores(v.weight(), v.layout, stats.norms(v.name)), forced.get(v.name)) for v in views]
+        _select_group(views, keys, rule, comm, alloc, masks, run.sequential)
+        return {v.name: masks[v.name] for v in views}
+
+    if run.sequential:
+        stream_blocks(runner, batches, views, comm, ledger, lambda b: prune(b.views, b.stats), hessian=False)
+    else:
+        stats = InputStats(views, hessian=False, ledger=ledger)
         forward_pass(runner, batches, stats)
         stats.finalize(comm)
-    masks: dict[str, torch.Tensor] = {}
-    for views in groups:
-        if sequential:
-            stats = InputStats(views, hessian=False, ledger=ledger)
-            forward_pass(runner, batches, stats)
-            stats.finalize(comm)
-        assert stats is not None
-        keys = [score_keys(wanda_scores(v.weight(), v.layout, stats.norms(v.name)), forced.get(v.name)) for v in views]
-        _select_group(views, keys, rule, comm, alloc, masks, sequential)
+        prune(views, stats)
     return MaskSet(masks)
 
 
 def sparsegpt(run: MethodRun) -> MaskSet:
-    """Hessians of a group from one forward pass, then the OBS update, written in place."""
-    groups, rule, forced, runner, batches, comm, ledger, alloc = (
-        run.groups,
-        run.rule,
-        run.forced,
-        run.runner,
-        run.batches,
-        run.comm,
-        run.ledger,
-        run.allocation,
-    )
-    if rule.kind == "global":
+    """SparseGPT as published: block by block, each block's Hessians from the pruned blocks'
+    outputs (`blockwise`), its masks chosen and surviving weights updated (OBS) before the next."""
+    if run.rule.kind == "global":
         raise ValueError("SparseGPT selects within blocks of columns; scope=global does not apply (use per_matrix)")
-    masks: dict[str, torch.Tensor] = {}
-    for gi, views in enumerate(groups):
-        stats = InputStats(views, hessian=True, ledger=ledger)
-        forward_pass(runner, batches, stats)
-        stats.finalize(comm)
-        masks.update(obs_prune(views, stats, rule, alloc, forced, comm, ledger))
-        del stats
-    return MaskSet(masks)
+    views = [v for g in run.groups for v in g]
+    prune = lambda b: obs_prune(b.views, b.stats, run.rule, run.allocation, run.forced, run.comm, run.ledger)
+    return MaskSet(stream_blocks(run.runner, run.batches, views, run.comm, run.ledger, prune, hessian=True))
 
 
 def obs_prune(
@@ -102,7 +92,7 @@ def obs_prune(
 ) -> dict[str, torch.Tensor]:
     """SparseGPT's step on one group whose Hessians `stats` holds: each view's mask chosen and its
     surviving weights updated (OBS), written to the weights and their master, then the replicas
-    re-synchronised. Shared by SparseGPT and GradProbe's reconstruct mode. Returns the masks."""
+    re-synchronised. Shared by SparseGPT and sparsegpt_fit. Returns the masks."""
     masks: dict[str, torch.Tensor] = {}
     for v in views:
         assert v.layout is not None

@@ -115,7 +115,7 @@ class Runner:
     def _check_stop(self) -> None:
         if self.should_stop is not None and self.should_stop():
             done = self.fwd_batches + self.fwd_bwd_batches
-            raise StopRequested(f"stop requested while pruning, after {done} calibration micro-batches; the pruning was not finished")
+            raise StopRequested(f"stop requested while pruning, after {done:g} calibration micro-batches; the pruning was not finished")
 
     def forward(self, batch: Any) -> None:
         self._check_stop()

@@ -5,7 +5,7 @@ its `run`, one row of facts and one entry in `harness.pruning.registry`."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ class MethodRun:
     comm: Collectives
     ledger: Ledger  # the pipeline's own buffers, for the report's probe memory
     allocation: dict[str, float] | None = None  # per-matrix sparsities (OWL); None: uniform
+    details: dict[str, Any] = field(default_factory=dict)  # what the method reports beyond its masks (the report's `details`)
 
     @property
     def sequential(self) -> bool:

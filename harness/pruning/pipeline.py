@@ -8,8 +8,11 @@ not four different harnesses.
 
 Passes over the calibration data, per method (K = layers per group, L = layers):
   magnitude  0
-  wanda      1 forward (statistics for every layer at once; `sequential`: one per group)
-  sparsegpt  1 forward per group (each group is pruned and updated before the next)
+  wanda      sequential (the default): 1 forward to capture block 0's inputs, then 2 per block
+             (dense, pruned) = about 3 passes; not sequential: 1 forward
+  sparsegpt  as sequential Wanda (each block pruned and updated before the next: `blockwise`)
+  sparsegpt_fit  as SparseGPT, plus `fit_epochs` fwd+bwd passes through each block (the guard:
+             one more per step size tried)
   gradprobe  2 forward+backward per group: 2 when K = all, 2L when K = 1; decision=original:
              one group per matrix, so 2 per matrix (the original's low-memory streaming).
              On whole weights (one process, DDP) a pass computes only the probed gradients
@@ -18,7 +21,6 @@ Passes over the calibration data, per method (K = layers per group, L = layers):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from harness.config import PruneConfig, check_original, check_reconstruct_keys, is_original, is_reconstruct, resolve_prune
+from harness.config import PruneConfig, check_method_keys, check_original, is_original, resolve_prune
 from harness.distributed import Collectives
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
 from harness.pruning.experimental import owl_sparsities
@@ -72,6 +74,7 @@ class PruneReport:
     masks: MaskSet = field(repr=False)
     # Of the fwd+bwd passes, the share whose blocks below the probed ones were replayed, not computed.
     replayed_passes: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)  # the method's own (sparsegpt_fit: the guard's verdict per block)
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k not in ("masks", "layers")}
@@ -81,12 +84,19 @@ class PruneReport:
     def _replayed(self) -> str:
         return f" ({self.replayed_passes:g} with the lower blocks replayed)" if self.replayed_passes else ""
 
+    def _fitted(self) -> str:
+        fits = self.details.get("fit")
+        if not fits:
+            return ""
+        kept = sum(f["kept"] == "fit" for f in fits)
+        return f", fit kept on {kept}/{len(fits)} blocks (SparseGPT's weights on the others)"
+
     def summary(self) -> str:
         return (
             f"pruned {self.method} {self.pattern}: sparsity {self.achieved_sparsity:.4f} (target {self.target_sparsity:g}) "
             f"over {len(self.layers)} matrices, K={self.group_size} ({self.groups} groups), "
             f"passes fwd {self.fwd_passes:g} fwd+bwd {self.fwd_bwd_passes:g}{self._replayed()}, {self.wall_time_s:.2f}s, "
-            f"probe memory {self.peak_probe_bytes / 2**20:.2f} MiB/rank"
+            f"probe memory {self.peak_probe_bytes / 2**20:.2f} MiB/rank{self._fitted()}"
         )
 
 
@@ -117,7 +127,7 @@ def run_pruning(
     method = method_of(cfg)  # ValueError for `none`
     if cfg.decision == "original":
         check_original(cfg)
-    check_reconstruct_keys(cfg)  # before the mode's defaults fill the config: a key set for another decision
+    check_method_keys(cfg)  # a key the method does not read (GradProbe's, the fit's) is refused, not ignored
     cfg, filled = resolve_prune(cfg)
     comm = comm or Collectives()
     comm.barrier()
@@ -127,8 +137,7 @@ def run_pruning(
     if not views:
         raise ValueError(f"no Linear layers match targets={cfg.targets}")
     batches = _checked_inputs(list(calib_batches), method, cfg, comm)
-    # the reconstruct mode chooses its masks by SparseGPT's rule (per block of columns, or N:M)
-    rule = make_rule(dataclasses.replace(cfg, method="sparsegpt") if is_reconstruct(cfg) else cfg)
+    rule = make_rule(cfg)
     if comm.rank == 0 and filled and is_original(cfg):
         log.info(f"prune: decision=original filled what the config left unset: {', '.join(filled)}")
     k, groups = _groups(cfg, method, views, comm)
@@ -136,7 +145,8 @@ def run_pruning(
     ledger = Ledger()
     with runner.eval_mode():
         alloc = _allocation(cfg, views, rule, runner, batches, comm, ledger)
-        masks = method.run(MethodRun(cfg, groups, rule, forced, runner, batches, comm, ledger, alloc))
+        run = MethodRun(cfg, groups, rule, forced, runner, batches, comm, ledger, alloc)
+        masks = method.run(run)
     if not cfg.sequential:  # a sequential run applied each group before measuring the next
         masks.apply(views, comm)
     masks.meta.update(method=cfg.method, pattern=cfg.pattern, sparsity=cfg.sparsity, base=cfg.base)
@@ -160,6 +170,7 @@ def run_pruning(
         exact_target=bool(cfg.exact_target),
         masks=masks,
         replayed_passes=runner.prefix.replays / n,
+        details=run.details,
     )
     if comm.rank == 0:
         log.info(report.summary())
@@ -200,13 +211,14 @@ def _checked_inputs(batches: list[Any], method: Method, cfg: PruneConfig, comm: 
 
 
 def _groups(cfg: PruneConfig, method: Method, views: list[ShardView], comm: Collectives) -> tuple[int, list[list[ShardView]]]:
-    """(K, the groups): K consecutive decoder blocks per group, from the config or from the free
-    memory (`default_group_size`, the same on every rank); decision=original: one matrix at a
-    time, in model order (`build_views`' order); decision=reconstruct: one decoder block at a time."""
+    """(K, the groups): one decoder block per group for every method but GradProbe (Wanda and
+    SparseGPT stream the blocks: `harness.pruning.blockwise`); GradProbe: K consecutive decoder blocks per group,
+    from the config or from the free memory (`default_group_size`, the same on every rank);
+    decision=original: one matrix at a time, in model order (`build_views`' order)."""
     if is_original(cfg):
         return 1, [[v] for v in views]
     units = sorted({v.target.unit for v in views})
-    if is_reconstruct(cfg):  # one decoder block at a time
+    if not method.facts.reads_base:
         return 1, [[v for v in views if v.target.unit == u] for u in units]
     device = views[0].lp().device
     k = cfg.group_size or default_group_size(views, units, comm, hessian=method.facts.hessian, device=device)

@@ -8,23 +8,16 @@ checks and pre-flight read) with its `run`. To add a method: its module with a
 
 from __future__ import annotations
 
-from harness.config import PRUNE_METHOD_FACTS, PruneConfig, is_reconstruct, method_facts
-from harness.pruning import baselines, gradprobe, reconstruct
-from harness.pruning.masks import MaskSet
-from harness.pruning.method_run import Method, MethodRun
-
-
-def _gradprobe(r: MethodRun) -> MaskSet:
-    """GradProbe's decision modes: `reconstruct` (blocks pruned in turn, then fitted to the dense
-    blocks through probe gradients) is a module of its own; the others are `gradprobe`'s."""
-    return reconstruct.run(r) if is_reconstruct(r.cfg) else gradprobe.run(r)
-
+from harness.config import PRUNE_METHOD_FACTS, PruneConfig, method_facts
+from harness.pruning import baselines, fit, gradprobe
+from harness.pruning.method_run import Method
 
 _RUNS = {
     "magnitude": baselines.magnitude,
     "wanda": baselines.wanda,
     "sparsegpt": baselines.sparsegpt,
-    "gradprobe": _gradprobe,
+    "sparsegpt_fit": fit.run,
+    "gradprobe": gradprobe.run,
 }
 
 METHODS: dict[str, Method] = {name: Method(PRUNE_METHOD_FACTS[name], run) for name, run in _RUNS.items()}

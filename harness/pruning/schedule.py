@@ -23,7 +23,7 @@ from harness.config import PruneConfig
 from harness.distributed import Collectives
 from harness.pruning.calibration import LossFn
 from harness.pruning.pipeline import PruneReport, run_pruning
-from harness.pruning.shards import ShardView, build_views, sync_views
+from harness.pruning.shards import build_views, restore_views, snapshot_views
 
 
 @dataclass
@@ -32,25 +32,6 @@ class ScheduleReport:
     rounds: list[tuple[float, float, float]] = field(default_factory=list)  # (target, achieved, metric)
     accepted: PruneReport | None = None  # the last round kept (None: even the first was too costly)
     stopped_at: float | None = None  # the target that broke the limit, if any
-
-
-def snapshot_views(views: list[ShardView]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Copies of every view's local working weights and fp32 master, for an exact rollback."""
-    out = []
-    for v in views:
-        m = v.master()
-        out.append((v.lp().detach().clone(), None if m is None else m.detach().clone()))
-    return out
-
-
-def restore_views(views: list[ShardView], snap: list[tuple[torch.Tensor, torch.Tensor | None]], comm: Collectives) -> None:
-    """Put a `snapshot_views` result back (collective: re-syncs replicated copies)."""
-    for v, (lp, master) in zip(views, snap):
-        everything = torch.ones(v.local_numel, dtype=torch.bool, device=lp.device)
-        v.write(everything, master if master is not None else lp, master=master is not None)
-        if master is not None:  # the working copy may be lower precision than the master
-            v.lp().copy_(lp)
-    sync_views(views, comm)
 
 
 def run_schedule(

@@ -199,3 +199,22 @@ def build_views(model_or_engine: Any, targets: str, comm: Collectives) -> list[S
     for v, ranges in zip(views, gather_ranges([(v.start, v.end) for v in views], comm)):
         v.layout = Layout(v.rows, v.cols, v.start, v.end, ranges)
     return views
+
+
+def snapshot_views(views: list[ShardView]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Copies of every view's local working weights and fp32 master, for an exact rollback."""
+    out = []
+    for v in views:
+        m = v.master()
+        out.append((v.lp().detach().clone(), None if m is None else m.detach().clone()))
+    return out
+
+
+def restore_views(views: list[ShardView], snap: list[tuple[torch.Tensor, torch.Tensor | None]], comm: Collectives) -> None:
+    """Put a `snapshot_views` result back (collective: re-syncs replicated copies)."""
+    for v, (lp, master) in zip(views, snap):
+        everything = torch.ones(v.local_numel, dtype=torch.bool, device=lp.device)
+        v.write(everything, master if master is not None else lp, master=master is not None)
+        if master is not None:  # the working copy may be lower precision than the master
+            v.lp().copy_(lp)
+    sync_views(views, comm)

@@ -106,7 +106,7 @@ def _run_strategy(strategy: str, target, step, accum: int, out: str, comm, resul
     """Every configured pruning run (restoring the dense weights in between), then three
     training steps with the last run's masks enforced."""
     from harness.pruning import MaskEnforcer, build_views, recording_g0, run_pruning, shard_calibration
-    from harness.pruning.schedule import restore_views, snapshot_views
+    from harness.pruning.shards import restore_views, snapshot_views
 
     batches = shard_calibration(samples(), 1, accum, comm)
     results[f"{strategy}/write_check"] = _write_check(target, batches, comm)

@@ -137,12 +137,11 @@ def test_prune_modes_accepted(overrides):
 
 
 GRADPROBE = ["prune.method=gradprobe"]
-RECONSTRUCT_BY_DEFAULT = "prune.decision=reconstruct (the default) chooses its masks by SparseGPT's rule one decoder block at a time"
-OTHER_DECISIONS = "read by prune.decision=veto/rank/saliency/original only"
+FIT = ["prune.method=sparsegpt_fit"]
 
 
-def test_gradprobe_decides_by_reconstruct_unless_told():
-    assert load_config(None, GRADPROBE).prune.decision == "reconstruct"
+def test_gradprobe_decides_by_its_veto_unless_told():
+    assert load_config(None, GRADPROBE).prune.decision == "veto"
     check_run(load_config(None, GRADPROBE), load_strategy("ddp"), 1, False)
 
 
@@ -150,38 +149,35 @@ def test_gradprobe_decides_by_reconstruct_unless_told():
     "overrides, message",
     [
         (
-            [*GRADPROBE, "prune.base=magnitude"],
-            f"prune.base=magnitude is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}: set prune.decision=veto "
-            "(GradProbe's first default) to use it, or unset prune.base",
-        ),
-        # written at its default value: the user still meant the veto, the default when the key was written
-        ([*GRADPROBE, "prune.base=wanda"], f"prune.base=wanda is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}"),
-        (
-            [*GRADPROBE, "prune.pool=0.5", "prune.threshold=0.2"],
-            f"prune.pool=0.5, prune.threshold=0.2 are {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}: set prune.decision=veto "
-            "(GradProbe's first default) to use them, or unset prune.pool, prune.threshold",
-        ),
-        ([*GRADPROBE, "prune.group_size=2"], f"prune.group_size=2 is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}"),
-        ([*GRADPROBE, "prune.stat_dtype=fp32"], f"prune.stat_dtype=fp32 is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}"),
-        (
-            [*GRADPROBE, "prune.decision=reconstruct", "prune.reduction=0.9"],
-            f"prune.reduction=0.9 is {OTHER_DECISIONS}; prune.decision=reconstruct chooses its masks by SparseGPT's rule",
+            [*FIT, "prune.base=magnitude"],
+            "prune.base=magnitude is read by prune.method=gradprobe only, not prune.method=sparsegpt_fit: set "
+            "prune.method=gradprobe to use it, or unset prune.base",
         ),
         (
-            [*GRADPROBE, "prune.scope=global"],
-            "prune.decision=reconstruct (the default) prunes one decoder block after another, each on the pruned blocks' "
-            "outputs, per block of columns or N:M: unset prune.scope and prune.sequential (or set prune.decision=veto",
+            [*FIT, "prune.pool=0.5", "prune.threshold=0.2"],
+            "prune.pool=0.5, prune.threshold=0.2 are read by prune.method=gradprobe only, not prune.method=sparsegpt_fit: "
+            "set prune.method=gradprobe to use them, or unset prune.pool, prune.threshold",
         ),
-        ([*GRADPROBE, "prune.exact_target=false"], "prune.exact_target=false with prune.decision=reconstruct"),
+        (["prune.method=sparsegpt", "prune.group_size=2"], "prune.group_size=2 is read by prune.method=gradprobe only"),
+        (["prune.method=wanda", "prune.stat_dtype=fp32"], "prune.stat_dtype=fp32 is read by prune.method=gradprobe only"),
+        (["prune.method=sparsegpt", "prune.fit_epochs=2"], "prune.fit_epochs=2 is read by prune.method=sparsegpt_fit only"),
+        ([*GRADPROBE, "prune.fit_lr=0.01"], "prune.fit_lr=0.01 is read by prune.method=sparsegpt_fit only"),
         (
-            [*GRADPROBE, "prune.targets=all_linears"],
-            "prune.targets=all_linears with prune.decision=reconstruct (the default): it fits one decoder block at a time",
+            [*FIT, "prune.scope=global"],
+            "prune.method=sparsegpt_fit prunes one decoder block after another, each on the pruned blocks' "
+            "outputs, per block of columns or N:M, then fits it: unset prune.scope and prune.sequential",
         ),
+        (
+            [*FIT, "prune.targets=all_linears"],
+            "prune.targets=all_linears with prune.method=sparsegpt_fit: it fits one decoder block at a time",
+        ),
+        ([*GRADPROBE, "prune.decision=reconstruct"], "prune.decision=reconstruct is now prune.method=sparsegpt_fit"),
+        ([*FIT, "prune.recon_steps=2"], "config key 'prune.recon_steps' is now prune.fit_epochs"),
     ],
 )
-def test_keys_only_the_other_decisions_read_are_refused_under_reconstruct(overrides, message):
-    """A config that sets GradProbe's veto keys and no decision meant the veto, the default when it was
-    written; reconstruct would ignore them. One line from check_run."""
+def test_keys_the_method_does_not_read_are_refused(overrides, message):
+    """A key only another method reads would be ignored: one line from check_run (or the loader,
+    for a key that was renamed) naming the method that reads it."""
     with pytest.raises(ConfigError) as err:
         check_run(load_config(None, overrides), load_strategy("ddp"), 1, False)
     assert message in str(err.value)
@@ -191,25 +187,25 @@ def test_keys_only_the_other_decisions_read_are_refused_under_reconstruct(overri
 @pytest.mark.parametrize(
     "overrides",
     [
-        # a saved full config: every key written, at its default, beside the decision written out
-        [*GRADPROBE, "prune.decision=reconstruct", "prune.base=wanda", "prune.pool=0.25", "prune.group_size=0", "prune.threshold=0.0"],
+        # a saved full config: every key written, at its default
+        [*FIT, "prune.base=wanda", "prune.pool=0.25", "prune.group_size=0", "prune.threshold=0.0", "prune.fit_epochs=1"],
         [*GRADPROBE, "prune.decision=veto", "prune.base=magnitude", "prune.pool=0.5", "prune.group_size=2", "prune.stat_dtype=fp32"],
-        ["prune.method=wanda", "prune.group_size=2"],  # not GradProbe: its own grouping
+        [*FIT, "prune.fit_epochs=2", "prune.fit_lr=1e-4"],
     ],
 )
-def test_keys_the_decision_reads_are_accepted(overrides):
+def test_keys_the_method_reads_are_accepted(overrides):
     check_run(load_config(None, overrides), load_strategy("ddp"), 1, False)
 
 
 def test_a_config_built_in_code_is_refused_by_the_values_it_changes():
     """Nothing says which keys code wrote: a value other than the schema's default counts."""
-    from harness.config import PruneConfig, check_reconstruct_keys
+    from harness.config import PruneConfig, check_method_keys
 
     with pytest.raises(ConfigError) as err:
-        check_reconstruct_keys(PruneConfig(method="gradprobe", base="magnitude"))
-    assert str(err.value).startswith(f"prune.base=magnitude is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}")
-    check_reconstruct_keys(PruneConfig(method="gradprobe", base="wanda", pool=0.25))
-    check_reconstruct_keys(PruneConfig(method="gradprobe", decision="veto", base="magnitude"))
+        check_method_keys(PruneConfig(method="sparsegpt_fit", base="magnitude"))
+    assert str(err.value).startswith("prune.base=magnitude is read by prune.method=gradprobe only")
+    check_method_keys(PruneConfig(method="sparsegpt_fit", base="wanda", pool=0.25))
+    check_method_keys(PruneConfig(method="gradprobe", decision="veto", base="magnitude"))
 
 
 @pytest.mark.parametrize(
@@ -253,16 +249,16 @@ def test_a_switch_given_off_explicitly_keeps_its_sections_keys():
     assert load_config(None, ["prune.method=none", "prune.sparsity=0.3"]).prune.sparsity == 0.3
 
 
-def test_the_prune_command_refuses_a_veto_key_written_at_its_default(tmp_path):
-    """`python -m harness.prune` copies the config before its pre-flight (which then knows no written
-    keys): the refusal runs on the config as written. Milliseconds: no model is read."""
+def test_the_prune_command_refuses_a_key_its_method_does_not_read(tmp_path):
+    """`python -m harness.prune` copies the config before its pre-flight: the copy keeps the value, and
+    the pre-flight's check refuses it. Milliseconds: no model is read."""
     from harness.prune import command_config
 
     out = f"output_dir={tmp_path / 'out'}"
     with pytest.raises(ConfigError) as err:
-        command_config(None, [*GRADPROBE, "prune.base=wanda", out])
-    assert str(err.value).startswith(f"prune.base=wanda is {OTHER_DECISIONS}; {RECONSTRUCT_BY_DEFAULT}")
-    assert command_config(None, [*GRADPROBE, "prune.decision=veto", "prune.base=wanda", out]).prune.decision == "veto"
+        check_run(command_config(None, [*FIT, "prune.base=magnitude", out]), load_strategy("ddp"), 1, False)
+    assert str(err.value).startswith("prune.base=magnitude is read by prune.method=gradprobe only")
+    assert command_config(None, [*GRADPROBE, "prune.base=magnitude", out]).prune.base == "magnitude"
 
 
 def test_the_prune_command_keeps_what_the_user_wrote(tmp_path):

@@ -1,6 +1,6 @@
-"""GradProbe's reconstruct mode (`harness.pruning.reconstruct`) on the tiny Llama, one process:
-exact target counts and 2:4 validity, pruned weights exactly zero, the block fit lowering the
-error it minimises, and a stop request. Seconds each."""
+"""`prune.method=sparsegpt_fit` (`harness.pruning.fit`) on the tiny Llama, one process: exact
+target counts and 2:4 validity, pruned weights exactly zero, the block fit lowering the error it
+minimises, the guard keeping SparseGPT's weights when a fit diverges, and a stop request. Seconds each."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def calib() -> list[torch.Tensor]:
 
 
 def cfg(**kw) -> PruneConfig:
-    return PruneConfig(method="gradprobe", decision="reconstruct", **{"sparsity": 0.5, "recon_steps": 3, "recon_lr": 1e-3, **kw})
+    return PruneConfig(method="sparsegpt_fit", **{"sparsity": 0.5, "fit_epochs": 3, "fit_lr": 1e-3, **kw})
 
 
 @pytest.mark.parametrize("pattern,sparsity", [("unstructured", 0.6), ("2:4", 0.5)])
@@ -52,7 +52,7 @@ def _block_error(steps: int) -> float:
     """The error the fit minimises, ||block(X) - dense block(X)||^2 summed over the blocks,
     each on the pruned blocks' outputs, after pruning with `steps` epochs of the fit."""
     dense, model = build_model("tiny-llama"), build_model("tiny-llama")
-    run_pruning(model, calib(), cfg(recon_steps=steps), lm_loss)
+    run_pruning(model, calib(), cfg(fit_epochs=steps), lm_loss)
     err = 0.0
     for batch in calib():
         seen: list[torch.Tensor] = []
@@ -96,18 +96,18 @@ def test_a_stop_request_ends_the_stage() -> None:
     assert len(asked) == 6
 
 
-@pytest.mark.parametrize("bad", [{"scope": "global"}, {"sequential": False}, {"recon_lr": 0.0}, {"recon_steps": -1}])
-def test_settings_the_mode_cannot_honour_are_refused(bad: dict) -> None:
+@pytest.mark.parametrize("bad", [{"scope": "global"}, {"sequential": False}, {"fit_lr": 0.0}, {"fit_epochs": -1}])
+def test_settings_the_method_cannot_honour_are_refused(bad: dict) -> None:
     from harness.config.prune_modes import check_prune_mode
     from harness.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="prune.decision=reconstruct"):
+    with pytest.raises(ConfigError, match="prune.method=sparsegpt_fit prunes one decoder block after another"):
         check_prune_mode(cfg(**bad))
 
 
-def test_run_pruning_refuses_a_key_only_the_other_decisions_read_before_any_pass() -> None:
-    """A library caller's `PruneConfig(method="gradprobe", pool=0.0)` meant the veto when the veto was
-    the default: refused before the model is touched, not pruned by reconstruct ignoring `pool`."""
+def test_run_pruning_refuses_a_key_the_method_does_not_read_before_any_pass() -> None:
+    """A library caller's `PruneConfig(method="sparsegpt_fit", pool=0.0)` sets a key only GradProbe
+    reads: refused before the model is touched, not pruned with `pool` ignored."""
     from harness.errors import ConfigError
 
     model = build_model("tiny-llama")
@@ -119,7 +119,39 @@ def test_run_pruning_refuses_a_key_only_the_other_decisions_read_before_any_pass
         return lm_loss(m, batch)
 
     with pytest.raises(
-        ConfigError, match=r"prune.pool=0.0 is read by prune.decision=veto/rank/saliency/original only; .*unset prune.pool$"
+        ConfigError, match=r"prune.pool=0.0 is read by prune.method=gradprobe only, not prune.method=sparsegpt_fit: .*unset prune.pool$"
     ):
-        run_pruning(model, calib(), PruneConfig(method="gradprobe", sparsity=0.5, pool=0.0), counting_loss)
+        run_pruning(model, calib(), cfg(pool=0.0), counting_loss)
     assert calls == [] and all(torch.equal(p, q) for p, q in zip(model.parameters(), dense))
+
+
+def test_a_divergent_fit_keeps_sparsegpts_weights() -> None:
+    """A step size far too large for the model (planted: 10, retried at 1) makes every block's
+    held-out error worse than SparseGPT's: the guard undoes each fit, so the pruned model is
+    SparseGPT's to the bit, and the report says so per block."""
+    fitted, plain = build_model("tiny-llama"), build_model("tiny-llama")
+    report = run_pruning(fitted, calib6(), cfg(fit_lr=10.0, fit_epochs=1), lm_loss)
+    run_pruning(plain, calib6(), PruneConfig(method="sparsegpt", sparsity=0.5), lm_loss)
+    fits = report.details["fit"]
+    assert [f["kept"] for f in fits] == ["sparsegpt"] * len(decoder_blocks(fitted))
+    assert all(f["held_out"] and f["error_fit"] > f["error_sparsegpt"] or f["error_fit"] != f["error_fit"] for f in fits)
+    assert all(torch.equal(p, q) for p, q in zip(fitted.parameters(), plain.parameters()))
+    # a sane step size is kept where it helps: the guard is not a refusal of every fit
+    kept = run_pruning(build_model("tiny-llama"), calib6(), cfg(fit_epochs=3), lm_loss).details["fit"]
+    assert any(f["kept"] == "fit" and f["error_fit"] < f["error_sparsegpt"] for f in kept)
+
+
+def calib6() -> list[torch.Tensor]:
+    """Six micro-batches: five fit steps and one held out for the guard."""
+    g = torch.Generator().manual_seed(6)
+    return [torch.randint(0, 2048, (2, 16), generator=g) for _ in range(6)]
+
+
+def test_old_names_of_the_fit_are_refused_with_the_new_ones() -> None:
+    from harness.config import load_config
+    from harness.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^prune.decision=reconstruct is now prune.method=sparsegpt_fit"):
+        load_config(None, ["prune.method=gradprobe", "prune.decision=reconstruct"])
+    with pytest.raises(ConfigError, match=r"^config key 'prune.recon_steps' is now prune.fit_epochs"):
+        load_config(None, ["prune.method=sparsegpt_fit", "prune.recon_steps=2"])
