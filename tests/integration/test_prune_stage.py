@@ -115,10 +115,10 @@ def train_with_pruning(cache: Path, out: Path, world: int, strategy: str, prune:
 WORLD_CASES = {
     # GradProbe 2:4 (veto) under ZeRO-3, through the stage's own data path.
     "zero3": {"method": "gradprobe", "base": "magnitude", "decision": "veto", "pattern": "2:4"},
-    # GradProbe's reconstruct mode (block-streamed masks, block fitted by gradient steps) under FSDP2.
+    # SparseGPT block by block, each block fitted by gradient steps and guarded, under FSDP2.
     # The veto with Wanda candidates under FSDP2 is proven world-invariant, masks surviving training,
     # by test_pruning_dist (the trainer's wrapping, one worker per rank), not again through the stage.
-    "fsdp-reconstruct": {"method": "gradprobe", "decision": "reconstruct", "recon_steps": 1},
+    "fsdp-fit": {"method": "sparsegpt_fit", "fit_epochs": 1},
 }
 
 

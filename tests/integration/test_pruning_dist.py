@@ -37,19 +37,17 @@ RUNS = {
         # applied before the next is probed, fp32 statistics) and its Wanda-base variant
         "gp_decision_original": PruneConfig(method="gradprobe", base="magnitude", decision="original", sparsity=0.5),
         "gp_decision_original_wanda": PruneConfig(method="gradprobe", base="wanda", decision="original", sparsity=0.5),
-        # blocks pruned in turn, each fitted to the dense block by gradient steps through it alone
-        "gp_reconstruct": PruneConfig(method="gradprobe", decision="reconstruct", sparsity=0.5, recon_steps=2, recon_lr=1e-3),
+        # SparseGPT block by block, each block then fitted to the dense block by gradient steps through it alone
+        "sparsegpt_fit": PruneConfig(method="sparsegpt_fit", sparsity=0.5, fit_epochs=2, fit_lr=1e-3),
     },
     "zero3": {
         "gp_wanda": GP_WANDA,
         "wanda": PruneConfig(method="wanda", sparsity=0.5),
-        "sparsegpt": PruneConfig(method="sparsegpt", sparsity=0.5, group_size=2),
+        "sparsegpt": PruneConfig(method="sparsegpt", sparsity=0.5),
         "magnitude_global": PruneConfig(method="magnitude", sparsity=0.4, scope="global"),
         "gp_ria_veto": PruneConfig(method="gradprobe", base="ria", decision="veto", sparsity=0.5, group_size=1),
         "gp_taylor": PruneConfig(method="gradprobe", base="taylor", decision="veto", sparsity=0.5, group_size=2),
-        "gp_reconstruct_24": PruneConfig(
-            method="gradprobe", decision="reconstruct", pattern="2:4", sparsity=0.5, recon_steps=2, recon_lr=1e-3
-        ),
+        "sparsegpt_fit_24": PruneConfig(method="sparsegpt_fit", pattern="2:4", sparsity=0.5, fit_epochs=2, fit_lr=1e-3),
     },
     "zero2": {"gp_wanda": GP_WANDA},
     # DDP computes the probed gradients alone and replays the blocks below them (`Runner`)
