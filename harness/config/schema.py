@@ -161,7 +161,9 @@ class DataConfig(Section):
     stream_eval_blocks: int = 256  # streaming: eval and calib blocks read from the start of the stream
     # text: loss on every token. instruction: a local JSON lines file of {"prompt", "response"}, {"messages": [{role,
     # content}, ...]}, Alpaca or ShareGPT records (each detected from its fields; alpaca or sharegpt names the
-    # layout), rendered with the tokenizer's chat template when it has one. Labelled (the loss): the response, or
+    # layout), rendered with the tokenizer's chat template when it has one. Roles: system, user/human, assistant/gpt/
+    # model/bot (others refused); content a string or OpenAI-style text parts (concatenated; other parts refused); a
+    # split whose examples have no labelled token is refused. Labelled (the loss): the response, or
     # what TRL's assistant-only loss labels - the template's {% generation %} mask where it has one, else each
     # assistant turn after its header through its end-of-turn token and the newline after it (ChatML: \n + answer +
     # <|im_end|> + \n, as TRL's ChatML training templates); without a template, "role: content" lines with each answer
