@@ -132,9 +132,15 @@ def check_values(cfg: RunConfig) -> None:
             f"(data.source={cfg.data.source!r}{', streaming' if cfg.data.streaming else ''}); "
             "set data.source to it and data.streaming=false"
         )
-    for key, frac in (("data.eval_fraction", cfg.data.eval_fraction), ("data.calib_fraction", cfg.data.calib_fraction)):
-        if not 0.0 < frac < 0.5:
-            raise ConfigError(f"{key}={frac} must be in (0, 0.5)")
+    if not 0.0 < cfg.data.eval_fraction < 0.5:
+        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction} must be in (0, 0.5)")
+    if not 0.0 <= cfg.data.calib_fraction < 0.5:
+        raise ConfigError(f"data.calib_fraction={cfg.data.calib_fraction} must be in [0, 0.5) (0: no calibration split)")
+    if cfg.data.calib_fraction == 0.0 and needs_calibration(cfg.prune):
+        raise ConfigError(
+            f"prune.method={cfg.prune.method} calibrates on the calib split, but data.calib_fraction=0 holds out none; "
+            "set data.calib_fraction (default 0.05)"
+        )
 
 
 def check_lora_values(cfg: RunConfig) -> None:

@@ -143,8 +143,11 @@ class DataConfig(Section):
     source: str = "embedded"
     text_field: str = "text"  # the column holding the text
     seq_len: int = 128  # packed block length, in tokens
-    eval_fraction: float = 0.05  # held-out documents for evaluation
-    calib_fraction: float = 0.05  # held-out documents for pruning calibration
+    # held-out documents for evaluation; a split too small for one block is no evaluation (said; pruning refuses it)
+    eval_fraction: float = 0.05
+    # held-out documents for pruning calibration; a run that does not prune holds out none (they train) unless this
+    # is written (a model trained to be pruned later: it never trains on its calibration documents)
+    calib_fraction: float = 0.05
     # optional cap on the train split's tokens (unset: the whole corpus); the run states the tokens, blocks and
     # epochs its steps consume and warns when it repeats data
     max_tokens: int | None = None
