@@ -40,8 +40,7 @@ def train(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, float]:
     if info.is_main:
         evaluated = f"final eval perplexity {final['eval/perplexity']:.2f}" if final is not None else "no eval split"
         print(
-            f"[harness] {evaluated}; outputs in {os.path.abspath(cfg.output_dir)}; "
-            f"{trainer.ckpt.result_line()}",
+            f"[harness] {evaluated}; outputs in {os.path.abspath(cfg.output_dir)}; {trainer.ckpt.result_line()}",
             flush=True,
         )
     return summary

@@ -53,7 +53,10 @@ def check_eval_split(cfg: RunConfig, data: PackedData, info: DistInfo) -> None:
     means no evaluation, said once; pruning, which measures eval before and after, refuses it."""
     if data.n_blocks("eval"):
         return
-    held = f"the eval split holds {data.tokens['eval']} tokens at data.eval_fraction={cfg.data.eval_fraction}, less than one block of {cfg.data.seq_len}"
+    held = (
+        f"the eval split holds {data.tokens['eval']} tokens at data.eval_fraction={cfg.data.eval_fraction}, "
+        f"less than one block of {cfg.data.seq_len}"
+    )
     if cfg.prune.enabled:
         raise ConfigError(f"{held}; prune.method={cfg.prune.method} measures eval perplexity: raise data.eval_fraction or give more data")
     if info.is_main:

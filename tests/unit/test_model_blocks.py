@@ -158,8 +158,9 @@ def _config_other_than_its_weights(tmp_path) -> str:
 
 
 def test_a_config_that_disagrees_with_its_weights_is_one_line_exit_2_before_launch(tmp_path, monkeypatch, capfd):
-    import harness.train
     from launching import call_entry_point, env
+
+    import harness.train
 
     directory = _config_other_than_its_weights(tmp_path)
     argv = [f"model.name={directory}", f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}", "data.seq_len=32"]
