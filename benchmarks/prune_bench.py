@@ -223,8 +223,13 @@ def train_dense(work: Path, cfg: dict[str, Any]) -> dict[str, Any]:
             return saved
     work.mkdir(parents=True, exist_ok=True)
     path = work / "train.yaml"
-    # no prune section: prune keys without prune.method are refused (they would do nothing in training)
-    path.write_text(yaml.safe_dump({**key, "checkpoint": {"export_hf": True, "overwrite": True}}))
+    # no prune section: prune keys without prune.method are refused (they would do nothing in training).
+    # data.calib_fraction written: a run that does not prune holds out no calibration split unless told,
+    # and the dense model must never train on the documents the pruning runs calibrate on.
+    from harness.config import DataConfig
+
+    data = {**key["data"], "calib_fraction": DataConfig.calib_fraction}
+    path.write_text(yaml.safe_dump({**key, "data": data, "checkpoint": {"export_hf": True, "overwrite": True}}))
     t0 = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "harness.train", "--config", str(path)], cwd=REPO, env=env(), check=True, stdout=subprocess.DEVNULL

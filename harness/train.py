@@ -31,19 +31,16 @@ def train(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, float]:
     if done.preempted is not None:
         return done.preempted
     trainer, final = done.trainer, done.final
-    assert final is not None
-    summary = {
-        "final_train_loss": trainer.loss_mean,
-        "final_eval_loss": final["eval/loss"],
-        "final_eval_perplexity": final["eval/perplexity"],
-        "skipped_steps": trainer.skipped,
-    }
+    summary = {"final_train_loss": trainer.loss_mean}
+    if final is not None:  # None: no eval split (a few documents), said when the run was built
+        summary |= {"final_eval_loss": final["eval/loss"], "final_eval_perplexity": final["eval/perplexity"]}
+    summary["skipped_steps"] = trainer.skipped
     trainer.observer.log_summary(summary)
     trainer.close()
     if info.is_main:
+        evaluated = f"final eval perplexity {final['eval/perplexity']:.2f}" if final is not None else "no eval split"
         print(
-            f"[harness] final eval perplexity {final['eval/perplexity']:.2f}; outputs in {os.path.abspath(cfg.output_dir)}; "
-            f"{trainer.ckpt.result_line()}",
+            f"[harness] {evaluated}; outputs in {os.path.abspath(cfg.output_dir)}; {trainer.ckpt.result_line()}",
             flush=True,
         )
     return summary

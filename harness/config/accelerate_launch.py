@@ -102,7 +102,12 @@ FSDP_VALUES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "harness wraps each decoder block in its own FSDP2 unit (TRANSFORMER_BASED_WRAP)",
     ),
     "FSDP_BACKWARD_PREFETCH": (("BACKWARD_PRE",), REFUSED, "FSDP2 prefetches the next block's gather in backward (BACKWARD_PRE)"),
-    "FSDP_FORWARD_PREFETCH": (("FALSE",), REFUSED, "harness sets no explicit forward prefetch"),
+    "FSDP_FORWARD_PREFETCH": (
+        ("FALSE",),
+        SAID,
+        "a speed hint: FSDP2 already issues the next block's all-gather ahead of its forward (implicit prefetch); "
+        "harness adds no explicit one",
+    ),
     "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": (("FALSE",), REFUSED, "checkpointed block inputs stay on the device"),
     "FSDP_VERSION": (("2",), SAID, "harness shards with FSDP2 (torch's fully_shard): the same sharding, its own implementation"),
     "FSDP_STATE_DICT_TYPE": (

@@ -100,7 +100,10 @@ FLAGS: dict[str, tuple[str, str]] = {
         "checkpoints are sharded (DCP, resumable at any world size), `python -m harness.export` writes the whole model; "
         "`FULL_STATE_DICT` is said in the log",
     ),
-    "fsdp_forward_prefetch": (REFUSED, "harness sets no explicit forward prefetch; `true` is refused"),
+    "fsdp_forward_prefetch": (
+        SAID,
+        "a speed hint: FSDP2 issues the next block's all-gather ahead of its forward on its own; `true` is said in the log",
+    ),
     "fsdp_use_orig_params": (SAID, "FSDP2 always keeps the original parameters; `false` is said in the log"),
     "fsdp_cpu_ram_efficient_loading": (SAID, "harness always loads each rank's part only; `false` is said in the log"),
     "fsdp_sync_module_states": (SAID, "every rank fills its part from the same weights; `false` is said in the log"),

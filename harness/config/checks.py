@@ -8,7 +8,9 @@ look at the outside world (model and data files, the output directory, checkpoin
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
+import itertools
 
 from harness.config.prune_methods import needs_calibration
 from harness.config.prune_modes import check_prune_mode
@@ -134,9 +136,15 @@ def check_values(cfg: RunConfig) -> None:
             f"(data.source={cfg.data.source!r}{', streaming' if cfg.data.streaming else ''}); "
             "set data.source to it and data.streaming=false"
         )
-    for key, frac in (("data.eval_fraction", cfg.data.eval_fraction), ("data.calib_fraction", cfg.data.calib_fraction)):
-        if not 0.0 < frac < 0.5:
-            raise ConfigError(f"{key}={frac} must be in (0, 0.5)")
+    if not 0.0 < cfg.data.eval_fraction < 0.5:
+        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction} must be in (0, 0.5)")
+    if not 0.0 <= cfg.data.calib_fraction < 0.5:
+        raise ConfigError(f"data.calib_fraction={cfg.data.calib_fraction} must be in [0, 0.5) (0: no calibration split)")
+    if cfg.data.calib_fraction == 0.0 and needs_calibration(cfg.prune):
+        raise ConfigError(
+            f"prune.method={cfg.prune.method} calibrates on the calib split, but data.calib_fraction=0 holds out none; "
+            "set data.calib_fraction (default 0.05)"
+        )
 
 
 def check_lora_values(cfg: RunConfig) -> None:
@@ -364,12 +372,45 @@ def check_sequence_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> N
         )
 
 
+# The first DeepSpeed whose `UlyssesSPAttentionHF.register_with_transformers` takes the call
+# harness makes (no `max_length`: required from 0.17.0, where ALST arrived, until 0.18.2);
+# setup.cfg's floor is this version.
+ALST_MIN_DEEPSPEED = "0.18.2"
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """The leading numeric release of a version string ("0.19.8+cu128" -> (0, 19, 8))."""
+    parts = []
+    for piece in text.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def installed_version(package: str) -> tuple[int, ...] | None:
+    """The installed distribution's version (None when it is not installed)."""
+    try:
+        return version_tuple(importlib.metadata.version(package))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def check_sequence_engine(cfg: RunConfig, strategy: Strategy) -> None:
     """Sequence parallelism is harness's own Ulysses under the torch engines and DeepSpeed's ALST
     (`UlyssesSPAttentionHF`) under DeepSpeed. ALST runs sdpa causal over the whole gathered row and
     discards every mask: packed examples would attend to each other, so a DeepSpeed run that packs
     them is refused (harness's own Ulysses attends each example apart)."""
     n = cfg.parallel.sequence
+    if n > 1 and strategy.kind == "deepspeed":
+        installed = installed_version("deepspeed")
+        if installed is not None and installed < version_tuple(ALST_MIN_DEEPSPEED):
+            raise ConfigError(
+                f"parallel.sequence={n} under DeepSpeed ({strategy.name}) runs ALST's UlyssesSPAttentionHF as harness calls it, "
+                f"which needs deepspeed>={ALST_MIN_DEEPSPEED} (installed: {'.'.join(map(str, installed))}); "
+                f"pip install 'deepspeed>={ALST_MIN_DEEPSPEED}', or use strategy=fsdp or ddp (harness's own Ulysses)"
+            )
     if n > 1 and strategy.kind == "deepspeed" and cfg.data.packs_examples:
         raise ConfigError(
             f"parallel.sequence={n} under DeepSpeed ({strategy.name}) runs DeepSpeed's ALST, whose sdpa attention would cross "

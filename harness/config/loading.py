@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from harness.config.checks import check_dead_keys, check_values
-from harness.config.schema import RENAMED, RunConfig
+from harness.config.schema import RENAMED, RunConfig, is_given
 from harness.errors import ConfigError, did_you_mean
 
 
@@ -214,7 +214,19 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     cfg.given_keys = frozenset(_dotted(data))  # what the user wrote (`is_given`): not a config key, so not a field
     check_values(cfg)
     check_dead_keys(data, cfg)
+    hold_out_calibration_when_pruning(cfg)
     return cfg
+
+
+def hold_out_calibration_when_pruning(cfg: RunConfig) -> None:
+    """A run that does not prune trains on the documents a calibration split would hold
+    (`data.calib_fraction` 0), as TRL and axolotl hold out nothing they do not use; a written
+    `data.calib_fraction` is kept (a model trained to be pruned later must not train on the
+    documents it will be calibrated on). A pruning run's splits are those of its written or
+    default fractions, as before. Done here, once, so that every reader of `cfg.data` (the
+    cache key, pre-flight, the planner, `harness.data`) sees the same splits."""
+    if not cfg.prune.enabled and not is_given(cfg, "data.calib_fraction"):
+        cfg.data.calib_fraction = 0.0
 
 
 def _dotted(data: dict[str, Any], prefix: str = "") -> list[str]:

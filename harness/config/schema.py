@@ -144,8 +144,11 @@ class DataConfig(Section):
     source: str = "embedded"
     text_field: str = "text"  # the column holding the text
     seq_len: int = 128  # packed block length, in tokens
-    eval_fraction: float = 0.05  # held-out documents for evaluation
-    calib_fraction: float = 0.05  # held-out documents for pruning calibration
+    # held-out documents for evaluation; a split too small for one block is no evaluation (said; pruning refuses it)
+    eval_fraction: float = 0.05
+    # held-out documents for pruning calibration; a run that does not prune holds out none (they train) unless this
+    # is written (a model trained to be pruned later: it never trains on its calibration documents)
+    calib_fraction: float = 0.05
     # optional cap on the train split's tokens (unset: the whole corpus); the run states the tokens, blocks and
     # epochs its steps consume and warns when it repeats data
     max_tokens: int | None = None
@@ -162,7 +165,9 @@ class DataConfig(Section):
     stream_eval_blocks: int = 256  # streaming: eval and calib blocks read from the start of the stream
     # text: loss on every token. instruction: a local JSON lines file of {"prompt", "response"}, {"messages": [{role,
     # content}, ...]}, Alpaca or ShareGPT records (each detected from its fields; alpaca or sharegpt names the
-    # layout), rendered with the tokenizer's chat template when it has one. Labelled (the loss): the response, or
+    # layout), rendered with the tokenizer's chat template when it has one. Roles: system, user/human, assistant/gpt/
+    # model/bot (others refused); content a string or OpenAI-style text parts (concatenated; other parts refused); a
+    # split whose examples have no labelled token is refused. Labelled (the loss): the response, or
     # what TRL's assistant-only loss labels - the template's {% generation %} mask where it has one, else each
     # assistant turn after its header through its end-of-turn token and the newline after it (ChatML: \n + answer +
     # <|im_end|> + \n, as TRL's ChatML training templates); without a template, "role: content" lines with each answer

@@ -208,9 +208,13 @@ def _build(model_name: str, cfg: DataConfig, tmp: str, progress: bool) -> str:
             f"data.source '{cfg.source}': token ids reach {stats['max_id']} but the vocabulary has {vocab}; "
             "set data.vocab_size (or data.tokenizer) to match the data"
         )
-    for split in SPLITS if not cfg.streaming else ("eval", "calib"):
-        if stats["tokens"][split] < cfg.seq_len:
-            raise ConfigError(f"data.source '{cfg.source}': the {split} split has fewer than seq_len={cfg.seq_len} tokens")
+    # Only training needs a block: an eval split too small for one means no evaluation (the run says
+    # so, `harness.runner.build`), a calib split too small is refused by the pruning that reads it.
+    if not cfg.streaming and stats["tokens"]["train"] < cfg.seq_len:
+        raise ConfigError(
+            f"data.source '{cfg.source}': the train split has {stats['tokens']['train']} tokens, fewer than "
+            f"seq_len={cfg.seq_len}; give more data or lower data.seq_len"
+        )
     if tok is not None:
         tok.save_pretrained(os.path.join(tmp, "tokenizer"))
     meta = {
@@ -308,7 +312,7 @@ def _prepare_stream(model_name: str, cfg: DataConfig, out: str) -> dict[str, Any
     want = cfg.stream_eval_blocks * cfg.seq_len
     for texts in tokenization.text_batches(open_stream(cfg), cfg, batch=256):
         writer.add(tokenization.encode_texts(texts, tok, cfg, eos_id(tok, cfg), dtype, skip_train=True))
-        if writer.tokens["eval"] >= want and writer.tokens["calib"] >= want:
+        if writer.tokens["eval"] >= want and (writer.tokens["calib"] >= want or not cfg.calib_fraction):
             break
     return {**writer.close(), "tokenizer": tok}
 

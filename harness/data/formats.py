@@ -5,7 +5,11 @@
   and the input when the input is not empty; the assistant turn is the output; `history` (pairs of
   user and assistant strings) comes before, `system` first.
 - ShareGPT (`{"conversations": [{"from", "value"}, ...]}`, optional `system` - LLaMA-Factory's
-  `sharegpt`, axolotl's `chat_template` type): `from` human/user, gpt/assistant, system.
+  `sharegpt`, axolotl's `chat_template` type): `from` one of `ROLES`.
+- Chat `messages` (`[{"role", "content"}, ...]`, OpenAI's and TRL's layout): each `role` one of
+  `ROLES` (ShareGPT's and Gemma's names - human, gpt, model, bot - as the role harness labels
+  by), each `content` a string or OpenAI-style content parts (`[{"type": "text", "text": ...}]`:
+  the text parts concatenated; an image or other part is refused).
 
 A converted record is an ordinary `messages` record, so it is split, tokenized and labelled exactly
 as the `messages` file of the same conversations would be. A record the conversion cannot read is
@@ -18,7 +22,17 @@ from typing import Any
 
 from harness.errors import ConfigError
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# The role names chat files use (TRL's and OpenAI's, ShareGPT's, Gemma's `model`, LLaMA-Factory's and
+# axolotl's role maps), as the three roles harness renders and labels by: only `assistant` is labelled.
+ROLES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+}
 ALPACA_FIELDS = ("instruction", "output")  # what marks a record as Alpaca (`input` may be absent)
 
 
@@ -82,18 +96,57 @@ def sharegpt_messages(record: dict[str, Any], where: str) -> list[dict[str, str]
         at = f"{where}, conversations[{n}]"
         if not isinstance(turn, dict):
             raise ConfigError(f"{at}: a turn must be an object with 'from' and 'value' (got a {type(turn).__name__})")
-        role = turn.get("from")
-        if role not in SHAREGPT_ROLES:
-            raise ConfigError(
-                f"{at}: 'from' is {role!r}, a role harness does not train on; "
-                f"use one of {', '.join(SHAREGPT_ROLES)} (tool and function turns are not read)"
-            )
-        messages.append({"role": SHAREGPT_ROLES[role], "content": _string(turn, "value", at, "a ShareGPT turn")})
+        role = _role(turn.get("from"), at, "from")
+        messages.append({"role": role, "content": _string(turn, "value", at, "a ShareGPT turn")})
+    return messages
+
+
+def _role(name: Any, at: str, key: str) -> str:
+    """The role harness renders and labels by, from a file's role name (one of `ROLES`)."""
+    if not isinstance(name, str) or name.lower() not in ROLES:
+        raise ConfigError(
+            f"{at}: '{key}' is {name!r}, a role harness does not train on; "
+            f"use one of {', '.join(ROLES)} (tool and function turns are not read)"
+        )
+    return ROLES[name.lower()]
+
+
+def _content(value: Any, at: str) -> str:
+    """A turn's text: a string, or OpenAI-style content parts with their text parts concatenated."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for n, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ConfigError(
+                    f"{at}, content[{n}]: a {kind!r} part; harness trains on text only: give each part as "
+                    '{"type": "text", "text": "..."}, or the content as a string'
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    got = "missing" if value is None else f"of type {type(value).__name__}"
+    raise ConfigError(f"{at}: 'content' is {got}; give it as a string or a list of text parts")
+
+
+def chat_messages(record: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """A `messages` record's turns with their roles as `ROLES` names them and their content as text
+    (a turn already so is unchanged, so its record hashes, splits and renders as before)."""
+    messages = []
+    for n, turn in enumerate(record["messages"]):
+        at = f"{where}, messages[{n}]"
+        if not isinstance(turn, dict):
+            raise ConfigError(f"{at}: a turn must be an object with 'role' and 'content' (got a {type(turn).__name__})")
+        messages.append({**turn, "role": _role(turn.get("role"), at, "role"), "content": _content(turn.get("content"), at)})
     return messages
 
 
 def as_messages(record: Any, where: str, layout: str) -> Any:
-    """An Alpaca or ShareGPT record as a `messages` record; any other record as it is."""
+    """An Alpaca or ShareGPT record as a `messages` record, a `messages` record's roles and content as
+    harness reads them (`chat_messages`); any other record as it is."""
+    if layout == "messages" and isinstance(record.get("messages"), list):
+        return {**record, "messages": chat_messages(record, where)}
     if layout == "alpaca":
         return {"messages": alpaca_messages(record, where)}
     if layout == "sharegpt":
@@ -101,4 +154,4 @@ def as_messages(record: Any, where: str, layout: str) -> Any:
     return record
 
 
-__all__ = ["SHAREGPT_ROLES", "alpaca_messages", "as_messages", "format_hint", "layout_of", "sharegpt_messages"]
+__all__ = ["ROLES", "alpaca_messages", "as_messages", "chat_messages", "format_hint", "layout_of", "sharegpt_messages"]

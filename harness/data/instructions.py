@@ -42,7 +42,7 @@ import numpy as np
 from harness.config import DataConfig
 from harness.data.documents import SPLITS, split_of
 from harness.data.folders import folder_layout
-from harness.data.formats import as_messages, layout_of
+from harness.data.formats import ROLES, as_messages, layout_of
 from harness.data.tokenizer import eos_id, given_tokenizer, leading_specials, train_bpe_tokenizer
 from harness.errors import ConfigError
 from harness.log import get_logger
@@ -52,7 +52,8 @@ IGNORE = -100
 EXAMPLES = "examples"  # the cache layout name in meta.json: (n, 3, seq_len) input_ids, labels, position_ids
 # What an instruction cache holds, in its key: a cache written by other rules is never read as this one.
 LAYOUT_VERSION = (
-    "examples-2: whole-example BFD packing, positions per example, TRL's assistant spans, no plain-chat header, leading specials"
+    "examples-3: whole-example BFD packing, positions per example, TRL's assistant spans, no plain-chat header, leading specials, "
+    "chat roles by harness.data.formats.ROLES, text content parts"
 )
 
 
@@ -270,7 +271,19 @@ def prepare_instructions(model_name: str, cfg: DataConfig, out: str) -> dict[str
         stats["labelled"][split] = int((blocks[:, 1] != IGNORE).sum())
         stats["max_id"] = max(stats["max_id"], int(blocks[:, 0].max()) if blocks.size else 0)
         stats["bytes"] += sum(len(t.encode("utf-8")) for r, s in zip(records, splits) if s == split for t in _texts(r))
+        check_labelled(stats, split, cfg, truncated)
     return stats
+
+
+def check_labelled(stats: dict[str, Any], split: str, cfg: DataConfig, truncated: int) -> None:
+    """A split of examples none of whose tokens is labelled trains (or measures) nothing: one line."""
+    n = stats["documents"][split]
+    if n and not stats["labelled"][split]:
+        cut = f", or raise data.seq_len={cfg.seq_len} ({truncated} of them are cut there)" if truncated else ""
+        raise ConfigError(
+            f"data.source '{cfg.source}': the {split} split's {n} examples have no labelled token; every example needs a "
+            f"response or an assistant turn (role {', '.join(r for r, as_ in ROLES.items() if as_ == 'assistant')}) with text{cut}"
+        )
 
 
 def load_examples(cache: str) -> dict[str, np.ndarray]:
@@ -283,6 +296,7 @@ __all__ = [
     "IGNORE",
     "LAYOUT_VERSION",
     "best_fit_decreasing",
+    "check_labelled",
     "check_record",
     "encode_record",
     "load_examples",

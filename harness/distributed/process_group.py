@@ -126,7 +126,17 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0, force_group
         if world > 1:  # a wait for every rank to arrive: said, so a user who stops it knows what it waited for
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             log.info(f"joining a process group of {world} ranks ({backend}) at {where}")
-        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        try:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        except dist.DistNetworkError as exc:
+            if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc).lower():
+                raise
+            port = os.environ.get("MASTER_PORT")
+            raise ConfigError(
+                f"MASTER_PORT={port} is already in use by another process on {os.environ.get('MASTER_ADDR', 'this host')}, "
+                f"so rank {rank} cannot host the rendezvous there; pick a free port (e.g. MASTER_PORT={free_port()}, or the "
+                "launcher's --master_port/--main_process_port) or unset MASTER_PORT"
+            ) from None
     return DistInfo(rank, world, local_rank, dev, backend)
 
 

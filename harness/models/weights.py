@@ -27,6 +27,7 @@ from safetensors import safe_open
 from torch import nn
 
 from harness.distributed import WRAPPER_ATTRS
+from harness.errors import ConfigError
 from harness.log import get_logger
 
 log = get_logger(__name__)
@@ -136,17 +137,31 @@ class CheckpointWeights:
         key = self.key_for(names)
         if key is None:
             return None
-        handle = self._open(self._where[key])
-        if isinstance(handle, dict):
-            stored = handle[key]
-            found = tuple(stored.shape)
-            sliced = stored
-        else:
-            sliced = handle.get_slice(key)
-            found = tuple(sliced.get_shape())
-        if found != tuple(shape):
-            raise ValueError(f"{key} in {self.directory} has shape {list(found)}, the model expects {list(shape)}")
+        sliced = self._slice(key)
+        self._check_shape(key, sliced, shape)
         return _flat_range(sliced, shape, start, end)
+
+    def _slice(self, key: str):
+        """The stored tensor, or safetensors' lazy slice of it (its shape read from the header)."""
+        handle = self._open(self._where[key])
+        return handle[key] if isinstance(handle, dict) else handle.get_slice(key)
+
+    def _check_shape(self, key: str, sliced, shape: Sequence[int]) -> None:
+        found = tuple(sliced.shape) if isinstance(sliced, torch.Tensor) else tuple(sliced.get_shape())
+        if found != tuple(shape):
+            raise ConfigError(
+                f"{key} in {self.directory} has shape {list(found)}, the model expects {list(shape)}: its config.json "
+                "describes another model than its weights; fix config.json or download the model again"
+            )
+
+    def check_shapes(self, template: nn.Module) -> None:
+        """Every parameter of `template` (the model config.json builds, on the meta device) that the
+        checkpoint holds has the checkpoint's shape: a config that disagrees with its weights is one
+        line before any process group starts (headers only, no tensor is read)."""
+        for name, p in template.named_parameters(remove_duplicate=False):
+            key = self.key_for([clean_name(name)])
+            if key is not None:
+                self._check_shape(key, self._slice(key), p.shape)
 
 
 def module_seed(seed: int, module_name: str) -> int:

@@ -48,6 +48,21 @@ def prepare(model_name: str, data: DataConfig, info: DistInfo) -> PackedData:
     return load_packed(prepare_data(model_name, data, progress=info.local_rank == 0), block_bos=data.block_bos)
 
 
+def check_eval_split(cfg: RunConfig, data: PackedData, info: DistInfo) -> None:
+    """An eval split too small for one block of `seq_len` (a few documents at `data.eval_fraction`)
+    means no evaluation, said once; pruning, which measures eval before and after, refuses it."""
+    if data.n_blocks("eval"):
+        return
+    held = (
+        f"the eval split holds {data.tokens['eval']} tokens at data.eval_fraction={cfg.data.eval_fraction}, "
+        f"less than one block of {cfg.data.seq_len}"
+    )
+    if cfg.prune.enabled:
+        raise ConfigError(f"{held}; prune.method={cfg.prune.method} measures eval perplexity: raise data.eval_fraction or give more data")
+    if info.is_main:
+        log.warning(f"data: {held}: the run does not evaluate (raise data.eval_fraction to evaluate)")
+
+
 def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampler | StreamSampler:
     """The training batches: from the cache (world-size invariant) or streamed (`data.streaming`);
     read per data-parallel rank, each rank of a sequence group its slice (`parallel.sequence`)."""
@@ -90,6 +105,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
     strategy = plan.strategy
     torch.manual_seed(cfg.seed)
     data = prepare(cfg.model.name, cfg.data, info)
+    check_eval_split(cfg, data, info)
     started = time.perf_counter()
     spec = model_spec(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
     if twin_layers is not None:

@@ -192,6 +192,7 @@ def check_architecture(cfg: RunConfig, strategy: Strategy) -> None:
             f"({weights.merged[0]}, ...), which harness's sharded loader cannot read a shard at a time; "
             "this checkpoint layout (e.g. per-expert MoE tensors) is not supported yet"
         )
+    weights.check_shapes(template)
     users = block_users(cfg, strategy)
     if not users:
         return

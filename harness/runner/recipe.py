@@ -34,7 +34,7 @@ class RecipeResult:
     resumed: ResumeState
     last: int = 0  # the step the final checkpoint and evaluation are of
     pruned: PruneStats | None = None
-    final: dict[str, float] | None = None
+    final: dict[str, float] | None = None  # None: the run has no eval split
     preempted: dict[str, Any] | None = None
 
 
@@ -59,11 +59,14 @@ def run_recipe(cfg: RunConfig, plan: EnginePlan, info: DistInfo, stages: Sequenc
         out.last = pruned_at + cfg.prune.finetune_steps
         if out.last > pruned_at and not trainer.train(max(resumed.step, pruned_at), out.last):
             return _preempted(out, with_skipped="train" in stages)
-    if "train" in stages or out.last > pruned_at or out.pruned is None:
+    if not trainer.data.n_blocks("eval"):  # no eval split (said when the run was built): no final evaluation
+        out.final = None
+    elif "train" in stages or out.last > pruned_at or out.pruned is None:
         out.final = evaluate(trainer.engine, trainer.data, cfg, info)
     else:  # the loaded model, pruned: nothing changed it since the stage measured it
         out.final = {"eval/loss": out.pruned["eval_loss_after"], "eval/perplexity": out.pruned["eval_perplexity_after"]}
-    trainer.observer.log_eval(out.last, out.final)
+    if out.final is not None:
+        trainer.observer.log_eval(out.last, out.final)
     if "export" in stages:
         trainer.ckpt.finish(out.last, {"skipped_steps": trainer.skipped})  # the final checkpoint and HF export, if configured
     return out

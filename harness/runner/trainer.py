@@ -186,7 +186,7 @@ class Trainer:
                 "perf/samples_per_s": sampler.global_batch / elapsed,
             }
             self.memory.add(tracker)
-            evaluate_now = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0 and step + 1 < stop
+            evaluate_now = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0 and step + 1 < stop and self.data.n_blocks("eval") > 0
             if (step + 1) % cfg.logging.log_every == 0 or step + 1 == stop or evaluate_now or guard.stop_requested:
                 metrics.update(self.memory.reduce(self.comm))  # a log step, or the interval ends here
             if step == first and self.started_at is not None:

@@ -95,7 +95,6 @@ REFUSE: dict[str, tuple[str, str]] = {
     "dynamo_mode": ("ACCELERATE_DYNAMO_MODE", "max-autotune"),
     "dynamo_use_fullgraph": ("ACCELERATE_DYNAMO_USE_FULLGRAPH", "True"),
     "dynamo_use_dynamic": ("ACCELERATE_DYNAMO_USE_DYNAMIC", "True"),
-    "fsdp_forward_prefetch": ("FSDP_FORWARD_PREFETCH", "true"),
     "fsdp_activation_checkpointing_offload": ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true"),
     "fsdp_ignored_modules": ("FSDP_IGNORED_MODULES", "LlamaMLP"),
     "parallelism_config_tp_size": ("PARALLELISM_CONFIG_TP_SIZE", "2"),
@@ -183,6 +182,14 @@ def test_trl_fsdp2_sharding_file_runs_with_its_activation_checkpointing():
         "accelerate launch --fsdp_state_dict_type FULL_STATE_DICT: checkpoints are sharded (DCP, resumable at any world size); "
         "`python -m harness.export` writes the whole model",
     )
+
+
+def test_forward_prefetch_of_trls_fsdp1_file_is_a_hint_said_not_a_refusal():
+    env, world = published_env("accelerate_latest_fsdp.yaml", "--fsdp_forward_prefetch", "true")
+    plan, _ = _plan(env, world)
+    assert plan.kind == "fsdp"
+    said = [line for line in plan.launcher_said if "--fsdp_forward_prefetch" in line]
+    assert len(said) == 1 and "a speed hint" in said[0], plan.launcher_said
 
 
 def test_llama_factory_fsdp2_file_honours_the_activation_checkpointing_flag():

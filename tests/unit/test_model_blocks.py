@@ -145,3 +145,33 @@ def test_preflight_refuses_a_checkpoint_transformers_merges_on_load(tmp_path):
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="by merging several checkpoint tensors"):
         check_architecture(*_cfg(str(tmp_path), "strategy=ddp"))
+
+
+def _config_other_than_its_weights(tmp_path) -> str:
+    """A saved Llama whose config.json says a wider hidden size than its safetensors hold."""
+    directory = save_families(tmp_path)["llama"]
+    path = tmp_path / "llama" / "config.json"
+    config = json.loads(path.read_text())
+    config["hidden_size"] += 32
+    path.write_text(json.dumps(config))
+    return directory
+
+
+def test_a_config_that_disagrees_with_its_weights_is_one_line_exit_2_before_launch(tmp_path, monkeypatch, capfd):
+    from launching import call_entry_point, env
+
+    import harness.train
+
+    directory = _config_other_than_its_weights(tmp_path)
+    argv = [f"model.name={directory}", f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}", "data.seq_len=32"]
+    code, err, _ = call_entry_point(harness.train.main, argv, env(), monkeypatch, capfd)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "model.embed_tokens.weight" in lines[0] and "the model expects" in lines[0] and "config.json" in lines[0], lines
+
+
+def test_a_checkpoint_read_of_another_shape_is_a_config_error(tmp_path):
+    directory = _config_other_than_its_weights(tmp_path)
+    weights = CheckpointWeights(directory, "model")
+    with pytest.raises(ConfigError, match=r"has shape \[\d+, \d+\], the model expects"):
+        weights.read(["model.embed_tokens.weight"], (1, 1), 0, 1)

@@ -117,10 +117,30 @@ BAD = [
     ),
     ("instruction", [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]}], "conversations[1]: field 'value' is missing"),
     ("sharegpt", [{"messages": [{"role": "user", "content": "hi"}]}], "needs 'conversations'"),
+    (
+        "instruction",
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}]}],
+        "record 1, messages[1]: 'role' is 'tool'",
+    ),
+    (
+        "instruction",
+        [{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]}]}],
+        "record 1, messages[0], content[0]: a 'image_url' part",
+    ),
+    ("instruction", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}], "messages[1]: 'content' is missing"),
+    (
+        "instruction",
+        [{"messages": [{"role": "system", "content": f"be brief {k}"}, {"role": "user", "content": f"hi {k}"}]} for k in range(20)],
+        "the train split's",
+    ),
 ]
 
 
-@pytest.mark.parametrize("fmt, rows, expected", BAD, ids=["no_output", "output_not_str", "unknown_role", "no_value", "not_sharegpt"])
+@pytest.mark.parametrize(
+    "fmt, rows, expected",
+    BAD,
+    ids=["no_output", "output_not_str", "unknown_role", "no_value", "not_sharegpt", "tool_role", "image_part", "no_content", "no_labels"],
+)
 def test_a_bad_record_is_one_line_naming_file_record_and_field_and_nothing_is_cached(files, tmp_path, fmt, rows, expected):
     source = write_jsonl(tmp_path / "bad.jsonl", rows)
     cache = tmp_path / "cache"
@@ -138,3 +158,37 @@ def test_instruction_records_in_a_datasets_folder_are_refused_in_one_line(tmp_pa
     datasets.Dataset.from_dict({"instruction": ["Sort"], "output": ["a b"]}).save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(ConfigError, match="is a datasets folder; instruction records are read from JSON lines"):
         read_records(str(tmp_path / "saved"))
+
+
+def _messages_file(files, path: Path, turn) -> Path:
+    """The fixture's `messages` file with each turn rewritten by `turn`."""
+    rows = [json.loads(line) for line in files["messages"].read_text().splitlines()]
+    return write_jsonl(path, [{"messages": [turn(m) for m in r["messages"]]} for r in rows])
+
+
+def _blocks(files, source: Path, out: Path) -> dict:
+    out.mkdir()
+    cfg = DataConfig(source=str(source), tokenizer=str(files["tokenizer"]), seq_len=96, format="instruction", eval_fraction=0.2)
+    prepare_instructions("tiny-llama", cfg, str(out))
+    return load_examples(str(out))
+
+
+@pytest.mark.parametrize("assistant, user", [("gpt", "human"), ("model", "user"), ("bot", "human")])
+def test_chat_role_names_of_other_tools_are_the_assistant_and_user(files, tmp_path, assistant, user):
+    names = {"assistant": assistant, "user": user, "system": "system"}
+    renamed = _messages_file(files, tmp_path / "renamed.jsonl", lambda m: {**m, "role": names[m["role"]]})
+    got, want = _blocks(files, renamed, tmp_path / "renamed"), _blocks(files, files["messages"], tmp_path / "plain")
+    for split in ("train", "eval", "calib"):
+        np.testing.assert_array_equal(got[split], want[split])
+    assert (got["train"][:, 1] != -100).sum() > 0
+
+
+def test_openai_content_parts_are_their_text_parts_concatenated(files, tmp_path):
+    def parts(m: dict) -> dict:
+        text = m["content"]
+        return {**m, "content": [{"type": "text", "text": text[:3]}, {"type": "text", "text": text[3:]}]}
+
+    got = _blocks(files, _messages_file(files, tmp_path / "parts.jsonl", parts), tmp_path / "parts")
+    want = _blocks(files, files["messages"], tmp_path / "plain")
+    for split in ("train", "eval", "calib"):
+        np.testing.assert_array_equal(got[split], want[split])

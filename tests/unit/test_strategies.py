@@ -342,3 +342,21 @@ def test_documented_deepspeed_keys_accepted(tmp_path):
     }
     assert documented <= deepspeed_top_level_keys()
     load_strategy(_user_file(tmp_path, {"comment": "harness's own note", "zero_optimization": {"stage": 2}}), env={})
+
+
+def test_alst_under_an_older_deepspeed_is_one_line_and_setup_cfg_floors_it(monkeypatch):
+    import configparser
+    from pathlib import Path
+
+    from harness.config import checks, load_config, load_strategy
+
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).resolve().parents[2] / "setup.cfg")
+    requires = [r.strip() for r in setup["options"]["install_requires"].splitlines() if r.strip().startswith("deepspeed")]
+    assert requires == [f"deepspeed>={checks.ALST_MIN_DEEPSPEED}"]
+    cfg = load_config(None, ["parallel.sequence=2", "data.packing=false"])
+    monkeypatch.setattr(checks.importlib.metadata, "version", lambda name: "0.17.6" if name == "deepspeed" else "1")
+    with pytest.raises(checks.ConfigError, match=r"needs deepspeed>=0\.18\.2 \(installed: 0\.17\.6\)"):
+        checks.check_sequence_engine(cfg, load_strategy("zero2", env={}))
+    monkeypatch.setattr(checks.importlib.metadata, "version", lambda name: "0.19.8+cu128")
+    checks.check_sequence_engine(cfg, load_strategy("zero2", env={}))
