@@ -51,8 +51,7 @@ from safetensors import safe_open  # noqa: E402
 # and 2:4 for each calibration seed (magnitude reads no calibration data: one seed). GradProbe's
 # rows with pool=0 have a candidate pool equal to the target: the probe cannot change the base's
 # choice, so they measure the base score alone (the gradient bases still need G0's pass). Every
-# GradProbe row names its decision: the default changed from the veto to reconstruct
-# (benchmarks/prune_recon.py measures that one), and the rows and their cached results are the veto's.
+# GradProbe row names its decision. Every method at its defaults, on real models: prune_compare.py.
 VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("magnitude", "magnitude", {"method": "magnitude"}),
     ("wanda", "wanda", {"method": "wanda"}),

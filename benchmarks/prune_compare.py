@@ -40,11 +40,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
-
 import prune_real  # noqa: E402
 import real_model  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "pruning" / "compare.jsonl"
 METHODS = ["magnitude", "wanda", "sparsegpt", "sparsegpt_fit", "gradprobe"]
@@ -103,9 +102,9 @@ def measure(model: str, seeds: list[int], patterns: list[str], methods: list[str
     if (model, "dense", "-", 0, eval_tokens) not in done:
         append({"model": model, "method": "dense", "pattern": "-", "seed": 0, "eval_tokens": eval_tokens, **perplexities()})
     dense = {"eval/loss": 0.0, "eval/perplexity": 0.0}  # prune_and_measure's 'before': not read here
-    for pattern in patterns:
-        for method in methods:
-            for seed in seeds[:1] if method == "magnitude" else seeds:  # magnitude reads no data
+    for seed in seeds:  # every method and pattern of one seed before the next seed
+        for pattern in patterns:
+            for method in methods if seed == seeds[0] else [m for m in methods if m != "magnitude"]:  # magnitude reads no data
                 if (model, method, pattern, seed, eval_tokens) in done:
                     continue
                 engine.module.load_state_dict(dense_state)
@@ -122,7 +121,8 @@ def measure(model: str, seeds: list[int], patterns: list[str], methods: list[str
                     "with_eval_seconds": time.perf_counter() - start,
                     "achieved_sparsity": stats["achieved_sparsity"],
                     "fit": stats.get("details", {}).get("fit"),
-                    **perplexities(),
+                    "eval_perplexity": stats["eval_perplexity_after"],  # the stage's own evaluation after pruning
+                    "ood_perplexity": evaluate(engine, data, cfg, info, split="ood")["eval/perplexity"],
                 }
                 append(row)
                 print(
@@ -173,7 +173,9 @@ def table() -> str:
                 ratio = f"{statistics.mean(r['prune_seconds'] for r in rs) / statistics.mean(sgpt):.2f}x" if sgpt else "-"
                 fits = [f for r in rs for f in (r.get("fit") or [])]
                 kept = f"{sum(f['kept'] == 'fit' for f in fits)}/{len(fits)}" if fits else "-"
-                out.append(f"| {pattern} | {method} | {cell('eval_perplexity')} | {cell('ood_perplexity')} | {len(rs)} | {ratio} | {kept} |")
+                out.append(
+                    f"| {pattern} | {method} | {cell('eval_perplexity')} | {cell('ood_perplexity')} | {len(rs)} | {ratio} | {kept} |"
+                )
     return "\n".join(out)
 
 

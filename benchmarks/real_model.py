@@ -32,9 +32,8 @@ import sys
 import tempfile
 import time
 import zipfile
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ class Zero3Shard(ParamShard):
 
         return self.param.data if self.param.ds_status == ZeroParamStatus.AVAILABLE else None
 
-    def _write_master(self, mask: torch.Tensor, values: torch.Tensor | float) -> None:
+    def _write_master(self, mask: torch.Tensor | slice, values: torch.Tensor | float) -> None:
         from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
 
         full = safe_get_local_fp32_param(self.param).clone()
@@ -80,7 +80,7 @@ class Zero12Shard(ParamShard):
             g = g[self.start : self.end]  # the bf16 optimizer keeps a full accumulation buffer
         return g
 
-    def _write_master(self, mask: torch.Tensor, values: torch.Tensor | float) -> None:
+    def _write_master(self, mask: torch.Tensor | slice, values: torch.Tensor | float) -> None:
         if self.param._hp_mapping is not None:
             hp = self.param._hp_mapping.get_hp_fragment().data.view(-1)
             hp[mask] = values.to(hp.dtype) if torch.is_tensor(values) else values

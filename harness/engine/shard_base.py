@@ -72,9 +72,10 @@ class ParamShard:
         return self.param.data
 
     @torch.no_grad()
-    def write(self, mask: torch.Tensor, values: torch.Tensor | float, master: bool) -> None:
-        """Set this rank's range at `mask` in the working copy and, if `master`, in the fp32 master
-        (where there is one) in the same step, so the optimizer cannot copy the old value back.
+    def write(self, mask: torch.Tensor | slice, values: torch.Tensor | float, master: bool) -> None:
+        """Set this rank's range at `mask` (a boolean mask, or `slice(None)`: all of it, a plain copy)
+        in the working copy and, if `master`, in the fp32 master (where there is one) in the same
+        step, so the optimizer cannot copy the old value back.
         A replicated working copy is not re-gathered here (that is a collective: the caller's)."""
         working = self.working()
         working[mask] = values.to(working.dtype) if torch.is_tensor(values) else values
@@ -85,7 +86,7 @@ class ParamShard:
         if master:
             self._write_master(mask, values)
 
-    def _write_master(self, mask: torch.Tensor, values: torch.Tensor | float) -> None:
+    def _write_master(self, mask: torch.Tensor | slice, values: torch.Tensor | float) -> None:
         """Engines with a separate fp32 master copy override this."""
 
 

@@ -98,7 +98,7 @@ def obs_prune(
         assert v.layout is not None
         own = dataclasses.replace(rule, sparsity=alloc[v.name]) if alloc else rule
         values, mask = sparsegpt_prune(v.layout, v.weight(), stats.hessian_of(v.name), own, comm, forced.get(v.name))
-        v.write(torch.ones_like(mask), values, master=True)
+        v.write(slice(None), values, master=True)
         masks[v.name] = mask
         ledger.add(f"mask/{v.name}", mask)
     sync_views(views, comm)

@@ -15,10 +15,11 @@ Per block (`harness.pruning.blockwise` streams them):
      runner's `grad_accum` micro-batches per rank, over all but the held-out steps; the update
      element-wise on this rank's shard, pruned entries held at exactly zero.
   4. The guard: the block's error on the held-out calibration steps with the fitted weights
-     must not exceed the error with SparseGPT's weights alone. Otherwise the fit is undone and
-     tried once more at a tenth of the step size; if that fails too, SparseGPT's weights stay.
-     A fit that diverges (a step size too large for the model) is caught here and never
-     exported. The report says, per block, which weights were kept.
+     must not exceed the error with SparseGPT's weights alone, after the first step and after
+     the last. Otherwise the fit is undone and tried once more at a tenth of the step size; if
+     that fails too, SparseGPT's weights stay. A fit that diverges (a step size too large for
+     the model) is caught here, at the cost of one step, and never exported. The report says,
+     per block, which weights were kept.
 Memory above the model: one block's calibration inputs and targets, its Hessians (as SparseGPT),
 Adam's two fp32 moments and a copy of SparseGPT's weights for the block's local shard.
 """
@@ -77,7 +78,7 @@ class MaskedAdam:
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             upd = (m / (1 - b1**self.t)) / ((v / (1 - b2**self.t)).sqrt() + eps)
             new = torch.where(self.masks[view.name], torch.zeros_like(upd), view.weight() - self.lr * upd)
-            view.write(torch.ones_like(self.masks[view.name]), new, master=True)
+            view.write(slice(None), new, master=True)
 
 
 Item = tuple[torch.Tensor, Any, torch.Tensor]  # (block input, its call, dense output), one micro-batch
@@ -159,17 +160,27 @@ def fit_block(
     )
     per_item = scale * max(1, len(held) * comm.world)  # errors relative to the held-out targets' mean energy
     base = _error(block, held, per_item, comm)
+
+    def fitted(step_size: float) -> float:
+        """The held-out error after the fit at `step_size`; given up after the first step if that
+        step already loses to SparseGPT's weights (a step size too large shows at once)."""
+        opt = MaskedAdam(block.views, masks, step_size, ledger)
+        for epoch in range(epochs):
+            for i in range(0, len(fit_items), runner.accum):
+                runner._check_stop()
+                opt.step(_step_gradients(runner, block, fit_items[i : i + runner.accum], scale, comm))
+                sync_views(block.views, comm)
+                if epoch == 0 and i == 0:
+                    first = _error(block, held, per_item, comm)
+                    if not first <= base:  # NaN included
+                        return first
+        return _error(block, held, per_item, comm)
+
     tried = math.nan
     try:
         for factor in LR_TRIES:
-            opt = MaskedAdam(block.views, masks, lr * factor, ledger)
-            for _ in range(epochs):
-                for i in range(0, len(fit_items), runner.accum):
-                    runner._check_stop()
-                    opt.step(_step_gradients(runner, block, fit_items[i : i + runner.accum], scale, comm))
-                    sync_views(block.views, comm)
+            tried = fitted(lr * factor)
             ledger.drop("fit/adam/")
-            tried = _error(block, held, per_item, comm)
             if math.isfinite(tried) and tried <= base:
                 return FitOutcome(block.index, "fit", lr * factor, base, tried, held is not items)
             restore_views(block.views, obs_weights, comm)

@@ -148,8 +148,9 @@ class ShardView:
 
     # ------------------------------------------------------------------ writing
 
-    def write(self, mask: torch.Tensor, values: torch.Tensor | float, master: bool) -> None:
-        """Set weights of this rank's range at `mask` (working copy, and fp32 master if asked).
+    def write(self, mask: torch.Tensor | slice, values: torch.Tensor | float, master: bool) -> None:
+        """Set weights of this rank's range at `mask` (working copy, and fp32 master if asked;
+        `slice(None)`: the whole range, a plain copy).
 
         Replicated working copies are re-synchronised by `sync_views` afterwards.
         """
@@ -213,8 +214,7 @@ def snapshot_views(views: list[ShardView]) -> list[tuple[torch.Tensor, torch.Ten
 def restore_views(views: list[ShardView], snap: list[tuple[torch.Tensor, torch.Tensor | None]], comm: Collectives) -> None:
     """Put a `snapshot_views` result back (collective: re-syncs replicated copies)."""
     for v, (lp, master) in zip(views, snap):
-        everything = torch.ones(v.local_numel, dtype=torch.bool, device=lp.device)
-        v.write(everything, master if master is not None else lp, master=master is not None)
+        v.write(slice(None), master if master is not None else lp, master=master is not None)
         if master is not None:  # the working copy may be lower precision than the master
             v.lp().copy_(lp)
     sync_views(views, comm)
