@@ -84,9 +84,12 @@ def _documents(cache: str, split: str, blocks: np.ndarray, block_ids: np.ndarray
     starts = np.load(os.path.join(cache, f"{split}.docs.npy"))
     ends = np.append(starts[1:], flat.shape[0])
     out = set()
+    starts_at = getattr(blocks, "starts", None)  # BOS-first blocks (`harness.data.blocks.BosBlocks`) start where they say
     for b in block_ids.tolist():
-        lo, hi = b * seq, (b + 1) * seq
-        if not np.array_equal(np.asarray(flat[lo:hi]), np.asarray(blocks[b])):
+        lo = int(starts_at[b]) if starts_at is not None else b * seq
+        taken = seq - (starts_at is not None and int(flat[lo]) != blocks.bos)  # a BOS put before it takes one token less
+        hi = lo + taken
+        if not np.array_equal(np.asarray(flat[lo:hi]), np.asarray(blocks[b])[seq - taken :]):
             raise AssertionError(f"{split} block {b} is not the stream at offset {lo}")
         first = int(np.searchsorted(starts, lo, side="right")) - 1
         last = int(np.searchsorted(starts, hi, side="left"))  # documents starting before the block ends
