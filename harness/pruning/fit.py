@@ -70,14 +70,16 @@ class MaskedAdam:
             ledger.add(f"fit/adam/{v.name}", 2 * v.local_numel * 4)
 
     def step(self, grads: dict[str, torch.Tensor]) -> None:
+        """One Adam step (bias-corrected, no weight decay), in place where it can be: a block's
+        shard is millions of weights, and each temporary a pass over them."""
         self.t += 1
         b1, b2, eps = 0.9, 0.999, 1e-8
         for view in self.views:
             g, m, v = grads[view.name], self.m[view.name], self.v[view.name]
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            upd = (m / (1 - b1**self.t)) / ((v / (1 - b2**self.t)).sqrt() + eps)
-            new = torch.where(self.masks[view.name], torch.zeros_like(upd), view.weight() - self.lr * upd)
+            denom = v.sqrt().div_(math.sqrt(1 - b2**self.t)).add_(eps)  # sqrt of the bias-corrected v, + eps
+            new = view.weight().addcdiv_(m, denom, value=-self.lr / (1 - b1**self.t)).masked_fill_(self.masks[view.name], 0.0)
             view.write(slice(None), new, master=True)
 
 

@@ -194,6 +194,10 @@ def test_prune_command_on_saved_model(cache: Path, tmp_path: Path) -> None:
     assert rec["prune/eval_perplexity_before"] == pytest.approx(dense_ppl, rel=1e-5)
     assert [r["step"] for r in records(out, "train")] == [1]
     masks = assert_exactly_sparse(out / "hf", out / "prune_masks")
+    # The exported model is the model harness evaluated last (pruned, then fine-tuned with the masks):
+    # transformers loading it as a user does gives the loss harness reported, on the same eval blocks.
+    final = [r for r in records(out, "eval")][-1]
+    assert transformers_eval_loss(out / "hf", cfg) == pytest.approx(final["eval/loss"], rel=1e-5)
 
     # Control: without the enforcer, one AdamW step on the exported model regrows pruned weights,
     # so the zeros above are kept by the stage, not an accident of the data.
@@ -204,6 +208,27 @@ def test_prune_command_on_saved_model(cache: Path, tmp_path: Path) -> None:
     opt.step()
     weights = weights_of(model)
     assert sum(int((weights[n][m] != 0).sum()) for n, m in masks.items()) > 0
+
+
+def transformers_eval_loss(model_dir: Path, cfg_path: Path) -> float:
+    """Mean token loss of `model_dir` loaded by transformers as a user loads it (its saved dtype,
+    the default attention) on the run's eval blocks, the first `eval_batches` micro-batches."""
+    from transformers import AutoModelForCausalLM
+
+    from harness.config import load_config
+    from harness.data import load_packed, prepare_data, split_batches
+
+    cfg = load_config(str(cfg_path), [])
+    data = load_packed(prepare_data(cfg.model.name, cfg.data, progress=False), block_bos=cfg.data.block_bos)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    total = count = 0.0
+    for batch, counted in split_batches(data, "eval", cfg.micro_batch_size, cfg.eval_batches, 1, 0):
+        assert counted
+        with torch.no_grad():
+            loss = model(input_ids=batch, labels=batch).loss  # transformers' own shift and mean
+        n = batch.shape[0] * (batch.shape[1] - 1)
+        total, count = total + float(loss) * n, count + n
+    return total / count
 
 
 def test_prune_command_rejects_bad_input(tmp_path: Path, cache: Path, monkeypatch, capfd) -> None:
