@@ -1,6 +1,6 @@
 """Engines: one interface over torch (single/DDP/FSDP2) and DeepSpeed.
 
-The training loop calls `forward_loss`, `backward` and `step`; the checkpointer calls
+The training loop calls `forward_loss` and `backward` inside `micro_batch`, then `step`; the checkpointer calls
 `save_state`/`load_state`; the memory report calls `state_bytes`; the failure guard calls
 `local_parameters`. None of them asks which engine it has: whatever differs between
 engines (DCP vs DeepSpeed's format, where ZeRO keeps its partitions, FSDP2's DTensors)
@@ -153,6 +153,14 @@ class Engine:
             hook()
 
     # ------------------------------------------------------------------ engine-specific
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Entered around one micro-batch's `forward_loss` and `backward(loss, last_micro=last)`:
+        only the step's last micro-batch reduces gradients over ranks, the others accumulate
+        locally. It covers the forward because DDP decides there whether the backward all-reduces
+        (`DistributedDataParallel.no_sync`); a `backward(loss, last_micro=False)` outside it still
+        accumulates the right gradients, but under DDP all-reduces them too."""
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         raise NotImplementedError
 
