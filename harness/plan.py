@@ -13,7 +13,8 @@ storage and one training step is traced on rank 0 of a fake process group (see
 chunked loss, tiled MLP, checkpoint-input offload, sequence parallelism, optimizer in backward, offload,
 LoRA, QLoRA),
 prints every rung and writes the first that fits. --max-seq-len finds the longest
-``data.seq_len`` the config fits at (``harness.planner.long_context``), every other knob as written.
+``data.seq_len`` the config fits at (``harness.planner.long_context``), every other knob as written,
+and never longer than the trainer takes for the model (its positions, ``model.max_seq_len``).
 
 Exit status (the table in harness/errors.py): 0 the config fits (or --recommend wrote one
 that does); 10 it does not fit (something else would: see --recommend); 11 nothing fits
@@ -68,7 +69,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--max-seq-len",
         action="store_true",
-        help="find the longest data.seq_len this config fits at (device and host memory), by bisection over traced steps",
+        help="find the longest data.seq_len this config fits at (device and host memory), by bisection over traced steps, "
+        "at most the model's positions (max_position_embeddings) and model.max_seq_len",
     )
     parser.add_argument(
         "--seq-step", type=int, default=SEQ_STEP, help=f"with --max-seq-len: the answer's granularity in tokens (default {SEQ_STEP})"
@@ -264,7 +266,8 @@ def _max_seq_len(args: argparse.Namespace, cfg: Any, gpu_mem: int, cpu_mem: int 
                 {"seq_len": p.seq_len, "fits": p.fits, "device_bytes": p.device_need, "host_bytes_per_node": p.host_need}
                 for p in search.probes
             ]
-            json.dump({"max_seq_len": search.longest, "step": search.step, "probes": probes}, f, indent=1)
+            capped = {"tokens": search.limit.tokens, "by": search.limit.source} if search.capped() and search.limit else None
+            json.dump({"max_seq_len": search.longest, "step": search.step, "capped": capped, "probes": probes}, f, indent=1)
     return EXIT_OK if search.longest else EXIT_PLAN_DOES_NOT_FIT
 
 

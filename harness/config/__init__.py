@@ -11,12 +11,15 @@ and the run config leaves to defaults), `accelerate_table` (the verdict on each
 
 from harness.config.accelerate_launch import launcher_settings, wrap_class_problem
 from harness.config.checks import (
+    SequenceLimit,
     check_optimizer_in_backward,
     check_run,
     check_sequence_heads,
+    check_sequence_length,
     check_sequence_parallel,
     check_strategy_against_run,
     check_values,
+    sequence_limit,
 )
 from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.drop_in import adopt_settings
@@ -115,7 +118,10 @@ __all__ = [
     "check_original",
     "check_method_keys",
     "check_run",
+    "SequenceLimit",
     "check_sequence_heads",
+    "check_sequence_length",
+    "sequence_limit",
     "check_sequence_parallel",
     "check_strategy_against_run",
     "checkpoint_format",

@@ -11,6 +11,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import itertools
+from dataclasses import dataclass
 
 from harness.config.prune_methods import needs_calibration
 from harness.config.prune_modes import check_prune_mode
@@ -416,6 +417,41 @@ def check_sequence_engine(cfg: RunConfig, strategy: Strategy) -> None:
             f"parallel.sequence={n} under DeepSpeed ({strategy.name}) runs DeepSpeed's ALST, whose sdpa attention would cross "
             "the packed examples of a row: set data.packing=false, or use strategy=fsdp or ddp (harness's Ulysses keeps them apart)"
         )
+
+
+@dataclass(frozen=True)
+class SequenceLimit:
+    """The longest `data.seq_len` a run of this model takes, and what sets it."""
+
+    tokens: int
+    source: str  # "model.max_seq_len", or the model config's key: "max_position_embeddings" (GPT-2's "n_positions")
+
+    def refusal(self, seq: int) -> str:
+        """The line a run with `data.seq_len=seq` over the limit is refused with."""
+        if self.source == "model.max_seq_len":
+            return f"data.seq_len={seq} exceeds model.max_seq_len={self.tokens}; lower data.seq_len"
+        return f"data.seq_len={seq} exceeds the model's {self.tokens} positions ({self.source}); set data.seq_len <= {self.tokens}"
+
+
+def sequence_limit(cfg: RunConfig, shape: dict) -> SequenceLimit | None:
+    """The tighter of `model.max_seq_len` and the model's positions (`shape`: its config's values);
+    None when neither is known. The positions are the config's `max_position_embeddings` as written:
+    a model extended by RoPE scaling (`rope_scaling`, `rope_parameters`) states its extended length
+    there (Llama 3.1's 131,072), so that key, not the scaling factor, is what a longer run raises."""
+    limits = []
+    if cfg.model.max_seq_len is not None:
+        limits.append(SequenceLimit(cfg.model.max_seq_len, "model.max_seq_len"))
+    key = next((k for k in ("max_position_embeddings", "n_positions") if shape.get(k)), None)
+    if key is not None:
+        limits.append(SequenceLimit(int(shape[key]), key))
+    return min(limits, key=lambda limit: limit.tokens) if limits else None
+
+
+def check_sequence_length(cfg: RunConfig, shape: dict) -> None:
+    """`data.seq_len` within the model's `sequence_limit`."""
+    limit = sequence_limit(cfg, shape)
+    if limit is not None and cfg.data.seq_len > limit.tokens:
+        raise ConfigError(limit.refusal(cfg.data.seq_len))
 
 
 def check_sequence_heads(cfg: RunConfig, shape: dict) -> None:

@@ -2,7 +2,9 @@
 
     plan = plan_engine(cfg, strategy, world_size, device, hidden_size)  # once, in pre-flight
     engine = build_engine(spec, cfg, plan, info, loss_fn)   # AC -> compile -> shard
-    loss = engine.forward_loss(batch); engine.backward(loss, last_micro=True); engine.step()
+    with engine.micro_batch(last):   # each micro-batch; only the last reduces over ranks
+        loss = engine.forward_loss(batch); engine.backward(loss, last_micro=last)
+    engine.step()
     engine.save_state(dir); engine.load_state(dir, saved_world_size, is_main)
     engine.state_bytes()   # per-rank bytes held: the proof of sharding
 

@@ -1,6 +1,6 @@
 """Engines: one interface over torch (single/DDP/FSDP2) and DeepSpeed.
 
-The training loop calls `forward_loss`, `backward` and `step`; the checkpointer calls
+The training loop calls `forward_loss` and `backward` inside `micro_batch`, then `step`; the checkpointer calls
 `save_state`/`load_state`; the memory report calls `state_bytes`; the failure guard calls
 `local_parameters`. None of them asks which engine it has: whatever differs between
 engines (DCP vs DeepSpeed's format, where ZeRO keeps its partitions, FSDP2's DTensors)
@@ -65,6 +65,7 @@ class Engine:
         self.startup_s = dict(startup_s)  # seconds spent loading the model and initialising the engine
         # `register_post_step_hook`'s, run by `step` (an OrderedDict: the handle keeps a weak reference to it)
         self._post_step_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        self._offloader: ActivationOffload | None = None  # `_offload`'s, once built
 
     @classmethod
     def build(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> Engine:
@@ -97,15 +98,23 @@ class Engine:
     def forward_loss(self, batch: torch.Tensor, num_items: float | None = None) -> torch.Tensor:
         """The loss of one micro-batch: its summed token losses over ``num_items`` (default: its
         own counted tokens, a mean). `backward` then averages over accumulation and ranks."""
-        offload: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if torch.is_grad_enabled() and self.activation_offload:
-            offload = ActivationOffload()
-        elif torch.is_grad_enabled() and self.offload_checkpoint_inputs:
-            offload = ActivationOffload(scope="checkpoint_inputs", model=self.model)
-        with self.policy.autocast_context(self.device), offload:
+        offload = self._offload() if torch.is_grad_enabled() else None
+        with self.policy.autocast_context(self.device), offload if offload is not None else contextlib.nullcontext():
             if num_items is None:
                 return self.loss_fn(self.model, batch)
             return self.loss_fn(self.model, batch, num_items=num_items)
+
+    def _offload(self) -> ActivationOffload | None:
+        """The engine's one activation offload, built at the first training forward and entered by
+        every one after it: its CUDA side stream (checkpoint inputs) is the engine's, so the device
+        blocks allocated on it are reused from one micro-batch to the next, not left cached on a new
+        stream each time. None when neither offload is on."""
+        if self._offloader is None and (self.activation_offload or self.offload_checkpoint_inputs):
+            if self.activation_offload:
+                self._offloader = ActivationOffload()
+            else:
+                self._offloader = ActivationOffload(scope="checkpoint_inputs", model=self.model)
+        return self._offloader
 
     @torch.no_grad()
     def eval_loss_sum(self, batch: torch.Tensor) -> torch.Tensor:
@@ -153,6 +162,14 @@ class Engine:
             hook()
 
     # ------------------------------------------------------------------ engine-specific
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Entered around one micro-batch's `forward_loss` and `backward(loss, last_micro=last)`:
+        only the step's last micro-batch reduces gradients over ranks, the others accumulate
+        locally. It covers the forward because DDP decides there whether the backward all-reduces
+        (`DistributedDataParallel.no_sync`); a `backward(loss, last_micro=False)` outside it still
+        accumulates the right gradients, but under DDP all-reduces them too."""
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         raise NotImplementedError
 

@@ -207,23 +207,23 @@ class TorchEngine(Engine):
     def gradient_probe(self, grad_accum: int | None = None) -> GradientProbe:
         return GradientProbe(self.model, grad_accum or self.grad_accum)
 
-    def _sync_context(self, last_micro: bool):
-        if self.kind == "ddp" and not last_micro:
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        # DDP: `no_sync` must cover the forward, where the reducer is armed for the backward
+        if self.kind == "ddp" and not last:
             return self.model.no_sync()
-        if self.kind == "fsdp":
-            # FSDP2: skip the reduce-scatter on all but the last micro-batch.
-            self.model.set_requires_gradient_sync(last_micro)
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         if self._oib is not None:
             self._oib.set_last_micro_batch(last_micro)
+        if self.kind == "fsdp":
+            # FSDP2 decides in backward: skip the reduce-scatter on all but the last micro-batch.
+            self.model.set_requires_gradient_sync(last_micro)
         scaled = loss / self.grad_accum
-        with self._sync_context(last_micro):
-            if self.scaler is not None:
-                self.scaler.scale(scaled).backward()
-            else:
-                scaled.backward()
+        if self.scaler is not None:
+            self.scaler.scale(scaled).backward()
+        else:
+            scaled.backward()
 
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.grad is not None]

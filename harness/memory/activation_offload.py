@@ -96,7 +96,8 @@ class ActivationOffload:
     """Context manager: saved activations go to host memory in forward and come back in backward.
 
     Use around forward only (backward may run outside it; the hooks captured by autograd
-    at pack time are the ones used at unpack time)::
+    at pack time are the ones used at unpack time). One instance serves every micro-batch of a
+    run, entered around each forward: its side stream is made once, at its first CUDA input::
 
         offload = ActivationOffload()
         with offload:
@@ -260,6 +261,8 @@ class ActivationOffload:
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> ActivationOffload:
+        if self._hooks is not None:
+            raise RuntimeError("ActivationOffload is already entered: it is not re-entrant")
         self.stats = OffloadStats()
         self._seen.clear()
         self._inputs.clear()

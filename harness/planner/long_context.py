@@ -16,6 +16,9 @@ two of the answer and each trace (seconds to a minute at 8B) is spent near it. W
 bend (two probes in a row move the same end of the bracket), the next probe bisects, so the search costs about twice a bisection at worst.
 Before a probe fails, the lengths grow along the line through the last two (at least by half, at
 most `GROWTH_LIMIT` times).
+
+No probe is longer than the trainer takes for the model (`harness.config.sequence_limit`: its
+positions, `model.max_seq_len`): an answer past the model's positions would be refused by the run.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from harness.config import RunConfig, check_sequence_heads
+from harness.config import RunConfig, SequenceLimit, check_sequence_heads, sequence_limit
 from harness.errors import ConfigError
 from harness.models import model_config
 from harness.planner.estimate import Estimate, estimate
@@ -73,11 +76,17 @@ class Probe:
 
 @dataclass
 class SeqSearch:
-    """The answer: ``longest`` (0: not even ``step`` tokens fit) and every probe made, in order."""
+    """The answer: ``longest`` (0: not even ``step`` tokens fit) and every probe made, in order;
+    ``limit``: the longest the trainer takes for the model, which the search did not pass."""
 
     longest: int
     step: int
     probes: list[Probe]
+    limit: SequenceLimit | None = None
+
+    def capped(self) -> bool:
+        """Whether the model's limit, not memory, ended the search (the longest probe fit)."""
+        return self.limit is not None and self.longest > 0 and self.longest == self.limit.tokens // self.step * self.step
 
     def best(self) -> Probe | None:
         return next((p for p in self.probes if p.seq_len == self.longest and p.fits), None)
@@ -85,6 +94,16 @@ class SeqSearch:
     def first_too_long(self) -> Probe | None:
         over = [p for p in self.probes if not p.fits]
         return min(over, key=lambda p: p.seq_len) if over else None
+
+
+def trainer_limit(cfg: RunConfig, vocab_size: int | None = None) -> SequenceLimit | None:
+    """The trainer's `sequence_limit` for the model (None where its config cannot be read: the
+    first probe's trace reports that)."""
+    try:
+        shape = model_config(cfg.model.name, vocab_size=vocab_size).to_dict()
+    except Exception:
+        return None
+    return sequence_limit(cfg, shape)
 
 
 def _margin(p: Probe, gpu_mem: int, cpu_mem: int | None) -> float:
@@ -147,6 +166,12 @@ def max_seq_len(
     ``on_probe`` hears of each as it is made (a probe at 8B traces for a minute or more)."""
     per_node = per_node or world
     step = math.lcm(step, cfg.parallel.sequence)  # sequence parallelism: every rank an equal slice
+    model_limit = trainer_limit(cfg, vocab_size)
+    if model_limit is not None:  # never past what the trainer takes
+        limit = min(limit, model_limit.tokens)
+        if limit < step:  # shorter than one step: the step shrinks to what still splits evenly
+            step = max(cfg.parallel.sequence, limit // cfg.parallel.sequence * cfg.parallel.sequence)
+        limit = limit // step * step
     probes: dict[int, Probe] = {}
 
     def probe(seq: int) -> Probe:
@@ -160,7 +185,7 @@ def max_seq_len(
                 on_probe(probes[seq])
         return probes[seq]
 
-    start = max(step, cfg.data.seq_len // step * step)
+    start = min(limit, max(step, cfg.data.seq_len // step * step))
     lo: Probe | None = None
     hi: Probe | None = None
     first = probe(start)
@@ -183,7 +208,7 @@ def max_seq_len(
         side = result.fits
         lo, hi = (result, hi) if result.fits else (lo, result)
     ordered = list(probes.values())
-    return SeqSearch(lo.seq_len if lo is not None else 0, step, ordered)
+    return SeqSearch(lo.seq_len if lo is not None else 0, step, ordered, model_limit)
 
 
 def format_search(search: SeqSearch, gpu_mem: int, title: str) -> str:
@@ -196,6 +221,8 @@ def format_search(search: SeqSearch, gpu_mem: int, title: str) -> str:
         lines.append(f"Longest seq_len that fits: {search.longest:,} tokens (a multiple of {search.step}): {best.reason}")
     if over is not None:
         lines.append(f"  at {over.seq_len:,}: {over.reason}")
+    if search.capped() and search.limit is not None:
+        lines.append(f"  capped: {limit_note(search.limit)}")
     lines.append(f"  probes ({len(search.probes)}, each a traced step):")
     for p in search.probes:
         host = f", host {gib(p.host_need)}/node" if p.host_need else ""
@@ -203,4 +230,15 @@ def format_search(search: SeqSearch, gpu_mem: int, title: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Probe", "SEQ_STEP", "SeqSearch", "format_search", "max_seq_len", "sequence_degree"]
+def limit_note(limit: SequenceLimit) -> str:
+    """What caps the answer, and what extends it."""
+    if limit.source == "model.max_seq_len":
+        return f"model.max_seq_len={limit.tokens:,} is the longest the run takes; raise or unset it for more"
+    return (
+        f"the model's {limit.tokens:,} positions ({limit.source}) are the longest the run takes; a longer "
+        f"context needs RoPE scaling in the model's config.json (rope_scaling / rope_parameters) with {limit.source} "
+        "raised to the scaled length"
+    )
+
+
+__all__ = ["Probe", "SEQ_STEP", "SeqSearch", "format_search", "limit_note", "max_seq_len", "sequence_degree", "trainer_limit"]

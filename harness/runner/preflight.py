@@ -37,7 +37,17 @@ from harness.checkpoint import (
     resume_path,
     verified_meta,
 )
-from harness.config import INSTRUCTION_FORMATS, DataConfig, RunConfig, Strategy, check_run, check_sequence_heads, freeze, wrap_class_problem
+from harness.config import (
+    INSTRUCTION_FORMATS,
+    DataConfig,
+    RunConfig,
+    Strategy,
+    check_run,
+    check_sequence_heads,
+    check_sequence_length,
+    freeze,
+    wrap_class_problem,
+)
 from harness.data import (
     EMBEDDED_SOURCES,
     cache_dir_for,
@@ -224,14 +234,7 @@ def check_model(cfg: RunConfig) -> None:
     shape = model_shape(cfg.model.name)
     if shape is None:
         return
-    positions = shape.get("max_position_embeddings") or shape.get("n_positions")
-    seq = cfg.data.seq_len
-    if cfg.model.max_seq_len is not None and seq > cfg.model.max_seq_len:
-        raise ConfigError(f"data.seq_len={seq} exceeds model.max_seq_len={cfg.model.max_seq_len}; lower data.seq_len")
-    if positions and seq > positions:
-        raise ConfigError(
-            f"data.seq_len={seq} exceeds the model's {positions} positions (max_position_embeddings); set data.seq_len <= {positions}"
-        )
+    check_sequence_length(cfg, shape)
     check_sequence_heads(cfg, shape)
     if cfg.prune.enabled and cfg.prune.pattern != "unstructured":
         m = int(cfg.prune.pattern.split(":")[1])

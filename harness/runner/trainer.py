@@ -158,8 +158,10 @@ class Trainer:
                 batches = [sampler.batch(step, micro) for micro in range(cfg.grad_accum)]
                 per_micro = tokens_per_micro_batch(batches, self.comm)
                 for micro, batch in enumerate(batches):
-                    loss = engine.forward_loss(batch.to(info.device, non_blocking=True), num_items=per_micro)
-                    engine.backward(loss, last_micro=micro == cfg.grad_accum - 1)
+                    last = micro == cfg.grad_accum - 1
+                    with engine.micro_batch(last):  # only the last one reduces gradients over ranks
+                        loss = engine.forward_loss(batch.to(info.device, non_blocking=True), num_items=per_micro)
+                        engine.backward(loss, last_micro=last)
                     loss_sum += loss.detach().double() / cfg.grad_accum
                     if step == 0:
                         state_points.append(engine.state_bytes())

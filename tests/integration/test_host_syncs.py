@@ -1,4 +1,4 @@
-"""Host syncs per training step, counted in a real 2-rank FSDP2 run (`host_sync_worker.py`).
+"""Host syncs per training step, counted in a real 2-rank FSDP2 run (`recording_worker.py`).
 
 A step between two log steps waits on the device exactly once: the step guard's agreement
 (one all-reduce of [loss non-finite, stop, norm non-finite, loss], read once before the
@@ -21,7 +21,7 @@ from launching import TESTS, launch, tiny_config
 
 pytestmark = pytest.mark.integration
 
-WORKER = str(TESTS / "integration" / "host_sync_worker.py")
+WORKER = str(TESTS / "integration" / "recording_worker.py")
 NOT_HARNESS = {
     "harness.training.loss:count_targets:__int__",  # the sampler's CPU batches, counted before they move to the device
     "transformers.masking_utils:find_packed_sequence_indices:__bool__",  # the model's own forward
@@ -35,7 +35,7 @@ def test_a_step_between_log_steps_syncs_once(tmp_path, data_cache):
     config = tiny_config(tmp_path / "c.yaml", data_cache, out, **overrides)
     launch(WORKER, [str(tmp_path), "--config", str(config)], world=2)
     for rank in range(2):
-        steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        steps = json.loads((tmp_path / f"rank{rank}.json").read_text())["syncs"]
         assert len(steps) == 7
         device = [[s for s in step if s not in NOT_HARNESS] for step in steps]
         for number in (2, 4, 5):  # between log steps (step 1 also measures the state bytes)

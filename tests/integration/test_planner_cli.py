@@ -127,10 +127,11 @@ def test_recommend_fastest_searches_by_speed_and_writes_a_config_that_fits(tmp_p
 
 
 def test_max_seq_len_answers_the_longest_length_that_fits(tmp_path: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """The answer fits and one step more does not, by the planner's own estimate and verdict (a CPU run: fast traces)."""
+    """The answer fits and one step more does not, by the planner's own estimate and verdict (a CPU run: fast traces);
+    memory, not tiny-llama's 512 positions (the search's cap), ends it."""
     out = os.path.join(tmp_path, "seq.json")
     base = ["model.name=tiny-llama", "micro_batch_size=1", "memory.activation_checkpointing=full", "memory.tiled_mlp=4"]
-    argv = ["--gpu-mem", "48MiB", "--target", "cpu", "--vocab-size", "2048", "--max-seq-len", "--seq-step", "128", "--json", out, *base]
+    argv = ["--gpu-mem", "12MiB", "--target", "cpu", "--vocab-size", "2048", "--max-seq-len", "--seq-step", "128", "--json", out, *base]
     assert main(argv) == EXIT_OK
     assert "Longest seq_len that fits" in capsys.readouterr().out
     with open(out) as f:
@@ -139,7 +140,7 @@ def test_max_seq_len_answers_the_longest_length_that_fits(tmp_path: str, capsys:
 
     def fits(seq: int) -> bool:
         est = estimate(load_config(None, [*base, f"data.seq_len={seq}"]), 1, target="cpu", vocab_size=2048)
-        return verdict(est, parse_size("48MiB"), None, 1).fits
+        return verdict(est, parse_size("12MiB"), None, 1).fits
 
     assert fits(answer) and not fits(answer + 128)
 

@@ -5,6 +5,10 @@ split as (micro_batch_size, grad_accum, world) = (8,1,1), (4,2,1), (2,2,2) and (
 every engine: the per-step losses, and the final eval loss, equal a reference loop written
 here with HF's own loss on the whole global batch (one mean over all its labelled tokens).
 A per-micro-batch mean (each micro-batch weighing the same) differs from it by ~1e-3 here.
+
+The DDP run also counts its gradient all-reduces (`recording_worker.py`): one round per
+optimizer step, every bucket once, in the last micro-batch's backward; the others accumulate
+locally (`Engine.micro_batch`: DDP decides at the forward whether the backward all-reduces).
 """
 
 from __future__ import annotations
@@ -15,7 +19,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import INSTRUCTION_WORDS, final_eval, instruction_file, launch_command, run, side_by_side, step_losses, tiny_config
+from launching import (
+    INSTRUCTION_WORDS,
+    TESTS,
+    final_eval,
+    instruction_file,
+    launch_command,
+    run,
+    side_by_side,
+    step_losses,
+    tiny_config,
+)
+from launching import launch as launch_ranks
 
 from harness.config import load_config
 from harness.data import BatchSampler, cache_dir_for, load_packed, prepare_data
@@ -29,8 +44,8 @@ RTOL = 1e-6  # fp32; world 2 vs world 1 is a different reduction order
 SPLITS = {
     "w1_8x1": (8, 1, 1, None, ()),
     "w1_4x2": (4, 2, 1, None, ()),
-    "ddp_2x2": (2, 2, 2, "ddp", ()),
-    "fsdp_1x4": (1, 4, 2, "fsdp", ()),
+    "ddp_1x4": (1, 4, 2, "ddp", ()),
+    "fsdp_2x2": (2, 2, 2, "fsdp", ()),
     "zero2_1x4": (1, 4, 2, "zero2", ()),
     "zero3_2x2": (2, 2, 2, "zero3", ()),
     "fsdp_oib_2x2": (2, 2, 2, "fsdp", ("memory.optimizer_in_backward=true",)),
@@ -78,11 +93,21 @@ def config(ws, name: str, micro: int, accum: int) -> Path:
     )
 
 
+RECORDER = str(TESTS / "integration" / "recording_worker.py")
+
+
 def launch(ws, name: str) -> Path:
+    """Run split `name`; the DDP split's ranks through `recording_worker.py` (its `rank<r>.json`
+    in the split's directory), the others as the user launches them."""
     micro, accum, world, strategy, extra = SPLITS[name]
     overrides = [*([f"strategy={strategy}"] if strategy else []), *extra]
-    run(launch_command("python" if world == 1 else "torchrun", world, config(ws, name, micro, accum), overrides))
-    return ws["root"] / name
+    out, cfg = ws["root"] / name, config(ws, name, micro, accum)
+    if strategy == "ddp":
+        out.mkdir(parents=True, exist_ok=True)
+        launch_ranks(RECORDER, [str(out), "--config", str(cfg), *overrides], world=world)
+    else:
+        run(launch_command("python" if world == 1 else "torchrun", world, cfg, overrides))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +165,12 @@ def test_world_two_splits_equal_the_reference_under_every_engine(ws, reference, 
     out = launch(ws, name)
     assert step_losses(out) == pytest.approx(losses, rel=RTOL)
     assert final_eval(out) == pytest.approx(eval_loss, rel=RTOL)
+    if SPLITS[name][3] == "ddp":  # one all-reduce round per step: each bucket once, in the last micro-batch
+        last = SPLITS[name][1] - 1
+        for rank in range(2):
+            steps = json.loads((out / f"rank{rank}.json").read_text())["ddp_buckets"]
+            assert len(steps) == STEPS, (rank, steps)
+            for buckets in steps:
+                indices = sorted(index for _, index in buckets)
+                assert indices == list(range(len(indices))) and indices, (rank, steps)
+                assert all(micro == last for micro, _ in buckets), (rank, steps)

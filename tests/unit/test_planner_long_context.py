@@ -20,6 +20,7 @@ def _search(monkeypatch, device_bytes, host_bytes=lambda s: 0, gpu=80 * GIB, cpu
         return Verdict(fits, dev, host, "fits" if fits else "over")
 
     monkeypatch.setattr(long_context, "verdict", fake_verdict)
+    monkeypatch.setattr(long_context, "trainer_limit", lambda cfg, vocab_size: None)  # a model of unbounded positions
     calls: list[int] = []
 
     def fake_estimate(cfg, world, target, vocab_size):
@@ -106,3 +107,35 @@ def test_the_trace_costs_the_tiled_mlp_and_the_checkpoint_input_offload() -> Non
     assert offloaded.peak.categories["activations"] < plain.peak.categories["activations"]
     cpu = estimate(load_config(None, [*base, "memory.offload_checkpoint_inputs=true"]), 1, target="cpu", vocab_size=256)
     assert cpu.host == {} and cpu.total == estimate(load_config(None, base), 1, target="cpu", vocab_size=256).total
+
+
+def test_the_answer_stops_at_the_models_positions_as_the_trainer_does(monkeypatch) -> None:
+    """llama3-8b's 8,192 positions: with memory to spare the answer is 8,192 (not the 700k tokens
+    memory alone allows), said in the answer with what extends it; 8,192 runs, one step more is
+    refused by pre-flight's rule (the same `sequence_limit`); model.max_seq_len caps it lower."""
+    import pytest
+
+    from harness.config import check_sequence_length
+    from harness.errors import ConfigError
+    from harness.models import model_config
+
+    probed: list[int] = []
+
+    def fake_estimate(cfg, world, target, vocab_size):
+        probed.append(cfg.data.seq_len)
+        return SimpleNamespace(seq=cfg.data.seq_len)
+
+    monkeypatch.setattr(long_context, "verdict", lambda est, gpu_mem, cpu_mem, per_node: Verdict(est.seq <= 700_000, est.seq, 0, "fits"))
+    cfg = load_config(None, ["model.name=llama3-8b", "data.seq_len=4096"])
+    search = long_context.max_seq_len(cfg, 8, 80 * GIB, estimate_fn=fake_estimate)
+    capped = load_config(None, ["model.name=llama3-8b", "data.seq_len=4096", "model.max_seq_len=6000"])
+    lower = long_context.max_seq_len(capped, 8, 80 * GIB, estimate_fn=fake_estimate)
+    monkeypatch.undo()
+    assert search.longest == 8192 and max(probed) == 8192 and search.capped()
+    text = long_context.format_search(search, 80 * GIB, "t")
+    assert "8,192 positions (max_position_embeddings)" in text and "rope_scaling" in text
+    shape = model_config("llama3-8b").to_dict()
+    check_sequence_length(load_config(None, ["model.name=llama3-8b", "data.seq_len=8192"]), shape)
+    with pytest.raises(ConfigError, match="exceeds the model's 8192 positions"):
+        check_sequence_length(load_config(None, ["model.name=llama3-8b", "data.seq_len=8448"]), shape)
+    assert lower.longest == 5888 and lower.capped() and "model.max_seq_len=6,000" in long_context.format_search(lower, GIB, "t")
