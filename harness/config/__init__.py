@@ -7,26 +7,17 @@ shapes), `strategies` (strategy files, the `EngineKind` vocabulary and its one r
 `engine_kind`), `deepspeed_keys` (DeepSpeed's key schema), `deepspeed_auto` ("auto" filling of
 a DeepSpeed dict from the run config), `drop_in` (what the launcher and a DeepSpeed file set
 and the run config leaves to defaults), `accelerate_table` (the verdict on each
-`accelerate launch` flag and config-file key), `accelerate_launch` (the reading of its variables), `checks` (every rule on a config)."""
+`accelerate launch` flag and config-file key), `accelerate_launch` (the reading of its variables), `checks` (every rule on a config),
+`sequence_checks` (how long a sequence may be, and what splitting it over ranks runs with)."""
 
 from harness.config.accelerate_launch import launcher_settings, wrap_class_problem
-from harness.config.checks import (
-    SequenceLimit,
-    check_optimizer_in_backward,
-    check_run,
-    check_sequence_heads,
-    check_sequence_length,
-    check_sequence_parallel,
-    check_strategy_against_run,
-    check_values,
-    sequence_limit,
-)
+from harness.config.checks import check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
 from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.drop_in import adopt_settings
 from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
 from harness.config.presets import PRESETS, Preset, is_preset
 from harness.config.prune_methods import PER_ROW_BASES, PRUNE_METHOD_FACTS, MethodFacts, method_facts, needs_calibration, row_score
-from harness.config.prune_modes import check_method_keys, check_original, is_original, resolve_prune
+from harness.config.prune_modes import check_method_keys, check_original, check_prune_widths, is_original, resolve_prune
 from harness.config.schema import (
     AC_MODES,
     BF16_WEIGHT_OPTIMIZERS,
@@ -55,6 +46,13 @@ from harness.config.schema import (
     freeze,
     given_in,
     is_given,
+)
+from harness.config.sequence_checks import (
+    SequenceLimit,
+    check_sequence_heads,
+    check_sequence_length,
+    check_sequence_parallel,
+    sequence_limit,
 )
 from harness.config.strategies import (
     DS_CONFIG_DIR,
@@ -117,6 +115,7 @@ __all__ = [
     "check_optimizer_in_backward",
     "check_original",
     "check_method_keys",
+    "check_prune_widths",
     "check_run",
     "SequenceLimit",
     "check_sequence_heads",

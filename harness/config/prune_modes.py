@@ -216,3 +216,22 @@ def check_original(p: PruneConfig) -> None:
             f"prune.stat_dtype={p.stat_dtype} with prune.decision=original: {why}, which compares fp32 "
             "gradient statistics; unset prune.stat_dtype (or fp32)"
         )
+
+
+def check_prune_widths(p: PruneConfig, shape: dict) -> None:
+    """An N:M pattern's M must divide every pruned layer's input width (`shape`: the model config's values)."""
+    if not p.enabled or p.pattern == "unstructured":
+        return
+    m = int(p.pattern.split(":")[1])
+    heads = shape.get("num_attention_heads")
+    widths = {
+        "hidden_size": shape.get("hidden_size"),
+        "intermediate_size": shape.get("intermediate_size"),
+        "num_attention_heads*head_dim": heads * shape["head_dim"] if heads and shape.get("head_dim") else None,
+    }
+    for what, width in widths.items():
+        if width and width % m:
+            raise ConfigError(
+                f"prune.pattern={p.pattern}: M={m} must divide every pruned layer's input width, "
+                f"but {what}={width}; use an M that divides it (e.g. 2:4)"
+            )

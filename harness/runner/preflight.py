@@ -42,6 +42,7 @@ from harness.config import (
     DataConfig,
     RunConfig,
     Strategy,
+    check_prune_widths,
     check_run,
     check_sequence_heads,
     check_sequence_length,
@@ -236,20 +237,7 @@ def check_model(cfg: RunConfig) -> None:
         return
     check_sequence_length(cfg, shape)
     check_sequence_heads(cfg, shape)
-    if cfg.prune.enabled and cfg.prune.pattern != "unstructured":
-        m = int(cfg.prune.pattern.split(":")[1])
-        heads, hidden = shape.get("num_attention_heads"), shape.get("hidden_size")
-        widths = {
-            "hidden_size": hidden,
-            "intermediate_size": shape.get("intermediate_size"),
-            "num_attention_heads*head_dim": heads * shape["head_dim"] if heads and shape.get("head_dim") else None,
-        }
-        for what, width in widths.items():
-            if width and width % m:
-                raise ConfigError(
-                    f"prune.pattern={cfg.prune.pattern}: M={m} must divide every pruned layer's input width, "
-                    f"but {what}={width}; use an M that divides it (e.g. 2:4)"
-                )
+    check_prune_widths(cfg.prune, shape)
 
 
 # ------------------------------------------------------------------ data

@@ -145,8 +145,11 @@ def test_fsdp2_with_checkpointing_trains_the_same_with_a_tiled_mlp(group_of_one,
     base_losses, base = _fsdp_run([])
     losses, weights = _fsdp_run(["memory.tiled_mlp_tokens=16", f"memory.offload_checkpoint_inputs={str(offload).lower()}"])
     assert losses == pytest.approx(base_losses, rel=1e-5) and losses[-1] < losses[0]
+    # Adam divides by each gradient's own running size, so a gradient near zero summed in another
+    # order (tiles) moves its weight by up to lr x 1e-3 differently: 1e-5 absolute after 3 steps
+    # at lr 0.01 (seen: 3.2e-6 on one of 11,264 weights on this host's kernels)
     for w, b in zip(weights, base, strict=True):
-        torch.testing.assert_close(w, b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(w, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])
