@@ -173,10 +173,8 @@ def run_step(engine: Any, batches: list[torch.Tensor], tracker: Any = None) -> N
     for micro, batch in enumerate(batches):
         if micro and tracker is not None:
             tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
-        last = micro == len(batches) - 1
-        with engine.micro_batch(last):
-            loss = engine.forward_loss(batch)
-            engine.backward(loss, last_micro=last)
+        loss = engine.forward_loss(batch)
+        engine.backward(loss, last_micro=micro == len(batches) - 1)
         del loss
     engine.step()
 

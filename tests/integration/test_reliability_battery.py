@@ -331,10 +331,11 @@ def _checkpoint_of(ws, tmp: Path, **meta_changes) -> Path:
 
 
 CHANGED = [  # (id, model config change, meta change, overrides, expected)
-    ("hidden_size", {"hidden_size": 96}, {}, [], "hidden_size=64 but model.name"),
+    # the directory's config.json against its own weights, refused in pre-flight before the checkpoint is read
+    ("hidden_size", {"hidden_size": 96}, {}, [], "has shape [512, 64], the model expects [512, 96]"),
     ("layers", {"num_hidden_layers": 3}, {}, [], "num_hidden_layers=2"),
-    ("heads", {"num_attention_heads": 8}, {}, [], "num_attention_heads=4"),
-    ("model_vocabulary", {"vocab_size": 1024}, {}, [], "vocab_size=512"),
+    ("heads", {"num_attention_heads": 8}, {}, [], "self_attn.q_proj.weight in"),
+    ("model_vocabulary", {"vocab_size": 1024}, {}, [], "has shape [512, 64], the model expects [1024, 64]"),
     ("bpe_vocabulary", None, {}, ["data.vocab_size=1024"], "data.vocab_size=512 but this run has 1024"),
     ("tokenizer", None, {}, ["data.tokenizer={tok}"], "data.tokenizer=None"),
     (

@@ -348,15 +348,15 @@ def test_alst_under_an_older_deepspeed_is_one_line_and_setup_cfg_floors_it(monke
     import configparser
     from pathlib import Path
 
-    from harness.config import checks, load_config, load_strategy
+    from harness.config import load_config, load_strategy, sequence_checks
 
     setup = configparser.ConfigParser()
     setup.read(Path(__file__).resolve().parents[2] / "setup.cfg")
     requires = [r.strip() for r in setup["options"]["install_requires"].splitlines() if r.strip().startswith("deepspeed")]
-    assert requires == [f"deepspeed>={checks.ALST_MIN_DEEPSPEED}"]
+    assert requires == [f"deepspeed>={sequence_checks.ALST_MIN_DEEPSPEED}"]
     cfg = load_config(None, ["parallel.sequence=2", "data.packing=false"])
-    monkeypatch.setattr(checks.importlib.metadata, "version", lambda name: "0.17.6" if name == "deepspeed" else "1")
-    with pytest.raises(checks.ConfigError, match=r"needs deepspeed>=0\.18\.2 \(installed: 0\.17\.6\)"):
-        checks.check_sequence_engine(cfg, load_strategy("zero2", env={}))
-    monkeypatch.setattr(checks.importlib.metadata, "version", lambda name: "0.19.8+cu128")
-    checks.check_sequence_engine(cfg, load_strategy("zero2", env={}))
+    monkeypatch.setattr(sequence_checks.importlib.metadata, "version", lambda name: "0.17.6" if name == "deepspeed" else "1")
+    with pytest.raises(sequence_checks.ConfigError, match=r"needs deepspeed>=0\.18\.2 \(installed: 0\.17\.6\)"):
+        sequence_checks.check_sequence_engine(cfg, load_strategy("zero2", env={}))
+    monkeypatch.setattr(sequence_checks.importlib.metadata, "version", lambda name: "0.19.8+cu128")
+    sequence_checks.check_sequence_engine(cfg, load_strategy("zero2", env={}))
