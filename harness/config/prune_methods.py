@@ -22,7 +22,6 @@ class MethodFacts:
     sequential: bool  # the default of an unset prune.sequential: each group applied before the next is measured
     rewrites_weights: bool = False  # updates the weights it keeps (SparseGPT's OBS): sequential only, masks never without weights
     per_row: bool = False  # its score compares weights within an output row (Wanda's definition)
-    hessian: bool = False  # its statistics hold X^T X per matrix: the automatic group size must count them
     reads_base: bool = False  # candidates and order come from prune.base, decided by prune.decision (GradProbe)
     fits: bool = False  # fits each block's surviving weights after its masks (prune.fit_epochs, prune.fit_lr): decoder blocks only
 
@@ -30,8 +29,8 @@ class MethodFacts:
 PRUNE_METHOD_FACTS: dict[str, MethodFacts] = {
     "magnitude": MethodFacts(needs_calibration=False, sequential=False),
     "wanda": MethodFacts(needs_calibration=True, sequential=True, per_row=True),
-    "sparsegpt": MethodFacts(needs_calibration=True, sequential=True, rewrites_weights=True, hessian=True),
-    "sparsegpt_fit": MethodFacts(needs_calibration=True, sequential=True, rewrites_weights=True, hessian=True, fits=True),
+    "sparsegpt": MethodFacts(needs_calibration=True, sequential=True, rewrites_weights=True),
+    "sparsegpt_fit": MethodFacts(needs_calibration=True, sequential=True, rewrites_weights=True, fits=True),
     "gradprobe": MethodFacts(needs_calibration=True, sequential=False, reads_base=True),
 }
 

@@ -322,12 +322,13 @@ def available_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available // max(1, local))
 
 
-def default_group_size(views: list[ShardView], units: list[int], comm: Collectives, hessian: bool, device: torch.device) -> int:
-    """The largest K whose heaviest group of K consecutive units fits MEMORY_FRACTION of the
-    free memory (min over ranks, so every rank runs the same groups)."""
+def default_group_size(views: list[ShardView], units: list[int], comm: Collectives, device: torch.device) -> int:
+    """GradProbe's largest K whose heaviest group of K consecutive units fits MEMORY_FRACTION of
+    the free memory (min over ranks, so every rank runs the same groups). The methods that hold
+    Hessians go one block at a time (`blockwise`) and read no K."""
     cost = {u: 0 for u in units}
     for v in views:
-        cost[v.target.unit] += v.local_numel * PROBE_BYTES_PER_ELEMENT + (v.cols * v.cols * 8 if hessian else 0)
+        cost[v.target.unit] += v.local_numel * PROBE_BYTES_PER_ELEMENT
     budget = available_bytes(device) * MEMORY_FRACTION
     seq = [cost[u] for u in units]
     k = 1

@@ -221,7 +221,7 @@ def _groups(cfg: PruneConfig, method: Method, views: list[ShardView], comm: Coll
     if not method.facts.reads_base:
         return 1, [[v for v in views if v.target.unit == u] for u in units]
     device = views[0].lp().device
-    k = cfg.group_size or default_group_size(views, units, comm, hessian=method.facts.hessian, device=device)
+    k = cfg.group_size or default_group_size(views, units, comm, device=device)
     k = max(1, min(k, len(units)))
     return k, [[v for v in views if v.target.unit in units[i : i + k]] for i in range(0, len(units), k)]
 
