@@ -34,7 +34,7 @@ from harness import imports_done  # the package first: as the program, the impor
 # isort: split
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness.config import Strategy, StrategyFacts, load_config, load_strategy, read_config_file, shipped_equivalent
+from harness.config import ParallelLayout, Strategy, StrategyFacts, load_config, load_strategy, read_config_file, shipped_equivalent
 from harness.errors import EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, EXIT_PLAN_NOTHING_FITS, ConfigError, command_errors
 from harness.planner import PlanError
 from harness.planner.candidates import Candidate, most_frugal, with_candidate
@@ -253,11 +253,12 @@ def _max_seq_len(args: argparse.Namespace, cfg: Any, gpu_mem: int, cpu_mem: int 
         on_probe=lambda p: print(f"  probe seq_len={p.seq_len:,}: {p.reason}", file=sys.stderr, flush=True),
     )
     strategy = load_strategy(cfg.strategy).name
+    layout = ParallelLayout.of(cfg.parallel, args.gpus)
     title = (
         f"Longest sequence: {cfg.model.name} x {args.gpus} rank(s) of {gib(gpu_mem)}, strategy {strategy}, {cfg.precision}, "
         f"micro-batch {cfg.micro_batch_size}, AC {cfg.memory.activation_checkpointing}, loss chunk {cfg.memory.loss_chunk_size}, "
         f"tiled MLP {cfg.memory.tiled_mlp or cfg.memory.tiled_mlp_tokens and f'{cfg.memory.tiled_mlp_tokens} tokens' or 'off'}"
-        + (f", each sequence split over {cfg.parallel.sequence} ranks" if cfg.parallel.sequence > 1 else "")
+        + (f", {layout.describe()}" if layout.splits_sequences else "")
     )
     print(format_search(search, gpu_mem, title))
     if args.json:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from harness.config import CheckpointConfig, LoraConfig, RunConfig, Strategy, checkpoint_format
+from harness.config import CheckpointConfig, LoraConfig, ParallelLayout, RunConfig, Strategy, checkpoint_format
 from harness.errors import CheckpointError, ConfigError
 
 CHECKPOINTS = "checkpoints"
@@ -188,7 +188,7 @@ def resume_path(checkpoint: CheckpointConfig, output_dir: str) -> str | None:
 
 
 def check_compatible(
-    meta: CheckpointMeta, path: str, cfg: RunConfig, strategy: Strategy, world: int, model_shape: dict[str, Any] | None = None
+    meta: CheckpointMeta, path: str, cfg: RunConfig, strategy: Strategy, layout: ParallelLayout, model_shape: dict[str, Any] | None = None
 ) -> None:
     """Refuse a resume that could not continue the same run (before any process starts)."""
     if checkpoint_format(meta.kind) != checkpoint_format(strategy.kind):
@@ -199,9 +199,8 @@ def check_compatible(
         )
     if meta.model != cfg.model.name:
         raise ConfigError(f"checkpoint '{path}' is of model '{meta.model}' but model.name='{cfg.model.name}'")
-    world_given = world
-    world //= cfg.parallel.sequence  # the data-parallel world: a sequence group reads one rank's samples
-    global_batch = cfg.micro_batch_size * cfg.grad_accum * world
+    world = layout.data  # a sequence group reads one rank's samples
+    global_batch = layout.global_batch(cfg.micro_batch_size, cfg.grad_accum)
     if meta.global_batch != global_batch:
         accum = meta.global_batch / (cfg.micro_batch_size * world)
         hint = f"set grad_accum={int(accum)}" if accum == int(accum) and accum >= 1 else "change micro_batch_size/grad_accum"
@@ -211,11 +210,11 @@ def check_compatible(
             f"not match: {hint}"
         )
     saved_split = meta.config.get("parallel", {}).get("sequence", 1)
-    if cfg.data.streaming and (meta.world_size, saved_split) != (world_given, cfg.parallel.sequence):
+    if cfg.data.streaming and (meta.world_size, saved_split) != (layout.world, layout.sequence):
         raise ConfigError(
             f"checkpoint '{path}' streamed its data at world size {meta.world_size} (parallel.sequence={saved_split}); a streamed "
             f"run resumes at that world size and split (each rank's position is in its own part of the stream), not "
-            f"{world_given} ({cfg.parallel.sequence})"
+            f"{layout.world} ({layout.sequence})"
         )
     for key in ("enabled", "r", "alpha", "target_modules", "quantize"):  # a LoRA checkpoint holds only these adapters
         saved = meta.config.get("lora", {}).get(key, getattr(LoraConfig(), key))

@@ -162,7 +162,7 @@ class CheckpointManager:
                 log.info(f"checkpoint.resume=auto: no checkpoint in {self.root}; starting at step 0")
             return ResumeState()
         meta = verified_meta(path)
-        check_compatible(meta, path, self.cfg, self.strategy, self.info.world_size)
+        check_compatible(meta, path, self.cfg, self.strategy, self.engine.plan.layout)
         t0 = time.perf_counter()
         with unreadable_as_checkpoint_error(path):
             trainer = self._load_states(path, meta)
@@ -388,7 +388,7 @@ class CheckpointManager:
             kind=self.engine.kind,
             strategy=self.strategy.name,
             zero_stage=self.engine.zero_stage,
-            global_batch=cfg.micro_batch_size * cfg.grad_accum * cfg.parallel.data_world(self.info.world_size),
+            global_batch=self.engine.plan.layout.global_batch(cfg.micro_batch_size, cfg.grad_accum),
             model=cfg.model.name,
             precision=cfg.precision,
             config=config_to_dict(cfg),

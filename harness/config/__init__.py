@@ -8,12 +8,14 @@ shapes), `strategies` (strategy files, the `EngineKind` vocabulary and its one r
 a DeepSpeed dict from the run config), `drop_in` (what the launcher and a DeepSpeed file set
 and the run config leaves to defaults), `accelerate_table` (the verdict on each
 `accelerate launch` flag and config-file key), `accelerate_launch` (the reading of its variables), `checks` (every rule on a config),
+`layout` (`ParallelLayout`: the world's ranks as data x sequence, built once per run),
 `sequence_checks` (how long a sequence may be, and what splitting it over ranks runs with)."""
 
 from harness.config.accelerate_launch import launcher_settings, wrap_class_problem
 from harness.config.checks import check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
 from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.drop_in import adopt_settings
+from harness.config.layout import ParallelLayout
 from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
 from harness.config.presets import PRESETS, Preset, is_preset
 from harness.config.prune_methods import PER_ROW_BASES, PRUNE_METHOD_FACTS, MethodFacts, method_facts, needs_calibration, row_score
@@ -68,6 +70,7 @@ from harness.config.strategy_facts import StrategyFacts, facts_of, more_sharding
 from harness.errors import ConfigError
 
 __all__ = [
+    "ParallelLayout",
     "StrategyFacts",
     "facts_of",
     "more_sharding",

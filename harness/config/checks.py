@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+from harness.config.layout import ParallelLayout
 from harness.config.prune_methods import needs_calibration
 from harness.config.prune_modes import check_prune_mode
 from harness.config.schema import (
@@ -343,7 +344,7 @@ def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: b
     check_optimizer_in_backward(cfg, strategy.kind, world)
     check_cpu_offload_world(cfg, strategy.kind, world)
     check_sequence_parallel(cfg, strategy, world)
-    check_batch(cfg, cfg.parallel.data_world(world))
+    check_batch(cfg, ParallelLayout.of(cfg.parallel, world).data)
     check_prune_config(cfg, world)
     check_lora(cfg, strategy.kind, strategy.zero_stage)
     # A DeepSpeed file's contradictions and 'auto' holes are refused where its dict is resolved, once:

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from harness.config.deepspeed_keys import deepspeed_problems, key_problems, layout_problems, zero_field_default, zero_field_names
+from harness.config.layout import ParallelLayout
 from harness.config.schema import OptimConfig, RunConfig
 from harness.config.strategies import Strategy
 from harness.errors import ConfigError
@@ -238,7 +239,7 @@ def resolve_deepspeed_config(
     sequence = cfg.parallel.sequence
     if sequence > 1 or "sequence_parallel_size" in ds:  # DeepSpeed's Ulysses degree (ALST): parallel.sequence
         _settle(ds, "sequence_parallel_size", sequence, "parallel.sequence", problems, filled)
-    data_world = cfg.parallel.data_world(world_size)
+    data_world = ParallelLayout.of(cfg.parallel, world_size).data
     _settle(
         ds,
         "train_batch_size",

@@ -22,6 +22,7 @@ from typing import Any
 
 from harness.config.accelerate_launch import launcher_values
 from harness.config.deepspeed_auto import is_auto
+from harness.config.layout import ParallelLayout
 from harness.config.schema import RunConfig, choice_fields, is_given
 from harness.config.strategies import Strategy
 
@@ -103,7 +104,7 @@ def _derived_batch(strategy: Strategy, cfg: RunConfig, world: int, fixed: set[st
     tbs = strategy.raw.get("train_batch_size")
     if not _number(tbs) or ("micro_batch_size" in fixed and "grad_accum" in fixed):
         return None
-    world = cfg.parallel.data_world(world)  # DeepSpeed's world here is the data-parallel one
+    world = ParallelLayout.of(cfg.parallel, world).data  # DeepSpeed's world here is the data-parallel one
     if "micro_batch_size" in fixed:
         per = cfg.micro_batch_size * world
         key, value = "grad_accum", tbs / per

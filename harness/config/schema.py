@@ -257,11 +257,6 @@ class ParallelConfig(Section):
     # eager-only attention. Measured: notes/long_context.md
     sequence: int = 1
 
-    def data_world(self, world: int) -> int:
-        """The data-parallel world of `world` ranks: a sequence group reads one rank's samples (a world
-        the split does not divide is left whole; the config checks refuse it)."""
-        return world // self.sequence if world % self.sequence == 0 else world
-
 
 @dataclass
 class LoggingConfig(Section):

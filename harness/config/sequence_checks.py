@@ -9,6 +9,7 @@ import importlib.metadata
 import itertools
 from dataclasses import dataclass
 
+from harness.config.layout import ParallelLayout
 from harness.config.schema import RunConfig
 from harness.config.strategies import Strategy
 from harness.errors import ConfigError
@@ -21,8 +22,7 @@ def check_sequence_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> N
     if n == 1:
         return
     what = f"parallel.sequence={n}"  # the engine: `check_sequence_engine`, through check_strategy_against_run
-    if world % n:
-        raise ConfigError(f"{what} must divide the world size ({world}): each group of {n} ranks shares its samples")
+    ParallelLayout.of(cfg.parallel, world)  # the world must be laid out as data x sequence
     if cfg.data.seq_len % n:
         raise ConfigError(f"{what} must divide data.seq_len={cfg.data.seq_len}: each rank holds an equal slice of every sample")
     if cfg.prune.enabled:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from harness.config import DataConfig
+from harness.config import DataConfig, ParallelLayout
 from harness.data.blocks import cut
 from harness.data.cache import PackedData
 from harness.data.documents import SPLIT_CODE, open_stream, split_codes
@@ -33,17 +33,16 @@ STREAM_DOCS_PER_READ = 64
 @dataclass(frozen=True)
 class SequenceSlice:
     """Which slice of every sample's sequence a rank trains under sequence parallelism (`parts`
-    ranks share each sample; `parts == 1`: the whole sample). The world is a data x sequence
-    mesh, ranks grouped consecutively: rank = data_rank * parts + index. A group of `parts`
-    ranks reads the samples of one data-parallel rank."""
+    ranks share each sample; `parts == 1`: the whole sample). Where a rank sits in the world is
+    the run's `ParallelLayout`'s: a sequence group reads the samples of one data-parallel rank."""
 
     index: int = 0
     parts: int = 1
 
     @classmethod
-    def of_rank(cls, rank: int, world: int, parts: int) -> tuple[SequenceSlice, int, int]:
-        """This rank's slice, and its data-parallel (world, rank): what the samplers are given."""
-        return cls(rank % parts, parts), world // parts, rank // parts
+    def of(cls, layout: ParallelLayout, rank: int) -> tuple[SequenceSlice, int, int]:
+        """`rank`'s slice, and its data-parallel (world, rank): what the samplers are given."""
+        return cls(layout.sequence_rank(rank), layout.sequence), layout.data, layout.data_rank(rank)
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         """`batch` ((B, S) text, (B, 2, S) or (B, 3, S) instruction blocks) -> this rank's `(B, 3, L+1)`

@@ -25,7 +25,7 @@ from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.build import build_engine, load_model
 from harness.engine.deepspeed_engine import DeepSpeedEngine, train_collectives_only
 from harness.engine.finite import weights_finite
-from harness.engine.parallelize import apply_memory_techniques, fsdp_wrap, sequence_group
+from harness.engine.parallelize import apply_memory_techniques, fsdp_wrap
 from harness.engine.plan import EnginePlan, hidden_size_of, plan_engine
 from harness.engine.probe import DeepSpeedProbe, GradientProbe, gradient_probe
 from harness.engine.shard_base import ParamShard
@@ -65,7 +65,6 @@ __all__ = [
     "local_part",
     "memory_storage",
     "plan_engine",
-    "sequence_group",
     "read_model_weights",
     "weights_finite",
     "shard_of",

@@ -46,6 +46,7 @@ class Engine:
     """
 
     checkpoint_format: ClassVar[CheckpointFormat]  # the on-disk format of `save_state`: "torch" (DCP) | "deepspeed"
+    sequence_split_by: ClassVar[str]  # whose Ulysses splits sequences under this engine, for the start-up line
     zero_stage: int = 0  # the ZeRO stage a checkpoint of this engine was partitioned at (DeepSpeed only)
     owns_grad_accumulation: ClassVar[bool] = False  # divides the loss by the accumulation steps itself (DeepSpeed)
     module: nn.Module  # the underlying HF model (for pruning, export, hooks)

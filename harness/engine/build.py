@@ -9,14 +9,14 @@ from harness.distributed import DistInfo
 from harness.engine.base import Engine, LossFn
 from harness.engine.deepspeed_engine import DeepSpeedEngine
 from harness.engine.plan import EnginePlan
-from harness.engine.torch_engine import TorchEngine
+from harness.engine.torch_engine import DDPEngine, FSDPEngine, TorchEngine
 from harness.faults import fault_seconds, hold
 from harness.log import get_logger
 from harness.models import ModelSpec
 
 log = get_logger(__name__)
 
-ENGINES: dict[EngineKind, type[Engine]] = {"single": TorchEngine, "ddp": TorchEngine, "fsdp": TorchEngine, "deepspeed": DeepSpeedEngine}
+ENGINES: dict[EngineKind, type[Engine]] = {"single": TorchEngine, "ddp": DDPEngine, "fsdp": FSDPEngine, "deepspeed": DeepSpeedEngine}
 
 
 def load_model(spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:

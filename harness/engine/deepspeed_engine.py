@@ -58,6 +58,7 @@ class DeepSpeedEngine(Engine):
     """A DeepSpeed engine: it owns the optimizer, loss scaling and ZeRO partitioning."""
 
     checkpoint_format = "deepspeed"
+    sequence_split_by = "DeepSpeed's Ulysses, ALST"  # DeepSpeed splits sequences itself
     owns_grad_accumulation = True
 
     def num_parameters(self) -> int:
@@ -129,7 +130,7 @@ class DeepSpeedEngine(Engine):
         # per-micro-step bookkeeping, and ZeRO-3 then loses the first micro-batches' gradients.
         self.model = ds_engine
         self._skipped_before = 0
-        self._loss_divisor = alst_loss_divisor(plan.config.parallel.sequence, self.zero_stage)
+        self._loss_divisor = alst_loss_divisor(plan.layout.sequence, self.zero_stage)
 
     @classmethod
     def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
@@ -211,7 +212,7 @@ class DeepSpeedEngine(Engine):
         log.info(f"DeepSpeed config {strategy.path}: filled from the run config: {', '.join(filled) or 'nothing'}{used}")
         for line in plan.deepspeed_ignored if info.is_main else ():
             log.warning(f"DeepSpeed config {strategy.path}: {line}")
-        mpu = alst_groups(model, cfg.parallel.sequence, cfg.micro_batch_size, info) if cfg.parallel.sequence > 1 else None
+        mpu = alst_groups(model, plan.layout.sequence, cfg.micro_batch_size, info) if plan.layout.splits_sequences else None
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],

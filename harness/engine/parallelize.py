@@ -13,11 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from harness.config import LoraConfig, MemoryConfig, RunConfig, Strategy
-from harness.distributed import DistInfo
 from harness.engine.storage import local_part
 from harness.memory import apply_activation_checkpointing, apply_compile, apply_tiled_mlp
 from harness.models import (
@@ -46,16 +45,7 @@ def apply_memory_techniques(model: nn.Module, mem: MemoryConfig) -> None:
         apply_compile(model, mem.compile if mem.compile != "none" else "model", mem.activation_memory_budget)
 
 
-def sequence_group(info: DistInfo, parts: int) -> torch.distributed.ProcessGroup:
-    """This rank's sequence group in the world's data x sequence mesh (ranks grouped
-    consecutively, as `harness.data.SequenceSlice` reads them). Gradients are still reduced
-    over the whole world (DDP, or FSDP2's mesh of every rank), also at data-parallel size 1:
-    the group's ranks hold different parts of the gradient, which only that reduction sums."""
-    mesh = init_device_mesh(info.device.type, (info.world_size // parts, parts), mesh_dim_names=("data", "sequence"))
-    return mesh.get_group("sequence")
-
-
-def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, info: DistInfo) -> nn.Module:
+def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, mesh: DeviceMesh) -> nn.Module:
     """FSDP2: shard the embeddings, each decoder block, the LM head, and the root.
 
     The head is its own unit (kept gathered after forward: backward needs it at once), so
@@ -70,7 +60,6 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
     `fully_shard` call: torch's FSDPMemTracker instruments each
     module's parameter group once, and a group shared by two modules breaks its tracking.
     """
-    mesh = init_device_mesh(info.device.type, (info.world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
     reduce = DTYPES[strategy.reduce_dtype]
     if policy.mode == "bf16":
@@ -82,7 +71,7 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, inf
     if strategy.offload_params != "none":
         # pinned host memory needs CUDA; on a CPU run the "device" is the host, and the policy runs
         # the same shard moves and host step (no memory saved: a correctness run)
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=info.device.type == "cuda")
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = embed is not None and head is not None and head.weight is embed.weight
     if embed is not None and not tied:  # tied input/output embeddings: one weight, left to the root's group

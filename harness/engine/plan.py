@@ -21,6 +21,7 @@ from harness.config import (
     ConfigError,
     EngineKind,
     OptimConfig,
+    ParallelLayout,
     RunConfig,
     Strategy,
     adopt_settings,
@@ -40,7 +41,7 @@ class EnginePlan:
 
     kind: EngineKind
     strategy: Strategy
-    world_size: int
+    layout: ParallelLayout  # the world's ranks as data x sequence: every consumer reads this one
     precision: PrecisionPolicy
     # The run config the plan was made from: the user's, with what the launcher and a DeepSpeed file
     # set taken in (`adopt_settings`); every component of the run builds itself from its sections.
@@ -61,6 +62,10 @@ class EnginePlan:
     trainable_only: bool = False
     # DeepSpeed steps the offloaded optimizer with its own DeepSpeedCPUAdam (`host_adam`)
     cpu_adam: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world
 
     @property
     def checkpoint_format(self) -> CheckpointFormat:
@@ -137,7 +142,7 @@ def plan_engine(
     return EnginePlan(
         kind=kind,
         strategy=strategy,
-        world_size=world_size,
+        layout=ParallelLayout.of(cfg.parallel, world_size),
         precision=precision_policy(cfg.precision, device, kind),
         config=cfg,
         deepspeed=ds,

@@ -1,4 +1,7 @@
-"""The torch engine: one process, DDP or FSDP2, with a torch optimizer (or one stepped in backward).
+"""The torch engines: one process (`TorchEngine`), DDP (`DDPEngine`) or FSDP2 (`FSDPEngine`), with a
+torch optimizer (or one stepped in backward). Each subclass owns what its engine does differently
+(how the model is wrapped or sharded, when gradients are reduced under accumulation, what a
+no-grad forward leaves behind); nothing outside `harness.engine.build` knows which one it has.
 
 Its checkpoint is a `torch.distributed.checkpoint` (DCP) directory keyed by parameter FQN:
 under FSDP2 each rank writes only its DTensor shards, and loading reshards to any world
@@ -31,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from harness.config import RunConfig
 from harness.distributed import DistInfo, local_tensor
 from harness.engine.base import Engine, LossFn, StepResult
-from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, empty_model_to_train, fsdp_wrap, sequence_group
+from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, empty_model_to_train, fsdp_wrap
 from harness.engine.plan import EnginePlan
 from harness.engine.probe import GradientProbe
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
@@ -53,18 +56,14 @@ def _group_initialized() -> bool:
 
 
 class TorchEngine(Engine):
-    """Single process, DDP or FSDP2 with a torch optimizer (optionally stepped in backward)."""
+    """One process with a torch optimizer (optionally stepped in backward); the base of DDP and
+    FSDP2, which override the hooks below where they differ."""
 
     checkpoint_format = "torch"
+    sequence_split_by = "Ulysses"  # harness's own, over transformers' attention registry
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
-        if mode and self.kind == "fsdp":
-            # A no-grad forward leaves reshard_after_forward=False groups unsharded: their parameters
-            # would not be the optimizer's (a checkpoint save would fail). Reshard before training on.
-            for module in self.model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
 
     def local_parameters(self) -> list[torch.Tensor]:
         codes = quantized_codes(self.model)  # bit patterns, not numbers
@@ -159,19 +158,21 @@ class TorchEngine(Engine):
         model first, so a LoRA run loads like a full fine-tune (each rank its part); QLoRA too: its
         linears are bitsandbytes' quantized ones, each weight quantized whole from the checkpoint
         and only this rank's part of its codes kept."""
-        strategy, policy = plan.strategy, plan.precision
-        model = empty_model_to_train(spec, cfg.lora, policy)
-        if cfg.parallel.sequence > 1:
-            packed = cfg.data.packs_examples
-            use_ulysses(model, sequence_group(info, cfg.parallel.sequence), packed)
-        weights = WeightsToLoad(spec, lora=cfg.lora.enabled, model=model)
-        if plan.kind == "fsdp":
-            apply_memory_techniques(model, cfg.memory)
-            fsdp_wrap(model, strategy, policy, info)
-            weights.fill(materialize(model, info.device))
-        else:
-            weights.fill(materialize(model, info.device))
-            apply_memory_techniques(model, cfg.memory)
+        model = empty_model_to_train(spec, cfg.lora, plan.precision)
+        if plan.layout.splits_sequences:
+            use_ulysses(model, plan.layout.sequence_group(info.device.type), cfg.data.packs_examples)
+        cls._prepare_and_fill(model, WeightsToLoad(spec, lora=cfg.lora.enabled, model=model), cfg, plan, info)
+        return model
+
+    @classmethod
+    def _prepare_and_fill(cls, model: nn.Module, weights: WeightsToLoad, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> None:
+        """Whole parameters on every rank: allocated and filled, then the memory techniques applied."""
+        weights.fill(materialize(model, info.device))
+        apply_memory_techniques(model, cfg.memory)
+
+    @classmethod
+    def _wrap(cls, model: nn.Module, info: DistInfo) -> nn.Module:
+        """What the optimizer and the forward see: the model itself (one process)."""
         return model
 
     @classmethod
@@ -179,10 +180,7 @@ class TorchEngine(Engine):
         started = time.perf_counter()
         model = cls.load_model(spec, cfg, plan, info)
         loaded = time.perf_counter()
-        wrapped: nn.Module = model  # FSDP2 shards in place
-        if plan.kind == "ddp":
-            ids = [info.device.index] if info.device.type == "cuda" else None
-            wrapped = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+        wrapped = cls._wrap(model, info)
         oib = None
         if plan.optimizer_in_backward:
             oib = OptimizerInBackward(wrapped, cfg.optim, cfg.steps)
@@ -208,17 +206,15 @@ class TorchEngine(Engine):
         return GradientProbe(self.model, grad_accum or self.grad_accum)
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
-        # DDP: `no_sync` must cover the forward, where the reducer is armed for the backward
-        if self.kind == "ddp" and not last:
-            return self.model.no_sync()
         return contextlib.nullcontext()
+
+    def _sync_gradients(self, last_micro: bool) -> None:
+        """Where an engine decides in backward whether this micro-batch's gradients are reduced."""
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         if self._oib is not None:
             self._oib.set_last_micro_batch(last_micro)
-        if self.kind == "fsdp":
-            # FSDP2 decides in backward: skip the reduce-scatter on all but the last micro-batch.
-            self.model.set_requires_gradient_sync(last_micro)
+        self._sync_gradients(last_micro)
         scaled = loss / self.grad_accum
         if self.scaler is not None:
             self.scaler.scale(scaled).backward()
@@ -272,6 +268,44 @@ class TorchEngine(Engine):
     @property
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
+
+
+class DDPEngine(TorchEngine):
+    """DDP: whole parameters on every rank, gradients all-reduced once per optimizer step."""
+
+    @classmethod
+    def _wrap(cls, model: nn.Module, info: DistInfo) -> nn.Module:
+        ids = [info.device.index] if info.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        # `no_sync` must cover the forward, where DDP's reducer is armed for the backward
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+
+class FSDPEngine(TorchEngine):
+    """FSDP2: each rank holds its shards of every parameter, gradient and optimizer state."""
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+        if mode:
+            # A no-grad forward leaves reshard_after_forward=False groups unsharded: their parameters
+            # would not be the optimizer's (a checkpoint save would fail). Reshard before training on.
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    @classmethod
+    def _prepare_and_fill(cls, model: nn.Module, weights: WeightsToLoad, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> None:
+        """On the meta model: the memory techniques, then the shards; each rank then allocates and
+        fills only its own."""
+        apply_memory_techniques(model, cfg.memory)
+        fsdp_wrap(model, plan.strategy, plan.precision, plan.layout.shard_mesh(info.device.type))
+        weights.fill(materialize(model, info.device))
+
+    def _sync_gradients(self, last_micro: bool) -> None:
+        # FSDP2 decides in backward: skip the reduce-scatter on all but the last micro-batch.
+        self.model.set_requires_gradient_sync(last_micro)
 
 
 def drop_frozen_aliases(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from harness.config import (
+    ParallelLayout,
     RunConfig,
     StrategyFacts,
     check_sequence_parallel,
@@ -161,7 +162,8 @@ def accum_for(cfg: RunConfig, micro: int, sequence: int) -> int:
 
 def sequence_choices(cfg: RunConfig, world: int, vocab: int | None = None) -> list[int]:
     """Whole sequences, and the split the user asked for or else the largest the world allows."""
-    split = cfg.parallel.sequence if cfg.parallel.sequence > 1 else sequence_degree(cfg, world, vocab)
+    asked = ParallelLayout.of(cfg.parallel, world)
+    split = asked.sequence if asked.splits_sequences else sequence_degree(cfg, world, vocab)
     return sorted({1, split})
 
 

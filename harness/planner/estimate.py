@@ -169,7 +169,7 @@ def specs_for(
         # QLoRA: the codes are stored in the compute dtype (harness.models.qlora), gathered and dequantized as such
         nf4_storage=DTYPE_NAMES[policy.compute_dtype] if lora.enabled and lora.quantize == "nf4" else None,
         frozen_dtype=DTYPE_NAMES[policy.frozen_dtype] if lora.enabled and policy.frozen_dtype != policy.param_dtype else None,
-        sequence=cfg.parallel.sequence,
+        sequence=plan.layout.sequence,
         packed=cfg.data.packs_examples,
     )
     common = dict(

@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from harness.config import RunConfig, SequenceLimit, check_sequence_heads, sequence_limit
+from harness.config import ParallelLayout, RunConfig, SequenceLimit, check_sequence_heads, sequence_limit
 from harness.errors import ConfigError
 from harness.models import model_config
 from harness.planner.estimate import Estimate, estimate
@@ -45,7 +45,7 @@ def sequence_degree(cfg: RunConfig, world: int, vocab_size: int | None = None) -
     cannot be read. Packed instruction rows split too (Ulysses attends each example on its own).
     Anything else the trainer refuses with it (pruning, optimizer-in-backward in the user's
     config) the rung's row reports."""
-    if cfg.parallel.sequence > 1:
+    if ParallelLayout.of(cfg.parallel, world).splits_sequences:
         return 1
     try:
         shape = model_config(cfg.model.name, vocab_size=vocab_size).to_dict()
@@ -165,12 +165,13 @@ def max_seq_len(
     that found it (under `parallel.sequence` N the step becomes a multiple of N: the answer's ``step``);
     ``on_probe`` hears of each as it is made (a probe at 8B traces for a minute or more)."""
     per_node = per_node or world
-    step = math.lcm(step, cfg.parallel.sequence)  # sequence parallelism: every rank an equal slice
+    split = cfg.parallel.sequence  # the split asked for (the trainer refuses a world it does not divide)
+    step = math.lcm(step, split)  # sequence parallelism: every rank an equal slice
     model_limit = trainer_limit(cfg, vocab_size)
     if model_limit is not None:  # never past what the trainer takes
         limit = min(limit, model_limit.tokens)
         if limit < step:  # shorter than one step: the step shrinks to what still splits evenly
-            step = max(cfg.parallel.sequence, limit // cfg.parallel.sequence * cfg.parallel.sequence)
+            step = max(split, limit // split * split)
         limit = limit // step * step
     probes: dict[int, Probe] = {}
 

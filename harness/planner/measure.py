@@ -44,7 +44,7 @@ from harness import imports_done  # the package first: as the program, the impor
 import torch
 import torch.distributed as dist
 
-from harness.config import load_config, load_strategy
+from harness.config import ParallelLayout, load_config, load_strategy
 from harness.data import SequenceSlice
 from harness.distributed import free_port, init_distributed, teardown
 from harness.engine import build_engine, hidden_size_of, plan_engine
@@ -93,7 +93,7 @@ def measure_config(
     strategy = load_strategy(cfg.strategy)
     info = init_distributed("cpu", force_group=strategy.needs_process_group)
     # under sequence parallelism a group of ranks shares its samples, each rank training its slice
-    piece, _, data_rank = SequenceSlice.of_rank(info.rank, info.world_size, cfg.parallel.sequence)
+    piece, _, data_rank = SequenceSlice.of(ParallelLayout.of(cfg.parallel, info.world_size), info.rank)
     gen = torch.Generator().manual_seed(1000 + data_rank)
     compiled_step = name_compiles_step(cfg.optim.name)
     live_split = compiled_step or (allocator and not dispatch)  # the step outside MemTracker, the total the allocator's
@@ -106,7 +106,7 @@ def measure_config(
             plan = plan_engine(cfg, strategy, info.world_size, info.device, hidden_size_of(spec.config))
             cfg = plan.config  # as the run resolves it (a DeepSpeed file's own numbers taken in)
             packed = cfg.data.packs_examples
-            base_loss = loss_for(cfg.parallel.sequence, packed)
+            base_loss = loss_for(plan.layout.splits_sequences, packed)
             loss_fn = lambda m, ids: base_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
             engine = build_engine(spec, cfg, plan, info, loss_fn)
             make = packed_rows if packed else lambda b, s, v, g: torch.randint(0, v, (b, s), generator=g)

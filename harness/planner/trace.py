@@ -33,9 +33,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from harness.config import LoraConfig, Strategy
-from harness.distributed import DistInfo, local_tensor
-from harness.engine import fsdp_wrap, sequence_group
+from harness.config import LoraConfig, ParallelLayout, Strategy
+from harness.distributed import local_tensor
+from harness.engine import fsdp_wrap
 from harness.memory import ActivationOffload, apply_activation_checkpointing, apply_tiled_mlp
 from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config, use_ulysses
 from harness.planner.packed import pack_block_linears
@@ -271,8 +271,7 @@ def _wrap_fsdp(model: nn.Module, spec: TraceSpec) -> nn.Module:
         reduce_dtype=spec.fsdp_reduce_dtype,
     )
     policy = precision_policy(spec.precision, torch.device("cpu"), "fsdp")
-    info = DistInfo(0, spec.world_size, 0, torch.device("cpu"), "fake")
-    return fsdp_wrap(model, strategy, policy, info)
+    return fsdp_wrap(model, strategy, policy, ParallelLayout(spec.world_size, spec.sequence).shard_mesh("cpu"))
 
 
 def _step_input(spec: TraceSpec, vocab: int) -> torch.Tensor:
@@ -288,7 +287,7 @@ def _step_input(spec: TraceSpec, vocab: int) -> torch.Tensor:
 
 def _loss(model: nn.Module, batch: torch.Tensor, spec: TraceSpec) -> torch.Tensor:
     """The trainer's loss for this input (unpacked instruction rows cost what text does)."""
-    return loss_for(spec.sequence, spec.packed)(model, batch, chunk_size=spec.loss_chunk_size)
+    return loss_for(spec.sequence > 1, spec.packed)(model, batch, chunk_size=spec.loss_chunk_size)
 
 
 def trace_step(spec: TraceSpec) -> TraceResult:
@@ -317,7 +316,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     try:
         with fake_process_group(world):
             if spec.sequence > 1:  # as the trainer: attention swapped before AC, tiling and sharding
-                use_ulysses(model, sequence_group(DistInfo(0, world, 0, torch.device("cpu"), "fake"), spec.sequence), spec.packed)
+                use_ulysses(model, ParallelLayout(world, spec.sequence).sequence_group("cpu"), spec.packed)
             if any(spec.mlp_tiles):
                 apply_tiled_mlp(model, *spec.mlp_tiles)
             if spec.ac_mode != "none":

@@ -12,7 +12,7 @@ import time
 import torch
 
 from harness.checkpoint import CheckpointManager, ResumeState
-from harness.config import INSTRUCTION_FORMATS, DataConfig, RunConfig, config_to_dict, default_lr
+from harness.config import INSTRUCTION_FORMATS, DataConfig, ParallelLayout, RunConfig, config_to_dict, default_lr
 from harness.data import (
     BatchSampler,
     PackedData,
@@ -63,10 +63,10 @@ def check_eval_split(cfg: RunConfig, data: PackedData, info: DistInfo) -> None:
         log.warning(f"data: {held}: the run does not evaluate (raise data.eval_fraction to evaluate)")
 
 
-def make_sampler(cfg: RunConfig, data: PackedData, info: DistInfo) -> BatchSampler | StreamSampler:
+def make_sampler(cfg: RunConfig, data: PackedData, layout: ParallelLayout, info: DistInfo) -> BatchSampler | StreamSampler:
     """The training batches: from the cache (world-size invariant) or streamed (`data.streaming`);
-    read per data-parallel rank, each rank of a sequence group its slice (`parallel.sequence`)."""
-    piece, world, rank = SequenceSlice.of_rank(info.rank, info.world_size, cfg.parallel.sequence)
+    read per data-parallel rank of the layout, each rank of a sequence group its slice."""
+    piece, world, rank = SequenceSlice.of(layout, info.rank)
     if cfg.data.streaming:
         tok = load_tokenizer(data.tokenizer_dir)
         sampler: BatchSampler | StreamSampler = StreamSampler(
@@ -93,11 +93,6 @@ def describe_lr(cfg: RunConfig) -> str:
     return f"lr {cfg.optim.lr:g}" + (f" (optim.lr's default for {why})" if cfg.optim.lr == value else "")
 
 
-def ulysses_of(plan: EnginePlan) -> str:
-    """Whose Ulysses splits the sequences: DeepSpeed's own under DeepSpeed, harness's otherwise."""
-    return "DeepSpeed's Ulysses, ALST" if plan.kind == "deepspeed" else "Ulysses"
-
-
 def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int | None = None) -> tuple[Trainer, ResumeState]:
     """Data, model, engine, checkpoint restore, observer: everything before the first step
     (shared with `python -m harness.prune`), the engine from pre-flight's plan. Returns the trainer and the restored state.
@@ -111,14 +106,14 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
     if twin_layers is not None:
         spec = twin_spec(spec, twin_layers)
     labelled = cfg.data.format in INSTRUCTION_FORMATS  # blocks carry (input_ids, labels): loss on the responses only
-    loss_fn = functools.partial(loss_for(cfg.parallel.sequence, labelled), chunk_size=cfg.memory.loss_chunk_size)
+    loss_fn = functools.partial(loss_for(plan.layout.splits_sequences, labelled), chunk_size=cfg.memory.loss_chunk_size)
     if plan.taken and info.is_main:
         log.info(f"run config values taken from outside it: {'; '.join(plan.taken)}")
     if plan.launcher_said and info.is_main:
         log.info(f"accelerate launch settings harness does its own way: {'; '.join(plan.launcher_said)}")
     entering(f"building the {plan.kind} engine and loading the model (any extension build lock included)")
     engine = build_engine(spec, cfg, plan, info, loss_fn)  # built, sharded and filled (LoRA: adapters) inside
-    sampler = make_sampler(cfg, data, info)
+    sampler = make_sampler(cfg, data, plan.layout, info)
     ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir, per_rank={"data": sampler})
     entering("restoring the checkpoint")
     resumed = ckpt.restore()  # step 0, or the checkpoint's step (= data position) with optimizer, RNG, schedule, stream position
@@ -151,7 +146,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
         f"{f' ({plan.host_optimizer})' if plan.host_optimizer else ''}, "
         f"{engine.num_parameters():,} params, "
         f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens, {describe_lr(cfg)}"
-        + (f", each sequence split over {cfg.parallel.sequence} ranks ({ulysses_of(plan)})" if cfg.parallel.sequence > 1 else "")
+        + (f", {plan.layout.describe()} ({engine.sequence_split_by})" if plan.layout.splits_sequences else "")
     )
     trainer = Trainer(
         cfg,

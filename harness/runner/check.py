@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.config import INSTRUCTION_FORMATS, RunConfig, load_config, load_strategy
+from harness.config import INSTRUCTION_FORMATS, ParallelLayout, RunConfig, load_config, load_strategy
 from harness.data import unpack_examples
 from harness.distributed import Collectives, DistInfo, launch_env, pick_device
 from harness.engine import Engine, EnginePlan, plan_engine
@@ -86,8 +86,12 @@ def reference_config(twin: RunConfig, world: int, rank: int) -> RunConfig:
     blocks at any split), no memory technique that changes how the step is computed."""
     ref = copy.deepcopy(twin)
     ref.strategy, ref.precision = "ddp", "fp32"
-    data_world = world // twin.parallel.sequence  # a sequence-parallel group reads one data-parallel rank's samples
-    ref.micro_batch_size, ref.grad_accum, ref.global_batch_size = twin.micro_batch_size * twin.grad_accum * data_world, 1, None
+    # the sampler's global batch: a sequence-parallel group reads one data-parallel rank's samples
+    ref.micro_batch_size, ref.grad_accum, ref.global_batch_size = (
+        ParallelLayout.of(twin.parallel, world).global_batch(twin.micro_batch_size, twin.grad_accum),
+        1,
+        None,
+    )
     m = ref.memory
     m.activation_checkpointing, m.activation_offload, m.compile, m.activation_memory_budget = "none", False, "none", None
     m.optimizer_in_backward, m.loss_chunk_size = False, 0
@@ -207,7 +211,7 @@ class UnpackedSampler:
 
 def describe(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> str:
     packing = f", instruction data {'packed' if cfg.data.packing else 'unpacked'}" if cfg.data.format in INSTRUCTION_FORMATS else ""
-    sequence = f", sequence parallel {cfg.parallel.sequence}" if cfg.parallel.sequence > 1 else ""
+    sequence = f", sequence parallel {plan.layout.sequence}" if plan.layout.splits_sequences else ""
     lora = f", LoRA r={cfg.lora.r}{' ' + cfg.lora.quantize if cfg.lora.quantize != 'none' else ''}" if cfg.lora.enabled else ""
     return (
         f"{plan.strategy.name} ({plan.kind}) x{info.world_size}, {cfg.precision}, micro-batch {cfg.micro_batch_size} x "

@@ -40,6 +40,7 @@ from harness.checkpoint import (
 from harness.config import (
     INSTRUCTION_FORMATS,
     DataConfig,
+    ParallelLayout,
     RunConfig,
     Strategy,
     check_prune_widths,
@@ -172,7 +173,7 @@ def block_users(cfg: RunConfig, strategy: Strategy) -> list[str]:
     return [what for what, used in users.items() if used]
 
 
-def check_architecture(cfg: RunConfig, strategy: Strategy) -> None:
+def check_architecture(cfg: RunConfig, strategy: Strategy, layout: ParallelLayout) -> None:
     """A checkpoint's architecture is one transformers builds as a causal LM, and, where a setting
     works block by block, harness finds its decoder blocks (built on the meta device: no memory)."""
     name = cfg.model.name
@@ -190,9 +191,9 @@ def check_architecture(cfg: RunConfig, strategy: Strategy) -> None:
             f"{transformers.__version__} (AutoModelForCausalLM); harness trains causal LMs"
         )
     template = empty_model(config)
-    if cfg.parallel.sequence > 1 and not attention_is_swappable(template):
+    if layout.splits_sequences and not attention_is_swappable(template):
         raise ConfigError(
-            f"model.name '{name}': parallel.sequence={cfg.parallel.sequence} runs attention through transformers' "
+            f"model.name '{name}': parallel.sequence={layout.sequence} runs attention through transformers' "
             f"AttentionInterface with sdpa, which {type(template).__name__} does not use (eager attention only); set parallel.sequence=1"
         )
     weights = CheckpointWeights(name, getattr(template, "base_model_prefix", ""))
@@ -356,7 +357,7 @@ def check_run_exports(cfg: RunConfig) -> None:
             raise ConfigError(f"this run exports its model at the end, but {why}")
 
 
-def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> None:
+def check_output_and_resume(cfg: RunConfig, strategy: Strategy, layout: ParallelLayout) -> None:
     """Never overwrite silently, never share a live run's directory; a resume must continue the same run."""
     c = cfg.checkpoint
     if c.keep < 1:
@@ -389,7 +390,7 @@ def check_output_and_resume(cfg: RunConfig, strategy: Strategy, world: int) -> N
     if path is None:
         return
     meta = verified_meta(path)  # a checkpoint lost or truncated since it was written: CheckpointError (exit 6), naming the file
-    check_compatible(meta, path, cfg, strategy, world, model_shape(cfg.model.name))
+    check_compatible(meta, path, cfg, strategy, layout, model_shape(cfg.model.name))
     last = cfg.steps + (cfg.prune.finetune_steps if cfg.prune.enabled else 0)
     if meta.step > last:
         raise ConfigError(
@@ -432,9 +433,9 @@ def preflight(user: RunConfig, strategy: Strategy, world: int | None = None) -> 
     if cfg.precision in ("bf16", "bf16_pure") and has_accelerator(cfg.device) and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"precision={cfg.precision} but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
     check_model(cfg)
-    check_architecture(cfg, strategy)
+    check_architecture(cfg, strategy, plan.layout)
     check_wrap_classes(cfg, dict(os.environ))
     check_data(cfg)
-    check_output_and_resume(cfg, strategy, world)
+    check_output_and_resume(cfg, strategy, plan.layout)
     freeze(cfg)
     return plan

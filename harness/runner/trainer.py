@@ -85,7 +85,7 @@ def evaluate(engine: Engine, data: PackedData, cfg: RunConfig, info: DistInfo, s
     sequence parallelism each rank its slice of its group's blocks: each token counted once)."""
     engine.train(False)
     total, count = 0.0, 0.0
-    piece, world, rank = SequenceSlice.of_rank(info.rank, info.world_size, cfg.parallel.sequence)
+    piece, world, rank = SequenceSlice.of(engine.plan.layout, info.rank)
     for batch, counted in split_batches(data, split, cfg.micro_batch_size, cfg.eval_batches, world, rank, piece):
         loss_sum = float(engine.eval_loss_sum(batch.to(info.device)))  # a filler's forward still runs: sharded engines gather in it
         if counted:

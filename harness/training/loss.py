@@ -254,10 +254,10 @@ def sequence_shard_loss(
     return loss_of_targets(model, input_ids, targets, chunk_size=chunk_size, num_items=num_items, position_ids=positions)
 
 
-def loss_for(sequence: int, labelled: bool) -> Callable[..., torch.Tensor]:
-    """The trainer's loss for its blocks: a rank's slice under sequence parallelism (text or
+def loss_for(sliced: bool, labelled: bool) -> Callable[..., torch.Tensor]:
+    """The trainer's loss for its blocks: a rank's slice where the layout splits sequences (text or
     instruction alike), labelled `(B, 3, S)` instruction blocks, or `(B, S)` text."""
-    return sequence_shard_loss if sequence > 1 else labelled_lm_loss if labelled else causal_lm_loss
+    return sequence_shard_loss if sliced else labelled_lm_loss if labelled else causal_lm_loss
 
 
 def count_targets(batch: torch.Tensor) -> int:

@@ -67,7 +67,7 @@ def packing_leak() -> None:
         return causal_lm_loss(model, batch[:, 0].contiguous(), batch[:, 1].contiguous(), chunk_size=chunk_size, num_items=num_items)
 
     chosen = build.loss_for
-    build.loss_for = lambda sequence, labelled: without_positions if labelled and sequence == 1 else chosen(sequence, labelled)
+    build.loss_for = lambda sliced, labelled: without_positions if labelled and not sliced else chosen(sliced, labelled)
 
 
 PLANTS = {"unreduced": unreduced, "accum_scale": accum_scale, "tied_not_updated": tied_not_updated, "packing_leak": packing_leak}

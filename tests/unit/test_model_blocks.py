@@ -11,7 +11,7 @@ from model_families import family_configs, save_families
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, MixtralConfig, T5Config
 
 from harness import plan
-from harness.config import load_config, load_strategy
+from harness.config import ParallelLayout, load_config, load_strategy
 from harness.errors import ConfigError
 from harness.models import (
     BlocksNotFound,
@@ -88,7 +88,7 @@ def test_init_is_the_same_for_any_range_and_follows_the_models_init():
 
 def _cfg(path, *overrides):
     cfg = load_config(None, [f"model.name={path}", *overrides])
-    return cfg, load_strategy(cfg.strategy, env={})
+    return cfg, load_strategy(cfg.strategy, env={}), ParallelLayout.of(cfg.parallel, 1)
 
 
 def test_preflight_refuses_a_model_transformers_cannot_build_as_a_causal_lm(tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.config import ConfigError, check_run, check_sequence_heads, load_config, load_strategy
+from harness.config import ConfigError, ParallelLayout, check_run, check_sequence_heads, load_config, load_strategy
 from harness.data import BatchSampler, SequenceSlice, split_batches
 from harness.data.cache import PackedData
 from harness.models import attention_is_swappable, build_model, empty_model
@@ -55,7 +55,7 @@ def test_one_part_is_the_batch_itself():
 
 
 def test_ranks_are_grouped_consecutively_into_a_data_by_sequence_mesh():
-    places = [SequenceSlice.of_rank(rank, 4, 2) for rank in range(4)]
+    places = [SequenceSlice.of(ParallelLayout(4, 2), rank) for rank in range(4)]
     assert places == [(SequenceSlice(0, 2), 2, 0), (SequenceSlice(1, 2), 2, 0), (SequenceSlice(0, 2), 2, 1), (SequenceSlice(1, 2), 2, 1)]
 
 
@@ -69,7 +69,7 @@ def test_a_sequence_group_reads_one_data_parallel_ranks_samples_each_its_slice()
     world-2 run, cut in two; the global batch is the data-parallel one."""
     data = _packed()
     for rank in range(4):
-        piece, world, data_rank = SequenceSlice.of_rank(rank, 4, 2)
+        piece, world, data_rank = SequenceSlice.of(ParallelLayout(4, 2), rank)
         sampler = BatchSampler(data, 2, 2, world, data_rank, seed=5, piece=piece)
         plain = BatchSampler(data, 2, 2, 2, data_rank, seed=5)
         assert sampler.global_batch == plain.global_batch == 8

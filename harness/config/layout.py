@@ -1,0 +1,93 @@
+"""The parallel layout: how a run's ranks split its work, resolved once from the parallel section
+and the world, and read by everything that needs to know who does what.
+
+Before it, the data x sequence arithmetic was written out where it was needed (the sampler, the
+mesh, the checkpoint's data position, `--check`'s reference batch, DeepSpeed's batch filling) and
+held together by docstrings. Now the layout is built once per run (pre-flight puts it in the
+engine plan; the planner builds the one a candidate would run) and the sampler, the engines, the
+checkpoint, `--check`, the planner and the OOM advice read it. torchtitan's `ParallelDims` is
+the pattern: the dimensions, the rank arithmetic, and the meshes, handed out from one object.
+
+The world is a grid of `data` x `sequence` ranks, grouped consecutively: rank = data_rank x
+sequence + sequence_rank. A sequence group (`sequence` consecutive ranks) trains one data-parallel
+rank's samples, each rank a slice of every sequence; gradients are still reduced over the whole
+world (the group's ranks hold different parts of the gradient). A further dimension (experts split
+over ranks) becomes one more field, one more mesh dimension and its rank arithmetic here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from harness.config.schema import ParallelConfig
+from harness.errors import ConfigError
+
+if TYPE_CHECKING:  # torch.distributed is imported where a mesh is built, not by the config
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The world's ranks as a data x sequence grid (see the module docstring)."""
+
+    world: int = 1
+    sequence: int = 1  # ranks sharing each sequence (Ulysses; DeepSpeed's ALST under DeepSpeed)
+
+    def __post_init__(self) -> None:
+        if self.sequence < 1 or self.world % self.sequence:
+            raise ConfigError(
+                f"parallel.sequence={self.sequence} must divide the world size ({self.world}): each group of {self.sequence} ranks "
+                "shares its samples"
+            )
+
+    @classmethod
+    def of(cls, parallel: ParallelConfig, world: int) -> ParallelLayout:
+        """The layout the parallel section asks for at `world` ranks (ConfigError, one line, where
+        it cannot be laid out)."""
+        return cls(world=world, sequence=parallel.sequence)
+
+    @property
+    def data(self) -> int:
+        """The data-parallel world: how many ranks read different samples."""
+        return self.world // self.sequence
+
+    @property
+    def splits_sequences(self) -> bool:
+        return self.sequence > 1
+
+    def data_rank(self, rank: int) -> int:
+        """Which data-parallel rank's samples `rank` reads (its sequence group's)."""
+        return rank // self.sequence
+
+    def sequence_rank(self, rank: int) -> int:
+        """Which slice of every sequence `rank` holds, within its group."""
+        return rank % self.sequence
+
+    def global_batch(self, micro_batch: int, grad_accum: int) -> int:
+        """Samples per optimizer step: micro x accumulation x the data-parallel world."""
+        return micro_batch * grad_accum * self.data
+
+    def describe(self) -> str:
+        """The start-up line's words for the split ('' when nothing is split but the data)."""
+        return f"each sequence split over {self.sequence} ranks" if self.splits_sequences else ""
+
+    def mesh(self, device_type: str) -> DeviceMesh:
+        """The world's ("data", "sequence") device mesh over the current process group. Collective:
+        every rank asks, and the caller keeps what it gets (a later process group, the planner's
+        fake one included, gets its own)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.data, self.sequence), mesh_dim_names=("data", "sequence"))
+
+    def shard_mesh(self, device_type: str) -> DeviceMesh:
+        """The mesh FSDP2 shards over and reduces gradients on: every rank of the world (a sequence
+        group's ranks hold different parts of the gradient, which only that reduction sums)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.world,))
+
+    def sequence_group(self, device_type: str) -> ProcessGroup:
+        """This rank's sequence group: the ranks that share its sequences."""
+        return self.mesh(device_type).get_group("sequence")
