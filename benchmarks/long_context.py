@@ -40,8 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from harness.config import load_config
-from harness.engine import apply_memory_techniques
-from harness.memory import ActivationOffload, StepMemoryTracker, apply_tiled_mlp
+from harness.memory import ActivationOffload, StepMemoryTracker, apply_tiled_mlp, prepare_model
 from harness.models import build_model
 from harness.planner import estimate
 from harness.planner.measure import launch
@@ -59,7 +58,7 @@ def offloaded_for_real(overrides: list[str], vocab: int) -> tuple[int, int, int]
     """(bytes moved to the host, most held fetched ahead, blocks) of one real step under the trainer's offload."""
     cfg = load_config(None, overrides)
     model = build_model(cfg.model.name, seed=0, vocab_size=vocab)
-    apply_memory_techniques(model, cfg.memory)
+    prepare_model(model, cfg.memory)
     ids = torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), generator=torch.Generator().manual_seed(0))
     offload = ActivationOffload(copy_on_host=True, scope="checkpoint_inputs", model=model)
     with offload:

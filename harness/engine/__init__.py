@@ -25,7 +25,7 @@ from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.build import build_engine, load_model
 from harness.engine.deepspeed_engine import DeepSpeedEngine, train_collectives_only
 from harness.engine.finite import weights_finite
-from harness.engine.parallelize import apply_memory_techniques, fsdp_wrap
+from harness.engine.parallelize import fsdp_wrap
 from harness.engine.plan import EnginePlan, hidden_size_of, plan_engine
 from harness.engine.probe import DeepSpeedProbe, GradientProbe, gradient_probe
 from harness.engine.shard_base import ParamShard
@@ -55,7 +55,6 @@ __all__ = [
     "ParamShard",
     "StepResult",
     "TorchEngine",
-    "apply_memory_techniques",
     "build_engine",
     "fsdp_wrap",
     "gradient_probe",

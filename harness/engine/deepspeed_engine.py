@@ -28,12 +28,13 @@ from harness.distributed import DistInfo
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.deepspeed_ulysses import alst_groups, alst_loss_divisor, checkpoint_io
 from harness.engine.extension_lock import guarded_builds
-from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, lora_base
+from harness.engine.parallelize import WeightsToLoad, lora_base
 from harness.engine.plan import EnginePlan
 from harness.engine.probe import DeepSpeedProbe, GradientProbe
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
 from harness.errors import CheckpointError, ConfigError
 from harness.log import get_logger
+from harness.memory import prepare_model
 from harness.models import (
     ModelSpec,
     apply_lora,
@@ -176,7 +177,7 @@ class DeepSpeedEngine(Engine):
         else:
             model = materialize(empty_model(spec.config).to(dtype=_deepspeed_dtype(ds_config)), info.device)
             weights.fill(model)
-        apply_memory_techniques(model, cfg.memory)
+        prepare_model(model, cfg.memory)
         return model
 
     @classmethod

@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from harness.config import LoraConfig, MemoryConfig, RunConfig, Strategy
+from harness.config import LoraConfig, RunConfig, Strategy
 from harness.engine.storage import local_part
-from harness.memory import apply_activation_checkpointing, apply_compile, apply_tiled_mlp
+from harness.memory import prepare_model
 from harness.models import (
     LoraWeights,
     ModelSpec,
@@ -33,16 +33,6 @@ from harness.models import (
     quantize_empty,
 )
 from harness.training import DTYPES, PrecisionPolicy
-
-
-def apply_memory_techniques(model: nn.Module, mem: MemoryConfig) -> None:
-    """Tiled MLP, activation checkpointing and compile (the memory section's), before any sharding wraps the blocks."""
-    if mem.tiled_mlp > 1 or mem.tiled_mlp_tokens:
-        apply_tiled_mlp(model, mem.tiled_mlp if mem.tiled_mlp > 1 else 0, mem.tiled_mlp_tokens)
-    if mem.activation_checkpointing != "none":
-        apply_activation_checkpointing(model, mem.activation_checkpointing, mem.ac_every)
-    if mem.compile != "none" or mem.activation_memory_budget is not None:
-        apply_compile(model, mem.compile if mem.compile != "none" else "model", mem.activation_memory_budget)
 
 
 def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, mesh: DeviceMesh) -> nn.Module:
@@ -112,7 +102,7 @@ def lora_base(spec: ModelSpec, cfg: RunConfig, device: torch.device, dtype: torc
     model = build_run_model(cfg, spec.config.vocab_size, dtype if cfg.lora.quantize != "none" else torch.float32, spec=spec)
     model.to(device=device)
     cast_except_quantized(model, dtype)
-    apply_memory_techniques(model, cfg.memory)
+    prepare_model(model, cfg.memory)
     return model
 
 

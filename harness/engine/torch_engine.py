@@ -34,11 +34,11 @@ from torch.nn.parallel import DistributedDataParallel
 from harness.config import RunConfig
 from harness.distributed import DistInfo, local_tensor
 from harness.engine.base import Engine, LossFn, StepResult
-from harness.engine.parallelize import WeightsToLoad, apply_memory_techniques, empty_model_to_train, fsdp_wrap
+from harness.engine.parallelize import WeightsToLoad, empty_model_to_train, fsdp_wrap
 from harness.engine.plan import EnginePlan
 from harness.engine.probe import GradientProbe
 from harness.engine.state_bytes import StateCounter, optimizer_state_tensors
-from harness.memory import OptimizerInBackward
+from harness.memory import OptimizerInBackward, prepare_model
 from harness.models import ModelSpec, materialize, quant_state_tensors, quantized_codes, use_ulysses
 from harness.training import build_optimizer, build_scheduler
 
@@ -168,7 +168,7 @@ class TorchEngine(Engine):
     def _prepare_and_fill(cls, model: nn.Module, weights: WeightsToLoad, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> None:
         """Whole parameters on every rank: allocated and filled, then the memory techniques applied."""
         weights.fill(materialize(model, info.device))
-        apply_memory_techniques(model, cfg.memory)
+        prepare_model(model, cfg.memory)
 
     @classmethod
     def _wrap(cls, model: nn.Module, info: DistInfo) -> nn.Module:
@@ -299,7 +299,7 @@ class FSDPEngine(TorchEngine):
     def _prepare_and_fill(cls, model: nn.Module, weights: WeightsToLoad, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> None:
         """On the meta model: the memory techniques, then the shards; each rank then allocates and
         fills only its own."""
-        apply_memory_techniques(model, cfg.memory)
+        prepare_model(model, cfg.memory)
         fsdp_wrap(model, plan.strategy, plan.precision, plan.layout.shard_mesh(info.device.type))
         weights.fill(materialize(model, info.device))
 

@@ -1,13 +1,15 @@
 """Memory techniques and memory measurement.
 
-Techniques, each in its own module and applied in `harness.engine.parallelize` (tiled MLP ->
-AC -> compile -> sharding): the tiled MLP, activation checkpointing, activation offload, torch.compile with an
-activation-memory budget, optimizer-in-backward. Measurement: `StepMemoryTracker` (peak by
+Techniques, each in its own module and declared once as a row of `techniques.TECHNIQUES` (what
+turns it on, its step-time factor, whether the OOM advice suggests it; `prepare_model` applies the
+rows that rewrite the model in the table's order: tiled MLP -> AC -> compile, before sharding): the
+tiled MLP, activation checkpointing, activation offload, torch.compile with an activation-memory
+budget, optimizer-in-backward. Measurement: `StepMemoryTracker` (peak by
 category per step) over torch's memory trackers. `categories` is the one vocabulary.
 
-To add a technique: a module here exposing `apply_<technique>(model, ...)`, a config key in
-`harness.config.schema.MemoryConfig` with its rule in `harness.config.checks`, and one line
-in `harness.engine.parallelize.apply_memory_techniques`.
+To add a technique: a module here exposing `apply_<technique>(model, ...)`, its row in
+`techniques.TECHNIQUES`, and a config key in `harness.config.schema.MemoryConfig` with its rule
+in `harness.config.checks`.
 """
 
 from harness.memory.activation_checkpoint import apply_activation_checkpointing, blocks_to_wrap, checkpointed_blocks, clean_fqn
@@ -15,6 +17,19 @@ from harness.memory.activation_offload import ActivationOffload
 from harness.memory.categories import CATEGORIES, REPORTED, STATE_CATEGORIES, category_of
 from harness.memory.compile import CompileTimer, apply_compile, set_activation_memory_budget
 from harness.memory.optimizer_in_backward import OptimizerInBackward
+from harness.memory.techniques import (
+    AC_STEP_TIME,
+    ACTIVATION_CHECKPOINTING,
+    CHECKPOINT_INPUT_OFFLOAD,
+    CHUNKED_LOSS,
+    LOSS_CHUNK,
+    MLP_TILE_TOKENS,
+    TECHNIQUES,
+    TILED_MLP,
+    Technique,
+    advised,
+    prepare_model,
+)
 from harness.memory.tiled_mlp import apply_tiled_mlp, mlp_tiles, tiled_mlps
 from harness.memory.tracking import (
     COUNTER_KEYS,
@@ -26,6 +41,17 @@ from harness.memory.tracking import (
 )
 
 __all__ = [
+    "AC_STEP_TIME",
+    "ACTIVATION_CHECKPOINTING",
+    "CHECKPOINT_INPUT_OFFLOAD",
+    "CHUNKED_LOSS",
+    "LOSS_CHUNK",
+    "MLP_TILE_TOKENS",
+    "TECHNIQUES",
+    "TILED_MLP",
+    "Technique",
+    "advised",
+    "prepare_model",
     "AllocatorTrace",
     "COUNTER_KEYS",
     "CATEGORIES",

@@ -16,14 +16,12 @@ The command line is ``python -m harness.plan`` (``harness/plan.py``).
 """
 
 from harness.planner.estimate import Estimate, Moment, estimate
-from harness.planner.ladder import MLP_TILE_TOKENS
 from harness.planner.long_context import sequence_degree
 from harness.planner.recommend import Recommendation, recommend
 from harness.planner.report import format_estimate, parse_size, verdict
 from harness.planner.trace import PlanError
 
 __all__ = [
-    "MLP_TILE_TOKENS",
     "Estimate",
     "Moment",
     "PlanError",

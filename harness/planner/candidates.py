@@ -33,26 +33,26 @@ from harness.config import (
     shipped_names,
 )
 from harness.errors import ConfigError
+from harness.memory import AC_STEP_TIME, CHECKPOINT_INPUT_OFFLOAD, TILED_MLP
 from harness.planner.long_context import sequence_degree
 
 # Relative step time (lower is faster); see the module docstring for where each comes from.
 SPEED: dict[str, dict[str, float]] = {
     "precision": {"bf16": 1.0, "bf16_pure": 1.0, "fp16": 1.05, "fp32": 2.7},
-    "ac": {"none": 1.0, "op": 1.08, "selective": 1.15, "full": 1.33},
+    "ac": AC_STEP_TIME,  # the memory techniques' factors are their rows' (`harness.memory.techniques`)
 }
 # The tree's last steps (LoRA, then QLoRA): taken only when no full fine-tune fits. NF4 costs a
 # dequantization per matmul (QLoRA paper: slower than 16-bit LoRA); an assumed factor.
 SPEED["lora"] = {"none": 1.0, "lora": 1.0, "nf4": 1.3}
-# Long-sequence knobs. The tiled MLP runs one more MLP forward (~2/3 of a block's linear FLOPs, a
-# forward being ~1/4 of a checkpointed step): measured x1.20 on SmolLM2 at 1,152 tokens (CPU,
-# AC + chunked loss, `benchmarks/knob_step_time.py`), less where attention's s^2 term dominates.
-# Checkpoint-input offload: x1.008 measured there (host to host, nothing overlapped); on a GPU its
-# copies overlap on a side stream (accelerate measured +0.6% on Qwen3-0.6B at 1M tokens). Sequence
-# parallelism (assumed, per step with the global batch kept by accumulation: each rank computes the
+# Sequence parallelism (assumed, per step with the global batch kept by accumulation: each rank computes the
 # same tokens, plus four all-to-alls of attention's q/k/v/output per block each way, on NVLink a
 # small share of a block's time; x1.43 measured on CPU over gloo, 3 ranks sharing 2 cores, which
 # says nothing of NVLink).
-SPEED["memory"] = {"tiled_mlp": 1.2, "offload_checkpoint_inputs": 1.01, "sequence_parallel": 1.05}
+SPEED["memory"] = {
+    "tiled_mlp": TILED_MLP.step_time,
+    "offload_checkpoint_inputs": CHECKPOINT_INPUT_OFFLOAD.step_time,
+    "sequence_parallel": 1.05,
+}
 LORA_STEPS = ("lora", "nf4")
 MICRO_BATCH_HALVING = 0.05  # each halving of the micro-batch: ~5% lower GPU efficiency
 

@@ -34,6 +34,7 @@ from harness.config import (
     more_sharding,
 )
 from harness.errors import ConfigError
+from harness.memory import ACTIVATION_CHECKPOINTING, CHECKPOINT_INPUT_OFFLOAD, CHUNKED_LOSS, TILED_MLP, Technique
 from harness.planner.candidates import step_time_factor
 from harness.planner.estimate import Estimate, estimate
 from harness.planner.long_context import sequence_degree
@@ -49,19 +50,21 @@ class Rung:
     max_world: int | None = None  # torchao's low-bit states on bf16 weights do not step under FSDP2 (refused)
     with_sequence: bool = True  # False: left out below the sequence-parallel rung (a combination the trainer refuses)
 
+    @classmethod
+    def of(cls, technique: Technique) -> Rung:
+        """A memory technique's rung: its row's name and what turns it on (`harness.memory.techniques`)."""
+        return cls(technique.name, technique.overrides())
 
-LOSS_CHUNK = 1024  # tokens per chunk of the chunked loss: logits of 1024 positions at a time
-MLP_TILE_TOKENS = 4096  # tokens per MLP tile: ALST's rule (tiles of hidden-size tokens) at Llama-3-8B's 4096
 
 RUNGS: tuple[Rung, ...] = (
     Rung("as configured", ()),
     Rung("bf16 mixed precision", ("precision=bf16",)),
     Rung("more sharding (DDP: FSDP2; DeepSpeed: its next ZeRO stage)", ("strategy={more_sharding}",), min_world=2),
-    Rung("activation checkpointing (every block)", ("memory.activation_checkpointing=full",)),
-    Rung("chunked loss (no full logits)", (f"memory.loss_chunk_size={LOSS_CHUNK}",)),
+    Rung.of(ACTIVATION_CHECKPOINTING),
+    Rung.of(CHUNKED_LOSS),
     # long sequences: activations that grow with seq_len, in cost order
-    Rung("tiled MLP (its intermediates a tile at a time)", (f"memory.tiled_mlp_tokens={MLP_TILE_TOKENS}",)),
-    Rung("checkpoint-input offload (block inputs on the host)", ("memory.offload_checkpoint_inputs=true",)),
+    Rung.of(TILED_MLP),
+    Rung.of(CHECKPOINT_INPUT_OFFLOAD),
     # each sample's sequence split over {sequence} ranks (the largest degree the world, the heads and
     # seq_len allow: `sequence_degree`); accumulation over {sequence} times the micro-batches keeps
     # the samples per optimizer step the user's

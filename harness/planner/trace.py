@@ -33,10 +33,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from harness.config import LoraConfig, ParallelLayout, Strategy
+from harness.config import LoraConfig, MemoryConfig, ParallelLayout, Strategy
 from harness.distributed import local_tensor
 from harness.engine import fsdp_wrap
-from harness.memory import ActivationOffload, apply_activation_checkpointing, apply_tiled_mlp
+from harness.memory import ActivationOffload, prepare_model
 from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config, use_ulysses
 from harness.planner.packed import pack_block_linears
 from harness.planner.timeline import CAT_INDEX, CATS, tracker_class
@@ -73,6 +73,11 @@ class TraceSpec:
     frozen_dtype: str | None = None  # LoRA: the frozen base held in this dtype, not module_dtype (PrecisionPolicy.frozen_dtype)
     sequence: int = 1  # Ulysses: each sample's sequence split over this many ranks; the trace is one rank's slice
     packed: bool = False  # rows pack several instruction examples: attention gets the (B, 1, S, S) mask that keeps them apart
+
+    def memory(self) -> MemoryConfig:
+        """The memory section whose techniques the traced model is prepared with (compile is not traced)."""
+        tiles, tokens = self.mlp_tiles
+        return MemoryConfig(activation_checkpointing=self.ac_mode, ac_every=self.ac_every, tiled_mlp=tiles, tiled_mlp_tokens=tokens)
 
 
 @dataclass
@@ -317,10 +322,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         with fake_process_group(world):
             if spec.sequence > 1:  # as the trainer: attention swapped before AC, tiling and sharding
                 use_ulysses(model, ParallelLayout(world, spec.sequence).sequence_group("cpu"), spec.packed)
-            if any(spec.mlp_tiles):
-                apply_tiled_mlp(model, *spec.mlp_tiles)
-            if spec.ac_mode != "none":
-                apply_activation_checkpointing(model, spec.ac_mode, spec.ac_every)
+            prepare_model(model, spec.memory())  # the engines' own preparation, in its order
             if spec.wrap == "fsdp":
                 model = _wrap_fsdp(model, spec)
             held = sum(local_tensor(p).untyped_storage().nbytes() for p in model.parameters())

@@ -21,7 +21,8 @@ import torch
 
 from harness.config import ConfigError, RunConfig, Strategy, StrategyFacts, load_strategy, more_sharding
 from harness.distributed import DistInfo
-from harness.planner import MLP_TILE_TOKENS, estimate, sequence_degree
+from harness.memory import ACTIVATION_CHECKPOINTING, CHUNKED_LOSS, advised
+from harness.planner import estimate, sequence_degree
 from harness.reliability.guard import StepGuard
 
 
@@ -62,28 +63,23 @@ def candidate_changes(
     """Single changes that lower a step's memory, in the order they are tried. "More sharding" is
     one step further along the run's own engine (`more_sharding` of its resolved facts): a DeepSpeed
     run launched without `strategy:` is a DeepSpeed run, never told to become FSDP2. ``long_sequence``
-    (activations dominate): then the long-sequence knobs, in the memory ladder's order and with its
-    values (`harness.planner.ladder`); checkpoint-input offload only on a GPU (on a CPU the host is
-    the device), sequence parallelism (harness's Ulysses, or DeepSpeed's ALST), its accumulation
+    (activations dominate): then the long-sequence techniques their rows advise, in their table's
+    order and with their values (`harness.memory.techniques`, which the ladder's rungs read too), then
+    sequence parallelism (harness's Ulysses, or DeepSpeed's ALST), its accumulation
     keeping the global batch."""
     candidates: list[list[tuple[str, Any]]] = []
-    if cfg.memory.activation_checkpointing == "none":
-        candidates.append([("memory.activation_checkpointing", "full")])
+    if not ACTIVATION_CHECKPOINTING.is_on(cfg.memory):
+        candidates.append(list(ACTIVATION_CHECKPOINTING.turn_on))
     if cfg.micro_batch_size > 1:
         candidates.append([("micro_batch_size", cfg.micro_batch_size // 2), ("grad_accum", cfg.grad_accum * 2)])
     further = more_sharding(StrategyFacts.of(strategy)) if strategy is not None else None
     if further is not None:
         candidates.append([("strategy", further)])
-    if cfg.memory.loss_chunk_size == 0:
-        candidates.append([("memory.loss_chunk_size", 1024)])
+    if not CHUNKED_LOSS.is_on(cfg.memory):
+        candidates.append(list(CHUNKED_LOSS.turn_on))
     if not long_sequence:
         return candidates
-    mem = cfg.memory
-    if mem.tiled_mlp <= 1 and not mem.tiled_mlp_tokens and cfg.data.seq_len > MLP_TILE_TOKENS:
-        candidates.append([("memory.tiled_mlp_tokens", MLP_TILE_TOKENS)])
-    offloadable = mem.activation_checkpointing != "none" and not mem.activation_offload and mem.compile == "none"
-    if target == "cuda" and offloadable and not mem.offload_checkpoint_inputs:
-        candidates.append([("memory.offload_checkpoint_inputs", True)])
+    candidates += [list(technique.turn_on) for technique in advised(cfg, target)]
     n = sequence_degree(cfg, world) if strategy is not None else 1
     if n > 1:
         candidates.append([("parallel.sequence", n), ("grad_accum", cfg.grad_accum * n)])
