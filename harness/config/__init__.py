@@ -18,7 +18,17 @@ from harness.config.drop_in import adopt_settings
 from harness.config.layout import ParallelLayout
 from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
 from harness.config.presets import PRESETS, Preset, is_preset
-from harness.config.prune_methods import PER_ROW_BASES, PRUNE_METHOD_FACTS, MethodFacts, method_facts, needs_calibration, row_score
+from harness.config.prune_methods import (
+    DECISION_FACTS,
+    PER_ROW_BASES,
+    PRUNE_METHOD_FACTS,
+    DecisionFacts,
+    MethodFacts,
+    decision_facts,
+    method_facts,
+    needs_calibration,
+    row_score,
+)
 from harness.config.prune_modes import check_method_keys, check_original, check_prune_widths, is_original, resolve_prune
 from harness.config.schema import (
     AC_MODES,
@@ -70,6 +80,9 @@ from harness.config.strategy_facts import StrategyFacts, facts_of, more_sharding
 from harness.errors import ConfigError
 
 __all__ = [
+    "DECISION_FACTS",
+    "DecisionFacts",
+    "decision_facts",
     "ParallelLayout",
     "StrategyFacts",
     "facts_of",

@@ -38,6 +38,30 @@ PRUNE_METHOD_FACTS: dict[str, MethodFacts] = {
 PER_ROW_BASES = tuple(b for b in PRUNE_BASES if b != "magnitude")
 
 
+@dataclass(frozen=True)
+class DecisionFacts:
+    """One GradProbe decision's facts (`prune.decision`): what the config checks read; the keys each
+    computes are its entry in `harness.pruning.decisions`."""
+
+    exact: bool = True  # prunes exactly the target (False: the original's veto, which undershoots by design)
+    per_matrix_only: bool = False  # ranks each matrix's candidates on their own: prune.scope=global refused
+    probes_sums: bool = False  # reads the probe passes' gradient sums besides their maxima (a Hessian-vector product)
+    original: bool = False  # the original GradProbe streaming pruner: its own defaults and refusals (`check_original`)
+
+
+DECISION_FACTS: dict[str, DecisionFacts] = {
+    "veto": DecisionFacts(),
+    "rank": DecisionFacts(),
+    "saliency": DecisionFacts(per_matrix_only=True, probes_sums=True),
+    "original": DecisionFacts(exact=False, original=True),
+}
+
+
+def decision_facts(p: PruneConfig) -> DecisionFacts:
+    """The facts of `p.decision` (every name of the schema's vocabulary has a row)."""
+    return DECISION_FACTS[p.decision]
+
+
 def method_facts(p: PruneConfig) -> MethodFacts:
     """The facts of `p.method` (ValueError for `none` or a name with no row)."""
     facts = PRUNE_METHOD_FACTS.get(p.method)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from harness.config.prune_methods import method_facts, reads_base, row_score, row_score_key
+from harness.config.prune_methods import decision_facts, method_facts, reads_base, row_score, row_score_key
 from harness.config.schema import PruneConfig
 from harness.errors import ConfigError
 
@@ -46,7 +46,7 @@ PRUNE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PruneConfig)}
 
 
 def is_original(p: PruneConfig) -> bool:
-    return reads_base(p) and p.decision == "original"
+    return reads_base(p) and decision_facts(p).original
 
 
 def mode_defaults(p: PruneConfig) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def check_prune_mode(p: PruneConfig) -> None:
             raise ConfigError(
                 "prune.allocation=owl with prune.decision=original: the original prunes to one global threshold; unset prune.allocation"
             )
-    if p.decision == "original":
+    if decision_facts(p).original:
         check_original(p)
         return
     if not reads_base(p):
@@ -136,9 +136,9 @@ def check_prune_mode(p: PruneConfig) -> None:
             f"prune.exact_target=false with prune.decision={p.decision}: {p.decision} prunes exactly the target; "
             "the undershooting veto (prune only where the gradient did not grow) is prune.decision=original"
         )
-    if p.decision == "saliency" and p.scope == "global":
+    if decision_facts(p).per_matrix_only and p.scope == "global":
         raise ConfigError(
-            "prune.scope=global with prune.decision=saliency: the saliency decision ranks each matrix's "
+            f"prune.scope=global with prune.decision={p.decision}: the {p.decision} decision ranks each matrix's "
             "candidates on their own; unset prune.scope (or per_matrix)"
         )
     if p.scope == "global" and p.sequential:

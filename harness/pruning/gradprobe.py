@@ -34,7 +34,8 @@ from harness.config import is_original
 from harness.distributed import Collectives
 from harness.pruning.allocation import view_sparsities
 from harness.pruning.calibration import InputStats, Ledger, Runner, gradient_max
-from harness.pruning.experimental import GRADIENT_BASES, NORM_BASES, base_scores, exact_keys, saliency_keys
+from harness.pruning.decisions import DECISIONS, MatrixProbe, decision_keys
+from harness.pruning.experimental import GRADIENT_BASES, NORM_BASES, base_scores
 from harness.pruning.masks import MaskSet
 from harness.pruning.method_run import MethodRun
 from harness.pruning.methods import (
@@ -45,7 +46,6 @@ from harness.pruning.methods import (
     original_decision,
     score_keys,
     select,
-    veto_keys,
     wanda_scores,
     widen,
 )
@@ -139,11 +139,18 @@ def _decision_keys(
     v: ShardView,
 ) -> torch.Tensor:
     """One matrix's keys for the exact-target decision (lowest pruned first, outside the pool last)."""
-    if settings.decision == "veto":
-        return veto_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], settings.threshold, forced.get(v.name))
-    if settings.decision == "saliency":
-        return saliency_keys(pools[v.name], v.weight(), sum0[v.name], sum1[v.name], settings.reduction, forced.get(v.name))
-    return exact_keys(pools[v.name], g0[v.name], g1[v.name], base[v.name], forced.get(v.name))
+    sums = DECISIONS[settings.decision].facts.probes_sums
+    probe = MatrixProbe(
+        pools[v.name],
+        g0[v.name],
+        g1[v.name],
+        base[v.name],
+        forced.get(v.name),
+        weight=v.weight() if sums else None,
+        sum0=sum0.get(v.name),
+        sum1=sum1.get(v.name),
+    )
+    return decision_keys(settings.decision, probe, settings.threshold, settings.reduction)
 
 
 def _select_one_at_a_time(
@@ -207,7 +214,7 @@ def run_gradprobe(
         norms_here = settings.base in INPUT_NORM_BASES and (not upfront or dense_norms)
         stats = InputStats(all_views if dense_norms else views, hessian=False, ledger=ledger) if norms_here else None
         grad_sumsq: dict[str, torch.Tensor] = {}
-        saliency = settings.decision == "saliency"
+        saliency = DECISIONS[settings.decision].facts.probes_sums
         sum0: dict[str, torch.Tensor] = {}
         sum1: dict[str, torch.Tensor] = {}
         g0 = gradient_max(
@@ -294,8 +301,10 @@ def _check(rule: Rule, settings: ProbeSettings) -> None:
     """Refuse the combinations no GradProbe decision can honour (library callers reach here without a run config's checks)."""
     if rule.kind == "global" and settings.base == "wanda":
         raise ValueError("GradProbe on a Wanda base compares within rows; scope=global does not apply")
-    if rule.kind == "global" and settings.decision == "saliency":
-        raise ValueError("the saliency decision ranks each matrix's pool on its own; scope=global does not apply (use per_matrix)")
+    if rule.kind == "global" and DECISIONS[settings.decision].facts.per_matrix_only:
+        raise ValueError(
+            f"the {settings.decision} decision ranks each matrix's pool on its own; scope=global does not apply (use per_matrix)"
+        )
     if rule.kind == "global" and settings.sequential and settings.exact:
         raise ValueError("an exact-target global ranking needs every matrix probed before any is pruned; sequential=True contradicts it")
     if settings.dense_candidates and settings.exact:
@@ -360,13 +369,15 @@ def _select_deferred(
     """The global exact ranking, once every group is probed: one selection over every matrix's
     pool by its stored G1/G0, magnitude breaking ties."""
     ones = {v.name: torch.ones_like(ratios[v.name]) for v in views}
-    if settings.decision == "veto":
-        keys = [
-            veto_keys(pools[v.name], ones[v.name], ratios[v.name], magnitude_scores(v.weight()), settings.threshold, forced.get(v.name))
-            for v in views
-        ]
-    else:
-        keys = [exact_keys(pools[v.name], ones[v.name], ratios[v.name], magnitude_scores(v.weight()), forced.get(v.name)) for v in views]
+    keys = [
+        decision_keys(
+            settings.decision,
+            MatrixProbe(pools[v.name], ones[v.name], ratios[v.name], magnitude_scores(v.weight()), forced.get(v.name)),
+            settings.threshold,
+            settings.reduction,
+        )
+        for v in views
+    ]
     masks = {}
     for v, k, m in zip(views, keys, select(rule, [v.layout for v in views], keys, comm, COMPOSITE_BITS + 1)):
         if (k[m] == (1 << COMPOSITE_BITS)).any():

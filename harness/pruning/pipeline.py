@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from harness.config import PruneConfig, check_method_keys, check_original, is_original, resolve_prune
+from harness.config import PruneConfig, check_method_keys, check_original, decision_facts, is_original, resolve_prune
 from harness.distributed import Collectives
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
 from harness.pruning.experimental import owl_sparsities
@@ -125,7 +125,7 @@ def run_pruning(
     calls it with the same config.
     """
     method = method_of(cfg)  # ValueError for `none`
-    if cfg.decision == "original":
+    if decision_facts(cfg).original:
         check_original(cfg)
     check_method_keys(cfg)  # a key the method does not read (GradProbe's, the fit's) is refused, not ignored
     cfg, filled = resolve_prune(cfg)
