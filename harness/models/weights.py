@@ -5,7 +5,9 @@ rank holds (FSDP2: whole rows; ZeRO-3: any range), so no rank ever holds another
 and never more than one tensor beyond its own shard:
 
 - `CheckpointWeights`: a Hugging Face checkpoint directory (one safetensors file, shards
-  with an index, or legacy ``pytorch_model*.bin``). safetensors reads only the rows asked for.
+  with an index, or legacy ``pytorch_model*.bin``). safetensors reads only the rows asked for;
+  a tensor transformers converts on load (one MoE tensor stacked from a checkpoint tensor per
+  expert) is made by transformers' own converters, an expert at a time (`harness.models.conversions`).
 - `InitWeights`: a seeded random init that does not depend on the world size. Each module's
   tensors are generated whole, from a seed of their own (the run's seed and the module's
   name), by the model's own `_init_weights`, and each rank keeps its range: world 1 and
@@ -29,6 +31,7 @@ from torch import nn
 from harness.distributed import WRAPPER_ATTRS
 from harness.errors import ConfigError
 from harness.log import get_logger
+from harness.models.conversions import Conversions
 
 log = get_logger(__name__)
 
@@ -61,8 +64,7 @@ class CheckpointWeights:
         self.directory = directory
         self.prefix = prefix + "." if prefix else ""
         self._where: dict[str, str] = {}
-        self._renamed: dict[str, str] = {}  # model name -> checkpoint key, by transformers' conversion mapping
-        self._merged: list[str] = []  # checkpoint keys transformers merges into other tensors on load (follow_conversions)
+        self._conversions: Conversions | None = None  # transformers' renamings and converters (follow_conversions)
         self._handles: dict[str, object] = {}
         self._bins: dict[str, dict[str, torch.Tensor]] = {}
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
@@ -82,26 +84,10 @@ class CheckpointWeights:
                 self._where[key] = file
 
     def follow_conversions(self, template: nn.Module) -> None:
-        """transformers (5.x) renames some checkpoints' keys on load (GPT-NeoX's `embed_out` is
-        `lm_head`) and merges others (per-expert tensors into stacked ones): read renamed keys by
-        the model's names; merged ones cannot be read a slice at a time, which `read` says."""
-        try:
-            from transformers.conversion_mapping import get_model_conversion_mapping
-            from transformers.core_model_loading import WeightRenaming, rename_source_key
-        except ImportError:  # transformers 4: no conversions
-            return
-        transforms = get_model_conversion_mapping(template)
-        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-        converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
-        if not transforms:
-            return
-        meta = template.state_dict()
-        for key in self._where:
-            renamed, merged = rename_source_key(key, renamings, converters, getattr(template, "base_model_prefix", None), meta)
-            if merged is not None:
-                self._merged.append(key)
-            elif renamed != key:
-                self._renamed[renamed] = key
+        """Read the checkpoint as transformers (5.x) loads it into `template` (the model on the meta
+        device): keys it renames by the model's names, tensors it converts (per-expert MoE tensors
+        stacked) made by its own converters, a piece at a time (`harness.models.conversions`)."""
+        self._conversions = Conversions(template, list(self._where), self.directory)
 
     def _open(self, file: str):
         if file.endswith(".bin"):
@@ -115,36 +101,41 @@ class CheckpointWeights:
     def keys(self) -> set[str]:
         return set(self._where)
 
-    @property
-    def merged(self) -> list[str]:
-        return list(self._merged)
-
     def key_for(self, names: Sequence[str]) -> str | None:
+        """The checkpoint key of the first of `names` stored as one tensor (under that name or the
+        one transformers renames it from); None when none is (absent, or converted)."""
+        renamed = self._conversions.renamed if self._conversions is not None else {}
         for name in names:
             for key in (name, name.removeprefix(self.prefix), self.prefix + name):
                 if key in self._where:
                     return key
-                if key in self._renamed:
-                    return self._renamed[key]
-        if self._merged:
-            raise ValueError(
-                f"{self.directory}: {names[0]} is made by transformers from several checkpoint tensors "
-                f"({self._merged[0]}, ...); harness reads tensors a slice at a time and cannot merge them"
-            )
+                if key in renamed:
+                    return renamed[key]
         return None
 
     def read(self, names: Sequence[str], shape: Sequence[int], start: int, end: int) -> torch.Tensor | None:
         key = self.key_for(names)
-        if key is None:
+        if key is not None:
+            sliced = self._slice(key)
+            self._check_shape(key, sliced, shape)
+            return _flat_range(sliced, shape, start, end)
+        found = self._conversions.group_for(names, self.prefix) if self._conversions is not None else None
+        if found is None:
             return None
+        return self._conversions.read(*found, shape, start, end, self._whole)
+
+    def _whole(self, key: str) -> torch.Tensor:
         sliced = self._slice(key)
-        self._check_shape(key, sliced, shape)
-        return _flat_range(sliced, shape, start, end)
+        return sliced if isinstance(sliced, torch.Tensor) else sliced[...]
 
     def _slice(self, key: str):
         """The stored tensor, or safetensors' lazy slice of it (its shape read from the header)."""
         handle = self._open(self._where[key])
         return handle[key] if isinstance(handle, dict) else handle.get_slice(key)
+
+    def _header_shape(self, key: str) -> tuple[int, ...]:
+        sliced = self._slice(key)
+        return tuple(sliced.shape) if isinstance(sliced, torch.Tensor) else tuple(sliced.get_shape())
 
     def _check_shape(self, key: str, sliced, shape: Sequence[int]) -> None:
         found = tuple(sliced.shape) if isinstance(sliced, torch.Tensor) else tuple(sliced.get_shape())
@@ -157,7 +148,10 @@ class CheckpointWeights:
     def check_shapes(self, template: nn.Module) -> None:
         """Every parameter of `template` (the model config.json builds, on the meta device) that the
         checkpoint holds has the checkpoint's shape: a config that disagrees with its weights is one
-        line before any process group starts (headers only, no tensor is read)."""
+        line before any process group starts (headers only, no tensor is read). Converted tensors
+        first: a checkpoint with another expert count says so, not the router's shape."""
+        if self._conversions is not None:
+            self._conversions.check_shapes(self._header_shape)
         for name, p in template.named_parameters(remove_duplicate=False):
             key = self.key_for([clean_name(name)])
             if key is not None:

@@ -198,12 +198,6 @@ def check_architecture(cfg: RunConfig, strategy: Strategy, layout: ParallelLayou
         )
     weights = CheckpointWeights(name, getattr(template, "base_model_prefix", ""))
     weights.follow_conversions(template)
-    if weights.merged:
-        raise ConfigError(
-            f"model.name '{name}': transformers builds some of its tensors by merging several checkpoint tensors "
-            f"({weights.merged[0]}, ...), which harness's sharded loader cannot read a shard at a time; "
-            "this checkpoint layout (e.g. per-expert MoE tensors) is not supported yet"
-        )
     weights.check_shapes(template)
     users = block_users(cfg, strategy)
     if not users:

@@ -12,7 +12,10 @@ One pair of worker processes loads every (family, strategy) case through the tra
 
 Families: Llama (sharded safetensors with an index), Qwen2 (tied embeddings), OPT (blocks at
 `model.decoder.layers`, learned positions), GPT-NeoX (blocks at `gpt_neox.layers`, a bf16
-file), GPT-2 (blocks at `transformer.h`, tied, Conv1D projections).
+file), GPT-2 (blocks at `transformer.h`, tied, Conv1D projections). Mixture of experts: Qwen3-MoE
+(8 experts) under FSDP2, saved one tensor per expert (the Hub's layout), which transformers'
+converters stack into one tensor per projection, an expert at a time here (ZeRO-3's cuts of a
+stacked tensor, mid-expert too, and the other MoE families: tests/unit/test_moe_loading.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from launching import launch, run_rank
-from model_families import VOCAB, save_families
+from model_families import VOCAB, save_families, save_moe_families
 
 FAMILIES = ("llama", "qwen2", "opt", "gpt_neox", "gpt2")
 STRATEGIES = ("fsdp", "zero3")
@@ -32,7 +35,8 @@ STRATEGIES = ("fsdp", "zero3")
 # and filled, the adapters injected whole after (deepspeed.initialize partitions them).
 # QLoRA: the same, with the linears bitsandbytes' NF4 (each weight quantized whole, this rank's codes kept).
 LORA_CASES = ["tiny-llama+lora/fsdp", "qwen2+lora/fsdp", "tiny-llama+lora/zero3", "tiny-llama+qlora/fsdp"]
-CASES = [f"{family}/{strategy}" for family in ["tiny-llama", *FAMILIES] for strategy in STRATEGIES] + LORA_CASES
+MOE_CASES = ["qwen3_moe/fsdp"]
+CASES = [f"{family}/{strategy}" for family in ["tiny-llama", *FAMILIES] for strategy in STRATEGIES] + LORA_CASES + MOE_CASES
 
 
 # ----------------------------------------------------------------------------- worker
@@ -156,7 +160,7 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("families")
-    dirs = save_families(root)
+    dirs = {**save_families(root), **save_moe_families(root, ("qwen3_moe",), experts=8)}
     out = root / "results.json"
     launch(__file__, ["--worker", json.dumps(dirs), str(out)], world=2, timeout=600)
     return json.loads(out.read_text())

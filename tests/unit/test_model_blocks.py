@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from model_families import family_configs, save_families
-from transformers import AutoModelForCausalLM, LlamaForCausalLM, MixtralConfig, T5Config
+from transformers import LlamaForCausalLM, T5Config
 
 from harness import plan
 from harness.config import ParallelLayout, load_config, load_strategy
@@ -127,24 +127,6 @@ def test_planner_exits_2_with_one_line_when_it_cannot_trace_a_step(tmp_path, mon
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "cannot trace a training step" in err[0] and "_no_split_modules" in err[0], err
-
-
-def test_preflight_refuses_a_checkpoint_transformers_merges_on_load(tmp_path):
-    # transformers 5 saves Mixtral's experts one tensor each and stacks them on load
-    config = MixtralConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        vocab_size=64,
-        max_position_embeddings=64,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="by merging several checkpoint tensors"):
-        check_architecture(*_cfg(str(tmp_path), "strategy=ddp"))
 
 
 def _config_other_than_its_weights(tmp_path) -> str:
