@@ -22,12 +22,27 @@ from pathlib import Path
 import torch
 import yaml
 
+from harness.distributed import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp", "fsdp_grad_op"]
 
 
+def launch(config: dict, work: Path, name: str, nproc: int, module: str = "harness/train.py") -> Path:
+    """`torchrun --nproc_per_node=nproc <module> --config <work>/<name>.yaml`, its output in <work>/<name>."""
+    out = work / name
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**config, "output_dir": str(out)}))
+    threads = str(max(1, (os.cpu_count() or 2) // nproc))
+    env = dict(os.environ, OMP_NUM_THREADS=threads, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+    proc = subprocess.run([*torchrun, str(REPO / module), "--config", str(path)], cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+    return out
+
+
 def run_one(strategy: str, nproc: int, steps: int, work: Path, precision: str) -> dict:
-    out = work / strategy
     cfg = {
         "model": {"name": "tiny-llama"},
         "data": {"seq_len": 128},
@@ -39,27 +54,8 @@ def run_one(strategy: str, nproc: int, steps: int, work: Path, precision: str) -
         "eval_batches": 4,
         "logging": {"wandb": False, "progress": False, "plots": False},
         "memory": {"track": False},
-        "output_dir": str(out),
     }
-    path = work / f"{strategy}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)), WANDB_MODE="disabled")
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [
-        str(Path(sys.executable).parent / "torchrun"),
-        f"--nproc_per_node={nproc}",
-        f"--master_port={port}",
-        str(REPO / "harness" / "train.py"),
-        "--config",
-        str(path),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{strategy} failed:\n{proc.stderr[-3000:]}")
+    out = launch(cfg, work, strategy, nproc)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/loss" in r]
     steady = [r["perf/tokens_per_s"] for r in train[2:]] or [r["perf/tokens_per_s"] for r in train]

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 import real_model  # noqa: E402
+from peers import _run  # noqa: E402  (the same runner: repository root, W&B and the Hub off)
 
 WORDS = (
     "apple river stone cloud maple tiger ocean pencil garden silver planet candle harbor meadow violin "
@@ -60,17 +59,6 @@ def records(n: int, seed: int = 0) -> list[dict]:
             }
         )
     return out
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
-
-
-def _run(cmd: list[str]) -> str:
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return proc.stdout
 
 
 def run_config(model: Path, data: Path, args: argparse.Namespace, work: Path) -> dict:

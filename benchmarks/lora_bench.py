@@ -21,50 +21,20 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from core_strategies import launch  # noqa: E402  (torchrun of a config, as core_strategies runs each strategy)
 from launching import instruction_file  # noqa: E402  (the tests' instruction data, shared)
 
 CATS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication")
-
-
-def launch(config: dict, work: Path, name: str, nproc: int, module: str = "harness/train.py") -> Path:
-    out = work / name
-    config = {**config, "output_dir": str(out)}
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)),
-        WANDB_MODE="disabled",
-        HF_HUB_OFFLINE="1",
-        PYTHONPATH=str(REPO),
-    )
-    cmd = [
-        str(Path(sys.executable).parent / "torchrun"),
-        f"--nproc_per_node={nproc}",
-        f"--master_port={port}",
-        str(REPO / module),
-        "--config",
-        str(path),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return out
 
 
 def summarize(out: Path, nproc: int) -> dict:

@@ -55,10 +55,12 @@ ROWS = {
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _run(cmd: list[str]) -> None:
+def _run(cmd: list[str]) -> str:
+    """Run `cmd` from the repository root, W&B and the Hub off; its stdout (finetune.py's runs too)."""
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return proc.stdout
 
 
 def _env() -> dict[str, str]:

@@ -156,22 +156,6 @@ def random_pool_control(engine: Any, data: Any, cfg: Any, info: Any, pattern: st
     }
 
 
-def save_masks(path: Path, masks: dict[str, Any]) -> None:
-    """Masks as packed bits (1 bit per target weight) with their shapes."""
-    import numpy as np
-    import torch
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({k: (torch.from_numpy(np.packbits(m.reshape(-1).numpy())), m.numel()) for k, m in masks.items()}, path)
-
-
-def load_masks(path: Path) -> dict[str, Any]:
-    import numpy as np
-    import torch
-
-    return {k: torch.from_numpy(np.unpackbits(b.numpy())[:n].astype(bool)) for k, (b, n) in torch.load(path).items()}
-
-
 def base_config(work: Path, steps: int, calib: int) -> dict[str, Any]:
     """One config for training and pruning: the eval set is the same blocks in both.
 
@@ -394,8 +378,6 @@ def prune_in_process(
         if holdout:
             row["holdout_perplexity"] = holdout_perplexity(prune)
         masks = {k: m.clone() for k, m in report.masks.masks.items()}
-        if prune.method in ("wanda", "gradprobe"):  # kept (bit-packed, outside git): prune_veto_sweep.py checks against them
-            save_masks(work / "masks" / f"{hashlib.sha256(cache_key.encode()).hexdigest()[:16]}.pt", masks)
         if key in ("wanda", "magnitude") and not swept:
             base_masks[(key, pat_key, seed)] = masks
         base = base_masks.get((prune.base, pat_key, seed if prune.base == "wanda" else seeds[0]))
@@ -746,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         "world2": world2,
         "total_wall_s": total,
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        # what the companion scripts merged in (prune_veto_sweep.py, prune_memory.py): kept
+        # what the retired companion scripts merged in (veto sweep, probe memory: benchmarks/README.md): kept
         **{k: previous[k] for k in ("veto_sweep", "probe_memory") if k in previous},
     }
     (work / "results.json").write_text(json.dumps(record, indent=1, default=str))

@@ -1,20 +1,32 @@
-"""Two parts of a training step timed alone: the loss and the optimizer step, harness's against torch's.
+"""Parts of a training step timed alone: the loss and the optimizer step, harness's against torch's,
+and the host Adam rate (DeepSpeed's CPU Adam against torch's AdamW).
 
     OMP_NUM_THREADS=2 python benchmarks/step_parts.py [--rows 512] [--vocab 49152] [--repeats 7]
+    OMP_NUM_THREADS=2 python benchmarks/step_parts.py --parts optimizer --optimizers adamw adamw_bf16 adamw_8bit adamw_4bit paged_adamw_8bit
+    OMP_NUM_THREADS=1 python benchmarks/step_parts.py --parts host-adam --numel 20000000 --steps 5
 
 - loss: forward + backward of harness's fused fp32 cross-entropy (``harness.training.loss``, the
   unchunked path the trainer takes by default) against ``torch.nn.functional.cross_entropy`` on
   ``rows x vocab`` logits (default: SmolLM2-135M's vocabulary, micro-batch 2 x 256 tokens), fp32
   and bf16 logits; median of ``--repeats``; the two losses and the largest gradient difference.
-- optimizer: one step of torch AdamW as harness builds it (``harness.training.build_optimizer``:
-  fused) against the single-tensor loop (``foreach=False``) over tensors of SmolLM2-135M's shapes
-  (the tied embedding, 30 layers of attention and MLP matrices, the norms), fp32 with gradients;
-  the second of two steps, best of ``--repeats``.
+- optimizer: one step of each ``--optimizers`` name as harness builds it
+  (``harness.training.build_optimizer``; AdamW: fused) against torch's single-tensor loop
+  (``foreach=False``) over tensors of SmolLM2-135M's shapes (the tied embedding, 30 layers of
+  attention and MLP matrices, the norms), fp32 with gradients. Per optimizer, fresh optimizers (at
+  most 3 of ``--repeats``), each timed at the step after ``--warmup`` (torchao compiles its
+  per-tensor step on the first: the "first step" column); the best of them. Only the optimizer step
+  differs between the runs of benchmarks/optim_quality.py.
+- host-adam: parameters stepped per second on one flat fp32 parameter with an fp32 gradient, the
+  layout ZeRO-Offload hands DeepSpeed's op (a partition of the flat master weights), the first step
+  untimed: ``DeepSpeedCPUAdam`` (JIT-built on first use: minutes) against torch's AdamW. This is the
+  rate of the machine it runs on, which ``harness.plan --cpu-adam-rate`` takes for the offload
+  rungs' step time (``harness.planner.ladder``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -68,39 +80,82 @@ def loss_rows(rows: int, vocab: int, repeats: int) -> list[str]:
     return out
 
 
-def optimizer_rows(repeats: int) -> list[str]:
+def optimizer_rows(names: list[str], repeats: int, warmup: int) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SMOLLM2_SHAPES]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
-    numel = sum(p.numel() for p in params)
+    shape = f"{len(params)} tensors, {sum(p.numel() for p in params):,} parameters, fp32"
 
-    def second_step(make: Callable[[], torch.optim.Optimizer]) -> float:
-        best = float("inf")
+    def timed(make: Callable[[], torch.optim.Optimizer]) -> tuple[float, float]:
+        """(median first step s, best step ms after the warm-up) over fresh optimizers."""
+        first, best = [], float("inf")
         for _ in range(repeats):
             opt = make()
-            opt.step()
-            start = time.perf_counter()
-            opt.step()
-            best = min(best, time.perf_counter() - start)
-        return best * 1e3
+            for i in range(warmup + 1):
+                start = time.perf_counter()
+                opt.step()
+                took = time.perf_counter() - start
+                if i == 0:
+                    first.append(took)
+            best = min(best, took)
+            del opt
+            gc.collect()
+        return statistics.median(first), best * 1e3
 
-    harness = second_step(lambda: build_optimizer(params, OptimConfig(lr=1e-5)))
-    single = second_step(lambda: torch.optim.AdamW(params, lr=1e-5, foreach=False))
-    shape = f"{len(params)} tensors, {numel:,} parameters, fp32"
-    return [f"| AdamW step | {shape} | {harness:.1f} ms (fused) | {single:.1f} ms (foreach=False) | |"]
+    single = timed(lambda: torch.optim.AdamW(params, lr=1e-5, foreach=False))[1]
+    rows = []
+    for name in names:
+        first, ms = timed(lambda name=name: build_optimizer(params, OptimConfig(name=name, lr=1e-5)))
+        ours = f"| AdamW step | {shape} | {ms:.1f} ms (fused)" if name == "adamw" else f"| `{name}` step | {shape} | {ms:.1f} ms"
+        rows.append(f"{ours} | {single:.1f} ms (foreach=False) | first step {first:.2f} s |")
+    return rows
+
+
+def host_adam_rows(numel: int, steps: int) -> list[str]:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    cases = {
+        "DeepSpeedCPUAdam (adamw_mode)": lambda p: DeepSpeedCPUAdam(p, lr=1e-4, weight_decay=0.01, adamw_mode=True),
+        "torch AdamW foreach=False": lambda p: torch.optim.AdamW(p, lr=1e-4, weight_decay=0.01, foreach=False),
+        "torch AdamW foreach=True": lambda p: torch.optim.AdamW(p, lr=1e-4, weight_decay=0.01, foreach=True),
+        "torch AdamW fused=True (the trainer's)": lambda p: torch.optim.AdamW(p, lr=1e-4, weight_decay=0.01, fused=True),
+    }
+    rows = []
+    for name, make in cases.items():
+        param = torch.nn.Parameter(torch.randn(numel))
+        param.grad = torch.randn(numel) * 1e-3
+        opt = make([param])
+        opt.step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            opt.step()
+        rate = numel * steps / (time.perf_counter() - start)
+        rows.append(f"| {name} | {torch.get_num_threads()} | {numel:,} | {steps} | {rate / 1e6:,.1f} M |")
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", choices=("loss", "optimizer", "host-adam"), default=["loss", "optimizer"])
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--optimizers", nargs="+", default=["adamw"], help="optim.name values for the optimizer rows")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps before the timed one")
+    parser.add_argument("--numel", type=int, default=20_000_000, help="host-adam: the flat parameter's elements")
+    parser.add_argument("--steps", type=int, default=5, help="host-adam: timed steps")
     args = parser.parse_args()
-    print(f"| part | shape | harness | torch | check |  (threads: {torch.get_num_threads()})")
-    print("|---|---|---:|---:|---|")
-    for line in loss_rows(args.rows, args.vocab, args.repeats) + optimizer_rows(min(args.repeats, 3)):
-        print(line, flush=True)
+    if {"loss", "optimizer"} & set(args.parts):
+        print(f"| part | shape | harness | torch | check |  (threads: {torch.get_num_threads()})")
+        print("|---|---|---:|---:|---|")
+        if "loss" in args.parts:
+            print("\n".join(loss_rows(args.rows, args.vocab, args.repeats)), flush=True)
+        if "optimizer" in args.parts:
+            print("\n".join(optimizer_rows(args.optimizers, min(args.repeats, 3), args.warmup)), flush=True)
+    if "host-adam" in args.parts:
+        print("| optimizer | threads | parameters | steps | parameters/s |\n|---|---:|---:|---:|---:|")
+        print("\n".join(host_adam_rows(args.numel, args.steps)), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:
     backend may still hold that tensor when `broadcast` returns (gloo's worker thread drops its
     reference when it next runs; NCCL's stream frees it when the copy completes): the previous
     tensor can still be whole while the next is built, two in flight (the race
-    `collective_race_bytes` counts in the step; benchmarks/gloo_view_hold.py measures it here).
+    `collective_race_bytes` counts in the step; measured here: notes/ladder.md, "Three misses explained").
     """
     one_tensor = info.whole_largest * 4
     whole = info.total + info.frozen  # a LoRA model's frozen base is loaded like the rest
