@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import itertools
+import math
 from dataclasses import dataclass
 
 from harness.config.layout import ParallelLayout
@@ -117,17 +118,25 @@ def check_sequence_length(cfg: RunConfig, shape: dict) -> None:
 
 
 def check_sequence_heads(cfg: RunConfig, shape: dict) -> None:
-    """Ulysses gives each rank of a sequence group a whole share of the attention heads (and of
-    the key/value heads under grouped-query attention), and runs them with sdpa: a model whose
-    attention windows slide cannot (sdpa is given a plain causal mask)."""
+    """Ulysses gives each rank of a sequence group a whole share of the attention heads; the
+    key/value heads of grouped-query attention are shared too, or, when fewer than the group,
+    replicated over it (harness's Ulysses and DeepSpeed's alike: the group must be a multiple of
+    them); and runs them with sdpa: a model whose attention windows slide cannot (sdpa is given a
+    plain causal mask)."""
     n = cfg.parallel.sequence
     if n == 1:
         return
     heads = shape.get("num_attention_heads")
     kv_heads = shape.get("num_key_value_heads") or heads
-    for key, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if count and count % n:
-            raise ConfigError(f"parallel.sequence={n} must divide the model's {key}={count}: each rank takes a whole share of the heads")
+    if heads and heads % n:
+        raise ConfigError(
+            f"parallel.sequence={n} must divide the model's num_attention_heads={heads}: each rank takes a whole share of the heads"
+        )
+    if kv_heads and kv_heads % n and n % kv_heads:
+        raise ConfigError(
+            f"parallel.sequence={n} and the model's num_key_value_heads={kv_heads}: one must divide the other (the key/value "
+            f"heads are shared over the group, or replicated when fewer); try parallel.sequence={math.gcd(n, kv_heads)}"
+        )
     sliding = shape.get("sliding_window") and shape.get("use_sliding_window", True)
     if sliding or "sliding_attention" in (shape.get("layer_types") or ()):
         raise ConfigError(

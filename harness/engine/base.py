@@ -67,6 +67,8 @@ class Engine:
         # `register_post_step_hook`'s, run by `step` (an OrderedDict: the handle keeps a weak reference to it)
         self._post_step_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._offloader: ActivationOffload | None = None  # `_offload`'s, once built
+        # what must have happened in the first forward (Ulysses' exchange ran), checked once after it
+        self._after_first_forward: list[Callable[[], None]] = []
 
     @classmethod
     def build(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> Engine:
@@ -101,9 +103,10 @@ class Engine:
         own counted tokens, a mean). `backward` then averages over accumulation and ranks."""
         offload = self._offload() if torch.is_grad_enabled() else None
         with self.policy.autocast_context(self.device), offload if offload is not None else contextlib.nullcontext():
-            if num_items is None:
-                return self.loss_fn(self.model, batch)
-            return self.loss_fn(self.model, batch, num_items=num_items)
+            loss = self.loss_fn(self.model, batch) if num_items is None else self.loss_fn(self.model, batch, num_items=num_items)
+        while self._after_first_forward:
+            self._after_first_forward.pop()()
+        return loss
 
     def _offload(self) -> ActivationOffload | None:
         """The engine's one activation offload, built at the first training forward and entered by

@@ -149,6 +149,9 @@ class TorchEngine(Engine):
         self._oib = optimizer_in_backward  # steps each parameter inside backward, or None
         self.scaler = torch.amp.GradScaler(device.type) if self.policy.uses_scaler else None
         self._norm: torch.Tensor | None = None  # this step's clipped gradient norm, from `grad_norm()`
+        calls = getattr(module, "harness_ulysses_calls", None)
+        if calls is not None:
+            self._after_first_forward.append(lambda: calls.check_ran(module))
 
     @classmethod
     def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
@@ -159,8 +162,8 @@ class TorchEngine(Engine):
         linears are bitsandbytes' quantized ones, each weight quantized whole from the checkpoint
         and only this rank's part of its codes kept."""
         model = empty_model_to_train(spec, cfg.lora, plan.precision)
-        if plan.layout.splits_sequences:
-            use_ulysses(model, plan.layout.sequence_group(info.device.type), cfg.data.packs_examples)
+        if plan.layout.splits_sequences:  # its call count travels with the model to the engine, which checks it
+            model.harness_ulysses_calls = use_ulysses(model, plan.layout.sequence_group(info.device.type), cfg.data.packs_examples)
         cls._prepare_and_fill(model, WeightsToLoad(spec, lora=cfg.lora.enabled, model=model), cfg, plan, info)
         return model
 

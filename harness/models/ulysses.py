@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from harness.errors import ConfigError
+
 ULYSSES = "harness_ulysses"
 
 
@@ -131,9 +133,52 @@ def attend_per_example(
     return torch.cat(rows, dim=0)
 
 
+def replicate_kv_heads(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(batch, kv_heads, slice, dim) with each key/value head repeated in place until the group of
+    `n` ranks can share them (`n` a multiple of kv_heads, as DeepSpeed's Ulysses replicates them):
+    rank j's query heads are then served by its share, the grouping of query heads per key/value
+    head unchanged. Unchanged when `n` divides kv_heads. The backward sums the copies' gradients."""
+    heads = x.shape[1]
+    return x if heads % n == 0 else x.repeat_interleave(n // heads, dim=1)
+
+
+class _HeadGroups:
+    """The attention module as sdpa reads it, with the query heads per key/value head of this
+    rank's share (fewer than the module's own when key/value heads were replicated)."""
+
+    def __init__(self, module: nn.Module, groups: int) -> None:
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    @classmethod
+    def of(cls, module: nn.Module, groups: int) -> Any:
+        return module if getattr(module, "num_key_value_groups", groups) == groups else cls(module, groups)
+
+
+class UlyssesCalls:
+    """How many times the registered Ulysses attention ran: a model whose attention does not go
+    through transformers' registry (a custom attention, a family that calls sdpa itself) would
+    leave it at 0 and attend only within each rank's slice, silently. The engine reads it after
+    its first training forward (`check_ran`)."""
+
+    def __init__(self, degree: int) -> None:
+        self.degree, self.count = degree, 0
+
+    def check_ran(self, model: nn.Module) -> None:
+        if self.count == 0:
+            raise ConfigError(
+                f"parallel.sequence={self.degree}: {type(model).__name__}'s forward ran no Ulysses exchange (its attention does "
+                "not go through transformers' attention registry), so each rank would attend within its own slice only; "
+                "set parallel.sequence=1"
+            )
+
+
 def ulysses_sdpa(
     group: dist.ProcessGroup,
     examples: WholeSequenceExamples | None,
+    calls: UlyssesCalls,
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -147,8 +192,11 @@ def ulysses_sdpa(
 
     if attention_mask is not None:
         raise ValueError("Ulysses attention builds its own causal mask; a padding attention mask is not supported")
+    calls.count += 1
     spans = examples(kwargs.get("position_ids")) if examples is not None else None
+    key, value = (replicate_kv_heads(t, dist.get_world_size(group)) for t in (key, value))
     q, k, v = (sequence_to_heads(t, group) for t in (query, key, value))
+    module = _HeadGroups.of(module, q.shape[1] // k.shape[1])
     kwargs.pop("is_causal", None)
     if spans is not None:
         return heads_to_sequence(attend_per_example(module, q, k, v, spans, **kwargs), group), None
@@ -162,15 +210,18 @@ def attention_is_swappable(model: nn.Module) -> bool:
     return bool(getattr(model, "_supports_sdpa", False)) and type(model)._can_set_attn_implementation()
 
 
-def use_ulysses(model: nn.Module, group: dist.ProcessGroup, packed: bool = False) -> None:
+def use_ulysses(model: nn.Module, group: dist.ProcessGroup, packed: bool = False) -> UlyssesCalls:
     """Register Ulysses attention over `group` and make it `model`'s (a peft model: its base's).
     `packed`: the run's rows pack several examples (`data.packing` of instruction data), which
-    attention must keep apart; otherwise a row is one sequence and sdpa's `is_causal` is the mask."""
+    attention must keep apart; otherwise a row is one sequence and sdpa's `is_causal` is the mask.
+    Returns the count of its calls, which the engine checks after the first forward."""
     from transformers import AttentionInterface
 
     examples = WholeSequenceExamples(group) if packed else None
-    AttentionInterface.register(ULYSSES, functools.partial(ulysses_sdpa, group, examples))
+    calls = UlyssesCalls(dist.get_world_size(group))
+    AttentionInterface.register(ULYSSES, functools.partial(ulysses_sdpa, group, examples, calls))
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     hf.set_attn_implementation(ULYSSES)
     if hf.config._attn_implementation != ULYSSES:  # a model that cannot switch (pre-flight refuses those)
         raise RuntimeError(f"{type(hf).__name__} did not take the Ulysses attention implementation")
+    return calls

@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism (`parallel.sequence`) trains what one process trains.
 
 Two launches of 2 gloo ranks (tiny Llama: 4 heads, 2 key/value heads, so grouped-query
-attention is split too):
+attention is split too; and with 1 key/value head, which the group replicates):
 
 - the gradients: each rank runs its slice of every sample through the model with Ulysses
   attention (with activation checkpointing and the chunked loss), and the group's summed
@@ -83,6 +83,21 @@ def _worker(out_path: str) -> None:
             "n_grads": len(grads),
             "logits_diff": float((mine - theirs).abs().max()),
         }
+    # multi-query attention: one key/value head, fewer than the group, replicated over it
+    reference = build_model("tiny-llama", vocab_size=512, seed=3, config_overrides={"num_key_value_heads": 1})
+    model = build_model("tiny-llama", vocab_size=512, seed=3, config_overrides={"num_key_value_heads": 1})
+    use_ulysses(model, dist.new_group(list(range(world))))
+    causal_lm_loss(reference, batch).backward()
+    sequence_shard_loss(model, piece, chunk_size=24, num_items=count / world).backward()
+    worst, close = 0.0, True
+    for p, q in zip(model.parameters(), reference.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        g /= world
+        worst = max(worst, ((g - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12)).item())
+        close = close and torch.allclose(g, q.grad, rtol=RTOL, atol=1e-7)
+    if rank == 0:
+        result["mqa"] = {"kv_heads": model.config.num_key_value_heads, "worst_grad_rel": worst, "grads_close": close}
         Path(out_path).write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -169,6 +184,7 @@ def test_sequence_slices_give_the_whole_sequences_gradients(tmp_path):
     assert r["sum"] == pytest.approx(r["whole"], rel=RTOL)
     assert r["n_grads"] > 10 and r["grads_close"], r
     assert r["logits_diff"] < 1e-5, r
+    assert r["mqa"]["kv_heads"] == 1 and r["mqa"]["grads_close"], r  # one key/value head over two ranks: replicated
 
 
 def _losses(output: Path, key: str) -> list[float]:

@@ -137,7 +137,7 @@ def test_what_it_runs_with_passes():
     "shape, expected",
     [
         ({"num_attention_heads": 3, "num_key_value_heads": 3}, "num_attention_heads=3"),
-        ({"num_attention_heads": 4, "num_key_value_heads": 1}, "num_key_value_heads=1"),
+        ({"num_attention_heads": 6, "num_key_value_heads": 3}, "num_key_value_heads=3"),
         ({"num_attention_heads": 4, "sliding_window": 512}, "sliding-window"),
         ({"num_attention_heads": 4, "layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
     ],
@@ -149,6 +149,7 @@ def test_heads_the_sequence_split_cannot_share_are_refused(shape, expected):
 
 def test_heads_it_can_share_pass():
     check_sequence_heads(_cfg(), {"num_attention_heads": 4, "num_key_value_heads": 2})
+    check_sequence_heads(_cfg(), {"num_attention_heads": 4, "num_key_value_heads": 1})  # replicated over the group
     check_sequence_heads(_cfg(), {"num_attention_heads": 4, "sliding_window": 512, "use_sliding_window": False})
     check_sequence_heads(load_config(None, []), {"num_attention_heads": 3})
 
@@ -174,3 +175,40 @@ def test_the_planners_search_splits_sequences_under_deepspeed_too_with_offload()
     assert runs_with(_cfg(), "zero3", "cuda", 2, 2) and runs_with(_cfg(), "zero2", "cuda", 2, 2)
     assert runs_with(_cfg(), "zero3_offload", "cuda", 2, 2) and runs_with(_cfg(), "zero2_offload", "cuda", 2, 2)
     assert runs_with(_cfg(), "fsdp", "cuda", 2, 2)
+
+
+def test_a_forward_that_bypasses_the_ulysses_exchange_is_refused(tmp_path, monkeypatch):
+    """The engine's guard: Ulysses registered, but the model's attention does not call it (here set
+    back to plain sdpa, as a model whose attention bypasses transformers' registry would run): the
+    first training forward is refused in one line instead of attending within each slice. At world 1
+    the guard is handed to the engine here; the 2-rank runs of tests/integration/test_sequence_parallel.py
+    are where the engine installs it itself (and pass it: their attention ran the exchange)."""
+    import torch.distributed as dist
+
+    from harness.distributed import DistInfo
+    from harness.engine import build_engine, plan_engine
+    from harness.models import model_spec
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cfg = load_config(None, ["strategy=ddp"])
+        info = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")
+        spec = model_spec("tiny-llama", vocab_size=128)
+        plan = plan_engine(cfg, load_strategy("ddp", env={}), 1, info.device, None)
+        engine = build_engine(spec, cfg, plan, info, causal_lm_loss)
+        from harness.models.ulysses import UlyssesCalls, use_ulysses
+
+        batch = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+        calls = use_ulysses(engine.module, dist.new_group([0]))
+        engine.forward_loss(batch)
+        assert isinstance(calls, UlyssesCalls) and calls.count == engine.module.config.num_hidden_layers
+        calls.check_ran(engine.module)  # it ran: nothing to refuse
+        engine.module.set_attn_implementation("sdpa")  # the bypass
+        bypassed = UlyssesCalls(2)
+        engine._after_first_forward.append(lambda: bypassed.check_ran(engine.module))
+        with pytest.raises(ConfigError, match=r"parallel.sequence=2: LlamaForCausalLM's forward ran no Ulysses exchange"):
+            engine.forward_loss(batch)
+    finally:
+        dist.destroy_process_group()
