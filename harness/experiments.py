@@ -169,23 +169,14 @@ def write_table(results: list[dict[str, Any]], control: str | None, out: Path, t
         + ". "
         "`*`: a compiled model, whose inductor temporaries the CPU tracker cannot see: the sum of the "
         "categories it does see (a lower bound).",
-        "",
-        "Split at the peak moment (MiB per rank; the stacked chart):",
-        "",
-        "| configuration | " + " | ".join(CATEGORIES) + " |",
-        "|---|" + "---:|" * len(CATEGORIES),
     ]
-    for r in results:
-        lines.append(f"| {r['name']} | " + " | ".join(f"{r['peak_by_category'][c] / 2**20:.2f}" for c in CATEGORIES) + " |")
-    lines += [
-        "",
-        "Each category's own maximum over the run (MiB per rank; not simultaneous):",
-        "",
-        "| configuration | " + " | ".join(CATEGORIES) + " |",
-        "|---|" + "---:|" * len(CATEGORIES),
-    ]
-    for r in results:
-        lines.append(f"| {r['name']} | " + " | ".join(f"{r['category_max'][c] / 2**20:.2f}" for c in CATEGORIES) + " |")
+    for heading, key in (
+        ("Split at the peak moment (MiB per rank; the stacked chart):", "peak_by_category"),
+        ("Each category's own maximum over the run (MiB per rank; not simultaneous):", "category_max"),
+    ):
+        lines += ["", heading, "", "| configuration | " + " | ".join(CATEGORIES) + " |", "|---|" + "---:|" * len(CATEGORIES)]
+        for r in results:
+            lines.append(f"| {r['name']} | " + " | ".join(f"{r[key][c] / 2**20:.2f}" for c in CATEGORIES) + " |")
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps(results, indent=1))

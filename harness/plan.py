@@ -235,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_PLAN_DOES_NOT_FIT
 
 
+def _machine(args: argparse.Namespace, cpu_mem: int | None, per_node: int, vocab: int | None) -> dict[str, Any]:
+    """What the ladder and the sequence search are told besides the ranks and the GPU memory: the host
+    memory per node, the ranks sharing a node, the target and the vocabulary."""
+    return {"cpu_mem": cpu_mem, "per_node": per_node, "target": args.target, "vocab_size": vocab}
+
+
 def _max_seq_len(args: argparse.Namespace, cfg: Any, gpu_mem: int, cpu_mem: int | None, per_node: int, vocab: int | None) -> int:
     """The longest sequence the config fits at (`harness.planner.long_context`); exit 10 when not even one step of tokens does."""
     if args.recommend or args.seq_step < 1:
@@ -245,10 +251,7 @@ def _max_seq_len(args: argparse.Namespace, cfg: Any, gpu_mem: int, cpu_mem: int 
         cfg,
         args.gpus,
         gpu_mem,
-        cpu_mem=cpu_mem,
-        per_node=per_node,
-        target=args.target,
-        vocab_size=vocab,
+        **_machine(args, cpu_mem, per_node, vocab),
         step=args.seq_step,
         on_probe=lambda p: print(f"  probe seq_len={p.seq_len:,}: {p.reason}", file=sys.stderr, flush=True),
     )
@@ -277,15 +280,7 @@ def _recommend(
 ) -> int:
     """Walk the memory ladder (`harness.planner.ladder`), print every rung, write the first that fits."""
     results = walk_ladder(
-        args.config,
-        overrides,
-        args.gpus,
-        gpu_mem,
-        cpu_mem=cpu_mem,
-        per_node=per_node,
-        target=args.target,
-        vocab_size=vocab,
-        cpu_adam_rate=args.cpu_adam_rate,
+        args.config, overrides, args.gpus, gpu_mem, **_machine(args, cpu_mem, per_node, vocab), cpu_adam_rate=args.cpu_adam_rate
     )
     print(format_ladder(results, gpu_mem, cpu_mem, args.gpus, args.target, args.cpu_adam_rate))
     best = first_fit(results)

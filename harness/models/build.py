@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -25,17 +25,8 @@ def preset_config(name: str, vocab_size: int | None = None, **overrides: Any):
     from transformers import LlamaConfig
 
     p = PRESETS[name]
-    kwargs = dict(
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_hidden_layers,
-        num_attention_heads=p.num_attention_heads,
-        num_key_value_heads=p.num_key_value_heads,
-        max_position_embeddings=p.max_position_embeddings,
-        vocab_size=vocab_size or p.vocab_size,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
+    # a preset's fields are LlamaConfig's arguments of the same names
+    kwargs = dict(asdict(p), vocab_size=vocab_size or p.vocab_size, tie_word_embeddings=False, attn_implementation="sdpa")
     kwargs.update(overrides)
     return LlamaConfig(**kwargs)
 

@@ -22,6 +22,14 @@ def _values(records: list[dict[str, Any]], key: str) -> list[float]:
     return [r[key] for r in records if isinstance(r.get(key), (int, float))]
 
 
+def _last(vals: list[float]) -> float:
+    return vals[-1]
+
+
+def _mean(vals: list[float]) -> float:
+    return sum(vals) / len(vals)
+
+
 def build_summary(records: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Key results of a run from its metrics-file events, then `extra` (it wins on a clash)."""
     train = [r for r in records if r.get("kind") == "train"]
@@ -30,33 +38,22 @@ def build_summary(records: list[dict[str, Any]], extra: dict[str, Any] | None = 
     out: dict[str, Any] = {}
     if train:
         out["steps"] = train[-1]["step"]
-    losses = _values(train, M.TRAIN_LOSS)
-    if losses:
-        out["train/loss_final"] = losses[-1]
-        out["train/loss_min"] = min(losses)
-    skipped = _values(train, M.TRAIN_SKIPPED)
-    if skipped:
-        out[M.TRAIN_SKIPPED] = skipped[-1]
     steady = train[1:] if len(train) > 1 else train
-    for key in _MEAN_KEYS:
-        vals = _values(steady, key)
-        if vals:
-            out[f"{key}_mean"] = sum(vals) / len(vals)
     memory_keys = [M.memory_key(c) for c in M.memory_categories({k for r in train for k in r})]
-    for key in memory_keys + [M.MEMORY_TOTAL, M.MAX_ALLOCATED, M.MAX_RESERVED]:
-        vals = _values(train, key)
+    # (the events, the metric, {summary key: what of the metric's logged values}); a metric never logged adds nothing
+    rows = [
+        (train, M.TRAIN_LOSS, {"train/loss_final": _last, "train/loss_min": min}),
+        (train, M.TRAIN_SKIPPED, {M.TRAIN_SKIPPED: _last}),
+        *((steady, key, {f"{key}_mean": _mean}) for key in _MEAN_KEYS),
+        *((train, key, {key: max}) for key in memory_keys + [M.MEMORY_TOTAL, M.MAX_ALLOCATED, M.MAX_RESERVED]),
+        (evals, M.EVAL_LOSS, {"eval/loss_final": _last}),
+        (evals, M.EVAL_PERPLEXITY, {"eval/perplexity_final": _last, "eval/perplexity_best": min}),
+        (prune, M.PRUNE_ACHIEVED, {M.PRUNE_ACHIEVED: _last}),
+    ]
+    for events, metric, picks in rows:
+        vals = _values(events, metric)
         if vals:
-            out[key] = max(vals)
-    eval_losses = _values(evals, M.EVAL_LOSS)
-    if eval_losses:
-        out["eval/loss_final"] = eval_losses[-1]
-    ppl = _values(evals, M.EVAL_PERPLEXITY)
-    if ppl:
-        out["eval/perplexity_final"] = ppl[-1]
-        out["eval/perplexity_best"] = min(ppl)
-    achieved = _values(prune, M.PRUNE_ACHIEVED)
-    if achieved:
-        out[M.PRUNE_ACHIEVED] = achieved[-1]
+            out.update((name, pick(vals)) for name, pick in picks.items())
     out.update(extra or {})
     return out
 

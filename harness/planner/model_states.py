@@ -31,7 +31,7 @@ over the traced timeline.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from harness.planner.fsdp_offload import in_flight_bytes, largest_group_shard
 from harness.planner.optimizer_model import (
@@ -162,6 +162,20 @@ def zero3_subgroups(numels: list[int], world: int, sub_group_size: int) -> list[
 # ------------------------------------------------------------------------------- engines
 
 
+def _in_backward(plain: EngineModel, step_cap: int, per_grad_byte: float, note: str) -> EngineModel:
+    """``plain`` with the optimizer stepped in backward: each gradient is stepped by its own hook as
+    it appears, then freed, so none is held once backward ends and there is no step phase."""
+    return replace(
+        plain,
+        end_grads=0,
+        phases=[],
+        optimizer_in_backward=True,
+        oib_step_cap=step_cap,
+        oib_step_per_grad_byte=per_grad_byte,
+        notes=[note, *plain.notes],
+    )
+
+
 def torch_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     """Single process and DDP: full parameters and gradients on every rank, a torch optimizer."""
     pb = spec.torch_param_bytes
@@ -172,29 +186,15 @@ def torch_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     ddp = spec.kind == "ddp" and spec.world > 1
     name = "ddp" if ddp else "single"
     notes = paged_notes(spec, info.numels, info.largest)
-    if spec.optimizer_in_backward:
-        # Each gradient is stepped by its own hook as it appears, then freed (single process only).
-        return EngineModel(
-            name,
-            None,
-            None,
-            False,
-            0,
-            opt,
-            None,
-            0,
-            [],
-            host,
-            optimizer_in_backward=True,
-            oib_step_cap=transient,
-            oib_step_per_grad_byte=step_bytes_per_element(spec) / pb,
-            notes=["optimizer in backward: each parameter steps (and frees its gradient) as the gradient appears", *notes],
-        )
     step = [Phase("optimizer step", extra={"optimizer_state": transient})]
+    plain = EngineModel(name, None, None, False, 0, opt, None, None, step, host, notes=notes)
+    if spec.optimizer_in_backward:  # single process only
+        note = "optimizer in backward: each parameter steps (and frees its gradient) as the gradient appears"
+        return _in_backward(plain, transient, step_bytes_per_element(spec) / pb, note)
     if ddp:
         # gradient_as_bucket_view=True: the DDP buckets are the .grad tensors, allocated at wrap time.
         return EngineModel(name, None, total, True, 0, opt, None, total, step, host, notes=notes)
-    return EngineModel(name, None, None, False, 0, opt, None, None, step, host, notes=notes)
+    return plain
 
 
 def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
@@ -233,35 +233,12 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
             params_held=0,
             sharded_grads_on_host=True,
         )
+    step = [Phase("optimizer step", extra={"optimizer_state": transient})]
+    plain = EngineModel("fsdp", None, None, False, 0, {"optimizer_state": states}, None, None, step, {})
     if spec.optimizer_in_backward:
-        return EngineModel(
-            "fsdp",
-            None,
-            None,
-            False,
-            0,
-            {"optimizer_state": states},
-            None,
-            0,
-            [],
-            {},
-            optimizer_in_backward=True,
-            oib_step_cap=transient,
-            oib_step_per_grad_byte=step_bytes_per_element(spec) / spec.torch_param_bytes,
-            notes=["optimizer in backward: each sharded gradient steps (and is freed) after its group's reduce-scatter"],
-        )
-    return EngineModel(
-        "fsdp",
-        None,
-        None,
-        False,
-        0,
-        {"optimizer_state": states},
-        None,
-        None,
-        [Phase("optimizer step", extra={"optimizer_state": transient})],
-        {},
-    )
+        note = "optimizer in backward: each sharded gradient steps (and is freed) after its group's reduce-scatter"
+        return _in_backward(plain, transient, step_bytes_per_element(spec) / spec.torch_param_bytes, note)
+    return plain
 
 
 def zero12_model(spec: EngineSpec, info: ParamInfo, rank: int) -> EngineModel:

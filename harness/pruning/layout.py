@@ -17,8 +17,22 @@ import torch
 from harness.distributed import Collectives
 
 
+class FlatRange:
+    """The sizes of a ``rows`` x ``cols`` matrix, row-major flattened, of which this rank holds
+    [``start``, ``end``): one definition for `Layout` (its fields) and `harness.pruning.shards.ShardView`
+    (its engine shard's)."""
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def local_numel(self) -> int:
+        return self.end - self.start
+
+
 @dataclass(frozen=True)
-class Layout:
+class Layout(FlatRange):
     """One matrix's shape and every rank's flat range; `start, end` are this rank's."""
 
     rows: int
@@ -38,14 +52,6 @@ class Layout:
             raise ValueError(f"ranges {self.ranges} cover [0, {cursor}), not [0, {self.numel})")
         if (self.start, self.end) not in self.ranges and self.end > self.start:
             raise ValueError("this rank's range is not among the ranges")
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-    @property
-    def local_numel(self) -> int:
-        return self.end - self.start
 
     def boundaries(self) -> list[int]:
         """Flat positions where one rank's piece ends and another's begins (excluding 0 and numel)."""

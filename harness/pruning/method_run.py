@@ -45,12 +45,3 @@ class Method:
 
     facts: MethodFacts
     run: Callable[[MethodRun], MaskSet]
-
-    @property
-    def needs_calibration(self) -> bool:
-        return self.facts.needs_calibration
-
-    @property
-    def sequential(self) -> bool:
-        """Its default when `prune.sequential` is unset."""
-        return self.facts.sequential

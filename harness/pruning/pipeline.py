@@ -201,7 +201,7 @@ def _checked_inputs(batches: list[Any], method: Method, cfg: PruneConfig, comm: 
     the method reads data; a method that rewrites weights runs sequentially."""
     if comm.all_reduce_min_int(len(batches)) != len(batches) or comm.all_reduce_min_int(-len(batches)) != -len(batches):
         raise ValueError("every rank must pass the same number of calibration micro-batches")
-    if method.needs_calibration and not batches:
+    if method.facts.needs_calibration and not batches:
         raise ValueError(f"prune.method={cfg.method} needs calibration batches")
     if method.facts.rewrites_weights and not cfg.sequential:
         raise ValueError(

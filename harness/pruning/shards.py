@@ -28,7 +28,7 @@ from harness.distributed import Collectives
 from harness.engine import ParamShard, gradient_probe, shard_of
 from harness.memory import clean_fqn
 from harness.models import decoder_blocks
-from harness.pruning.layout import Layout, even_ranges, gather_ranges
+from harness.pruning.layout import FlatRange, Layout, even_ranges, gather_ranges
 
 
 @dataclass
@@ -71,7 +71,7 @@ def find_targets(module: nn.Module, targets: str) -> list[Target]:
 
 
 @dataclass
-class ShardView:
+class ShardView(FlatRange):
     """This rank's piece of one target weight: the engine's shard of it, plus the ranges of all ranks."""
 
     target: Target
@@ -106,14 +106,6 @@ class ShardView:
     @property
     def end(self) -> int:
         return self.shard.end
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-    @property
-    def local_numel(self) -> int:
-        return self.end - self.start
 
     @property
     def replicated_lp(self) -> bool:
