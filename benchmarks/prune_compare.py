@@ -144,10 +144,13 @@ def append(row: dict[str, Any]) -> None:
 
 
 def table() -> str:
-    """Per model and pattern: each method's mean (sd) over seeds, in-domain and out-of-domain,
-    and its prune time against sequential SparseGPT's."""
+    """Per model and pattern: each method's mean (sd) over seeds, in-domain and out-of-domain, and
+    its prune time against sequential SparseGPT's: the median over seeds of the two runs of the same
+    seed (run one after the other in one process, so under the same load). A row recorded twice
+    (a rerun) counts once: the last one."""
     out = []
-    data = rows()
+    last = {(r["model"], r["method"], r["pattern"], r["seed"], r["eval_tokens"]): r for r in rows()}
+    data = list(last.values())
     for model in sorted({r["model"] for r in data}):
         mine = [r for r in data if r["model"] == model]
         dense = next(r for r in mine if r["method"] == "dense")
@@ -159,7 +162,7 @@ def table() -> str:
         out.append("|---|---|---:|---:|---:|---:|---:|")
         for pattern in PATTERNS:
             here = [r for r in mine if r["pattern"] == pattern]
-            sgpt = [r["prune_seconds"] for r in here if r["method"] == "sparsegpt"]
+            sgpt = {r["seed"]: r["prune_seconds"] for r in here if r["method"] == "sparsegpt"}
             for method in METHODS:
                 rs = [r for r in here if r["method"] == method]
                 if not rs:
@@ -170,7 +173,8 @@ def table() -> str:
                     m = statistics.mean(xs)
                     return f"{m:,.2f}" + (f" ({statistics.stdev(xs):.2f})" if len(xs) > 1 else "")
 
-                ratio = f"{statistics.mean(r['prune_seconds'] for r in rs) / statistics.mean(sgpt):.2f}x" if sgpt else "-"
+                paired = [r["prune_seconds"] / sgpt[r["seed"]] for r in rs if r["seed"] in sgpt]
+                ratio = f"{statistics.median(paired):.2f}x" if paired else "-"
                 fits = [f for r in rs for f in (r.get("fit") or [])]
                 kept = f"{sum(f['kept'] == 'fit' for f in fits)}/{len(fits)}" if fits else "-"
                 out.append(
