@@ -12,7 +12,7 @@ and the run config leaves to defaults), `accelerate_table` (the verdict on each
 `sequence_checks` (how long a sequence may be, and what splitting it over ranks runs with)."""
 
 from harness.config.accelerate_launch import launcher_settings, wrap_class_problem
-from harness.config.checks import check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
+from harness.config.checks import aux_loss_coefficient, check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
 from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.drop_in import adopt_settings
 from harness.config.layout import ParallelLayout
@@ -49,6 +49,7 @@ from harness.config.schema import (
     LoraConfig,
     MemoryConfig,
     ModelConfig,
+    MoeConfig,
     OptimConfig,
     ParallelConfig,
     PruneConfig,
@@ -117,6 +118,8 @@ __all__ = [
     "EngineKind",
     "LoggingConfig",
     "LoraConfig",
+    "MoeConfig",
+    "aux_loss_coefficient",
     "MemoryConfig",
     "ParallelConfig",
     "ModelConfig",

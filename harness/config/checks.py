@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 
 from harness.config.layout import ParallelLayout
 from harness.config.prune_methods import needs_calibration
@@ -19,6 +20,7 @@ from harness.config.schema import (
     INSTRUCTION_FORMATS,
     OPTIMIZER_LIBRARY,
     RENAMED,
+    MoeConfig,
     RunConfig,
     choice_fields,
 )
@@ -130,6 +132,7 @@ def check_values(cfg: RunConfig) -> None:
     if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
         raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1 (or unset: the machine's cores)")
     check_lora_values(cfg)
+    aux_loss_coefficient(cfg.moe)
     if cfg.data.format in INSTRUCTION_FORMATS and (cfg.data.source in EMBEDDED_CORPORA or cfg.data.streaming):
         raise ConfigError(
             f"data.format={cfg.data.format} reads a local JSON lines file of prompt/response, messages, Alpaca or ShareGPT records "
@@ -145,6 +148,22 @@ def check_values(cfg: RunConfig) -> None:
             f"prune.method={cfg.prune.method} calibrates on the calib split, but data.calib_fraction=0 holds out none; "
             "set data.calib_fraction (default 0.05)"
         )
+
+
+def aux_loss_coefficient(moe: MoeConfig) -> float | None:
+    """`moe.aux_loss_coef` read: None for auto (the model config's), else the coefficient (0: off)."""
+    text = str(moe.aux_loss_coef).strip().lower()
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(
+            f"moe.aux_loss_coef={moe.aux_loss_coef!r} must be auto (the model config's router_aux_loss_coef), 0 (off) or a number > 0"
+        )
+    return value
 
 
 def check_lora_values(cfg: RunConfig) -> None:

@@ -353,6 +353,19 @@ class LoraConfig(Section):
 
 
 @dataclass
+class MoeConfig(Section):
+    """Mixture-of-experts routers (`harness.training.router`): the load-balancing loss, and each layer's
+    expert load logged (train/aux_loss, moe/expert_load/layer_N: max/mean tokens per expert)."""
+
+    # The router's load-balancing loss as transformers defines it for the family (its load_balancing_loss_func, per
+    # micro-batch, averaged over the step's micro-batches and ranks), times this coefficient, added to the loss:
+    # auto, the model config's router_aux_loss_coef wherever a router trains (none does under LoRA's frozen base);
+    # a number, that coefficient; 0, off (still logged). A number for a model whose router transformers does not
+    # expose is refused. train/loss stays the language-model loss; the start-up line says which coefficient
+    aux_loss_coef: str = "auto"
+
+
+@dataclass
 class RunConfig(Section):
     """A run config is YAML or JSON; any key can be overridden on the command line as
     `section.key=value`. Unknown keys are errors that name the closest valid key."""
@@ -366,6 +379,7 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     strategy: str | None = None  # a name in ds_configs/ or a JSON path; unset: the launcher's, else ddp
     # bf16_pure: bf16 weights with no fp32 master under every torch engine, FSDP2's shards included; only with
     # adamw_bf16/adamw_8bit/adamw_4bit, whose stochastic rounding keeps bf16 weights moving; not under DeepSpeed

@@ -9,6 +9,8 @@ scripts and the plots read, and the trainer that produces the numbers. Sections:
 - `memory/` `<category>_peak_bytes` per category (sampled steps), max_allocated_bytes, max_reserved_bytes (GPU),
   max_rss_bytes (CPU), every step
 - `eval/`   loss, perplexity
+- `moe/`    expert_load/layer_<i>: a mixture-of-experts layer's most loaded expert over the mean tokens per
+  expert, per step (with `train/aux_loss`, the router's load-balancing loss: `harness.training.router`)
 - `prune/`  sparsity/<layer>, achieved_sparsity
 
 The metrics file is append-safe JSON lines (one object per event, flushed per line) so a
@@ -29,6 +31,7 @@ from typing import Any, TextIO
 import torch
 
 from harness.memory import COUNTER_KEYS, REPORTED
+from harness.training import AUX_LOSS, EXPERT_LOAD
 
 # The W&B x-axis: every event carries it, so eval and prune points line up with training.
 STEP = "train/step"
@@ -37,6 +40,8 @@ TRAIN_LOSS = "train/loss"
 TRAIN_LR = "train/lr"
 TRAIN_GRAD_NORM = "train/grad_norm"
 TRAIN_SKIPPED = "train/skipped_steps"
+TRAIN_AUX_LOSS = AUX_LOSS  # the router's load-balancing loss, without its coefficient (named where it is made)
+EXPERT_LOAD_PREFIX = EXPERT_LOAD  # + a layer's index: max/mean tokens per expert over the step
 
 TOKENS_PER_S = "perf/tokens_per_s"
 SAMPLES_PER_S = "perf/samples_per_s"
@@ -87,6 +92,12 @@ def memory_categories(keys: Any) -> list[str]:
     found = {m.group(1) for k in keys if (m := _CATEGORY_RE.match(k)) and m.group(1) not in _NOT_CATEGORIES}
     known = [c for c in MEMORY_CATEGORIES if c in found]
     return known + sorted(found - set(known))
+
+
+def expert_loads(record: dict[str, Any]) -> dict[int, float]:
+    """A record's expert load per layer index (`moe/expert_load/layer_<i>`), in layer order."""
+    found = {int(k[len(EXPERT_LOAD_PREFIX) :]): v for k, v in record.items() if k.startswith(EXPERT_LOAD_PREFIX)}
+    return {i: found[i] for i in sorted(found) if isinstance(found[i], (int, float))}
 
 
 def as_number(value: Any) -> int | float | None:

@@ -173,12 +173,15 @@ class Observer:
             memory = m.get(M.MAX_ALLOCATED, m.get(M.MEMORY_TOTAL))
             categories = [m[M.memory_key(c)] for c in M.memory_categories(m)]
             bound = memory is None and bool(categories)
+            loads = M.expert_loads(m)
             self.progress.update(
                 step,
                 loss=m.get(M.TRAIN_LOSS),
                 memory_bytes=sum(categories) if bound else memory,
                 memory_is_bound=bound,
                 tokens_per_s=m.get(M.TOKENS_PER_S),
+                aux_loss=m.get(M.TRAIN_AUX_LOSS),
+                expert_load=max(loads.values()) if loads else None,
             )
         self._pending.add(m)
         if step % self._every == 0 or step >= self.total_steps:

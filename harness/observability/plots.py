@@ -7,6 +7,8 @@
   peak (what `harness.memory.StepMemoryTracker` reports) the stack's height is that peak; when
   each is its own maximum the stack is an upper bound, and the lines are the truth.
 - `throughput.png`: tokens/s (global and per device) and, when known, MFU.
+- `moe.png` (a mixture-of-experts run): each layer's expert load (max/mean tokens per expert;
+  1 is balanced) over steps, and the router's load-balancing loss beside it.
 
 Reading the file rather than in-memory history lets the charts be redrawn for any run,
 also one that crashed: `python -m harness.observability.plots <run_dir>`.
@@ -133,6 +135,32 @@ def plot_throughput(train: list[dict[str, Any]], path: str) -> str | None:
     return _save(fig, path)
 
 
+def plot_moe(train: list[dict[str, Any]], path: str) -> str | None:
+    rows = [(r["step"], loads) for r in train if (loads := M.expert_loads(r))]
+    a_steps, aux = _series(train, M.TRAIN_AUX_LOSS)
+    if not rows and not aux:
+        return None
+    fig = Figure(figsize=(11 if aux else 7, 4.2))
+    ax = fig.add_subplot(1, 2 if aux else 1, 1)
+    layers = sorted({i for _, loads in rows for i in loads})
+    palette = colormaps["viridis"]
+    for n, layer in enumerate(layers):
+        pts = [(s, loads[layer]) for s, loads in rows if layer in loads]
+        color = palette(n / max(1, len(layers) - 1))
+        ax.plot([s for s, _ in pts], [v for _, v in pts], color=color, linewidth=1.0, label=f"layer {layer}")
+    ax.axhline(1.0, color="k", linestyle=":", linewidth=0.8)  # every expert the same tokens
+    ax.set(xlabel="step", ylabel="max / mean tokens per expert", title="Expert load by layer")
+    ax.grid(alpha=0.3)
+    if 0 < len(layers) <= 12:
+        ax.legend(fontsize="small", ncol=2 if len(layers) > 6 else 1)
+    if aux:
+        ax2 = fig.add_subplot(1, 2, 2)
+        ax2.plot(a_steps, aux, color="tab:red")
+        ax2.set(xlabel="step", ylabel="aux loss", title="Router load-balancing loss")
+        ax2.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 def write_plots(run_dir: str) -> dict[str, str]:
     """Draw every chart the run has data for; returns {name: path} of the PNGs written."""
     records = M.read_records(os.path.join(run_dir, M.METRICS_FILE))
@@ -142,6 +170,7 @@ def write_plots(run_dir: str) -> dict[str, str]:
         "loss": plot_loss(train, evals, os.path.join(run_dir, "loss.png")),
         "memory": plot_memory(train, os.path.join(run_dir, "memory.png")),
         "throughput": plot_throughput(train, os.path.join(run_dir, "throughput.png")),
+        "moe": plot_moe(train, os.path.join(run_dir, "moe.png")),
     }
     return {name: p for name, p in written.items() if p is not None}
 

@@ -7,6 +7,9 @@ logged step instead, e.g.
 
     step 20/100 (20%) | 3.41 step/s | 5.6e+03 tok/s | elapsed 00:05 | ETA 00:23 | loss 3.2104 | mem 1.21 GiB
 
+(a mixture-of-experts run adds `aux 2.013 | load 1.42`: the router's loss, the most loaded layer's
+max/mean tokens per expert)
+
 Lines are flushed at once, so a job log shows where a run is even while it hangs.
 """
 
@@ -52,12 +55,23 @@ class Progress:
             )
 
     @staticmethod
-    def _postfix(loss: float | None, memory_bytes: float | None, memory_is_bound: bool, tokens_per_s: float | None) -> str:
+    def _postfix(
+        loss: float | None,
+        memory_bytes: float | None,
+        memory_is_bound: bool,
+        tokens_per_s: float | None,
+        aux_loss: float | None = None,
+        expert_load: float | None = None,
+    ) -> str:
         parts = []
         if tokens_per_s is not None:
             parts.append(f"{tokens_per_s:,.0f} tok/s" if tokens_per_s >= 100 else f"{tokens_per_s:.3g} tok/s")
         if loss is not None:
             parts.append(f"loss {loss:.4f}")
+        if aux_loss is not None:
+            parts.append(f"aux {aux_loss:.4g}")
+        if expert_load is not None:
+            parts.append(f"load {expert_load:.2f}")
         if memory_bytes is not None:
             parts.append(f"mem {'<= ' if memory_is_bound else ''}{format_bytes(memory_bytes)}")
         return " | ".join(parts)
@@ -70,9 +84,12 @@ class Progress:
         memory_bytes: float | None = None,
         memory_is_bound: bool = False,
         tokens_per_s: float | None = None,
+        aux_loss: float | None = None,
+        expert_load: float | None = None,
     ) -> None:
-        """Report that `step` (1-based) finished. `memory_is_bound`: a sum of per-category peaks."""
-        postfix = self._postfix(loss, memory_bytes, memory_is_bound, tokens_per_s)
+        """Report that `step` (1-based) finished. `memory_is_bound`: a sum of per-category peaks.
+        `aux_loss`, `expert_load`: a mixture-of-experts router's loss and its most loaded layer's load."""
+        postfix = self._postfix(loss, memory_bytes, memory_is_bound, tokens_per_s, aux_loss, expert_load)
         if self._bar is not None:
             self._bar.set_postfix_str(postfix, refresh=False)
             self._bar.update(max(0, step - self._bar.n))

@@ -6,7 +6,9 @@ file always agree. Throughput and MFU are averaged over the logged intervals aft
 first one, because the first contains start-up work (allocator warm-up, compilation)
 that says nothing about steady-state speed; with a single interval it is used as is.
 With `logging.log_every > 1` a logged value is the interval's mean (loss) or maximum
-(memory), so `train/loss_final` is the mean loss of the last logged interval.
+(memory), so `train/loss_final` is the mean loss of the last logged interval. A
+mixture-of-experts run's expert load (one series per layer) is summed up by the last
+interval's most imbalanced layer, its index, and the mean over layers.
 """
 
 from __future__ import annotations
@@ -48,12 +50,18 @@ def build_summary(records: list[dict[str, Any]], extra: dict[str, Any] | None = 
         *((train, key, {key: max}) for key in memory_keys + [M.MEMORY_TOTAL, M.MAX_ALLOCATED, M.MAX_RESERVED]),
         (evals, M.EVAL_LOSS, {"eval/loss_final": _last}),
         (evals, M.EVAL_PERPLEXITY, {"eval/perplexity_final": _last, "eval/perplexity_best": min}),
+        (train, M.TRAIN_AUX_LOSS, {"train/aux_loss_final": _last}),
         (prune, M.PRUNE_ACHIEVED, {M.PRUNE_ACHIEVED: _last}),
     ]
     for events, metric, picks in rows:
         vals = _values(events, metric)
         if vals:
             out.update((name, pick(vals)) for name, pick in picks.items())
+    loads = next((found for r in reversed(train) if (found := M.expert_loads(r))), {})
+    if loads:  # the last logged interval's: its most imbalanced layer, and the mean over layers
+        worst = max(loads, key=loads.__getitem__)
+        out["moe/expert_load_worst"], out["moe/expert_load_worst_layer"] = loads[worst], worst
+        out["moe/expert_load_mean"] = sum(loads.values()) / len(loads)
     out.update(extra or {})
     return out
 

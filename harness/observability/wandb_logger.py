@@ -18,7 +18,7 @@ bounded values (init 30 s, login 10 s, finish 300 s) unless `WANDB_INIT_TIMEOUT`
 `WANDB_LOGIN_TIMEOUT` or `WANDB_FINISH_TIMEOUT` say otherwise.
 
 Dashboard layout: W&B groups panels into sections by the prefix before the first `/`
-(`train`, `perf`, `memory`, `eval`, `prune`, `plots`); `define_metric` makes `train/step`
+(`train`, `perf`, `memory`, `moe`, `eval`, `prune`, `plots`); `define_metric` makes `train/step`
 the x-axis of every chart and gives the run table useful summaries (min loss, max memory).
 """
 
@@ -108,6 +108,7 @@ def _metric_summaries() -> dict[str, str]:
     """Per-metric run summaries; W&B ignores `summary` on glob patterns, so names are explicit."""
     summaries = {
         M.TRAIN_LOSS: "min,last",
+        M.TRAIN_AUX_LOSS: "min,last",
         M.EVAL_LOSS: "min,last",
         M.EVAL_PERPLEXITY: "min,last",
         M.TOKENS_PER_S: "mean,last",

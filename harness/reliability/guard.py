@@ -39,6 +39,7 @@ class Agreement:
 
     skip: bool  # some rank's loss, or the gradient norm, is non-finite: drop the update
     loss: float  # the step's loss, averaged over ranks
+    extra: tuple[float, ...] = ()  # `agree`'s `extra`, summed over ranks (the router's aux loss and expert counts)
 
 
 class StepGuard:
@@ -72,25 +73,30 @@ class StepGuard:
         if tracker is not None and tracker.enabled:
             on_memory_split_request(tracker.request_split)
 
-    def agree(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor | None) -> Agreement:
+    def agree(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor | None, extra: torch.Tensor | None = None) -> Agreement:
         """Before the optimizer step (collective, the step's one host sync): whether any rank's
         loss (`loss_sum`, this rank's micro-batch losses summed on the device) or the gradient
         norm (global, from `Engine.grad_norm`; None where the engine measures it in its step) is
         non-finite, whether a stop was requested on any rank, and the loss averaged over ranks.
+        `extra`: more values of this rank's step to sum over ranks in the same sync (a 1-d tensor on
+        the device: the router's aux loss and expert counts, `harness.training.RouterLoss.pop`).
 
-        One float64 tensor [loss non-finite, stop, norm non-finite, loss] summed over ranks: a
-        flag summed is nonzero where any rank raised it, and the loss sum is exact in float64."""
-        wire = torch.zeros(4, dtype=torch.float64, device=loss_sum.device)
+        One float64 tensor [loss non-finite, stop, norm non-finite, loss, *extra] summed over ranks:
+        a flag summed is nonzero where any rank raised it, and the loss sum is exact in float64."""
+        n_extra = 0 if extra is None else extra.numel()
+        wire = torch.zeros(4 + n_extra, dtype=torch.float64, device=loss_sum.device)
         wire[0] = (~torch.isfinite(loss_sum)).double()
         if signal_received():
             wire[1] = 1.0
         if grad_norm is not None:
             wire[2] = (~torch.isfinite(grad_norm.detach())).double()
         wire[3] = loss_sum.detach().double()
-        bad_loss, stop, bad_norm, total = self.comm.all_reduce_sum(wire).tolist()
+        if extra is not None:
+            wire[4:] = extra.detach().to(wire.device, torch.float64).reshape(-1)
+        bad_loss, stop, bad_norm, total, *summed = self.comm.all_reduce_sum(wire).tolist()
         self._bad_loss, self.stop_requested = bad_loss > 0, stop > 0
         self._bad_norm = None if grad_norm is None else bad_norm > 0
-        return Agreement(skip=self._bad_loss or bool(self._bad_norm), loss=total / self.comm.world)
+        return Agreement(skip=self._bad_loss or bool(self._bad_norm), loss=total / self.comm.world, extra=tuple(summed))
 
     def post_step(self, result: Any) -> None:
         """After the step: apply the policy (skip: count and go on; stop: NonFiniteError)."""

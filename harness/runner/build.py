@@ -12,7 +12,7 @@ import time
 import torch
 
 from harness.checkpoint import CheckpointManager, ResumeState
-from harness.config import INSTRUCTION_FORMATS, DataConfig, ParallelLayout, RunConfig, config_to_dict, default_lr
+from harness.config import INSTRUCTION_FORMATS, DataConfig, ParallelLayout, RunConfig, aux_loss_coefficient, config_to_dict, default_lr
 from harness.data import (
     BatchSampler,
     PackedData,
@@ -34,7 +34,7 @@ from harness.models import model_spec, twin_spec
 from harness.observability import Observer
 from harness.reliability import StepGuard, entering, signal_received
 from harness.runner.trainer import Trainer
-from harness.training import loss_for
+from harness.training import RouterLoss, loss_for
 
 log = get_logger(__name__)
 
@@ -106,13 +106,15 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
     if twin_layers is not None:
         spec = twin_spec(spec, twin_layers)
     labelled = cfg.data.format in INSTRUCTION_FORMATS  # blocks carry (input_ids, labels): loss on the responses only
-    loss_fn = functools.partial(loss_for(plan.layout.splits_sequences, labelled), chunk_size=cfg.memory.loss_chunk_size)
+    router = RouterLoss(aux_loss_coefficient(cfg.moe))  # a mixture-of-experts router's loss: attached to the built model
+    loss_fn = functools.partial(loss_for(plan.layout.splits_sequences, labelled), chunk_size=cfg.memory.loss_chunk_size, router=router)
     if plan.taken and info.is_main:
         log.info(f"run config values taken from outside it: {'; '.join(plan.taken)}")
     if plan.launcher_said and info.is_main:
         log.info(f"accelerate launch settings harness does its own way: {'; '.join(plan.launcher_said)}")
     entering(f"building the {plan.kind} engine and loading the model (any extension build lock included)")
     engine = build_engine(spec, cfg, plan, info, loss_fn)  # built, sharded and filled (LoRA: adapters) inside
+    routing = router.attach(engine.module)  # the coefficient (auto: the model config's where a router trains), or a refusal
     sampler = make_sampler(cfg, data, plan.layout, info)
     ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir, per_rank={"data": sampler})
     entering("restoring the checkpoint")
@@ -147,6 +149,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
         f"{engine.num_parameters():,} params, "
         f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens, {describe_lr(cfg)}"
         + (f", {plan.layout.describe()} ({engine.sequence_split_by})" if plan.layout.splits_sequences else "")
+        + (f", {routing}" if routing else "")
     )
     trainer = Trainer(
         cfg,
@@ -160,5 +163,6 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
         ckpt,
         skipped=int(resumed.counters.get("skipped_steps", 0)),
         started_at=started,
+        router=router if router.active else None,
     )
     return trainer, resumed

@@ -21,7 +21,10 @@ each rank's device for a few seconds, is small by construction (two blocks).
 
 Not covered (refused in one line): streaming data (each rank reads its own stream: no global
 batch to recompute), fp16 (the gradients read before the step are loss-scaled), the optimizer
-stepped inside backward (no gradient survives backward). Sequence parallelism is undone in
+stepped inside backward (no gradient survives backward). A mixture-of-experts router's
+load-balancing loss is left out of both (`moe.aux_loss_coef=0`, said in the start-up line): it is a
+per-micro-batch quantity by definition, which a one-micro-batch reference cannot reproduce; its
+split-invariance is tested instead (tests/integration/test_moe_router.py). Sequence parallelism is undone in
 `reference_config` (whole sequences, the data-parallel world's global batch); the run's gradients
 are read through `Engine.shards()`, which covers any engine that reports its shards.
 """
@@ -74,6 +77,7 @@ def check_config(cfg: RunConfig) -> RunConfig:
     twin.checkpoint.every, twin.checkpoint.save_final, twin.checkpoint.export_hf = 0, False, False
     twin.checkpoint.resume, twin.checkpoint.overwrite = "none", True
     twin.prune.method = "none"
+    twin.moe.aux_loss_coef = "0"  # per micro-batch: not what the one-micro-batch reference computes (above)
     if twin.lora.dropout:
         log.info(f"check: lora.dropout {twin.lora.dropout:g} -> 0 (random masks differ between a sharded run and its reference)")
         twin.lora.dropout = 0.0

@@ -43,6 +43,7 @@ from harness.config import (
     ParallelLayout,
     RunConfig,
     Strategy,
+    aux_loss_coefficient,
     check_prune_widths,
     check_run,
     check_sequence_heads,
@@ -77,6 +78,7 @@ from harness.models import (
 )
 from harness.runner.inputs import check_environment, check_index, check_tokenizer_dir
 from harness.runner.run_dir import check_not_in_use
+from harness.training import router_refusal
 
 log = get_logger(__name__)
 
@@ -191,6 +193,8 @@ def check_architecture(cfg: RunConfig, strategy: Strategy, layout: ParallelLayou
             f"{transformers.__version__} (AutoModelForCausalLM); harness trains causal LMs"
         )
     template = empty_model(config)
+    if (refusal := router_refusal(template, aux_loss_coefficient(cfg.moe))) is not None:  # a mixture-of-experts loss it cannot have
+        raise ConfigError(f"model.name '{name}': {refusal}")
     if layout.splits_sequences and not attention_is_swappable(template):
         raise ConfigError(
             f"model.name '{name}': parallel.sequence={layout.sequence} runs attention through transformers' "

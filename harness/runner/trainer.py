@@ -25,7 +25,7 @@ from harness.log import get_logger
 from harness.memory import COUNTER_KEYS, StepMemoryTracker
 from harness.observability import PEAK_RANK, Observer
 from harness.reliability import StepGuard, steps_begin
-from harness.training import count_targets
+from harness.training import RouterLoss, count_targets
 
 log = get_logger(__name__)
 
@@ -135,6 +135,7 @@ class Trainer:
     started_at: float | None = None  # time.perf_counter() when the run began building: time to first step is part of its cost
     comm: Collectives = field(default_factory=Collectives)  # the counted tokens and memory peaks over ranks
     memory: MemoryPeaks = field(default_factory=MemoryPeaks)  # this rank's peaks since the last log step
+    router: RouterLoss | None = None  # a mixture-of-experts router's loss, in the loss function: its step's values to log
 
     def train(self, first: int, stop: int) -> bool:
         """Train steps [first, stop); False when a stop request ended the run (saved, observer closed)."""
@@ -151,6 +152,9 @@ class Trainer:
         tokens_per_step = sampler.global_batch * cfg.data.seq_len
         engine.train(True)
         state_points: list[dict[str, int]] = []
+        router = self.router
+        if router is not None:
+            router.pop()  # what forwards outside training recorded (pruning's probes) is not this run's step
         for step in range(first, stop):
             t0 = time.perf_counter()
             with tracker.step():
@@ -168,8 +172,11 @@ class Trainer:
                 lr = engine.lr
                 if self.before_step is not None:  # sees the reduced gradients as backward left them (the check)
                     self.before_step(step)
+                routed = router.pop() if router is not None else None  # [aux loss, expert counts] summed over micro-batches
+                if routed is not None and router is not None and router.coef:  # train/loss: the language model's (eval's)
+                    loss_sum -= router.coef * routed[0] / cfg.grad_accum
                 # the step's one host sync: every rank agrees on a non-finite loss or gradient and a stop request
-                agreed = guard.agree(loss_sum, engine.grad_norm())
+                agreed = guard.agree(loss_sum, engine.grad_norm(), routed)
                 result = engine.step(skip=agreed.skip)  # and its post-step hooks (`Engine.register_post_step_hook`)
             if step == 0:
                 state_points.append(engine.state_bytes())
@@ -187,6 +194,8 @@ class Trainer:
                 "perf/tokens_per_s": tokens_per_step / elapsed,
                 "perf/samples_per_s": sampler.global_batch / elapsed,
             }
+            if router is not None:  # train/aux_loss and each layer's expert load, over the step's micro-batches and ranks
+                metrics.update(router.step_metrics(agreed.extra, cfg.grad_accum * self.comm.world))
             self.memory.add(tracker)
             evaluate_now = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0 and step + 1 < stop and self.data.n_blocks("eval") > 0
             if (step + 1) % cfg.logging.log_every == 0 or step + 1 == stop or evaluate_now or guard.stop_requested:

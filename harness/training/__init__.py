@@ -1,5 +1,6 @@
-"""The arithmetic of a training step, engine-agnostic: the fp32 causal-LM loss, optimizers and
-LR schedules, precision policies."""
+"""The arithmetic of a training step, engine-agnostic: the fp32 causal-LM loss, a
+mixture-of-experts router's load-balancing loss (`router`), optimizers and LR schedules,
+precision policies."""
 
 from harness.config import BF16_WEIGHT_OPTIMIZERS, OPTIMIZER_NAMES
 from harness.training.loss import (
@@ -25,8 +26,11 @@ from harness.training.optim import (
     optimizer_step_bytes,
 )
 from harness.training.precision import DTYPE_BYTES, DTYPE_NAMES, DTYPES, PrecisionPolicy, bf16_supported, precision_policy
+from harness.training.router import AUX_LOSS, EXPERT_LOAD, RouterLoss, router_refusal
 
 __all__ = [
+    "AUX_LOSS",
+    "EXPERT_LOAD",
     "IGNORE_INDEX",
     "BF16_WEIGHT_OPTIMIZERS",
     "DTYPES",
@@ -34,6 +38,7 @@ __all__ = [
     "DTYPE_NAMES",
     "OPTIMIZER_NAMES",
     "PrecisionPolicy",
+    "RouterLoss",
     "bf16_supported",
     "build_optimizer",
     "build_scheduler",
@@ -52,5 +57,6 @@ __all__ = [
     "optimizer_state_bytes",
     "optimizer_step_bytes",
     "precision_policy",
+    "router_refusal",
     "shift_targets",
 ]

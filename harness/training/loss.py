@@ -25,6 +25,10 @@ DeepSpeed engine or DDP wrapper only forwards through ``module.__call__``. So a 
 forward override is installed on the HF module's *instance* (class code untouched): with
 the ``harness_targets`` keyword it returns the loss sum, without it it is the original
 forward. The override is one stable bound method, so torch.compile guards stay valid.
+
+A mixture-of-experts model's router loss (`harness.training.router`) rides every loss here: given a
+`router` that has attached to the model, a training forward (gradients on) also asks the model for
+its router logits (the chunked forward returns them beside its sum) and adds the router's term.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from harness.distributed import unwrap
+from harness.training.router import RouterLoss
 
 IGNORE_INDEX = -100
 _ORIG_FORWARD = "_harness_original_forward"
@@ -158,7 +163,8 @@ def _forward_with_loss(
         raise TypeError(f"{type(self).__name__} has no decoder/output embeddings; chunked loss needs an HF causal LM")
     out = body(*args, **kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return chunked_ce_sum(hidden, head, harness_targets, harness_chunk_size)
+    total = chunked_ce_sum(hidden, head, harness_targets, harness_chunk_size)
+    return (total, out.router_logits) if kwargs.get("output_router_logits") else total
 
 
 def install_loss_forward(model: nn.Module) -> nn.Module:
@@ -182,6 +188,7 @@ def causal_lm_loss(
     attention_mask: torch.Tensor | None = None,
     num_items: float | torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    router: RouterLoss | None = None,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32 of ``model`` on ``input_ids``; same value as HF's loss.
 
@@ -191,10 +198,11 @@ def causal_lm_loss(
     token count, so that gradient accumulation over micro-batches of uneven token counts
     equals one big batch (HF's ``num_items_in_batch``). ``position_ids`` restarting inside a
     row (packed examples) with no ``attention_mask``: transformers confines attention to each
-    example.
+    example. ``router``: a mixture-of-experts model's load-balancing term, added in training
+    (`harness.training.router`).
     """
     targets = shift_targets(input_ids if labels is None else labels)
-    return loss_of_targets(model, input_ids, targets, chunk_size, attention_mask, num_items, position_ids)
+    return loss_of_targets(model, input_ids, targets, chunk_size, attention_mask, num_items, position_ids, router)
 
 
 def loss_of_targets(
@@ -205,6 +213,7 @@ def loss_of_targets(
     attention_mask: torch.Tensor | None = None,
     num_items: float | torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    router: RouterLoss | None = None,
 ) -> torch.Tensor:
     """`causal_lm_loss` against targets already shifted (position t predicts ``targets[t]``)."""
     kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
@@ -212,18 +221,35 @@ def loss_of_targets(
         kwargs["attention_mask"] = attention_mask
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
+    routed = router is not None and router.active and torch.is_grad_enabled()
+    if routed:
+        kwargs["output_router_logits"] = True
     denom = (targets != IGNORE_INDEX).sum() if num_items is None else num_items
     if chunk_size > 0:
         install_loss_forward(model)
-        return model(**kwargs, harness_targets=targets, harness_chunk_size=chunk_size) / denom
-    out = model(**kwargs)
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    del out  # the logits are not needed after the loss: let them go
-    return ce_sum(logits, targets, scale=1.0 / denom)
+        out = model(**kwargs, harness_targets=targets, harness_chunk_size=chunk_size)
+        loss, router_logits = out if routed else (out, None)
+        loss = loss / denom
+    else:
+        out = model(**kwargs)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        router_logits = out.router_logits if routed else None
+        del out  # the logits are not needed after the loss: let them go
+        loss = ce_sum(logits, targets, scale=1.0 / denom)
+    if routed:
+        assert router is not None
+        term = router(router_logits, attention_mask)
+        if term is not None:
+            loss = loss + term
+    return loss
 
 
 def labelled_lm_loss(
-    model: nn.Module, batch: torch.Tensor, chunk_size: int = 0, num_items: float | torch.Tensor | None = None
+    model: nn.Module,
+    batch: torch.Tensor,
+    chunk_size: int = 0,
+    num_items: float | torch.Tensor | None = None,
+    router: RouterLoss | None = None,
 ) -> torch.Tensor:
     """The loss of `(B, 3, S)` blocks of (input_ids, labels, position_ids) - instruction data
     (`harness.data.instructions`), where labels are -100 on prompt tokens and padding and
@@ -235,11 +261,15 @@ def labelled_lm_loss(
     positions = batch[:, 2].contiguous() if batch.shape[1] > 2 else None
     if num_items is None:
         num_items = (shift_targets(labels) != IGNORE_INDEX).sum().clamp(min=1)
-    return causal_lm_loss(model, input_ids, labels, chunk_size=chunk_size, num_items=num_items, position_ids=positions)
+    return causal_lm_loss(model, input_ids, labels, chunk_size=chunk_size, num_items=num_items, position_ids=positions, router=router)
 
 
 def sequence_shard_loss(
-    model: nn.Module, batch: torch.Tensor, chunk_size: int = 0, num_items: float | torch.Tensor | None = None
+    model: nn.Module,
+    batch: torch.Tensor,
+    chunk_size: int = 0,
+    num_items: float | torch.Tensor | None = None,
+    router: RouterLoss | None = None,
 ) -> torch.Tensor:
     """The loss of this rank's slice of every sample under sequence parallelism: `(B, 3, L+1)`
     blocks of (input_ids, labels, position_ids) over its L tokens plus the next slice's first
@@ -251,7 +281,7 @@ def sequence_shard_loss(
     targets = shift_targets(batch[:, 1])[:, :-1].contiguous()
     if num_items is None:
         num_items = (targets != IGNORE_INDEX).sum().clamp(min=1)
-    return loss_of_targets(model, input_ids, targets, chunk_size=chunk_size, num_items=num_items, position_ids=positions)
+    return loss_of_targets(model, input_ids, targets, chunk_size=chunk_size, num_items=num_items, position_ids=positions, router=router)
 
 
 def loss_for(sliced: bool, labelled: bool) -> Callable[..., torch.Tensor]:

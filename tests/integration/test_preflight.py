@@ -129,6 +129,8 @@ CASES = [
     ("sequence_not_dividing_world", {}, ["strategy=fsdp", "parallel.sequence=3"], "must divide the world size (2)"),
     ("sequence_not_dividing_kv_heads", {"WORLD_SIZE": "4"}, ["strategy=fsdp", "parallel.sequence=4"], "num_key_value_heads=2"),
     ("sequence_eager_only_model", {}, ["model.name={root}/bloom", "parallel.sequence=2"], "(eager attention only)"),
+    ("aux_loss_for_a_dense_model", {}, ["model.name={root}/bloom", "moe.aux_loss_coef=0.01"], "BloomForCausalLM has no mixture-of-experts"),
+    ("aux_loss_not_a_number", {}, ["moe.aux_loss_coef=lots"], "moe.aux_loss_coef='lots' must be auto"),
     ("global_batch_disagrees", {}, ["global_batch_size=16"], "set grad_accum=4"),
     ("accelerate_precision_disagrees", {"ACCELERATE_MIXED_PRECISION": "bf16"}, ["precision=fp32"], "contradicts the run config"),
     ("output_dir_is_a_file", {}, ["output_dir={root}/a_file"], "is not a directory"),

@@ -40,6 +40,8 @@ def _step_metrics(rng: random.Random, world: int) -> dict[str, float]:
         M.TOKENS_PER_S: rng.uniform(1e3, 1e4),
         M.SAMPLES_PER_S: rng.uniform(1.0, 50.0),
         M.MAX_ALLOCATED: rng.randrange(1 << 20, 1 << 30),
+        M.TRAIN_AUX_LOSS: rng.uniform(1.9, 2.5),  # a mixture-of-experts run's router loss and expert load
+        **{f"{M.EXPERT_LOAD_PREFIX}{layer}": rng.uniform(1.0, 2.0) for layer in (0, 1, 10)},
     }
     m.update({M.memory_key(c): rng.randrange(1 << 10, 1 << 28) for c in M.MEMORY_CATEGORIES})
     return m
@@ -260,8 +262,8 @@ def test_plots_are_valid_pngs_and_summary_matches(tmp_path):
     prune = next(e for e in _jsonl(tmp_path) if e["kind"] == "prune")
     assert prune["step"] == 6 and prune[M.PRUNE_ACHIEVED] == 0.5
     assert {k[len(M.PRUNE_LAYER_PREFIX) :]: v for k, v in prune.items() if k.startswith(M.PRUNE_LAYER_PREFIX)} == layers
-    assert set(summary["plots"]) == {"loss", "memory", "throughput"}
-    for name in ("loss", "memory", "throughput"):
+    assert set(summary["plots"]) == {"loss", "memory", "throughput", "moe"}
+    for name in ("loss", "memory", "throughput", "moe"):
         path = tmp_path / f"{name}.png"
         assert summary["plots"][name] == str(path)
         assert path.read_bytes()[:8] == PNG_SIGNATURE
@@ -275,8 +277,14 @@ def test_plots_are_valid_pngs_and_summary_matches(tmp_path):
     steady = [sent[s][M.TOKENS_PER_S] for s in range(2, 7)]
     assert summary["perf/tokens_per_s_mean"] == pytest.approx(sum(steady) / len(steady))
     assert summary["note"] == "hello"
+    assert summary["train/aux_loss_final"] == sent[6][M.TRAIN_AUX_LOSS]
+    loads = {layer: sent[6][f"{M.EXPERT_LOAD_PREFIX}{layer}"] for layer in (0, 1, 10)}
+    worst = max(loads, key=loads.__getitem__)
+    assert (summary["moe/expert_load_worst"], summary["moe/expert_load_worst_layer"]) == (loads[worst], worst)
+    assert summary["moe/expert_load_mean"] == pytest.approx(sum(loads.values()) / 3)
     printed = out.getvalue()
     assert "Run summary" in printed and "eval/perplexity_best" in printed and "| note" in printed
+    assert "| moe/expert_load_worst " in printed and "| train/aux_loss_final " in printed
 
 
 # ------------------------------------------------------------------------- rank 0 only
@@ -290,13 +298,14 @@ def test_progress_without_a_terminal_prints_plain_lines():
     progress = Progress(10, every=5, stream=out)
     assert not progress.bar_mode
     for step in range(1, 11):
-        progress.update(step, loss=10.0 / step, memory_bytes=3 * 2**30)
+        progress.update(step, loss=10.0 / step, memory_bytes=3 * 2**30, aux_loss=2.0 + step / 100, expert_load=1.25)
     progress.close()
     lines = out.getvalue().splitlines()
     assert "\r" not in out.getvalue()
     assert [line.split(" | ")[0] for line in lines] == ["step 5/10 (50%)", "step 10/10 (100%)"]
     for line, step in zip(lines, (5, 10)):
         assert f"loss {10.0 / step:.4f}" in line and "mem 3.00 GiB" in line and "ETA" in line and "step/s" in line
+        assert f"aux {2.0 + step / 100:.4g} | load 1.25" in line
 
 
 def test_progress_on_a_terminal_draws_a_bar():
