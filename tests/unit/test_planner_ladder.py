@@ -51,9 +51,9 @@ def test_the_sequence_parallel_rung_keeps_the_global_batch_and_drops_what_it_ref
 
 
 def test_sequence_degree_is_the_largest_split_the_world_heads_and_length_allow() -> None:
-    """tiny-llama: 4 heads, 2 key/value heads."""
+    """tiny-llama: 4 heads, 2 key/value heads (replicated over a group of 4: the query heads cap N)."""
     cfg = load_config(None, TINY)
-    assert [sequence_degree(cfg, world, 2048) for world in (1, 2, 3, 4, 8)] == [1, 2, 1, 2, 2]
+    assert [sequence_degree(cfg, world, 2048) for world in (1, 2, 3, 4, 8)] == [1, 2, 1, 4, 4]
     assert sequence_degree(load_config(None, [*TINY, "data.seq_len=63"]), 2, 2048) == 1
     assert sequence_degree(load_config(None, [*TINY, "parallel.sequence=2"]), 2, 2048) == 1  # already split
 
