@@ -47,3 +47,50 @@ class StateCounter:
 def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
     state = getattr(optimizer, "state", {})
     return [t for s in state.values() for t in (s.values() if isinstance(s, dict) else []) if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+
+def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth > 3:
+        return []
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v, depth + 1)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v, depth + 1)]
+    return []
+
+
+def _classify_ds_attribute(name: str) -> str | None:
+    lowered = name.lower()
+    if "grad" in lowered:
+        return "grads"
+    if "fp32" in lowered or "master" in lowered or "single_partition" in lowered:
+        return "master_params"
+    if any(k in lowered for k in ("bit16", "fp16", "lp_param", "partitioned_groups_flat")):
+        return "params"
+    return None
+
+
+def deepspeed_state_bytes(ds_engine: Any) -> dict[str, int]:
+    """DeepSpeed ZeRO 0-3: walk the engine's optimizer for the storages it holds."""
+    counter = StateCounter()
+    module = ds_engine.module
+    params = list(module.parameters())
+    # ZeRO-3 keeps each rank's partition in `ds_tensor`; the full `param.data` is freed.
+    counter.add("params", [getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p for p in params])
+    counter.add("grads", [p.grad for p in params if p.grad is not None])
+    zero_opt = ds_engine.optimizer
+    # ZeRO 1-3 and DeepSpeed's bf16/fp16 wrappers hold the torch optimizer as `.optimizer`; at
+    # stage 0 without a wrapper the engine's optimizer is the torch optimizer itself.
+    base = getattr(zero_opt, "optimizer", None) or zero_opt
+    counter.add("optim_state", optimizer_state_tensors(base))
+    # Gradients first (buffers whose names say so), then master copies, then flat params.
+    attrs = {}
+    for name, value in vars(zero_opt).items():
+        category = _classify_ds_attribute(name)
+        if category:
+            attrs.setdefault(category, []).extend(_tensors_in(value))
+    for category in ("grads", "master_params", "params"):
+        counter.add(category, attrs.get(category, []))
+    return counter.bytes
