@@ -24,8 +24,12 @@ these blocks like any other (a block is a row of the array).
 `data.packing: true` packs whole examples into blocks, best-fit decreasing (TRL's BFD, axolotl's
 multipack): no example is cut at a block boundary and none is dropped; `false` gives one example
 per block. Either way an example longer than `seq_len` is truncated (counted, warned) and the
-rest of a block is padding (EOS, label -100, its own positions). The split of an example is a
-seeded hash of its record, as for documents.
+rest of a block is padding (EOS, label -100), whose positions continue the last example's: tail
+padding attends only to what precedes it and nothing attends to it (causal), so it changes no
+labelled token, and a row of one example has positions 0..S-1 with no restart, so transformers
+builds no mask for it (a restart there would make it build the packed-sequence (B, 1, S, S) mask
+and give up grouped-query sdpa, memory the planner does not book for unpacked rows). The split
+of an example is a seeded hash of its record, as for documents.
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ IGNORE = -100
 EXAMPLES = "examples"  # the cache layout name in meta.json: (n, 3, seq_len) input_ids, labels, position_ids
 # What an instruction cache holds, in its key: a cache written by other rules is never read as this one.
 LAYOUT_VERSION = (
-    "examples-3: whole-example BFD packing, positions per example, TRL's assistant spans, no plain-chat header, leading specials, "
-    "chat roles by harness.data.formats.ROLES, text content parts"
+    "examples-4: whole-example BFD packing, positions per example (padding continues the last), TRL's assistant spans, "
+    "no plain-chat header, leading specials, chat roles by harness.data.formats.ROLES, text content parts"
 )
 
 
@@ -231,10 +235,11 @@ def to_blocks(examples: list[tuple[list[int], list[int]]], seq_len: int, packing
         ids = [t for i in group for t in cut[i][0]]
         labels = [t for i in group for t in cut[i][1]]
         positions = [p for i in group for p in range(len(cut[i][0]))]
-        pad = seq_len - len(ids)  # the rest: EOS, no label, positions of its own (a segment nothing attends across)
+        pad = seq_len - len(ids)  # the rest: EOS, no label, the last example's positions continued (module docstring)
+        last = len(cut[group[-1]][0])
         blocks[b, 0] = ids + [eos] * pad
         blocks[b, 1] = labels + [IGNORE] * pad
-        blocks[b, 2] = positions + list(range(pad))
+        blocks[b, 2] = positions + list(range(last, last + pad))
     return blocks, truncated
 
 

@@ -5,7 +5,8 @@ turns it on, its step-time factor, whether the OOM advice suggests it; `prepare_
 rows that rewrite the model in the table's order: tiled MLP -> AC -> compile, before sharding): the
 tiled MLP, activation checkpointing, activation offload, torch.compile with an activation-memory
 budget, optimizer-in-backward. Measurement: `StepMemoryTracker` (peak by
-category per step) over torch's memory trackers. `categories` is the one vocabulary.
+category per step) over torch's memory trackers. `categories` is the one vocabulary. `pinned`:
+pinned host memory as torch's caching host allocator takes it (what the planner books).
 
 To add a technique: a module here exposing `apply_<technique>(model, ...)`, its row in
 `techniques.TECHNIQUES`, and a config key in `harness.config.schema.MemoryConfig` with its rule
@@ -17,6 +18,7 @@ from harness.memory.activation_offload import ActivationOffload
 from harness.memory.categories import CATEGORIES, REPORTED, STATE_CATEGORIES, category_of
 from harness.memory.compile import CompileTimer, apply_compile, set_activation_memory_budget
 from harness.memory.optimizer_in_backward import OptimizerInBackward
+from harness.memory.pinned import pinned_block, pinned_bytes
 from harness.memory.techniques import (
     AC_STEP_TIME,
     ACTIVATION_CHECKPOINTING,
@@ -72,6 +74,8 @@ __all__ = [
     "clean_fqn",
     "mlp_tiles",
     "optimizer_state_bytes",
+    "pinned_block",
+    "pinned_bytes",
     "set_activation_memory_budget",
     "tiled_mlps",
 ]

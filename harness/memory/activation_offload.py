@@ -33,7 +33,9 @@ and ``OffloadStats`` accounts the bytes moved and prefetched. Neither can show a
 device-memory saving, which only a GPU run can. ``simulate=True`` (the planner's traced
 step, fake tensors without data): the device tensor is released at pack time and an empty one
 of its layout comes back at unpack or prefetch, which is the device-memory timeline of the
-real offload; the host bytes are the store's.
+real offload; the host bytes are the store's. Each pinned copy holds what torch's caching host
+allocator takes for it (`harness.memory.pinned`: the next power of two), counted in
+``OffloadStats.peak_pinned_bytes`` (in simulation too, when ``pin_memory``: the planner's GPU run).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from harness.memory.pinned import pinned_block
 
 OffloadScope = Literal["all", "checkpoint_inputs"]
 
@@ -62,6 +66,7 @@ class OffloadStats:
     unpacked: int = 0
     prefetched: int = 0  # brought back ahead of their unpack (checkpoint inputs)
     peak_store_bytes: int = 0  # largest host-store footprint during the context
+    peak_pinned_bytes: int = 0  # the same moment's pinned copies as the caching host allocator holds them (rounded up)
     peak_fetched_bytes: int = 0  # largest device footprint of inputs brought back and not yet unpacked
     reasons: dict[str, int] = field(default_factory=dict)
 
@@ -75,15 +80,19 @@ class _Handle:
     of its unpack (prefetch), with the event its copy records on a side stream.
     """
 
-    __slots__ = ("host", "device", "nbytes", "owner", "layout", "fetched", "event", "__weakref__")
+    __slots__ = ("host", "device", "nbytes", "pinned", "owner", "layout", "fetched", "event", "__weakref__")
 
-    def __init__(self, host: torch.Tensor | None, device: torch.device, nbytes: int, owner: ActivationOffload, layout: Any) -> None:
+    def __init__(
+        self, host: torch.Tensor | None, device: torch.device, nbytes: int, owner: ActivationOffload, layout: Any, pinned: int = 0
+    ) -> None:
         self.host, self.device, self.nbytes, self.owner, self.layout = host, device, nbytes, owner, layout
+        self.pinned = pinned  # bytes of its pinned block (0: not pinned)
         self.fetched: torch.Tensor | None = None
         self.event: Any = None
 
     def __del__(self) -> None:
         self.owner._store_bytes -= self.nbytes
+        self.owner._pinned_bytes -= self.pinned
         if self.fetched is not None:
             self.owner._fetched_bytes -= self.nbytes
 
@@ -127,6 +136,7 @@ class ActivationOffload:
         self.scope, self.model, self.prefetch, self.simulate = scope, model, max(0, prefetch), simulate
         self.stats = OffloadStats()
         self._store_bytes = 0
+        self._pinned_bytes = 0
         self._fetched_bytes = 0
         self._seen: dict[tuple[Any, ...], tuple[weakref.ref, weakref.ref]] = {}
         self._inputs: dict[int, weakref.ref] = {}  # storages that are checkpointed blocks' inputs (this forward)
@@ -171,14 +181,17 @@ class ActivationOffload:
             if handle is not None and storage_ref() is t.untyped_storage():
                 self.stats.deduplicated += 1
                 return handle
-        handle = _Handle(self._to_host(t), t.device, nbytes, self, (t.shape, t.stride(), t.dtype))
+        pins = self.pin_memory and (self.simulate or t.device.type != "cpu")  # simulated: the GPU run's copy
+        handle = _Handle(self._to_host(t), t.device, nbytes, self, (t.shape, t.stride(), t.dtype), pinned_block(nbytes) if pins else 0)
         self._seen[key] = (weakref.ref(t.untyped_storage()), weakref.ref(handle))
         if self.scope == "checkpoint_inputs":
             self._order.append(weakref.ref(handle))
         self._store_bytes += nbytes
+        self._pinned_bytes += handle.pinned
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += nbytes
         self.stats.peak_store_bytes = max(self.stats.peak_store_bytes, self._store_bytes)
+        self.stats.peak_pinned_bytes = max(self.stats.peak_pinned_bytes, self._pinned_bytes)
         return handle
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor | None:

@@ -202,6 +202,8 @@ def specs_for(
         sub_group_size=int(zero.sub_group_size),
         nvme_buffer_count=int(off.buffer_count) if off is not None else 5,
         nvme_buffer_size=int(off.buffer_size) if off is not None else 100_000_000,
+        pin_optimizer=zero.offload_optimizer is not None and bool(zero.offload_optimizer.pin_memory),
+        pin_params=off is not None and bool(off.pin_memory),
     )
     return trace, engine
 
@@ -400,7 +402,7 @@ def estimate(
         )
     host = dict(em.host)
     if trace.offloaded_bytes:
-        host["checkpoint_inputs"] = trace.offloaded_bytes  # pinned, all of them at the end of forward
+        host["checkpoint_inputs"] = trace.offloaded_bytes  # pinned blocks (rounded up), all of them at the end of forward
     host_extra = max((p.host_extra for p in em.phases), default=0)
     host_total = sum(host.values())
     return Estimate(

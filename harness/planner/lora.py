@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from harness.memory import pinned_bytes
 from harness.planner.fsdp_offload import in_flight_bytes, largest_group_shard
 from harness.planner.model_states import EngineModel
 from harness.planner.trace import ParamInfo
@@ -110,7 +111,7 @@ def _offloaded_base(em: EngineModel, info: ParamInfo, world: int, dtype_bytes: i
         else:
             shards.append((name, math.prod(shape) * dtype_bytes // world))
     shards += [(name, n * adapter_bytes // world) for name, n in zip(info.names, info.numels)]  # the adapters
-    host = {**em.host, "parameters": sum(b for _, b in shards)}
+    host = {**em.host, "parameters": pinned_bytes(b for _, b in shards)}  # pinned on the GPU run, one block a shard
     copied = in_flight_bytes(largest_group_shard(shards))
     resident = {**em.resident, "communication": copied}
     notes = [n for n in em.notes if not n.startswith("FSDP2 CPU offload")]  # its in-flight bytes were the unquantized shapes'

@@ -10,6 +10,9 @@ written down here, each term named after the buffer of the engine that allocates
   (every parameter that touches this rank's slice, whole), and at the step an fp32 copy
   of the gradient partition; with CPU offload the master, gradients and optimizer move to
   the host plus two largest-parameter staging buffers;
+- pinned host buffers (FSDP2's CPU offload on a GPU; a DeepSpeed offload block's `pin_memory`)
+  as torch's caching host allocator holds them: each rounded up to a power of two
+  (``harness.memory.pinned``), the optimizer's state (pageable) as it is;
 - DeepSpeed ZeRO-3: per-parameter partitions padded to ``world``, persistent small
   parameters kept whole, a gradient-partition buffer and a reduce bucket allocated at
   init, gathered parameters up to ``stage3_max_live_parameters``, and per optimizer
@@ -33,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from harness.memory import pinned_block, pinned_bytes
 from harness.planner.fsdp_offload import in_flight_bytes, largest_group_shard
 from harness.planner.optimizer_model import (
     EngineSpec,
@@ -224,7 +228,11 @@ def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
             0,
             0,
             [Phase("optimizer step (host)", host_extra=transient)],
-            {"optimizer_state": states, "parameters": sum(local) * pb + sum(frozen) * fb, "gradients": sum(local) * pb},
+            {  # pinned per parameter: each padded shard, each reduce-scattered gradient copied to the host
+                "optimizer_state": states,
+                "parameters": pinned_bytes([*(k * pb for k in local), *(k * fb for k in frozen)]),
+                "gradients": pinned_bytes(k * pb for k in local),
+            },
             notes=[
                 f"FSDP2 CPU offload: every shard on the host; on the device the gathered groups and "
                 f"{in_flight_bytes(group):,} B of shards copied in for their gathers; the unsharded gradients of "
@@ -255,9 +263,10 @@ def zero12_model(spec: EngineSpec, info: ParamInfo, rank: int) -> EngineModel:
     notes = [f"reduce bucket {spec.reduce_bucket:,} elements ({bucket:,} bytes) from the first gradient"]
     norm64 = 8 * min(info.largest, part)  # gradient norms are taken in fp64: a copy of one gradient slice
     if spec.offload_optimizer != "none":
+        pin = pinned_block if spec.pin_optimizer else int  # int: a pageable buffer holds what it asks for
         host = {
-            "parameters": master + part * b,  # fp32 master + the bit16 staging copy of the update
-            "gradients": part * 4 + info.largest * b,  # fp32 gradient partition + a staging buffer
+            "parameters": pin(master) + pin(part * b),  # fp32 master + the bit16 staging copy of the update
+            "gradients": pin(part * 4) + pin(info.largest * b),  # fp32 gradient partition + a staging buffer
             "optimizer_state": states,
         }
         step = Phase("optimizer step (host)", grads=0, host_extra=0 if cpu_adam(spec) else transient)
@@ -308,7 +317,7 @@ def zero3_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     resident: dict[str, int] = {"communication": bucket}
     host: dict[str, int] = {}
     if spec.offload_params == "cpu":
-        host["parameters"] = part * b
+        host["parameters"] = pinned_block(part * b)  # one flat buffer, pinned whatever the block's pin_memory says
     elif spec.offload_params == "nvme":
         host["nvme_swap_buffers"] = spec.nvme_buffer_count * spec.nvme_buffer_size * b
     norm64 = 8 * math.ceil(info.largest / spec.world)  # fp64 copy of the largest gradient partition
@@ -317,7 +326,10 @@ def zero3_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
         resident["optimizer_state"] = part * 4 + states
         step = Phase("optimizer step", params=held, grads=largest_group * 4, extra={"optimizer_state": transient})
     else:
-        host["gradients"] = grad_buffer + part * 4  # accumulation buffer + fp32 gradient for the step
+        # accumulation buffer + fp32 gradient for the step (one buffer per optimizer sub-group)
+        pin = pinned_block if spec.pin_optimizer else int  # int: a pageable buffer holds what it asks for
+        sub_groups = zero3_subgroups(info.numels, spec.world, spec.sub_group_size)
+        host["gradients"] = pin(grad_buffer) + sum(pin(g * 4) for g in sub_groups)
         if spec.offload_optimizer == "cpu":
             host["parameters"] = host.get("parameters", 0) + part * 4  # fp32 master
             host["optimizer_state"] = states

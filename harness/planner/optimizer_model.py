@@ -43,6 +43,10 @@ class EngineSpec:
     frozen_param_bytes: int = 4  # a frozen parameter's bytes (PrecisionPolicy.frozen_dtype: FSDP2 bf16 holds it in bf16)
     compiled_step: bool = False  # torchao compiles its step (its default; `harness.training.name_compiles_step`)
     cpu_adam: bool | None = None  # DeepSpeedCPUAdam steps the offloaded optimizer (the engine plan's); None: by target
+    # DeepSpeed's offload blocks' "pin_memory" (its default false): their host buffers pinned, each rounded by
+    # torch's caching host allocator (harness.memory.pinned); FSDP2's CPU offload pins on a GPU always
+    pin_optimizer: bool = False
+    pin_params: bool = False
 
 
 # torchao's step compiled by inductor on CPU (torch 2.13, torchao 0.18), bytes it allocates per element

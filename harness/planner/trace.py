@@ -132,7 +132,7 @@ class TraceResult:
     # already reduce-scattered. The rest of a row's gradients are the unsharded ones of the groups in backward.
     sharded_grads: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    offloaded_bytes: int = 0  # host bytes of the offloaded checkpoint inputs at most (per rank)
+    offloaded_bytes: int = 0  # pinned host bytes of the offloaded checkpoint inputs at most (per rank; harness.memory.pinned)
 
     def total(self, i: int) -> int:
         return sum(self.rows[i])
@@ -336,7 +336,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                 autocast = torch.autocast("cpu", dtype=DTYPES[spec.precision]) if spec.autocast else contextlib.nullcontext()
                 # the trainer's own offload, simulated: the device copy is released at pack time and an empty one
                 # comes back when backward (or the prefetch ahead of it) asks for it
-                offload = ActivationOffload(scope="checkpoint_inputs", model=model, simulate=True)
+                offload = ActivationOffload(scope="checkpoint_inputs", model=model, simulate=True, pin_memory=True)
                 with warnings.catch_warnings(), real_run_masking(packed=spec.packed), tracker:
                     warnings.simplefilter("ignore")
                     for micro, batch in enumerate(ids):
@@ -370,7 +370,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         tracker.race_after_backward,
         held_param_bytes=held,
         sharded_grads=tracker.sharded_grads,
-        offloaded_bytes=offload.stats.peak_store_bytes,
+        offloaded_bytes=offload.stats.peak_pinned_bytes,
     )
     result.trace_seconds = time.perf_counter() - start
     return result

@@ -45,10 +45,21 @@ from harness.distributed import Collectives, DistInfo, launch_env, pick_device
 from harness.engine import Engine, EnginePlan, plan_engine
 from harness.errors import EXIT_OK, EXIT_WRONG_RESULTS, ConfigError, StopRequested
 from harness.log import get_logger
-from harness.models import clean_name
+from harness.models import clean_name, model_spec
 from harness.reliability import entering, steps_discarded
 from harness.runner.build import build_run
-from harness.runner.check_compare import Part, Verdict, grad_bound, judge, merge, sums, update_bound
+from harness.runner.check_compare import (
+    DETECTION_LIMIT,
+    Part,
+    Verdict,
+    drift_allowance,
+    grad_bound,
+    judge,
+    merge,
+    overall,
+    sums,
+    update_bound,
+)
 from harness.runner.command import run_command
 from harness.runner.preflight import preflight
 from harness.runner.trainer import Trainer
@@ -165,22 +176,55 @@ def updates(after: list[Part], before: list[Part]) -> list[Part]:
     return [Part(p.name, p.start, p.end, p.values - prior[(p.name, p.start)]) for p in after if p.values is not None]
 
 
-def compare(run: Record, ref: Record, plan: EnginePlan, tokens: int, comm: Collectives) -> Verdict:
-    """The initial weights, then each step's gradients, updates and loss, each parameter in model order."""
-    verdict = Verdict()
-    g_bound = grad_bound(plan.precision.compute_dtype, tokens, TWIN_LAYERS)
-    u_bound = update_bound(g_bound)
+def step_tokens(cfg: RunConfig, world: int) -> int:
+    """The tokens of one step's global batch: every data-parallel rank's (the ranks of a sequence
+    group share their samples, each training its slice)."""
+    return cfg.micro_batch_size * cfg.grad_accum * (world // cfg.parallel.sequence) * cfg.data.seq_len
 
-    def judge_parts(step: int, what: str, mine: list[Part], reference: list[Part], bound: float) -> None:
+
+def stage_width(config, seq_len: int) -> int:
+    """The longest dot product inside a stage of the model: its hidden or MLP width, or attention's over the sequence."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return max(int(getattr(text, "hidden_size", 0) or 0), int(getattr(text, "intermediate_size", 0) or 0), seq_len)
+
+
+def check_bounds(plan: EnginePlan, world: int) -> float:
+    """The gradient bound of the run's first step (`harness.runner.check_compare`), or a refusal
+    where it could no longer see the planted bugs (`DETECTION_LIMIT`): a step too large."""
+    cfg = plan.config
+    tokens = step_tokens(cfg, world)
+    width = stage_width(model_spec(cfg.model.name).config, cfg.data.seq_len)  # the twin keeps the model's widths
+    g_bound = grad_bound(plan.precision.compute_dtype, tokens, TWIN_LAYERS, width)
+    if g_bound >= DETECTION_LIMIT:
+        raise ConfigError(
+            f"--check at {tokens:,} tokens a step under precision={cfg.precision}: its rounding bound {g_bound:.3g} would let errors "
+            f"of {DETECTION_LIMIT:g} pass, as large as the bugs it must find; check with fewer tokens a step (micro_batch_size, "
+            "grad_accum or data.seq_len: the recipe is checked, not the batch size) or with precision=fp32"
+        )
+    return g_bound
+
+
+def compare(run: Record, ref: Record, g_bound: float, comm: Collectives) -> Verdict:
+    """The initial weights, then each step's gradients, updates and loss, each parameter in model order;
+    from the second step on each gradient's bound allows for the weights the run has left the
+    reference's by (`drift_allowance`)."""
+    verdict = Verdict()
+
+    def judge_parts(step: int, what: str, mine: list[Part], reference: list[Part], bounds: float | dict[str, float]) -> dict:
         expected = whole(reference)
         totals = merge(comm.gather_object(sums(mine, expected)))
-        judge(verdict, step, what, totals, [n for n in ref.order if expected.get(n) is not None], bound, ref.shapes)
+        judge(verdict, step, what, totals, [n for n in ref.order if expected.get(n) is not None], bounds, ref.shapes)
+        return totals
 
     judge_parts(0, "initial weights", run.weights[0], ref.weights[0], g_bound)
+    drift = 0.0  # the last update's relative error: how far the run's weights have left the reference's
     for step in range(CHECK_STEPS):  # parameters first: a difference is named where it is
-        judge_parts(step + 1, "gradient", run.grads[step], ref.grads[step], g_bound)
+        allowance = drift_allowance(drift, whole(ref.grads[step]), whole(ref.grads[step - 1])) if step else {}
+        grad_bounds = {name: g_bound + allowance.get(name, 0.0) for name in ref.order}
+        judge_parts(step + 1, "gradient", run.grads[step], ref.grads[step], grad_bounds)
         ref_update = updates(ref.weights[step + 1], ref.weights[step])
-        judge_parts(step + 1, "update", updates(run.weights[step + 1], run.weights[step]), ref_update, u_bound)
+        update_bounds = {name: update_bound(bound) for name, bound in grad_bounds.items()}
+        drift = overall(judge_parts(step + 1, "update", updates(run.weights[step + 1], run.weights[step]), ref_update, update_bounds))
         loss, ref_loss = run.losses[step], ref.losses[step]
         verdict.add(step + 1, "loss", "the loss", abs(loss - ref_loss) / abs(ref_loss), g_bound, f" ({loss:.7g} vs {ref_loss:.7g})")
     return verdict
@@ -223,11 +267,10 @@ def describe(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> str:
     )
 
 
-def check_body(cfg: RunConfig, plan: EnginePlan, info: DistInfo, ref: Record, began: float) -> int:
+def check_body(cfg: RunConfig, plan: EnginePlan, info: DistInfo, ref: Record, g_bound: float, began: float) -> int:
     trainer, _ = build_run(cfg, plan, info, twin_layers=TWIN_LAYERS)
     run = record(trainer)
-    tokens = cfg.micro_batch_size * cfg.grad_accum * info.world_size * cfg.data.seq_len
-    verdict = compare(run, ref, plan, tokens, Collectives())
+    verdict = compare(run, ref, g_bound, Collectives())
     worst = verdict.summary()
     log.info(f"check: {time.perf_counter() - began:.1f} s from the config read to the verdict (reference {ref.seconds:.1f} s)")
     if verdict.first is None:
@@ -237,6 +280,12 @@ def check_body(cfg: RunConfig, plan: EnginePlan, info: DistInfo, ref: Record, be
     elif info.is_main:  # every rank reached the same verdict from the same gathered sums: one line
         log.error(f"check failed: {describe(cfg, plan, info)}: {verdict.first.line()}")
         log.error(f"check: largest relative errors: {worst}")
+        if cfg.precision == "bf16" and verdict.first.relative < 2 * verdict.first.bound:
+            # measured: a correct bf16 run's tied embedding reaches 0.185 of 0.204 at 131,072 tokens a step (notes/reliability.md)
+            log.error(
+                "check: in bf16 an error this close to its bound may be bf16's own rounding at a large step; "
+                "precision=fp32 compares a thousand times finer: a difference that remains there is the run's"
+            )
     return EXIT_OK if verdict.first is None else EXIT_WRONG_RESULTS
 
 
@@ -244,17 +293,19 @@ def run_check(config: str | None, overrides: list[str]) -> int:
     """`harness.train --check`: pre-flight of the user's run, the reference on every rank alone,
     then the run under the launcher's world size, compared (exit 0, or `EXIT_WRONG_RESULTS`)."""
     refs: list[Record] = []
+    bounds: list[float] = []
     began = time.perf_counter()
 
     def load() -> tuple[RunConfig, EnginePlan]:
         twin = check_config(load_config(config, overrides))
         plan = preflight(twin, load_strategy(twin.strategy))  # adopts the launcher's and the strategy file's settings
         rank, world, local_rank = launch_env()
+        bounds.append(check_bounds(plan, world))  # before the reference: a step too large is refused at once
         entering("computing the check's world-1 reference")
         refs.append(reference_run(reference_config(plan.config, world, rank), local_rank))  # from the twin as resolved
         return twin, plan
 
-    return run_command("harness", load, lambda cfg, plan, info: check_body(cfg, plan, info, refs[0], began))
+    return run_command("harness", load, lambda cfg, plan, info: check_body(cfg, plan, info, refs[0], bounds[0], began))
 
 
-__all__ = ["CHECK_STEPS", "TWIN_LAYERS", "check_config", "reference_config", "run_check"]
+__all__ = ["CHECK_STEPS", "TWIN_LAYERS", "check_bounds", "check_config", "reference_config", "run_check", "stage_width", "step_tokens"]

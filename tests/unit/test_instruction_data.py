@@ -29,13 +29,16 @@ def random_examples(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], 
 
 
 def unpack(blocks) -> list[tuple[list[int], list[int]]]:
-    """The examples of packed blocks, cut where the positions restart (padding dropped: no label, EOS)."""
+    """The examples of packed blocks, cut where the positions restart. The padding (EOS 0, no label)
+    continues the last example's positions: cut off there (an example's tokens are never 0)."""
     out = []
     for ids, labels, positions in blocks.tolist():
         starts = [i for i, p in enumerate(positions) if p == 0] + [SEQ]
-        for a, b in zip(starts, starts[1:]):
-            if any(lab != IGNORE for lab in labels[a:b]) or ids[a:b] != [0] * (b - a):
-                out.append((ids[a:b], labels[a:b]))
+        end = SEQ
+        while end and ids[end - 1] == 0 and labels[end - 1] == IGNORE:
+            end -= 1
+        for a, b in zip(starts, [*starts[1:-1], end]):
+            out.append((ids[a:b], labels[a:b]))
     return out
 
 
@@ -47,6 +50,39 @@ def test_packing_keeps_every_example_whole_in_few_blocks():
     assert sorted(unpack(blocks)) == expected  # none cut at a boundary, none dropped
     tokens = sum(len(ids) for ids, _ in examples)
     assert blocks.shape[0] <= 1.02 * -(-tokens // SEQ) + 1  # best-fit decreasing: within ~2% of the bound
+
+
+def test_an_unpacked_row_runs_mask_free_and_its_loss_is_unchanged(monkeypatch):
+    """A row of one example and its padding: positions 0..S-1, no restart, so transformers builds no
+    mask (a restart at the padding made it build the packed-sequence (B, 1, S, S) mask, off the
+    planner's books); the labelled tokens' logits and the loss are those of the old layout."""
+    from transformers import masking_utils
+    from transformers.models.llama import modeling_llama
+
+    from harness.training import labelled_lm_loss
+
+    examples = random_examples(6, 128, seed=2)
+    blocks, _ = to_blocks(examples, SEQ, packing=False, eos=0)
+    batch = torch.from_numpy(blocks.astype("int64"))
+    assert (batch[:, 2] == torch.arange(SEQ)).all()
+    restarted = batch.clone()  # the old layout: the padding's positions restart at 0
+    lengths = [len(ids) for ids, _ in examples]
+    for row, n in enumerate(lengths):
+        restarted[row, 2, n:] = torch.arange(SEQ - n)
+    assert masking_utils.find_packed_sequence_indices(batch[:, 2]) is None
+    assert masking_utils.find_packed_sequence_indices(restarted[:, 2]) is not None
+    masks = []
+    create = modeling_llama.create_causal_mask
+    monkeypatch.setattr(modeling_llama, "create_causal_mask", lambda *a, **k: masks.append(create(*a, **k)) or masks[-1])
+    torch.manual_seed(0)
+    model = build_model("tiny-llama", vocab_size=128).eval()
+    with torch.no_grad():
+        logits = [model(input_ids=b[:, 0], position_ids=b[:, 2], use_cache=False).logits for b in (batch, restarted)]
+        losses = [float(labelled_lm_loss(model, b)) for b in (batch, restarted)]
+    assert masks[0] is None and masks[1] is not None and masks[1].dim() == 4  # continuous: no mask; restarted: (B, 1, S, S)
+    for row, n in enumerate(lengths):
+        torch.testing.assert_close(logits[0][row, :n], logits[1][row, :n], rtol=1e-5, atol=1e-5)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
 def test_best_fit_puts_each_example_in_the_fullest_block_it_fits():

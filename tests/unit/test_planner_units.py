@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness.config import OptimConfig
-from harness.memory import AllocatorTrace
+from harness.memory import AllocatorTrace, pinned_block
 from harness.planner.estimate import load_phase_bytes
 from harness.planner.model_states import (
     EngineSpec,
@@ -126,7 +126,7 @@ def test_zero3_offload_moves_master_and_state_to_the_host() -> None:
     )
     em = engine_model(spec, info)
     part = 50 + 200
-    assert em.host["parameters"] == part * 2 + part * 4  # bf16 partition + fp32 master
+    assert em.host["parameters"] == 512 + part * 4  # bf16 partition (pinned: 500 B -> 512) + fp32 master (pageable)
     assert em.host["optimizer_state"] == 2 * part * 4
     assert em.params == 500 * 2  # only the gathered parameters stay on the GPU
     assert em.phases[-1].host_extra == 0  # DeepSpeedCPUAdam steps in place on a GPU machine
@@ -212,11 +212,47 @@ def test_fsdp_cpu_offload_holds_every_shard_on_the_host() -> None:
     em = engine_model(spec, info, 0)
     assert em.params is None and (em.params_held, em.grads, em.end_params, em.end_grads) == (0, None, 0, 0)
     assert em.sharded_grads_on_host
-    trainable = (5 * 10 + 3 * 10 + 3 * 10 + 20) * 4  # rank 0's rows of each, fp32 masters
-    assert em.host["parameters"] == trainable + 4 * 10 * 2 and em.host["gradients"] == trainable
+    trainable = 256 + 128 + 128 + 128  # rank 0's rows of each, fp32 masters: 200, 120, 120, 80 B, each pinned (rounded up)
+    assert em.host["parameters"] == trainable + 128 and em.host["gradients"] == trainable  # the frozen one: 80 B in bf16
     assert em.host["optimizer_state"] > 0 and "optimizer_state" not in em.resident
     block0 = (3 * 10 + 3 * 10) * 4 + 4 * 10 * 2  # layers.0's shards: two trainable, one frozen in bf16
     assert em.resident["communication"] == 2 * block0
+
+
+def _caching_host_allocator(nbytes: int) -> int:
+    """torch's CachingHostAllocatorImpl::allocate: the request rounded up to c10::llvm::PowerOf2Ceil."""
+    block = 1
+    while block < nbytes:
+        block *= 2
+    return block if nbytes else 0
+
+
+def test_pinned_host_buffers_are_booked_as_the_caching_host_allocator_takes_them() -> None:
+    """Each pinned buffer holds the next power of two: 32 checkpoint inputs of 5.53 GiB (Llama-3-8B,
+    724K tokens, bf16) pin 256 GiB, not 177. DeepSpeed's offload buffers are pinned as its
+    offload block's pin_memory says (the ZeRO-3 parameter buffer always), Adam's state never."""
+    for n in (0, 1, 2, 3, 4096, 4097, 393_216, 5_931_794_432, 2**40 + 1):
+        assert pinned_block(n) == _caching_host_allocator(n)
+    block_input = 723_968 * 4096 * 2
+    assert round(32 * block_input / GIB) == 177 and 32 * pinned_block(block_input) == 256 * GIB
+    info = _info([1000, 3000])  # ZeRO-1/2 over 2 ranks: a 2000-element partition
+    states = set()
+    for pin in (True, False):
+        spec = EngineSpec(kind="deepspeed", stage=2, world=2, precision="bf16", offload_optimizer="cpu", pin_optimizer=pin)
+        host = engine_model(spec, info, rank=0).host
+        round_ = _caching_host_allocator if pin else int
+        _, part, _ = zero12_partition(info.numels, 2, 0)
+        assert host["parameters"] == round_(part * 4) + round_(part * 2)  # fp32 master, bit16 staging
+        assert host["gradients"] == round_(part * 4) + round_(3000 * 2)  # fp32 gradient partition, a largest-parameter buffer
+        states.add(host["optimizer_state"])
+    assert len(states) == 1  # DeepSpeedCPUAdam's moments: pageable, never rounded
+    spec = EngineSpec(
+        kind="deepspeed", stage=3, world=2, precision="bf16", offload_optimizer="cpu", offload_params="cpu", pin_optimizer=True
+    )
+    host = engine_model(spec, info).host
+    part = 500 + 1500
+    assert host["parameters"] == _caching_host_allocator(part * 2) + part * 4  # the pinned flat bf16 buffer, the pageable master
+    assert host["gradients"] == _caching_host_allocator(part * 2) + _caching_host_allocator(part * 4)  # one optimizer sub-group
 
 
 @pytest.mark.parametrize("name", ["adamw_bf16", "adamw_8bit", "adamw_4bit"])
