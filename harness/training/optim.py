@@ -86,6 +86,15 @@ def optimizer_shared_bytes(name: str, numels: list[int]) -> int:
     return 2 * 256 * 4 if name in BITSANDBYTES and any(n >= _BNB_MIN_8BIT for n in numels) else 0
 
 
+def _by_tensor_kind(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter] | list[dict]:
+    """`params`, or, where DTensors sit beside plain tensors (experts split over ranks under DDP),
+    one parameter group of each: a fused or foreach step takes one kind per call."""
+    from torch.distributed.tensor import DTensor
+
+    split = [[p for p in params if not isinstance(p, DTensor)], [p for p in params if isinstance(p, DTensor)]]
+    return params if not all(split) else [{"params": group} for group in split]
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fused: bool = True) -> torch.optim.Optimizer:
     """The optimizer ``cfg.name`` names over the trainable ``params`` (see ``OptimName``).
     ``fused=False``: torch's Adam/AdamW as the single-tensor loop (what DeepSpeed's ZeRO is handed:
@@ -101,9 +110,10 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fuse
         # on CPU (SmolLM2-135M: 0.045 vs 0.22 s a step) and one launch instead of ~10 per tensor
         # on a GPU; elementwise, so a shard steps to the same bits as the whole tensor.
         cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-        return cls(params, fused=True, **kwargs) if fused else cls(params, foreach=False, **kwargs)
+        groups = _by_tensor_kind(params)
+        return cls(groups, fused=True, **kwargs) if fused else cls(groups, foreach=False, **kwargs)
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
+        return torch.optim.SGD(_by_tensor_kind(params), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
     if cfg.name in TORCHAO:
         return _torchao_class(cfg.name)(params, **kwargs)
     import bitsandbytes  # function-local: see the module docstring
