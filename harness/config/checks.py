@@ -367,12 +367,14 @@ def check_expert_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> Non
         "lora.enabled": cfg.lora.enabled or cfg.lora.quantize != "none",
         "memory.optimizer_in_backward": cfg.memory.optimizer_in_backward,
         "precision=fp16": cfg.precision == "fp16",
+        f"optim.name={cfg.optim.name}": cfg.optim.name not in ("adamw", "adam", "sgd"),
+        "optim.cpu_offload": cfg.optim.cpu_offload,
     }
     for setting, on in refused.items():
         if on:
             raise ConfigError(
-                f"{what} with {setting}: expert parallelism runs under strategy=ddp, without pruning, LoRA, "
-                "optimizer-in-backward or fp16; set parallel.expert=1 or change that setting"
+                f"{what} with {setting}: expert parallelism runs under strategy=ddp with torch's adamw, adam or sgd, "
+                "without pruning, LoRA, optimizer-in-backward, an offloaded optimizer or fp16; set parallel.expert=1 or change that setting"
             )
 
 
