@@ -69,6 +69,7 @@ def check_values(cfg: RunConfig) -> None:
         "data.seq_len": cfg.data.seq_len,
         "eval_batches": cfg.eval_batches,
         "parallel.sequence": cfg.parallel.sequence,
+        "parallel.expert": cfg.parallel.expert,
     }
     for key, value in positive.items():
         if value < 1:
@@ -363,11 +364,37 @@ def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: b
     check_optimizer_in_backward(cfg, strategy.kind, world)
     check_cpu_offload_world(cfg, strategy.kind, world)
     check_sequence_parallel(cfg, strategy, world)
+    check_expert_parallel(cfg, strategy, world)
     check_batch(cfg, ParallelLayout.of(cfg.parallel, world).data)
     check_prune_config(cfg, world)
     check_lora(cfg, strategy.kind, strategy.zero_stage)
     # A DeepSpeed file's contradictions and 'auto' holes are refused where its dict is resolved, once:
     # `harness.engine.plan_engine`, called by pre-flight.
+
+
+def check_expert_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> None:
+    """What expert parallelism (`parallel.expert`) runs with; the model's experts are checked where
+    its config is read (pre-flight's `check_experts`)."""
+    n = cfg.parallel.expert
+    if n == 1:
+        return
+    ParallelLayout.of(cfg.parallel, world)  # divides the world; not with sequences split
+    what = f"parallel.expert={n}"
+    refused = {
+        f"strategy={strategy.name} ({strategy.kind})": strategy.kind != "ddp",
+        f"prune.method={cfg.prune.method}": cfg.prune.enabled,
+        "lora.enabled": cfg.lora.enabled or cfg.lora.quantize != "none",
+        "memory.optimizer_in_backward": cfg.memory.optimizer_in_backward,
+        "precision=fp16": cfg.precision == "fp16",
+        f"optim.name={cfg.optim.name}": cfg.optim.name not in ("adamw", "adam", "sgd"),
+        "optim.cpu_offload": cfg.optim.cpu_offload,
+    }
+    for setting, on in refused.items():
+        if on:
+            raise ConfigError(
+                f"{what} with {setting}: expert parallelism runs under strategy=ddp with torch's adamw, adam or sgd, "
+                "without pruning, LoRA, optimizer-in-backward, an offloaded optimizer or fp16; set parallel.expert=1 or change that setting"
+            )
 
 
 def check_optimizer_values(cfg: RunConfig) -> None:

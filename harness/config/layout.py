@@ -11,8 +11,20 @@ the pattern: the dimensions, the rank arithmetic, and the meshes, handed out fro
 The world is a grid of `data` x `sequence` ranks, grouped consecutively: rank = data_rank x
 sequence + sequence_rank. A sequence group (`sequence` consecutive ranks) trains one data-parallel
 rank's samples, each rank a slice of every sequence; gradients are still reduced over the whole
-world (the group's ranks hold different parts of the gradient). A further dimension (experts split
-over ranks) becomes one more field, one more mesh dimension and its rank arithmetic here.
+world (the group's ranks hold different parts of the gradient).
+
+Experts (`expert`, torchtitan's and transformers' expert parallelism): the expert dimension is
+carved out of the data-parallel ranks, not added beside them. Each rank still reads its own
+data-parallel rank's samples (the sampler, the global batch and the checkpoint's data position are
+those of `data`, as without experts); what changes is who holds which experts: every MoE layer's
+experts are split into `expert` consecutive ranges, rank r holding range `expert_rank(r)` =
+r % expert, and each token is sent to its experts' ranks and back (an all-to-all over the
+`expert_group`). Ranks r and r + expert hold the same experts: an `expert_replica_group`
+(world / expert ranks, one per expert range). Gradients: the parameters outside the experts are
+reduced over the whole world as before; an expert's gradient already holds every token of its
+expert group that was routed to it (the all-to-all's backward brings them), so it is summed only
+over its replica group (none at expert = world) and divided by the world, as the rest are.
+Experts and sequences are not split together (refused here: not proven).
 """
 
 from __future__ import annotations
@@ -30,10 +42,11 @@ if TYPE_CHECKING:  # torch.distributed is imported where a mesh is built, not by
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """The world's ranks as a data x sequence grid (see the module docstring)."""
+    """The world's ranks as a data x sequence grid, experts split over the data ranks (see the module docstring)."""
 
     world: int = 1
     sequence: int = 1  # ranks sharing each sequence (Ulysses; DeepSpeed's ALST under DeepSpeed)
+    expert: int = 1  # ranks each MoE layer's experts are split over (expert parallelism)
 
     def __post_init__(self) -> None:
         if self.sequence < 1 or self.world % self.sequence:
@@ -41,12 +54,22 @@ class ParallelLayout:
                 f"parallel.sequence={self.sequence} must divide the world size ({self.world}): each group of {self.sequence} ranks "
                 "shares its samples"
             )
+        if self.expert < 1 or self.world % self.expert:
+            raise ConfigError(
+                f"parallel.expert={self.expert} must divide the world size ({self.world}): each group of {self.expert} ranks "
+                "holds one copy of every expert"
+            )
+        if self.expert > 1 and self.sequence > 1:
+            raise ConfigError(
+                f"parallel.expert={self.expert} with parallel.sequence={self.sequence}: experts and sequences split together "
+                "are not supported; set one of them to 1"
+            )
 
     @classmethod
     def of(cls, parallel: ParallelConfig, world: int) -> ParallelLayout:
         """The layout the parallel section asks for at `world` ranks (ConfigError, one line, where
         it cannot be laid out)."""
-        return cls(world=world, sequence=parallel.sequence)
+        return cls(world=world, sequence=parallel.sequence, expert=parallel.expert)
 
     @property
     def data(self) -> int:
@@ -65,12 +88,36 @@ class ParallelLayout:
         """Which slice of every sequence `rank` holds, within its group."""
         return rank % self.sequence
 
+    @property
+    def splits_experts(self) -> bool:
+        return self.expert > 1
+
+    @property
+    def expert_replicas(self) -> int:
+        """How many ranks hold each expert: the size of an expert replica group."""
+        return self.world // self.expert
+
+    def expert_rank(self, rank: int) -> int:
+        """Which of the `expert` ranges of every MoE layer's experts `rank` holds."""
+        return rank % self.expert
+
+    def experts_of(self, rank: int, num_experts: int) -> range:
+        """The experts (of `num_experts`, which `expert` divides) `rank` holds."""
+        per_rank = num_experts // self.expert
+        return range(self.expert_rank(rank) * per_rank, (self.expert_rank(rank) + 1) * per_rank)
+
+    def expert_replica_ranks(self, rank: int) -> list[int]:
+        """The ranks that hold the same experts as `rank` (itself included): its expert gradients' reduction."""
+        return list(range(self.expert_rank(rank), self.world, self.expert))
+
     def global_batch(self, micro_batch: int, grad_accum: int) -> int:
         """Samples per optimizer step: micro x accumulation x the data-parallel world."""
         return micro_batch * grad_accum * self.data
 
     def describe(self) -> str:
         """The start-up line's words for the split ('' when nothing is split but the data)."""
+        if self.splits_experts:
+            return f"experts split over {self.expert} ranks"
         return f"each sequence split over {self.sequence} ranks" if self.splits_sequences else ""
 
     def mesh(self, device_type: str) -> DeviceMesh:
@@ -91,3 +138,12 @@ class ParallelLayout:
     def sequence_group(self, device_type: str) -> ProcessGroup:
         """This rank's sequence group: the ranks that share its sequences."""
         return self.mesh(device_type).get_group("sequence")
+
+    def expert_mesh(self, device_type: str) -> DeviceMesh:
+        """The world's ("expert_replica", "expert", "same_batch") device mesh: rank = replica x expert +
+        expert_rank. "same_batch" is the ranks that hold the same samples (transformers' `tp_mesh` in
+        its expert dispatch), each rank alone: experts are not split with sequences. Collective, like `mesh`."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.expert_replicas, self.expert, 1)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("expert_replica", "expert", "same_batch"))

@@ -256,6 +256,13 @@ class ParallelConfig(Section):
     # (ALST's sdpa would cross examples); refused with pruning, optimizer-in-backward, sliding-window or
     # eager-only attention. Measured: notes/long_context.md
     sequence: int = 1
+    # Expert parallelism: each MoE layer's experts are split over this many consecutive ranks (transformers' expert
+    # plan: the model's `base_model_ep_plan`, its all-to-all dispatch); each rank still reads its own samples (the
+    # global batch is unchanged), tokens travel to their experts' ranks and back. Expert gradients are summed over
+    # the ranks holding the same experts, the rest over the world. Must divide the world and the model's experts;
+    # strategy=ddp only (no FSDP2, DeepSpeed), fp32 or bf16; refused with parallel.sequence, LoRA, pruning,
+    # optimizer-in-backward and a model without an expert plan. Measured: notes/moe.md
+    expert: int = 1
 
 
 @dataclass

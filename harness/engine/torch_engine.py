@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from harness.config import RunConfig
 from harness.distributed import DistInfo, local_tensor
 from harness.engine.base import Engine, LossFn, StepResult
+from harness.engine.experts import ExpertGradients, split_for
 from harness.engine.parallelize import WeightsToLoad, empty_model_to_train, fsdp_wrap
 from harness.engine.plan import EnginePlan
 from harness.engine.probe import GradientProbe
@@ -152,6 +153,8 @@ class TorchEngine(Engine):
         calls = getattr(module, "harness_ulysses_calls", None)
         if calls is not None:
             self._after_first_forward.append(lambda: calls.check_ran(module))
+        split: ExpertGradients | None = getattr(module, "harness_experts", None)
+        self._experts = split.bind(module) if split is not None else None  # experts split over ranks: their own reduction
 
     @classmethod
     def load_model(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> nn.Module:
@@ -164,6 +167,8 @@ class TorchEngine(Engine):
         model = empty_model_to_train(spec, cfg.lora, plan.precision)
         if plan.layout.splits_sequences:  # its call count travels with the model to the engine, which checks it
             model.harness_ulysses_calls = use_ulysses(model, plan.layout.sequence_group(info.device.type), cfg.data.packs_examples)
+        if plan.layout.splits_experts:  # on the meta model: each rank then allocates and fills only its experts
+            model.harness_experts = split_for(model, plan.layout, info.device.type)
         cls._prepare_and_fill(model, WeightsToLoad(spec, lora=cfg.lora.enabled, model=model), cfg, plan, info)
         return model
 
@@ -223,6 +228,8 @@ class TorchEngine(Engine):
             self.scaler.scale(scaled).backward()
         else:
             scaled.backward()
+        if last_micro and self._experts is not None:
+            self._experts.reduce()  # what DDP did for the rest: the replicas' sum, the world's mean
 
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.grad is not None]
@@ -235,7 +242,10 @@ class TorchEngine(Engine):
                 self.scaler.unscale_(self._optimizer)
             params = self._params()
             max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros((), device=self.device)
+            if self._experts is not None:
+                norm = self._experts.clip(params, max_norm)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros((), device=self.device)
             self._norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         return self._norm
 
@@ -279,6 +289,9 @@ class DDPEngine(TorchEngine):
     @classmethod
     def _wrap(cls, model: nn.Module, info: DistInfo) -> nn.Module:
         ids = [info.device.index] if info.device.type == "cuda" else None
+        experts = getattr(model, "harness_experts", None)
+        if experts is not None:  # each rank's are other experts: neither broadcast nor averaged by DDP
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts.names)
         return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:

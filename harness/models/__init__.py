@@ -1,6 +1,7 @@
 """Models: presets built from a config, local or hub Hugging Face checkpoints, their weights read a
 piece at a time (`weights`), where their decoder blocks are (the one lookup every technique uses),
-and LoRA/QLoRA adapters (`lora`; QLoRA's quantized base: `qlora`)."""
+LoRA/QLoRA adapters (`lora`; QLoRA's quantized base: `qlora`), and MoE experts split over ranks by
+transformers' expert plan (`experts`)."""
 
 from harness.config import PRESETS, Preset, is_preset
 from harness.models.blocks import BlocksNotFound, block_class_names, decoder_block_list, decoder_blocks
@@ -17,6 +18,7 @@ from harness.models.build import (
     preset_config,
     twin_spec,
 )
+from harness.models.experts import expert_count, expert_parallel_problem, expert_tensors, split_experts
 from harness.models.lora import (
     LoraWeights,
     apply_lora,
@@ -44,6 +46,10 @@ from harness.models.weights import CheckpointWeights, InitWeights, Part, WeightS
 
 __all__ = [
     "ULYSSES",
+    "expert_count",
+    "expert_parallel_problem",
+    "expert_tensors",
+    "split_experts",
     "attention_is_swappable",
     "use_ulysses",
     "PRESETS",

@@ -150,6 +150,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
         f"global batch {sampler.global_batch} x {cfg.data.seq_len} tokens, {describe_lr(cfg)}"
         + (f", {plan.layout.describe()} ({engine.sequence_split_by})" if plan.layout.splits_sequences else "")
         + (f", {routing}" if routing else "")
+        + (f", {plan.layout.describe()} (transformers' expert plan)" if plan.layout.splits_experts else "")
     )
     trainer = Trainer(
         cfg,

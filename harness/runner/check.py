@@ -112,6 +112,7 @@ def reference_config(twin: RunConfig, world: int, rank: int) -> RunConfig:
     m.optimizer_in_backward, m.loss_chunk_size = False, 0
     ref.optim.cpu_offload = False
     ref.parallel.sequence = 1  # whole sequences: what sequence parallelism must compute
+    ref.parallel.expert = 1  # every expert in the one process: what expert parallelism must compute
     ref.output_dir = os.path.join(os.path.dirname(twin.output_dir), f"reference-rank{rank}")
     return ref
 

@@ -73,6 +73,7 @@ from harness.models import (
     attention_is_swappable,
     decoder_block_list,
     empty_model,
+    expert_parallel_problem,
     is_preset,
     model_config,
 )
@@ -213,6 +214,16 @@ def check_architecture(cfg: RunConfig, strategy: Strategy, layout: ParallelLayou
             f"model.name '{name}': {exc}; needed by {', '.join(users)}: turn those off (e.g. strategy=ddp or zero3, "
             "memory.activation_checkpointing=none)"
         ) from None
+
+
+def check_experts(cfg: RunConfig, layout: ParallelLayout) -> None:
+    """Expert parallelism needs a model whose experts transformers can split (its expert plan), in
+    a count the expert dimension divides (built on the meta device: no memory)."""
+    if not layout.splits_experts:
+        return
+    problem = expert_parallel_problem(empty_model(model_config(cfg.model.name)), layout.expert)
+    if problem is not None:
+        raise ConfigError(f"model.name '{cfg.model.name}': {problem}")
 
 
 def check_wrap_classes(cfg: RunConfig, env: dict[str, str]) -> None:
@@ -432,6 +443,7 @@ def preflight(user: RunConfig, strategy: Strategy, world: int | None = None) -> 
         raise ConfigError(f"precision={cfg.precision} but {torch.cuda.get_device_name()} has no bf16 support; use precision=fp16 or fp32")
     check_model(cfg)
     check_architecture(cfg, strategy, plan.layout)
+    check_experts(cfg, plan.layout)
     check_wrap_classes(cfg, dict(os.environ))
     check_data(cfg)
     check_output_and_resume(cfg, strategy, plan.layout)

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from harness.config import OPTIMIZER_LIBRARY, OPTIMIZER_NAMES, OptimConfig
 from harness.distributed import local_tensor
@@ -86,6 +87,15 @@ def optimizer_shared_bytes(name: str, numels: list[int]) -> int:
     return 2 * 256 * 4 if name in BITSANDBYTES and any(n >= _BNB_MIN_8BIT for n in numels) else 0
 
 
+def _mixes_dtensors(params: list[torch.nn.Parameter]) -> bool:
+    """DTensors beside plain tensors (experts split over ranks under DDP): a fused or foreach step
+    takes one kind per call, so those runs step tensor by tensor. One parameter group all the same:
+    the optimizer's and the schedule's state do not depend on the layout (a checkpoint resumes at
+    any world)."""
+    kinds = {isinstance(p, DTensor) for p in params}
+    return len(kinds) == 2
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fused: bool = True) -> torch.optim.Optimizer:
     """The optimizer ``cfg.name`` names over the trainable ``params`` (see ``OptimName``).
     ``fused=False``: torch's Adam/AdamW as the single-tensor loop (what DeepSpeed's ZeRO is handed:
@@ -101,6 +111,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fuse
         # on CPU (SmolLM2-135M: 0.045 vs 0.22 s a step) and one launch instead of ~10 per tensor
         # on a GPU; elementwise, so a shard steps to the same bits as the whole tensor.
         cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
+        fused = fused and not _mixes_dtensors(params)
         return cls(params, fused=True, **kwargs) if fused else cls(params, foreach=False, **kwargs)
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)

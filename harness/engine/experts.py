@@ -1,0 +1,91 @@
+"""Expert parallelism in the torch engines: the experts split when the model is loaded, and their
+gradients reduced and measured apart from the rest.
+
+`split_for(model, layout, device_type)` applies the model's expert plan (`harness.models.experts`,
+transformers' own) on the meta model, before any weight is allocated, over the layout's expert mesh
+(`ParallelLayout.expert_mesh`); the filled model then holds, on each rank, only its range of every
+MoE layer's experts (a `Shard(0)` DTensor, which the checkpoint's DCP saves and reshards like
+FSDP2's). DDP is told to leave those tensors alone (neither broadcast at the wrap nor averaged
+over the world: each rank's are different experts).
+
+`ExpertGradients` does what DDP does for the rest, for the experts: after the last micro-batch's
+backward, each expert gradient is summed over its replica group (the ranks holding the same
+experts; none at expert = world) and divided by the world, DDP's mean. That is the world-1
+gradient: rank r's expert e already holds the gradient of every token of its expert group routed
+to e (the all-to-all's backward brought them), and the loss of each rank is its share of the
+global mean, as for the parameters DDP averages. The gradient norm is the world-1 norm: the
+rest's (identical on every rank after DDP) and the experts' squares summed over the expert group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness.config import ParallelLayout
+from harness.distributed import local_tensor
+from harness.models import split_experts
+
+
+class ExpertGradients:
+    """The split experts of one model: their gradients' reduction and their share of the norm."""
+
+    def __init__(self, names: list[str], layout: ParallelLayout, mesh: object):
+        self.names = names
+        self.params: list[nn.Parameter] = []
+        self._ids: set[int] = set()
+        self.world = layout.world
+        self.replicas = layout.expert_replicas
+        self.replica_group = mesh.get_group("expert_replica")
+        self.expert_group = mesh.get_group("expert")
+
+    def bind(self, model: nn.Module) -> ExpertGradients:
+        """Take the model's expert parameters as the engine trains them (allocated and filled: the
+        meta model's tensors were replaced)."""
+        params = dict(model.named_parameters())
+        self.params = [params[name] for name in self.names]
+        self._ids = {id(p) for p in self.params}
+        return self
+
+    def is_expert(self, p: torch.Tensor) -> bool:
+        return id(p) in self._ids
+
+    def local_bytes(self) -> int:
+        """What this rank stores of the experts (the proof of the split: 1/expert of the whole)."""
+        return sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in self.params)
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Each expert gradient: summed over its replica group, divided by the world."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            g = local_tensor(p.grad)
+            if self.replicas > 1:
+                dist.all_reduce(g, group=self.replica_group)
+            g.div_(self.world)
+
+    @torch.no_grad()
+    def clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """`clip_grad_norm_` over `params` (experts among them): the total norm, every rank the same,
+        and each gradient scaled by torch's coefficient."""
+        rest = [p.grad for p in params if not self.is_expert(p)]
+        mine = [local_tensor(p.grad) for p in params if self.is_expert(p)]
+        device = (rest or mine)[0].device
+        zero = torch.zeros((), device=device)
+        rest_sq = torch.nn.utils.get_total_norm(rest).square() if rest else zero
+        experts_sq = torch.stack([g.float().square().sum() for g in mine]).sum() if mine else zero.clone()
+        dist.all_reduce(experts_sq, group=self.expert_group)
+        total = (rest_sq + experts_sq).sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in [*rest, *mine]:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+
+def split_for(model: nn.Module, layout: ParallelLayout, device_type: str) -> ExpertGradients:
+    """Split the meta model's experts over the layout's expert mesh; the gradients' keeper."""
+    mesh = layout.expert_mesh(device_type)
+    names = split_experts(model, mesh["expert"], mesh["same_batch"])
+    return ExpertGradients(names, layout, mesh)

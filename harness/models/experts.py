@@ -1,0 +1,72 @@
+"""Expert parallelism inside an HF MoE model: transformers' own expert plan, applied as it ships.
+
+transformers 5 describes how a MoE family splits its experts in the model's config
+(`base_model_ep_plan`, gathered with the children's by `model.ep_plan`): the stacked expert
+tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) are `grouped_gemm`, a `Shard(0)`
+DTensor over the expert mesh (each rank its consecutive range of experts, the module's
+`num_experts` set to the local count), and the experts module is `ep_dispatch_experts`: its
+forward sorts each (token, expert) pair by owner, exchanges them with `all_to_all_single`
+(autograd's, so the backward sends the gradients back the same way; gloo runs it), runs the
+local experts and returns the weighted outputs to the ranks that sent the tokens. harness calls
+`apply_expert_parallelism` with that plan, its `*` replaced by the layer numbers by the model's
+own `_expand_parallel_plan`, on the meta model before any weight is allocated; nothing of the
+dispatch is harness's. Families with such a plan in transformers 5.24 include Qwen3-MoE, Mixtral,
+OLMoE and gpt-oss; a model without one is refused (`expert_parallel_problem`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+EXPERT_STYLE = "grouped_gemm"  # the plan's style for a stacked expert tensor (dim 0: the experts)
+
+
+def expert_plan(model: nn.Module) -> dict[str, str]:
+    """The model's expert plan, one entry per parameter and module ({} when it has none)."""
+    plan = getattr(model, "ep_plan", None)
+    if not plan:
+        return {}
+    return model._expand_parallel_plan(plan)
+
+
+def expert_tensors(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The stacked expert parameters the plan splits, by name."""
+    params = dict(model.named_parameters())
+    return {name: params[name] for name, style in expert_plan(model).items() if style == EXPERT_STYLE and name in params}
+
+
+def expert_count(model: nn.Module) -> int | None:
+    """How many experts each MoE layer has (dim 0 of its stacked tensors); None without an expert plan."""
+    counts = {p.shape[0] for p in expert_tensors(model).values()}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def expert_parallel_problem(model: nn.Module, n: int) -> str | None:
+    """Why `parallel.expert=n` cannot split this model's experts (None: it can)."""
+    name = type(model).__name__
+    count = expert_count(model)
+    if count is None:
+        return (
+            f"parallel.expert={n}: {name} has no expert plan in transformers (no mixture-of-experts layers with a "
+            "base_model_ep_plan); set parallel.expert=1"
+        )
+    if count % n:
+        return f"parallel.expert={n} must divide the model's {count} experts per layer: each rank holds an equal share"
+    return None
+
+
+def split_experts(model: nn.Module, expert_mesh: DeviceMesh, same_batch_mesh: DeviceMesh) -> list[str]:
+    """Apply the model's expert plan over `expert_mesh` (the ranks that split one copy of the
+    experts); `same_batch_mesh`: the ranks holding the same batch (transformers' `tp_mesh`: each
+    rank alone here, every rank reads its own samples). Returns the split parameters' names."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    plan = expert_plan(model)
+    names = list(expert_tensors(model))
+    apply_expert_parallelism(model, expert_mesh, same_batch_mesh, plan)
+    return names
