@@ -63,8 +63,9 @@ def packing_leak() -> None:
     import harness.runner.build as build
     from harness.training import causal_lm_loss
 
-    def without_positions(model, batch, chunk_size=0, num_items=None):
-        return causal_lm_loss(model, batch[:, 0].contiguous(), batch[:, 1].contiguous(), chunk_size=chunk_size, num_items=num_items)
+    def without_positions(model, batch, chunk_size=0, num_items=None, **kwargs):  # kwargs: the router loss's, as the real loss takes
+        ids, labels = batch[:, 0].contiguous(), batch[:, 1].contiguous()
+        return causal_lm_loss(model, ids, labels, chunk_size=chunk_size, num_items=num_items, **kwargs)
 
     chosen = build.loss_for
     build.loss_for = lambda sliced, labelled: without_positions if labelled and not sliced else chosen(sliced, labelled)

@@ -127,7 +127,8 @@ CASES = [
         "runs DeepSpeed's ALST, whose sdpa attention would cross the packed examples",
     ),
     ("sequence_not_dividing_world", {}, ["strategy=fsdp", "parallel.sequence=3"], "must divide the world size (2)"),
-    ("sequence_not_dividing_kv_heads", {"WORLD_SIZE": "4"}, ["strategy=fsdp", "parallel.sequence=4"], "num_key_value_heads=2"),
+    # (key/value heads fewer than the group are replicated over it; heads that do not split: refused)
+    ("sequence_not_dividing_heads", {"WORLD_SIZE": "8"}, ["strategy=fsdp", "parallel.sequence=8"], "num_attention_heads=4"),
     ("sequence_eager_only_model", {}, ["model.name={root}/bloom", "parallel.sequence=2"], "(eager attention only)"),
     ("aux_loss_for_a_dense_model", {}, ["model.name={root}/bloom", "moe.aux_loss_coef=0.01"], "BloomForCausalLM has no mixture-of-experts"),
     ("aux_loss_not_a_number", {}, ["moe.aux_loss_coef=lots"], "moe.aux_loss_coef='lots' must be auto"),
