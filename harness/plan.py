@@ -15,6 +15,8 @@ LoRA, QLoRA),
 prints every rung and writes the first that fits. --max-seq-len finds the longest
 ``data.seq_len`` the config fits at (``harness.planner.long_context``), every other knob as written,
 and never longer than the trainer takes for the model (its positions, ``model.max_seq_len``).
+A mixture of experts' plan prints the worst routing case and the balanced one (``harness.planner.moe``);
+the verdict uses the worst unless --routing balanced.
 
 Exit status (the table in harness/errors.py): 0 the config fits (or --recommend wrote one
 that does); 10 it does not fit (something else would: see --recommend); 11 nothing fits
@@ -41,6 +43,7 @@ from harness.planner.candidates import Candidate, most_frugal, with_candidate
 from harness.planner.estimate import estimate, resolve_vocab
 from harness.planner.ladder import CPU_ADAM_PARAMS_PER_S, PCIE_BYTES_PER_S, first_fit, format_ladder, offload_seconds, walk_ladder
 from harness.planner.long_context import SEQ_STEP, format_search, max_seq_len
+from harness.planner.moe import ROUTINGS
 from harness.planner.recommend import evaluate_lora, recommend, recommended_config, write_recommended
 from harness.planner.report import format_estimate, gib, gpu_allowance, parse_size, verdict
 from harness.planner.trace import build_fake_model, param_info
@@ -84,6 +87,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="cuda: plan for GPUs (default); cpu: plan a CPU run, where host and device are one memory",
     )
     parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary the trainer will use (default: resolved from the data)")
+    parser.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="worst",
+        help="a mixture of experts: the routing the verdict assumes; worst (default): every token of a micro-batch to the "
+        "same top-k experts in every layer; balanced: each expert an equal share (both are printed)",
+    )
     return parser.parse_known_args(argv)
 
 
@@ -116,7 +126,17 @@ def _estimate_json(est: Any, gpu_mem: int, cpu_mem: int | None, per_node: int) -
         "verdict": v.reason,
         "trace_seconds": est.trace_seconds,
         "params": est.params_total,
+        "routing": _routing_json(est),
     }
+
+
+def _routing_json(est: Any) -> dict[str, Any] | None:
+    """A mixture of experts' routing cases (`harness.planner.moe.Routing`); None for a dense model."""
+    r = est.routing
+    if r is None:
+        return None
+    cases = {c: {"peak_bytes": est.total, "busiest_expert_rows": r.busiest(c), "assumes": r.describe(c)} for c in ROUTINGS}
+    return {"assumed": r.assumed, "experts": r.facts.experts, "top_k": r.facts.top_k, "cases": cases, "why_equal": r.why_equal()}
 
 
 def _frugal_fits(
@@ -194,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = args.vocab_size or resolve_vocab(cfg)
     if args.fastest and not args.recommend:
         raise PlanError("--fastest chooses how --recommend searches: give --recommend too")
+    if args.routing != "worst" and (args.recommend or args.max_seq_len or cfg.lora.enabled):
+        raise PlanError(
+            "--routing chooses the case of a full fine-tune's plan as written; --recommend, --max-seq-len and LoRA plan the worst case"
+        )
     if args.max_seq_len:
         return _max_seq_len(args, cfg, gpu_mem, cpu_mem, per_node, vocab)
     if args.recommend and args.fastest:
@@ -203,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.lora.enabled:
         return _plan_lora(cfg, args, gpu_mem, cpu_mem, per_node, vocab)
     strategy = load_strategy(cfg.strategy)  # resolved once: the plan, the title and the offload time read it
-    est = estimate(cfg, args.gpus, target=args.target, vocab_size=vocab, strategy=strategy)
+    est = estimate(cfg, args.gpus, target=args.target, vocab_size=vocab, strategy=strategy, routing=args.routing)
     cfg = est.config or cfg  # as the run resolves it: what the launcher and a DeepSpeed file set, taken in
     fits = verdict(est, gpu_mem, cpu_mem, per_node).fits
     if not fits and not _frugal_fits(cfg, args.gpus, gpu_mem, cpu_mem, per_node, args.nvme, args.target, vocab):

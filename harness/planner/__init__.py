@@ -10,6 +10,8 @@
   ``candidates``: its search space (precision x AC x micro-batch x strategy x sequence split) and step-time factors.
 - ``ladder``: the memory ladder ``--recommend`` walks: one rung per technique, in memory order, the first that fits.
 - ``lora``: LoRA traced as its own model; QLoRA's quantized base in formulas over that trace.
+- ``moe``: mixtures of experts: the grouped GEMM's fake output as the trainer's kernels make it (any precision),
+  the routing cases a plan states (worst, balanced).
 - ``measure``: the ground truth - real CPU steps measured with MemTracker - for tests.
 
 The command line is ``python -m harness.plan`` (``harness/plan.py``).

@@ -37,6 +37,7 @@ from harness.models import is_preset
 from harness.planner.load_phase import load_phase_bytes
 from harness.planner.lora import quantized_base
 from harness.planner.model_states import EngineModel, EngineSpec, engine_model, zero12_partition
+from harness.planner.moe import ROUTINGS, Routing
 from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, build_fake_model, trace_step
 from harness.training import DTYPE_BYTES, DTYPE_NAMES, name_compiles_step
 
@@ -75,6 +76,7 @@ class Estimate:
     race_bytes: int = 0  # a real run peaks in [total - race_bytes, total]: the gloo-held buffers of collective_race_bytes
     # the run config as the run resolves it (what the launcher and a DeepSpeed file set taken in), which was estimated
     config: RunConfig | None = None
+    routing: Routing | None = None  # a mixture of experts: where its tokens are assumed to go (harness.planner.moe)
 
     @property
     def total(self) -> int:
@@ -353,11 +355,20 @@ def cached_trace(spec: TraceSpec) -> TraceResult:
 
 
 def estimate(
-    cfg: RunConfig, world_size: int, *, target: str = "cuda", vocab_size: int | None = None, strategy: Strategy | None = None
+    cfg: RunConfig,
+    world_size: int,
+    *,
+    target: str = "cuda",
+    vocab_size: int | None = None,
+    strategy: Strategy | None = None,
+    routing: str = "worst",
 ) -> Estimate:
-    """Predict one step's per-rank peak for ``cfg`` on ``world_size`` ranks of ``target`` ("cuda" or "cpu")."""
+    """Predict one step's per-rank peak for ``cfg`` on ``world_size`` ranks of ``target`` ("cuda" or "cpu");
+    ``routing``: the case of a mixture of experts' routing the estimate is for (`harness.planner.moe.ROUTINGS`)."""
     if world_size < 1:
         raise PlanError(f"world size must be >= 1, got {world_size}")
+    if routing not in ROUTINGS:
+        raise PlanError(f"routing '{routing}': choose one of {', '.join(ROUTINGS)}")
     try:
         strategy = strategy or load_strategy(cfg.strategy)
         check_run(cfg, strategy, world_size, has_accelerator=target == "cuda")  # the trainer's own gate
@@ -422,6 +433,8 @@ def estimate(
         largest_param=info.largest,
         race_bytes=race,
         config=plan.config,
+        # the tokens of one micro-batch this rank's model sees (its slice of each sequence under sequence parallelism)
+        routing=Routing(trace.moe, tspec.micro_batch * (tspec.seq_len // tspec.sequence), routing) if trace.moe else None,
     )
 
 

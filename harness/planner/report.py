@@ -1,6 +1,6 @@
 """What the planner prints: per-rank peak by category, when it happens, what a CPU trace cannot see.
 
-Three parts, each stated as what it is:
+Four parts, each stated as what it is:
 
 1. the traced + modelled per-rank peak by category and the moment it happens
    (forward/backward op, gradient reduction or optimizer step), and the host memory
@@ -8,7 +8,9 @@ Three parts, each stated as what it is:
 2. an explicit GPU allowance for what no CPU trace sees: CUDA context, NCCL buffers,
    cuBLAS workspaces, caching-allocator fragmentation. These are stated assumptions,
    added to the prediction only for the fits / does-not-fit verdict;
-3. the per-dtype model-state table (fp32 / bf16 with fp32 Adam / bf16
+3. for a mixture of experts, the routing: the peak in the worst case and the balanced one, which
+   the verdict uses (``harness.planner.moe``);
+4. the per-dtype model-state table (fp32 / bf16 with fp32 Adam / bf16
    with bf16 Adam) for the whole model on one GPU, with the shortfall against the GPU
    memory given - the quick "is this even close" view.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from harness.planner.estimate import REPORT_CATS, Estimate
 from harness.planner.model_states import dtype_breakdown
+from harness.planner.moe import ROUTINGS
 from harness.planner.trace import PlanError
 
 GIB = 1024**3
@@ -145,6 +148,7 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
     lines.append("  moments of the step:")
     for m in est.moments:
         lines.append(f"    {m.name:<60.60}  {gib(m.total):>14}")
+    lines.extend(format_routing(est))
     if est.target == "cuda":
         lines.append("")
         lines.append("Allowance for what a CPU trace cannot see on a GPU (assumed, not traced):")
@@ -174,6 +178,26 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
     return "\n".join(lines)
 
 
+def format_routing(est: Estimate) -> list[str]:
+    """A mixture of experts' routing cases and which one the verdict uses; nothing for a dense model."""
+    r = est.routing
+    if r is None:
+        return []
+    f = r.facts
+    lines = [
+        "",
+        f"Routing ({f.layers} MoE layers x {f.experts} experts, top-{f.top_k}, experts_implementation {f.implementation}; "
+        f"{r.tokens:,} tokens a micro-batch on this rank):",
+    ]
+    for case in ROUTINGS:
+        mark = "  <- the verdict" if case == r.assumed else ""
+        lines.append(f"    {case + ' case':<14} {gib(est.total):>14}  {r.describe(case)}{mark}")
+    other = next(c for c in ROUTINGS if c != r.assumed)
+    lines.append(f"  the verdict uses the {r.assumed} case (--routing {other} for the other)")
+    lines.append(f"  {r.why_equal()}")
+    return lines
+
+
 def format_dtype_table(total_params: int, gpu_mem: int) -> str:
     """The per-dtype table: whole-model parameters/gradients/Adam state per dtype on one GPU."""
     lines = [
@@ -191,4 +215,14 @@ def format_dtype_table(total_params: int, gpu_mem: int) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Allowance", "Verdict", "format_dtype_table", "format_estimate", "gib", "gpu_allowance", "parse_size", "verdict"]
+__all__ = [
+    "Allowance",
+    "Verdict",
+    "format_dtype_table",
+    "format_estimate",
+    "format_routing",
+    "gib",
+    "gpu_allowance",
+    "parse_size",
+    "verdict",
+]

@@ -8,6 +8,8 @@ requested world size) and run through the trainer's own loss (``harness.training
 torch's ``MemTracker`` / ``FSDPMemTracker`` follow every storage the step creates and
 frees, so what comes out is the same byte count a real CPU run produces (measured:
 notes/planner_accuracy.md), at a fraction of the cost: a Llama-3-8B-shaped step takes seconds.
+A mixture of experts runs its grouped GEMM with the output the trainer's kernels allocate, in
+any precision (``harness.planner.moe``; torch's own fake kernel asserts bf16).
 
 Why only forward + backward: under fake DTensor parameters the optimizer step's transient
 state comes out an order of magnitude too large, so the step is added analytically by
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from harness.config import LoraConfig, MemoryConfig, ParallelLayout, Strategy
@@ -38,6 +40,7 @@ from harness.distributed import local_tensor
 from harness.engine import fsdp_wrap
 from harness.memory import ActivationOffload, prepare_model
 from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config, use_ulysses
+from harness.planner.moe import GroupedMMAsRun, MoeFacts, moe_facts, untraceable
 from harness.planner.packed import pack_block_linears
 from harness.planner.timeline import CAT_INDEX, CATS, tracker_class
 from harness.training import DTYPES, loss_for, precision_policy
@@ -133,6 +136,7 @@ class TraceResult:
     sharded_grads: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     offloaded_bytes: int = 0  # pinned host bytes of the offloaded checkpoint inputs at most (per rank; harness.memory.pinned)
+    moe: MoeFacts | None = None  # the model's experts (harness.planner.moe); None: a dense model
 
     def total(self, i: int) -> int:
         return sum(self.rows[i])
@@ -315,6 +319,12 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         with fake_mode:
             pack_block_linears(model, DTYPES[spec.nf4_storage])
     vocab = int(model.config.vocab_size)
+    moe = moe_facts(model)
+    refused = untraceable(moe, spec.model_name)
+    if refused:
+        raise PlanError(refused)
+    # the grouped GEMM's output as the trainer's CPU and CUDA kernels make it, in any precision (torch's fake asserts bf16)
+    grouped = GroupedMMAsRun() if moe is not None else contextlib.nullcontext()
     Timeline = tracker_class()
     # plain wrap: the engine is laid over afterwards, but Ulysses' exchange needs its sequence group
     world = spec.world_size if spec.wrap == "fsdp" else spec.sequence
@@ -337,7 +347,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                 # the trainer's own offload, simulated: the device copy is released at pack time and an empty one
                 # comes back when backward (or the prefetch ahead of it) asks for it
                 offload = ActivationOffload(scope="checkpoint_inputs", model=model, simulate=True, pin_memory=True)
-                with warnings.catch_warnings(), real_run_masking(packed=spec.packed), tracker:
+                with warnings.catch_warnings(), real_run_masking(packed=spec.packed), grouped, tracker:
                     warnings.simplefilter("ignore")
                     for micro, batch in enumerate(ids):
                         last = micro == len(ids) - 1
@@ -354,9 +364,11 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     except PlanError:
         raise
     except Exception as exc:  # the model's own code, or a wrapper it does not support: bad input, not a planner crash
+        valued = isinstance(exc, (DynamicOutputShapeException, DataDependentOutputException))  # e.g. experts looped over by routing
         raise PlanError(
             f"cannot trace a training step of model '{spec.model_name}' ({spec.wrap}, AC {spec.ac_mode}): "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+            + ("its code takes a shape or a branch from tensor values, which a fake-tensor trace has none of: " if valued else "")
+            + f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
         ) from None
     result = TraceResult(
         spec,
@@ -371,6 +383,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         held_param_bytes=held,
         sharded_grads=tracker.sharded_grads,
         offloaded_bytes=offload.stats.peak_pinned_bytes,
+        moe=moe,
     )
     result.trace_seconds = time.perf_counter() - start
     return result

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from model_families import save_moe_families
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from harness.config import load_config
@@ -128,15 +129,29 @@ def tied_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+def _moe_runs(models: dict[str, str], world: int) -> list[list[str]]:
+    """The mixture-of-experts row of a world size (`test_moe_within_3_percent`): gpt-oss (experts stacked on disk)
+    at fp32, where torch's fake grouped GEMM refused to trace; one process, then FSDP2 (experts sharded on dim 0).
+    Qwen3-MoE at world 1: tests/integration/test_planner_moe.py, routed both ways."""
+    strategy = "ddp" if world == 1 else "fsdp"
+    return [[f"model.name={models['gpt_oss']}", f"strategy={strategy}", "micro_batch_size=2", "data.seq_len=64", "precision=fp32"]]
+
+
 @pytest.fixture(scope="module")
-def measured_peaks(tied_vocab_model: str) -> Callable[[int], dict[tuple[str, ...], int]]:
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Tiny gpt-oss and Qwen3-MoE (4 experts, top-2) saved by `save_pretrained` (tests/model_families.py)."""
+    return save_moe_families(tmp_path_factory.mktemp("moe"), ("gpt_oss", "qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def measured_peaks(tied_vocab_model: str, moe_models: dict[str, str]) -> Callable[[int], dict[tuple[str, ...], int]]:
     """Per world size, each run's largest per-rank peak over two real training steps (launched once;
-    world 2's launch also measures the tied-vocabulary rows)."""
+    world 2's launch also measures the tied-vocabulary rows; both the MoE rows)."""
     cache: dict[int, dict[tuple[str, ...], int]] = {}
 
     def peaks(world: int) -> dict[tuple[str, ...], int]:
         if world not in cache:
-            runs = RUNS_BY_WORLD[world] + (_tied_vocab_runs(tied_vocab_model) if world == 2 else [])
+            runs = RUNS_BY_WORLD[world] + (_tied_vocab_runs(tied_vocab_model) if world == 2 else []) + _moe_runs(moe_models, world)
             results = launch(runs, world, steps=2, vocab_size=VOCAB, trainer_view=False, timeout=1200.0)
             cache[world] = {tuple(overrides): max(rank["peak"] for rank in ranks) for overrides, ranks in zip(runs, results)}
         return cache[world]
@@ -226,3 +241,10 @@ def test_tied_262k_vocabulary_within_3_percent(tied_vocab_model: str, measured_p
     loss; measured as every run of this file is (in world 2's launch). The plan reads the vocabulary
     from the saved config (no ``vocab_size`` given)."""
     _check(_tied_vocab_runs(tied_vocab_model), 2, measured_peaks, vocab_size=None)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_moe_within_3_percent(world: int, moe_models: dict[str, str], measured_peaks) -> None:
+    """Mixture of experts traced through the trainer's grouped GEMM (`harness.planner.moe`), whatever the
+    precision; the routing cannot change these bytes (tests/integration/test_planner_moe.py measures it)."""
+    _check(_moe_runs(moe_models, world), world, measured_peaks, vocab_size=None)

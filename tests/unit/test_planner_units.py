@@ -1,5 +1,5 @@
 """Planner pieces that need no trace: size parsing, the ZeRO/FSDP partition arithmetic, the dtype table, the
-optimizer step's bytes."""
+optimizer step's bytes, the grouped GEMM's fake output."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import OptimConfig
 from harness.memory import AllocatorTrace, pinned_block
@@ -20,6 +21,7 @@ from harness.planner.model_states import (
     zero3_subgroups,
     zero12_partition,
 )
+from harness.planner.moe import GroupedMMAsRun
 from harness.planner.optimizer_model import torch_step_transient
 from harness.planner.report import GIB, MIB, parse_size
 from harness.planner.trace import ParamInfo, PlanError
@@ -274,3 +276,31 @@ def test_torchao_compiled_step_allocates_what_the_cpu_plan_counts(monkeypatch, n
     spec = EngineSpec(kind="single", world=1, precision="fp32", optimizer=name, target="cpu", compiled_step=True)
     (peak,) = trace.window_peaks()
     assert peak == pytest.approx(torch_step_transient(spec, param.numel()), abs=16)  # + a few fp32 scalars (bias corrections)
+
+
+GROUPED_MM_CASES = {
+    # (mat_a, mat_b, mat_b transposed, offs) as transformers' grouped_mm experts and their backward pass them
+    "2d x 3d (forward)": ((12, 8), (3, 8, 16), False, [4, 4, 12]),
+    "2d x 3d, transposed weight, odd width (padded output)": ((12, 8), (3, 5, 8), True, [4, 4, 12]),
+    "2d x 2d (weight gradient)": ((8, 16), (16, 16), False, [4, 4, 16]),
+    "3d x 3d": ((3, 4, 8), (3, 8, 16), False, None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", list(GROUPED_MM_CASES))
+def test_grouped_mm_fake_output_is_the_cpu_kernels(case: str, dtype: torch.dtype) -> None:
+    """The trace's `aten._grouped_mm` (torch's own fake asserts bf16) allocates what the real CPU kernel does:
+    shape, padded stride, dtype and storage bytes, in every precision the kernel takes."""
+    a_shape, b_shape, transposed, ends = GROUPED_MM_CASES[case]
+    a, b = torch.randn(a_shape, dtype=dtype), torch.randn(b_shape, dtype=dtype)
+    b = b.transpose(-2, -1) if transposed else b
+    offs = torch.tensor(ends, dtype=torch.int32) if ends else None
+    real = torch._grouped_mm(a, b, offs=offs)
+    fake_mode = FakeTensorMode()
+    fa, fb = fake_mode.from_tensor(a), fake_mode.from_tensor(b)
+    fo = fake_mode.from_tensor(offs) if offs is not None else None
+    with fake_mode, GroupedMMAsRun():
+        fake = torch._grouped_mm(fa, fb, offs=fo)
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+    assert fake.untyped_storage().nbytes() == real.untyped_storage().nbytes()

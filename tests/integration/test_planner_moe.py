@@ -1,0 +1,102 @@
+"""Mixture-of-experts models planned: gpt-oss and Qwen3-MoE traced in any precision, the routing stated.
+
+`harness.plan` on a tiny gpt-oss (experts stacked on disk) prints the worst and the balanced routing
+case and exits 0; a real step routed either way holds the same bytes (the report's claim), which
+the plan matches; an experts implementation whose shapes follow the routing is refused in one line.
+gpt-oss's plan against measured peaks in one process and under FSDP2 rides tests/integration/test_planner_accuracy.py's launches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from model_families import save_moe_families
+from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+from harness.config import load_config
+from harness.errors import EXIT_BAD_INPUT, EXIT_OK
+from harness.plan import main
+from harness.planner import estimate
+from harness.planner.measure import measure_config
+
+SHAPE = ["micro_batch_size=2", "data.seq_len=64"]
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Tiny gpt-oss and Qwen3-MoE checkpoints, and the latter again with `experts_implementation: eager`."""
+    root = tmp_path_factory.mktemp("moe-plan")
+    dirs = save_moe_families(root, ("gpt_oss", "qwen3_moe"))
+    eager = root / "qwen3_moe_eager"
+    eager.mkdir()
+    config = json.loads((Path(dirs["qwen3_moe"]) / "config.json").read_text())
+    (eager / "config.json").write_text(json.dumps({**config, "experts_implementation": "eager"}))
+    return {**dirs, "eager": str(eager)}
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_gpt_oss_at_fp32_plans_both_routing_cases(moe_dirs: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's crash (torch's fake `_grouped_mm` asserts bf16): now a plan, exit 0, both routing cases."""
+    out = os.path.join(tmp_path, "plan.json")
+    argv = ["--gpu-mem", "1GiB", "--target", "cpu", "--json", out, f"model.name={moe_dirs['gpt_oss']}", "precision=fp32", *SHAPE]
+    assert main(argv) == EXIT_OK
+    text = capsys.readouterr().out
+    worst = next(line for line in text.splitlines() if line.strip().startswith("worst case"))
+    assert "every token of a micro-batch to the same 2 experts" in worst and worst.endswith("<- the verdict")
+    assert "balanced case" in text and "each of the 4 experts 64 of the 256 (token, expert) rows" in text
+    routing = json.load(open(out))["routing"]
+    assert routing["assumed"] == "worst"
+    assert {c: v["busiest_expert_rows"] for c, v in routing["cases"].items()} == {"worst": 128, "balanced": 64}
+    assert routing["cases"]["worst"]["peak_bytes"] == routing["cases"]["balanced"]["peak_bytes"] == json.load(open(out))["peak_bytes"]
+
+    assert main([*argv, "--routing", "balanced"]) == EXIT_OK
+    balanced = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("balanced case"))
+    assert balanced.endswith("<- the verdict")
+
+
+def test_experts_whose_shapes_follow_the_routing_are_refused_in_one_line(
+    moe_dirs: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--gpu-mem", "1GiB", f"model.name={moe_dirs['eager']}", *SHAPE]) == EXIT_BAD_INPUT
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("harness.plan: error: ")]
+    assert len(lines) == 1 and "experts_implementation 'eager'" in lines[0] and "set it to grouped_mm" in lines[0]
+
+
+def _route(case: str, busiest: list[int]):
+    """Qwen3-MoE's router with its choice replaced (a new index tensor: topk saved its own for backward):
+    every token to experts 0..k-1 (worst), or spread evenly; ``busiest`` gets the busiest expert's rows per call."""
+    original = modeling_qwen3_moe.Qwen3MoeTopKRouter.forward
+
+    def forward(self, hidden_states):
+        logits, scores, chosen = original(self, hidden_states)
+        tokens, k = chosen.shape
+        spread = torch.arange(tokens)[:, None] * k + torch.arange(k)[None, :]
+        chosen = torch.arange(k).expand(tokens, k).contiguous() if case == "worst" else spread % self.num_experts
+        busiest.append(int(chosen.flatten().bincount(minlength=self.num_experts).max()))
+        return logits, scores, chosen
+
+    return forward
+
+
+def test_a_real_step_holds_the_same_bytes_however_tokens_are_routed(moe_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's claim, measured: the trainer's step (grouped_mm, fp32, CPU) with every token sent to the
+    same two experts and with the tokens spread evenly peaks at the same byte, which the plan predicts (the
+    replaced index tensor, 2 KiB, is the measured step's only extra)."""
+    overrides = [f"model.name={moe_dirs['qwen3_moe']}", "strategy=ddp", "precision=fp32", *SHAPE]
+    peaks, busiest = {}, {}
+    for case in ("worst", "balanced"):
+        busiest[case] = []
+        with monkeypatch.context() as patch:
+            patch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", _route(case, busiest[case]))
+            peaks[case] = measure_config(overrides, steps=2, trainer_view=False)["peak"]
+    assert set(busiest["worst"]) == {128} and set(busiest["balanced"]) == {64}  # 2 x 64 tokens, top-2 of 4 experts
+    assert peaks["worst"] == peaks["balanced"]
+    assert estimate(load_config(None, overrides), 1, target="cpu").total == pytest.approx(peaks["worst"], rel=0.03)
