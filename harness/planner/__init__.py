@@ -17,10 +17,11 @@
 The command line is ``python -m harness.plan`` (``harness/plan.py``).
 """
 
-from harness.planner.estimate import Estimate, Moment, estimate
+from harness.planner.estimate import estimate
 from harness.planner.long_context import sequence_degree
 from harness.planner.recommend import Recommendation, recommend
 from harness.planner.report import format_estimate, parse_size, verdict
+from harness.planner.result import Estimate, Moment
 from harness.planner.trace import PlanError
 
 __all__ = [

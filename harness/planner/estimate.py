@@ -15,7 +15,6 @@ import copy
 import json
 import os
 import tempfile
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,56 +31,14 @@ from harness.config import (
 from harness.data import cache_dir_for
 from harness.engine import EnginePlan, plan_engine
 from harness.errors import ConfigError
-from harness.memory import REPORTED
 from harness.models import is_preset
 from harness.planner.load_phase import load_phase_bytes
 from harness.planner.lora import quantized_base
 from harness.planner.model_states import EngineModel, EngineSpec, engine_model, zero12_partition
 from harness.planner.moe import ROUTINGS, Routing
+from harness.planner.result import REPORT_CATS, Estimate, Moment
 from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, build_fake_model, trace_step
 from harness.training import DTYPE_BYTES, DTYPE_NAMES, name_compiles_step
-
-REPORT_CATS = (*REPORTED, "other")  # buffers count as "other" in a plan
-
-
-@dataclass
-class Moment:
-    name: str
-    categories: dict[str, int]  # device bytes by REPORT_CATS
-    race: int = 0  # of which a collective buffer gloo's worker may still hold (see collective_race_bytes)
-
-    @property
-    def total(self) -> int:
-        return sum(self.categories.values())
-
-
-@dataclass
-class Estimate:
-    """One rank's predicted peak (the worst rank) and what fills it."""
-
-    engine: str
-    world_size: int
-    rank: int
-    peak: Moment  # the largest moment of the step on the device
-    moments: list[Moment]  # forward/backward peak, end of backward, analytic phases
-    host: dict[str, int]  # host bytes per rank held all step (offload); {} without offload
-    host_peak: int  # per rank, during the step
-    load_device: int  # per rank on the device while the model is built, sharded and filled (before the engine's state)
-    load_host: int  # per rank on the host meanwhile
-    target: str
-    trace_seconds: float
-    notes: list[str] = field(default_factory=list)
-    params_total: int = 0
-    largest_param: int = 0
-    race_bytes: int = 0  # a real run peaks in [total - race_bytes, total]: the gloo-held buffers of collective_race_bytes
-    # the run config as the run resolves it (what the launcher and a DeepSpeed file set taken in), which was estimated
-    config: RunConfig | None = None
-    routing: Routing | None = None  # a mixture of experts: where its tokens are assumed to go (harness.planner.moe)
-
-    @property
-    def total(self) -> int:
-        return self.peak.total
-
 
 # ----------------------------------------------------------------------------- config → specs
 

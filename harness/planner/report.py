@@ -20,9 +20,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from harness.planner.estimate import REPORT_CATS, Estimate
 from harness.planner.model_states import dtype_breakdown
 from harness.planner.moe import ROUTINGS
+from harness.planner.result import REPORT_CATS, Estimate
 from harness.planner.trace import PlanError
 
 GIB = 1024**3
