@@ -16,7 +16,7 @@ from harness.config.checks import aux_loss_coefficient, check_optimizer_in_backw
 from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.drop_in import adopt_settings
 from harness.config.layout import ParallelLayout
-from harness.config.loading import all_keys, apply_overrides, config_to_dict, load_config, parse_yaml, read_config_file
+from harness.config.loading import all_keys, apply_overrides, config_to_dict, given_in, is_given, load_config, parse_yaml, read_config_file
 from harness.config.presets import PRESETS, Preset, is_preset
 from harness.config.prune_methods import (
     DECISION_FACTS,
@@ -57,8 +57,6 @@ from harness.config.schema import (
     Section,
     default_lr,
     freeze,
-    given_in,
-    is_given,
 )
 from harness.config.sequence_checks import (
     SequenceLimit,

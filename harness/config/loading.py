@@ -15,8 +15,27 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from harness.config.checks import check_dead_keys, check_values
-from harness.config.schema import RENAMED, RunConfig, is_given
+from harness.config.schema import RENAMED, RunConfig
 from harness.errors import ConfigError, did_you_mean
+
+
+def is_given(cfg: RunConfig, key: str) -> bool:
+    """Whether the user wrote dotted `key` (in the config file or a `key=value` override).
+
+    A value the user did not write is a default, which a setting from outside the run config
+    (a DeepSpeed file's own number, an `accelerate launch` flag) may replace; a written one it
+    may only contradict. `load_config` records the written keys; a RunConfig built in code
+    records none, and then every key counts as written (contradictions are named, nothing is
+    replaced silently)."""
+    given = getattr(cfg, "given_keys", None)
+    return True if given is None else key in given
+
+
+def given_in(cfg: RunConfig, section: str) -> frozenset[str] | None:
+    """The keys of `section` the user wrote, without the section's name; None where `load_config`
+    recorded nothing (a RunConfig built in code, or copied by `dataclasses.replace`)."""
+    given = getattr(cfg, "given_keys", None)
+    return None if given is None else frozenset(k.removeprefix(section + ".") for k in given if k.startswith(section + "."))
 
 
 def _coerce(value: Any, typ: Any, where: str) -> Any:

@@ -400,31 +400,12 @@ class RunConfig(Section):
     seed: int = 0  # the run's torch seed
     output_dir: str = "runs/default"  # where metrics, plots and checkpoints go
     device: Device = "auto"  # auto (a GPU where there is one), cpu or cuda
-    # The dotted keys the user wrote, set by `load_config` (a ClassVar, so not a config key); see `is_given`.
+    # The dotted keys the user wrote, set by `load_config` (a ClassVar, so not a config key); see `loading.is_given`.
     given_keys: ClassVar[frozenset[str] | None] = None
 
     def __post_init__(self) -> None:
         if self.optim.lr is None:  # not given: the default for what this run trains
             self.optim.lr = default_lr(self)[0]
-
-
-def is_given(cfg: RunConfig, key: str) -> bool:
-    """Whether the user wrote dotted `key` (in the config file or a `key=value` override).
-
-    A value the user did not write is a default, which a setting from outside the run config
-    (a DeepSpeed file's own number, an `accelerate launch` flag) may replace; a written one it
-    may only contradict. `load_config` records the written keys; a RunConfig built in code
-    records none, and then every key counts as written (contradictions are named, nothing is
-    replaced silently)."""
-    given = getattr(cfg, "given_keys", None)
-    return True if given is None else key in given
-
-
-def given_in(cfg: RunConfig, section: str) -> frozenset[str] | None:
-    """The keys of `section` the user wrote, without the section's name; None where `load_config`
-    recorded nothing (a RunConfig built in code, or copied by `dataclasses.replace`)."""
-    given = getattr(cfg, "given_keys", None)
-    return None if given is None else frozenset(k.removeprefix(section + ".") for k in given if k.startswith(section + "."))
 
 
 # The learning rates used when `optim.lr` is not given, by what is trained: the values the
