@@ -263,7 +263,7 @@ def zero12_model(spec: EngineSpec, info: ParamInfo, rank: int) -> EngineModel:
     notes = [f"reduce bucket {spec.reduce_bucket:,} elements ({bucket:,} bytes) from the first gradient"]
     norm64 = 8 * min(info.largest, part)  # gradient norms are taken in fp64: a copy of one gradient slice
     if spec.offload_optimizer != "none":
-        pin = pinned_block if spec.pin_optimizer else int  # int: a pageable buffer holds what it asks for
+        pin = pinned_block if spec.pin_optimizer and spec.target == "cuda" else int  # int: pageable (or a CPU run: nothing pins)
         host = {
             "parameters": pin(master) + pin(part * b),  # fp32 master + the bit16 staging copy of the update
             "gradients": pin(part * 4) + pin(info.largest * b),  # fp32 gradient partition + a staging buffer
@@ -317,7 +317,8 @@ def zero3_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     resident: dict[str, int] = {"communication": bucket}
     host: dict[str, int] = {}
     if spec.offload_params == "cpu":
-        host["parameters"] = pinned_block(part * b)  # one flat buffer, pinned whatever the block's pin_memory says
+        # one flat buffer, pinned whatever the block's pin_memory says (on a GPU machine: a CPU run pins nothing)
+        host["parameters"] = pinned_block(part * b) if spec.target == "cuda" else part * b
     elif spec.offload_params == "nvme":
         host["nvme_swap_buffers"] = spec.nvme_buffer_count * spec.nvme_buffer_size * b
     norm64 = 8 * math.ceil(info.largest / spec.world)  # fp64 copy of the largest gradient partition
@@ -327,7 +328,7 @@ def zero3_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
         step = Phase("optimizer step", params=held, grads=largest_group * 4, extra={"optimizer_state": transient})
     else:
         # accumulation buffer + fp32 gradient for the step (one buffer per optimizer sub-group)
-        pin = pinned_block if spec.pin_optimizer else int  # int: a pageable buffer holds what it asks for
+        pin = pinned_block if spec.pin_optimizer and spec.target == "cuda" else int  # int: pageable (or a CPU run: nothing pins)
         sub_groups = zero3_subgroups(info.numels, spec.world, spec.sub_group_size)
         host["gradients"] = pin(grad_buffer) + sum(pin(g * 4) for g in sub_groups)
         if spec.offload_optimizer == "cpu":

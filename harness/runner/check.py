@@ -24,7 +24,7 @@ batch to recompute), fp16 (the gradients read before the step are loss-scaled), 
 stepped inside backward (no gradient survives backward). A mixture-of-experts router's
 load-balancing loss is left out of both (`moe.aux_loss_coef=0`, said in the start-up line): it is a
 per-micro-batch quantity by definition, which a one-micro-batch reference cannot reproduce; its
-split-invariance is tested instead (tests/integration/test_moe_router.py). Sequence parallelism is undone in
+split-invariance is tested instead (tests/integration/test_moe_router_runs.py). Sequence parallelism is undone in
 `reference_config` (whole sequences, the data-parallel world's global batch); the run's gradients
 are read through `Engine.shards()`, which covers any engine that reports its shards.
 """

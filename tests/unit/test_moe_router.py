@@ -12,7 +12,7 @@ branch's loader reads gpt-oss's fused experts, not the per-expert files of the o
 - `moe.aux_loss_coef` values are checked when the config is read.
 
 Split-invariance through the user's entry point (world 2 x accum 1 = world 1 x accum 2):
-tests/integration/test_moe_router.py.
+tests/integration/test_moe_router_runs.py.
 """
 
 from __future__ import annotations
