@@ -34,6 +34,22 @@ if TYPE_CHECKING:
 RTOL = 1e-5  # fp32; the slices' reductions run in another order than the whole sequence's
 
 
+def _group_grads_against(model, reference, world: int) -> tuple[float, bool]:
+    """The group's mean gradients against one process's: the largest relative difference, and
+    whether every parameter's is within RTOL. Collective."""
+    import torch
+    import torch.distributed as dist
+
+    worst, close = 0.0, True
+    for p, q in zip(model.parameters(), reference.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        g /= world
+        worst = max(worst, ((g - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12)).item())
+        close = close and torch.allclose(g, q.grad, rtol=RTOL, atol=1e-7)
+    return worst, close
+
+
 def _worker(out_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -89,13 +105,7 @@ def _worker(out_path: str) -> None:
     use_ulysses(model, dist.new_group(list(range(world))))
     causal_lm_loss(reference, batch).backward()
     sequence_shard_loss(model, piece, chunk_size=24, num_items=count / world).backward()
-    worst, close = 0.0, True
-    for p, q in zip(model.parameters(), reference.parameters()):
-        g = p.grad.clone()
-        dist.all_reduce(g)
-        g /= world
-        worst = max(worst, ((g - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12)).item())
-        close = close and torch.allclose(g, q.grad, rtol=RTOL, atol=1e-7)
+    worst, close = _group_grads_against(model, reference, world)
     if rank == 0:
         result["mqa"] = {"kv_heads": model.config.num_key_value_heads, "worst_grad_rel": worst, "grads_close": close}
         Path(out_path).write_text(json.dumps(result))
@@ -146,13 +156,7 @@ def _packed_worker(out_path: str) -> None:
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
-        worst, close = 0.0, True
-        for p, q in zip(model.parameters(), reference.parameters()):
-            g = p.grad.clone()
-            dist.all_reduce(g)
-            g /= world
-            worst = max(worst, ((g - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12)).item())
-            close = close and torch.allclose(g, q.grad, rtol=RTOL, atol=1e-7)
+        worst, close = _group_grads_against(model, reference, world)
         results[name] = {"sum": float(total / world), "worst_grad_rel": worst, "grads_close": close}
     if rank == 0:
         Path(out_path).write_text(json.dumps({"whole": float(whole), "count": float(count), **results}))
