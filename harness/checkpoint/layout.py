@@ -216,7 +216,7 @@ def check_compatible(
             f"run resumes at that world size and split (each rank's position is in its own part of the stream), not "
             f"{layout.world} ({layout.sequence})"
         )
-    for key in ("enabled", "r", "alpha", "target_modules", "quantize"):  # a LoRA checkpoint holds only these adapters
+    for key in ("enabled", "r", "alpha", "target_modules", "target_parameters", "quantize"):  # a LoRA checkpoint holds only these adapters
         saved = meta.config.get("lora", {}).get(key, getattr(LoraConfig(), key))
         if saved != getattr(cfg.lora, key):
             raise ConfigError(

@@ -27,7 +27,7 @@ from harness.checkpoint.layout import CheckpointMeta
 from harness.config import LoraConfig, RunConfig
 from harness.engine import read_model_weights
 from harness.errors import CheckpointError
-from harness.models import build_model, dequantize, resolve_target_modules, wrap_peft
+from harness.models import build_model, dequantize, resolve_targets, wrap_peft
 
 
 def is_lora_checkpoint(meta: CheckpointMeta) -> bool:
@@ -50,7 +50,7 @@ def export_lora(path: str, meta: CheckpointMeta, tmp: str, merged: bool) -> None
     if lora.quantize != "none":  # the quantized base the adapters were trained on, dequantized: plain linears
         base = dequantize(base)
         lora = dataclasses.replace(lora, quantize="none")
-    peft_model = wrap_peft(base, lora, resolve_target_modules(base, lora), seed=int(model_cfg.get("seed", 0)))
+    peft_model = wrap_peft(base, lora, resolve_targets(base, lora, quiet=True), seed=int(model_cfg.get("seed", 0)))
     inner = peft_model.base_model.model
     weights = read_model_weights(path, meta.engine, meta.zero_stage, inner, trainable_only=True)
     trainable = {name for name, p in inner.named_parameters() if p.requires_grad}

@@ -353,6 +353,10 @@ class LoraConfig(Section):
     alpha: float = 16.0  # scaling: alpha / r
     dropout: float = 0.0  # dropout on the adapter input
     target_modules: list[str] | None = None  # module names; unset: every linear layer of the decoder blocks (logged)
+    # stacked expert tensors (`<module>.<parameter>`, e.g. experts.gate_up_proj: one rank-r pair per expert, peft's
+    # target_parameters); unset: every stacked expert weight of a mixture-of-experts model's decoder blocks (logged),
+    # none for a dense model; [] leaves the experts frozen. Stacked experts need lora.dropout=0
+    target_parameters: list[str] | None = None
     # int8 or nf4 (QLoRA: the base quantized by bitsandbytes, on CPU or GPU: single/DDP; nf4 also sharded by FSDP2
     # and by DeepSpeed ZeRO-3, its 4-bit codes stored in the compute dtype, the scales on every rank); ZeRO-1/2, and
     # int8 under FSDP2 or DeepSpeed, refused in one line

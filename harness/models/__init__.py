@@ -20,6 +20,7 @@ from harness.models.build import (
 )
 from harness.models.experts import expert_count, expert_parallel_problem, expert_tensors, split_experts
 from harness.models.lora import (
+    AdapterTargets,
     LoraWeights,
     apply_lora,
     build_run_model,
@@ -27,6 +28,8 @@ from harness.models.lora import (
     empty_lora_model,
     init_adapters,
     resolve_target_modules,
+    resolve_targets,
+    stacked_expert_parameters,
     trainable_counts,
     wrap_peft,
 )
@@ -45,6 +48,7 @@ from harness.models.ulysses import ULYSSES, attention_is_swappable, use_ulysses
 from harness.models.weights import CheckpointWeights, InitWeights, Part, WeightSource, clean_name, fill, materialize, whole_part
 
 __all__ = [
+    "AdapterTargets",
     "ULYSSES",
     "expert_count",
     "expert_parallel_problem",
@@ -90,6 +94,8 @@ __all__ = [
     "model_spec",
     "preset_config",
     "resolve_target_modules",
+    "resolve_targets",
+    "stacked_expert_parameters",
     "trainable_counts",
     "twin_spec",
     "whole_part",

@@ -18,6 +18,8 @@ wraps them with its bitsandbytes LoRA layers.
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,11 +50,79 @@ def default_target_modules(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-def resolve_target_modules(model: nn.Module, cfg: LoraConfig) -> list[str]:
+def stacked_expert_parameters(model: nn.Module) -> list[str]:
+    """`<module>.<parameter>` of every stacked expert weight in the decoder blocks: a 3-D tensor,
+    one matrix per expert along dim 0 (transformers 5 holds a MoE layer's experts so:
+    `experts.gate_up_proj`, `experts.down_proj`). peft adapts such a tensor with one rank-r pair
+    per expert (`target_parameters`, its `ParamWrapper`); no linear-layer name reaches it. Expert
+    biases are 2-D and stay frozen, as a linear's bias does."""
+    names = set()
+    for block in decoder_blocks(model):
+        for module_name, module in block.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                if param.dim() == 3:
+                    names.add(f"{strip_base_layer(module_name).rsplit('.', 1)[-1]}.{param_name}")
+    return sorted(names)
+
+
+def strip_base_layer(name: str) -> str:
+    """`name` with peft's wrapper segments dropped: what the parameter is called in the model
+    without adapters (a stacked tensor adapted twice sits under two `base_layer`s)."""
+    return re.sub(r"(\.base_layer)+(?=\.|$)", "", name)
+
+
+@dataclass(frozen=True)
+class AdapterTargets:
+    """What a run's adapters reach: linear layers by attribute name (`target_modules`) and
+    stacked expert tensors by `<module>.<parameter>` (`target_parameters`)."""
+
+    modules: list[str]
+    parameters: list[str]
+
+
+def resolve_targets(model: nn.Module, cfg: LoraConfig, quiet: bool = False) -> AdapterTargets:
+    """The user's `lora.target_modules` and `lora.target_parameters` (each must name something of
+    this model), each unset one filled from the model and logged (`quiet`: not logged). Refuses
+    what peft or bitsandbytes would reject or silently leave out on a mixture of experts."""
+    experts = stacked_expert_parameters(model)
+    name = type(model).__name__
+    if cfg.quantize != "none" and experts:
+        raise ConfigError(
+            f"lora.quantize={cfg.quantize}: bitsandbytes quantizes linear layers only, and {name}'s experts are stacked "
+            f"tensors ({', '.join(experts)}) it would leave unquantized, most of the base; set lora.quantize=none "
+            "(a bf16 base sharded by FSDP2 holds the experts in 2 bytes each)"
+        )
+    modules = resolve_target_modules(model, cfg, quiet)
+    if cfg.target_parameters is None:
+        parameters = experts
+        if parameters and not quiet:
+            log.info(f"lora.target_parameters: unset, filled with the blocks' stacked experts: {parameters} (an adapter per expert)")
+    else:
+        parameters = list(cfg.target_parameters)
+        held = {
+            f"{strip_base_layer(module_name)}.{param_name}"
+            for module_name, module in model.named_modules()
+            for param_name, _ in module.named_parameters(recurse=False)
+        }
+        missing = [t for t in parameters if not any(h == t or h.endswith(f".{t}") for h in held)]  # peft's match
+        if missing:
+            raise ConfigError(
+                f"lora.target_parameters names {missing} which {name} does not have; its stacked experts are {experts or 'none'}"
+            )
+    if parameters and cfg.dropout:
+        raise ConfigError(
+            f"lora.dropout={cfg.dropout:g} cannot apply to stacked experts {parameters}: peft adapts a tensor, not a layer's "
+            "input (its ParamWrapper has no dropout); set lora.dropout=0, or lora.target_parameters=[] to leave the experts frozen"
+        )
+    return AdapterTargets(modules, parameters)
+
+
+def resolve_target_modules(model: nn.Module, cfg: LoraConfig, quiet: bool = False) -> list[str]:
     """The user's `lora.target_modules` (each must name a module of this model), or the default, logged."""
     if cfg.target_modules is None:
         targets = default_target_modules(model)
-        log.info(f"lora.target_modules: unset, filled with every linear layer of the decoder blocks: {targets}")
+        if not quiet:
+            log.info(f"lora.target_modules: unset, filled with every linear layer of the decoder blocks: {targets}")
         return targets
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [t for t in cfg.target_modules if t not in present]
@@ -64,16 +134,22 @@ def resolve_target_modules(model: nn.Module, cfg: LoraConfig) -> list[str]:
     return list(cfg.target_modules)
 
 
-def peft_config(cfg: LoraConfig, targets: list[str]) -> Any:
+def peft_config(cfg: LoraConfig, targets: AdapterTargets) -> Any:
     """The `peft.LoraConfig` of a run (the same one training and export use)."""
     import peft
 
     return peft.LoraConfig(
-        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM"
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets.modules,
+        target_parameters=targets.parameters or None,
+        bias="none",
+        task_type="CAUSAL_LM",
     )
 
 
-def wrap_peft(model: nn.Module, cfg: LoraConfig, targets: list[str], seed: int) -> Any:
+def wrap_peft(model: nn.Module, cfg: LoraConfig, targets: AdapterTargets, seed: int) -> Any:
     """`model` with adapters injected in place, as a `PeftModel`. The adapters' random init
     (lora_A; lora_B starts at zero) is seeded, so every rank and every launcher gets the same."""
     import peft
@@ -85,16 +161,17 @@ def wrap_peft(model: nn.Module, cfg: LoraConfig, targets: list[str], seed: int) 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
     """Freeze the base and inject adapters; returns the HF module the engines train (the same object)."""
-    targets = resolve_target_modules(model, cfg)
+    targets = resolve_targets(model, cfg)
     inner = wrap_peft(model, cfg, targets, seed).base_model.model
     _log_adapters(inner, cfg, targets)
     return inner
 
 
-def _log_adapters(inner: nn.Module, cfg: LoraConfig, targets: list[str]) -> None:
+def _log_adapters(inner: nn.Module, cfg: LoraConfig, targets: AdapterTargets) -> None:
     trainable, total = trainable_counts(inner)
+    reached = targets.modules + [f"{p} (per expert)" for p in targets.parameters]
     log.info(
-        f"LoRA r={cfg.r} alpha={cfg.alpha:g} on {targets}: {trainable:,} trainable of {total:,} parameters "
+        f"LoRA r={cfg.r} alpha={cfg.alpha:g} on {reached}: {trainable:,} trainable of {total:,} parameters "
         f"({100.0 * trainable / max(total, 1):.2f}%), base frozen{'' if cfg.quantize == 'none' else ', ' + cfg.quantize}"
     )
 
@@ -111,7 +188,7 @@ def empty_lora_model(template: nn.Module, cfg: LoraConfig, quiet: bool = False) 
     log line (the planner builds it to trace, not to train)."""
     import peft
 
-    targets = default_target_modules(template) if quiet and cfg.target_modules is None else resolve_target_modules(template, cfg)
+    targets = resolve_targets(template, cfg, quiet)
     inner = peft.get_peft_model(template, peft_config(cfg, targets), low_cpu_mem_usage=True).base_model.model
     if not quiet:
         _log_adapters(inner, cfg, targets)
@@ -131,7 +208,7 @@ class LoraWeights:
 
     def read(self, names: Any, shape: Any, start: int, end: int) -> torch.Tensor | None:
         if self.ADAPTER not in names[0]:
-            return self.base.read([n.replace(".base_layer.", ".") for n in names], shape, start, end)
+            return self.base.read([strip_base_layer(n) for n in names], shape, start, end)
         full = torch.zeros(tuple(shape), dtype=torch.float32)
         if ".lora_A." in names[0]:
             with torch.random.fork_rng(devices=[]):
@@ -167,6 +244,7 @@ def init_adapters(model: nn.Module, seed: int) -> None:
 
 
 __all__ = [
+    "AdapterTargets",
     "LoraWeights",
     "apply_lora",
     "empty_lora_model",
@@ -175,6 +253,9 @@ __all__ = [
     "default_target_modules",
     "peft_config",
     "resolve_target_modules",
+    "resolve_targets",
+    "stacked_expert_parameters",
+    "strip_base_layer",
     "trainable_counts",
     "wrap_peft",
 ]

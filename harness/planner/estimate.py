@@ -37,7 +37,7 @@ from harness.planner.lora import quantized_base
 from harness.planner.model_states import EngineModel, EngineSpec, engine_model, zero12_partition
 from harness.planner.moe import ROUTINGS, Routing
 from harness.planner.result import REPORT_CATS, Estimate, Moment
-from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, build_fake_model, trace_step
+from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, adapter_key, build_fake_model, trace_step
 from harness.training import DTYPE_BYTES, DTYPE_NAMES, name_compiles_step
 
 # ----------------------------------------------------------------------------- config → specs
@@ -124,7 +124,7 @@ def specs_for(
         mlp_tiles=(cfg.memory.tiled_mlp if cfg.memory.tiled_mlp > 1 else 0, cfg.memory.tiled_mlp_tokens),
         micro_batches=2 if cfg.grad_accum > 1 else 1,
         autocast=policy.autocast and kind != "deepspeed",
-        lora=(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules) if lora.target_modules else None) if lora.enabled else None,
+        lora=adapter_key(lora) if lora.enabled else None,
         # QLoRA: the codes are stored in the compute dtype (harness.models.qlora), gathered and dequantized as such
         nf4_storage=DTYPE_NAMES[policy.compute_dtype] if lora.enabled and lora.quantize == "nf4" else None,
         frozen_dtype=DTYPE_NAMES[policy.frozen_dtype] if lora.enabled and policy.frozen_dtype != policy.param_dtype else None,

@@ -71,7 +71,8 @@ class TraceSpec:
     offload_checkpoint_inputs: bool = False  # checkpointed blocks' inputs on the host (the offload's own hooks, simulated)
     micro_batches: int = 1  # traced micro-batches: 2 when gradient accumulation keeps grads across them
     autocast: bool = False  # fp16 torch engines run under autocast with fp32 weights
-    lora: tuple[int, float, float, tuple[str, ...] | None] | None = None  # (r, alpha, dropout, targets): peft adapters, base frozen
+    # (r, alpha, dropout, target modules, target parameters): peft adapters, base frozen
+    lora: tuple[int, float, float, tuple[str, ...] | None, tuple[str, ...] | None] | None = None
     nf4_storage: str | None = None  # QLoRA: the block linears' NF4 codes packed in this dtype (harness.planner.packed)
     frozen_dtype: str | None = None  # LoRA: the frozen base held in this dtype, not module_dtype (PrecisionPolicy.frozen_dtype)
     sequence: int = 1  # Ulysses: each sample's sequence split over this many ranks; the trace is one rank's slice
@@ -81,6 +82,25 @@ class TraceSpec:
         """The memory section whose techniques the traced model is prepared with (compile is not traced)."""
         tiles, tokens = self.mlp_tiles
         return MemoryConfig(activation_checkpointing=self.ac_mode, ac_every=self.ac_every, tiled_mlp=tiles, tiled_mlp_tokens=tokens)
+
+
+def adapter_key(lora: LoraConfig) -> tuple[int, float, float, tuple[str, ...] | None, tuple[str, ...] | None]:
+    """A run's adapters as `TraceSpec.lora` holds them (hashable: the spec keys a cache of traces)."""
+
+    def names(value: list[str] | None) -> tuple[str, ...] | None:
+        return tuple(value) if value is not None else None
+
+    return lora.r, lora.alpha, lora.dropout, names(lora.target_modules), names(lora.target_parameters)
+
+
+def adapter_config(key: tuple[int, float, float, tuple[str, ...] | None, tuple[str, ...] | None]) -> LoraConfig:
+    """The `LoraConfig` an `adapter_key` was made from (what the trace builds its adapters by)."""
+    r, alpha, dropout, modules, parameters = key
+
+    def names(value: tuple[str, ...] | None) -> list[str] | None:
+        return list(value) if value is not None else None
+
+    return LoraConfig(enabled=True, r=r, alpha=alpha, dropout=dropout, target_modules=names(modules), target_parameters=names(parameters))
 
 
 @dataclass
@@ -306,10 +326,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     start = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     dtype = DTYPES[spec.module_dtype]  # FSDP2: fp32 sharded masters, or bf16 shards under bf16_pure
-    lora = None
-    if spec.lora is not None:
-        r, alpha, dropout, targets = spec.lora
-        lora = LoraConfig(enabled=True, r=r, alpha=alpha, dropout=dropout, target_modules=list(targets) if targets else None)
+    lora = adapter_config(spec.lora) if spec.lora is not None else None
     model = build_fake_model(spec.model_name, spec.vocab_size, fake_mode, dtype, lora)
     info = param_info(model)  # the base's shapes as they are in the checkpoint (the formulas' input)
     if spec.frozen_dtype is not None:

@@ -60,6 +60,7 @@ from harness.models import (
     expert_parallel_problem,
     is_preset,
     model_config,
+    resolve_targets,
 )
 from harness.runner.data_checks import check_data, looks_like_path, offline
 from harness.runner.inputs import check_environment, check_index
@@ -178,6 +179,17 @@ def check_architecture(cfg: RunConfig, strategy: Strategy, layout: ParallelLayou
             f"model.name '{name}': parallel.sequence={layout.sequence} runs attention through transformers' "
             f"AttentionInterface with sdpa, which {type(template).__name__} does not use (eager attention only); set parallel.sequence=1"
         )
+    if cfg.lora.enabled:  # what the adapters reach, refused here rather than on every rank after the launch
+        try:
+            targets = resolve_targets(template, cfg.lora, quiet=True)
+        except ConfigError as exc:
+            raise ConfigError(f"model.name '{name}': {exc}") from None
+        if targets.parameters and strategy.kind == "deepspeed":  # its state dict drops peft's parameter adapters
+            raise ConfigError(
+                f"model.name '{name}': LoRA on stacked experts ({', '.join(targets.parameters)}) runs under single, ddp and "
+                f"fsdp, not DeepSpeed (its checkpoints miss peft's per-expert adapters); set strategy=fsdp, or "
+                "lora.target_parameters=[] to adapt attention only"
+            )
     weights = CheckpointWeights(name, getattr(template, "base_model_prefix", ""))
     weights.follow_conversions(template)
     weights.check_shapes(template)

@@ -59,7 +59,7 @@ def test_lora_state_bytes_by_category(setup):
     # gradient), not those at the full fine-tune's peak moment (its optimizer step: none).
     spec = TraceSpec("small-llama", VOCAB, 1, 1, 64, "bf16", "plain", "bf16")
     full_acts = max(trace_step(spec).category("activations"))
-    lora_acts = max(trace_step(dataclasses.replace(spec, lora=(8, 16.0, 0.0, None))).category("activations"))
+    lora_acts = max(trace_step(dataclasses.replace(spec, lora=(8, 16.0, 0.0, None, None))).category("activations"))
     assert 0 < lora_acts < full_acts
     assert est.peak.categories["activations"] == lora_acts
     q = estimate(load_config(None, [*SMALL, "precision=bf16", "lora.enabled=true", "lora.quantize=nf4"]), 1, vocab_size=VOCAB)
