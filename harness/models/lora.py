@@ -18,7 +18,6 @@ wraps them with its bitsandbytes LoRA layers.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,7 @@ from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.models.blocks import decoder_blocks
 from harness.models.build import ModelSpec, build_spec_model, count_parameters, model_spec
-from harness.models.weights import clean_name, module_seed
+from harness.models.weights import clean_name, module_seed, strip_base_layer
 
 log = get_logger(__name__)
 
@@ -55,7 +54,8 @@ def stacked_expert_parameters(model: nn.Module) -> list[str]:
     one matrix per expert along dim 0 (transformers 5 holds a MoE layer's experts so:
     `experts.gate_up_proj`, `experts.down_proj`). peft adapts such a tensor with one rank-r pair
     per expert (`target_parameters`, its `ParamWrapper`); no linear-layer name reaches it. Expert
-    biases are 2-D and stay frozen, as a linear's bias does."""
+    biases are 2-D and stay frozen, as a linear's bias does. Found by shape, not by the expert-parallel
+    plan (`experts.expert_tensors`): a family without a plan has stacked experts all the same."""
     names = set()
     for block in decoder_blocks(model):
         for module_name, module in block.named_modules():
@@ -63,12 +63,6 @@ def stacked_expert_parameters(model: nn.Module) -> list[str]:
                 if param.dim() == 3:
                     names.add(f"{strip_base_layer(module_name).rsplit('.', 1)[-1]}.{param_name}")
     return sorted(names)
-
-
-def strip_base_layer(name: str) -> str:
-    """`name` with peft's wrapper segments dropped: what the parameter is called in the model
-    without adapters (a stacked tensor adapted twice sits under two `base_layer`s)."""
-    return re.sub(r"(\.base_layer)+(?=\.|$)", "", name)
 
 
 @dataclass(frozen=True)
@@ -255,7 +249,6 @@ __all__ = [
     "resolve_target_modules",
     "resolve_targets",
     "stacked_expert_parameters",
-    "strip_base_layer",
     "trainable_counts",
     "wrap_peft",
 ]

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from harness.errors import ConfigError
 from harness.log import get_logger
-from harness.models.weights import WeightSource, clean_name
+from harness.models.weights import WeightSource, clean_name, strip_base_layer
 
 log = get_logger(__name__)
 
@@ -160,7 +160,7 @@ def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
 
 def _weight_name(module_name: str) -> str:
     """A quantized linear's weight by its checkpoint name (no wrapper's, no peft's segment)."""
-    return clean_name(f"{module_name}.weight").replace(".base_layer.", ".")
+    return strip_base_layer(clean_name(f"{module_name}.weight"))
 
 
 class QuantizedWeights:

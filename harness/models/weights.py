@@ -21,6 +21,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -215,6 +216,12 @@ def clean_name(name: str) -> str:
     for attr in WRAPPER_ATTRS:
         name = name.replace(attr + ".", "")
     return name
+
+
+def strip_base_layer(name: str) -> str:
+    """`name` with peft's wrapper segments dropped: what the parameter is called in the model
+    without adapters (a stacked expert tensor adapted twice sits under two `base_layer`s)."""
+    return re.sub(r"(\.base_layer)+(?=\.|$)", "", name)
 
 
 def whole_part(p: torch.Tensor) -> Part:
