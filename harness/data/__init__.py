@@ -11,7 +11,15 @@ from harness.data.folders import check_arrow_files, check_saved_folder, folder_l
 from harness.data.formats import format_hint
 from harness.data.instructions import read_records
 from harness.data.integrity import check_cache_root
-from harness.data.sampling import BatchSampler, SequenceSlice, StreamSampler, describe_consumption, split_batches, unpack_examples
+from harness.data.sampling import (
+    BatchSampler,
+    SequenceSlice,
+    StreamSampler,
+    describe_consumption,
+    split_batches,
+    unpack_examples,
+    unpack_with_origin,
+)
 from harness.data.tokenizer import eos_id, given_tokenizer, load_tokenizer
 
 __all__ = [
@@ -42,5 +50,6 @@ __all__ = [
     "read_records",
     "split_batches",
     "unpack_examples",
+    "unpack_with_origin",
     "split_of",
 ]

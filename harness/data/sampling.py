@@ -99,20 +99,36 @@ def unpack_examples(batch: torch.Tensor) -> torch.Tensor:
     with unlabelled tokens. The same counted targets as the packed blocks, with no other
     example in the row to attend to: what packing must compute. Blocks without positions
     (text, `(B, S)`) are returned as they are."""
-    if batch.dim() != 3 or batch.shape[1] < 3:
-        return batch
+    return unpack_with_origin(batch)[0]
+
+
+def unpack_with_origin(batch: torch.Tensor, every_segment: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`unpack_examples`, and where each of its tokens sits in `batch`: a `(rows, S)` tensor of
+    flat indices `block * S + position` into the packed blocks, -1 for a row's padding.
+    `every_segment`: keep the segments without a labelled token too (a prompt cut by the block's
+    end, the block's tail padding), so that every token of `batch` is in exactly one row: what a
+    quantity over all of a batch's tokens (a router's balance) needs, which the loss does not."""
     length = batch.shape[-1]
-    rows = []
-    for block in batch:
+    if batch.dim() != 3 or batch.shape[1] < 3:
+        return batch, torch.arange(batch.shape[0] * length).view(batch.shape[0], length)
+    rows, origins = [], []
+    for index, block in enumerate(batch):
         starts = (block[2] == 0).nonzero().flatten().tolist()
+        if every_segment and (not starts or starts[0] != 0):
+            starts = [0, *starts]  # tokens before the first restart belong to no example: a row of their own
         for a, b in zip(starts, [*starts[1:], length]):
-            if not bool((block[1, a + 1 : b] != IGNORE).any()):  # a segment's first label is never a target
+            if not every_segment and not bool((block[1, a + 1 : b] != IGNORE).any()):  # a segment's first label is never a target
                 continue
             row = torch.empty_like(block)
             row[0], row[1], row[2] = block[0, b - 1], IGNORE, torch.arange(length)
             row[0, : b - a], row[1, : b - a] = block[0, a:b], block[1, a:b]
+            origin = torch.full((length,), -1, dtype=torch.long)
+            origin[: b - a] = torch.arange(index * length + a, index * length + b)
             rows.append(row)
-    return torch.stack(rows) if rows else batch
+            origins.append(origin)
+    if not rows:
+        return batch, torch.arange(batch.shape[0] * length).view(batch.shape[0], length)
+    return torch.stack(rows), torch.stack(origins)
 
 
 def split_batches(

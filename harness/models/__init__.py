@@ -33,6 +33,7 @@ from harness.models.lora import (
     trainable_counts,
     wrap_peft,
 )
+from harness.models.packing import unconfined_packing
 from harness.models.qlora import (
     QuantizedWeights,
     cast_except_quantized,
@@ -55,6 +56,7 @@ __all__ = [
     "expert_tensors",
     "split_experts",
     "attention_is_swappable",
+    "unconfined_packing",
     "use_ulysses",
     "PRESETS",
     "QuantizedWeights",

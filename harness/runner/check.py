@@ -21,18 +21,27 @@ each rank's device for a few seconds, is small by construction (two blocks).
 
 Not covered (refused in one line): streaming data (each rank reads its own stream: no global
 batch to recompute), fp16 (the gradients read before the step are loss-scaled), the optimizer
-stepped inside backward (no gradient survives backward). A mixture-of-experts router's
-load-balancing loss is left out of both (`moe.aux_loss_coef=0`, said in the start-up line): it is a
-per-micro-batch quantity by definition, which a one-micro-batch reference cannot reproduce; its
-split-invariance is tested instead (tests/integration/test_moe_router_runs.py). Sequence parallelism is undone in
-`reference_config` (whole sequences, the data-parallel world's global batch); the run's gradients
-are read through `Engine.shards()`, which covers any engine that reports its shards.
+stepped inside backward (no gradient survives backward). Sequence parallelism and expert
+parallelism are undone in `reference_config` (whole sequences, every expert in the one process, the
+data-parallel world's global batch); the run's gradients are read through `Engine.shards()`, which
+covers any engine that reports its shards.
+
+A mixture-of-experts router's load-balancing loss is checked as the run adds it: per micro-batch
+(transformers' definition: the balance of one forward's tokens), averaged over the step's
+micro-batches and ranks (`harness.training.router`). The reference's one forward holds every
+micro-batch of the step, so it is told which of the run's micro-batches, and under sequence
+parallelism which rank's slice, each of its tokens was in (`ReferenceSampler`: the run's sampler
+gives micro-batch a of data rank r the `micro` blocks starting at (a * world + r) * micro) and its
+router averages each group's loss (`RouterLoss.token_groups`); packed examples are unpacked with
+the segments that hold no label kept, as the run routes them. The aux loss is compared each step
+beside the loss, and its weight shows in every router's and expert's gradient.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -40,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.config import INSTRUCTION_FORMATS, ParallelLayout, RunConfig, load_config, load_strategy
-from harness.data import unpack_examples
+from harness.data import unpack_with_origin
 from harness.distributed import Collectives, DistInfo, launch_env, pick_device
 from harness.engine import Engine, EnginePlan, plan_engine
 from harness.errors import EXIT_OK, EXIT_WRONG_RESULTS, ConfigError, StopRequested
@@ -63,6 +72,7 @@ from harness.runner.check_compare import (
 from harness.runner.command import run_command
 from harness.runner.preflight import preflight
 from harness.runner.trainer import Trainer
+from harness.training import RouterLoss
 
 log = get_logger(__name__)
 TWIN_LAYERS = 2
@@ -88,7 +98,6 @@ def check_config(cfg: RunConfig) -> RunConfig:
     twin.checkpoint.every, twin.checkpoint.save_final, twin.checkpoint.export_hf = 0, False, False
     twin.checkpoint.resume, twin.checkpoint.overwrite = "none", True
     twin.prune.method = "none"
-    twin.moe.aux_loss_coef = "0"  # per micro-batch: not what the one-micro-batch reference computes (above)
     if twin.lora.dropout:
         log.info(f"check: lora.dropout {twin.lora.dropout:g} -> 0 (random masks differ between a sharded run and its reference)")
         twin.lora.dropout = 0.0
@@ -122,6 +131,7 @@ class Record:
     """One rank's view of a run: losses, and its part of each gradient (per step) and weight (initial, then after each step)."""
 
     losses: list[float] = field(default_factory=list)
+    aux_losses: list[float] = field(default_factory=list)  # the router's load-balancing loss (nan: no router)
     grads: list[list[Part]] = field(default_factory=list)
     weights: list[list[Part]] = field(default_factory=list)
     order: list[str] = field(default_factory=list)  # parameter names in model order
@@ -162,6 +172,7 @@ def record(trainer: Trainer) -> Record:
             raise StopRequested("a stop request ended the check")
         trainer.started_at = None  # time to first step: said once
         rec.losses.append(trainer.loss_mean)
+        rec.aux_losses.append(trainer.aux_loss)
         rec.weights.append(weight_parts(engine))
     trainer.close()
     return rec
@@ -228,16 +239,22 @@ def compare(run: Record, ref: Record, g_bound: float, comm: Collectives) -> Verd
         drift = overall(judge_parts(step + 1, "update", updates(run.weights[step + 1], run.weights[step]), ref_update, update_bounds))
         loss, ref_loss = run.losses[step], ref.losses[step]
         verdict.add(step + 1, "loss", "the loss", abs(loss - ref_loss) / abs(ref_loss), g_bound, f" ({loss:.7g} vs {ref_loss:.7g})")
+        aux, ref_aux = (run.aux_losses[step], ref.aux_losses[step]) if ref.aux_losses else (math.nan, math.nan)
+        if not math.isnan(ref_aux):  # a router: its balance over the same micro-batches' tokens
+            relative = abs(aux - ref_aux) / abs(ref_aux) if ref_aux else abs(aux)
+            verdict.add(step + 1, "aux loss", "the router's aux loss", relative, g_bound, f" ({aux:.7g} vs {ref_aux:.7g})")
     return verdict
 
 
-def reference_run(ref: RunConfig, local_rank: int) -> Record:
-    """The reference on this rank alone, before any process group exists (module docstring)."""
+def reference_run(ref: RunConfig, local_rank: int, micro: int, slices: int) -> Record:
+    """The reference on this rank alone, before any process group exists (module docstring);
+    `micro`, `slices`: the run's micro-batch size and sequence-parallel degree."""
     started = time.perf_counter()
     device = pick_device(ref.device, local_rank)
     plan = plan_engine(ref, load_strategy("ddp"), 1, device, None, env={})
     trainer, _ = build_run(plan.config, plan, DistInfo(0, 1, local_rank, device, None), twin_layers=TWIN_LAYERS)
-    trainer.sampler = UnpackedSampler(trainer.sampler)
+    router = trainer.router if trainer.router is not None and trainer.router.active else None
+    trainer.sampler = ReferenceSampler(trainer.sampler, router, micro, slices)
     rec = record(trainer)
     rec.seconds = time.perf_counter() - started
     steps_discarded("joining the process group after the check's reference")
@@ -248,20 +265,33 @@ def reference_run(ref: RunConfig, local_rank: int) -> Record:
     return rec
 
 
-class UnpackedSampler:
-    """The reference's batches: every packed example in a row of its own (`harness.data.unpack_examples`)."""
+class ReferenceSampler:
+    """The reference's batches: every packed example in a row of its own (`harness.data.unpack_with_origin`);
+    with a router, the segments without a label kept too, and each token's group told to it: the
+    run's micro-batch it was in (`micro` consecutive blocks of the global batch) and its sequence
+    slice (`slices` equal parts of the block), as the run's sampler deals them."""
 
-    def __init__(self, sampler) -> None:
+    def __init__(self, sampler, router: RouterLoss | None, micro: int, slices: int) -> None:
         self.inner, self.global_batch = sampler, sampler.global_batch
+        self.router, self.micro, self.slices = router, micro, slices
 
     def batch(self, step: int, micro_index: int) -> torch.Tensor:
-        return unpack_examples(self.inner.batch(step, micro_index))
+        packed = self.inner.batch(step, micro_index)
+        rows, origin = unpack_with_origin(packed, every_segment=self.router is not None)
+        if self.router is not None:
+            length = packed.shape[-1]
+            group = (origin // length) // self.micro * self.slices + (origin % length) // (length // self.slices)
+            self.router.token_groups = torch.where(origin >= 0, group, -1)
+        return rows
 
 
-def describe(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> str:
+def describe(cfg: RunConfig, plan: EnginePlan, info: DistInfo, router: RouterLoss | None) -> str:
     packing = f", instruction data {'packed' if cfg.data.packing else 'unpacked'}" if cfg.data.format in INSTRUCTION_FORMATS else ""
     sequence = f", sequence parallel {plan.layout.sequence}" if plan.layout.splits_sequences else ""
+    sequence += f", expert parallel {plan.layout.expert}" if plan.layout.expert > 1 else ""
     lora = f", LoRA r={cfg.lora.r}{' ' + cfg.lora.quantize if cfg.lora.quantize != 'none' else ''}" if cfg.lora.enabled else ""
+    if router is not None and router.active:
+        lora += f", router aux loss x{router.coef:g}" if router.coef else ", router aux loss off"
     return (
         f"{plan.strategy.name} ({plan.kind}) x{info.world_size}, {cfg.precision}, micro-batch {cfg.micro_batch_size} x "
         f"grad_accum {cfg.grad_accum}{sequence}{packing}{lora}; twin of {cfg.model.name} with {TWIN_LAYERS} layers, {CHECK_STEPS} steps"
@@ -272,14 +302,12 @@ def check_body(cfg: RunConfig, plan: EnginePlan, info: DistInfo, ref: Record, g_
     trainer, _ = build_run(cfg, plan, info, twin_layers=TWIN_LAYERS)
     run = record(trainer)
     verdict = compare(run, ref, g_bound, Collectives())
-    worst = verdict.summary()
+    worst, what = verdict.summary(), describe(cfg, plan, info, trainer.router)
     log.info(f"check: {time.perf_counter() - began:.1f} s from the config read to the verdict (reference {ref.seconds:.1f} s)")
     if verdict.first is None:
-        log.info(
-            f"check passed: {describe(cfg, plan, info)}: {verdict.compared} quantities within bounds (largest relative errors: {worst})"
-        )
+        log.info(f"check passed: {what}: {verdict.compared} quantities within bounds (largest relative errors: {worst})")
     elif info.is_main:  # every rank reached the same verdict from the same gathered sums: one line
-        log.error(f"check failed: {describe(cfg, plan, info)}: {verdict.first.line()}")
+        log.error(f"check failed: {what}: {verdict.first.line()}")
         log.error(f"check: largest relative errors: {worst}")
         if cfg.precision == "bf16" and verdict.first.relative < 2 * verdict.first.bound:
             # measured: a correct bf16 run's tied embedding reaches 0.185 of 0.204 at 131,072 tokens a step (notes/reliability.md)
@@ -303,7 +331,8 @@ def run_check(config: str | None, overrides: list[str]) -> int:
         rank, world, local_rank = launch_env()
         bounds.append(check_bounds(plan, world))  # before the reference: a step too large is refused at once
         entering("computing the check's world-1 reference")
-        refs.append(reference_run(reference_config(plan.config, world, rank), local_rank))  # from the twin as resolved
+        run = plan.config  # the twin as resolved
+        refs.append(reference_run(reference_config(run, world, rank), local_rank, run.micro_batch_size, plan.layout.sequence))
         return twin, plan
 
     return run_command("harness", load, lambda cfg, plan, info: check_body(cfg, plan, info, refs[0], bounds[0], began))

@@ -25,7 +25,7 @@ from harness.log import get_logger
 from harness.memory import COUNTER_KEYS, StepMemoryTracker
 from harness.observability import PEAK_RANK, Observer
 from harness.reliability import StepGuard, steps_begin
-from harness.training import RouterLoss, count_targets
+from harness.training import AUX_LOSS, RouterLoss, count_targets
 
 log = get_logger(__name__)
 
@@ -130,6 +130,7 @@ class Trainer:
     ckpt: CheckpointManager
     skipped: int = 0
     loss_mean: float = float("nan")
+    aux_loss: float = float("nan")  # the last step's router load-balancing loss (train/aux_loss; nan: no router)
     stopped_at: int | None = None  # the step a stop request ended the run at (checkpoint saved)
     before_step: Callable[[int], None] | None = None  # run with the step's reduced gradients, before engine.step() (the check's recorder)
     started_at: float | None = None  # time.perf_counter() when the run began building: time to first step is part of its cost
@@ -196,6 +197,7 @@ class Trainer:
             }
             if router is not None:  # train/aux_loss and each layer's expert load, over the step's micro-batches and ranks
                 metrics.update(router.step_metrics(agreed.extra, cfg.grad_accum * self.comm.world))
+                self.aux_loss = metrics.get(AUX_LOSS, self.aux_loss)
             self.memory.add(tracker)
             evaluate_now = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0 and step + 1 < stop and self.data.n_blocks("eval") > 0
             if (step + 1) % cfg.logging.log_every == 0 or step + 1 == stop or evaluate_now or guard.stop_requested:

@@ -119,6 +119,10 @@ class RouterLoss:
         self.num_experts = self.top_k = 0
         self._loss_func: Callable[..., Any] | None = None
         self._sum: torch.Tensor | None = None  # [aux, counts of layer 0, ...] summed since `pop`
+        # `(B, S)` group of each token of the next forward (-1: none): the loss is then the mean of
+        # each group's loss, as if each group were a micro-batch of its own (the check's reference,
+        # one forward standing for a split run's micro-batches); None: the forward is one group
+        self.token_groups: torch.Tensor | None = None
 
     def attach(self, model: nn.Module) -> str | None:
         """Resolve the coefficient from the built model (its family, its config, whether a router
@@ -154,11 +158,18 @@ class RouterLoss:
         coefficient is 0), its loss and expert counts recorded for `pop`."""
         logits = tuple(router_logits)
         assert self._loss_func is not None and len(logits) == len(self.layers), (len(logits), self.layers)
+        device = logits[0].device
+        groups = None if self.token_groups is None else self.token_groups.to(device)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.coef > 0):
-            aux = self._loss_func(logits, self.num_experts, self.top_k, attention_mask)
+            if groups is None:
+                aux = self._loss_func(logits, self.num_experts, self.top_k, attention_mask)
+            else:  # each group's balance over its own tokens (a mask the families' functions weight by)
+                ids = range(int(groups.max()) + 1)
+                aux = torch.stack([self._loss_func(logits, self.num_experts, self.top_k, (groups == g).float()) for g in ids]).mean()
         with torch.no_grad():
             counts = torch.zeros(len(logits), self.num_experts, dtype=torch.float64, device=aux.device)
-            weight = None if attention_mask is None else attention_mask.reshape(-1, 1).to(aux.device, torch.float64)
+            mask = attention_mask if groups is None else groups >= 0
+            weight = None if mask is None else mask.reshape(-1, 1).to(aux.device, torch.float64)
             for layer, gate in enumerate(logits):
                 chosen = torch.topk(gate.to(aux.device), self.top_k, dim=-1).indices
                 ones = torch.ones(chosen.shape, dtype=torch.float64, device=aux.device)

@@ -5,7 +5,9 @@ is one that leaves a run training without an error, and the check must name it.
   sequence parallelism, on its own slice of each sequence);
 - `accum_scale`: the loss is not divided by the accumulation steps (gradients grad_accum times too large);
 - `tied_not_updated`: the tied input/output embedding's gradient is dropped before the optimizer step;
-- `packing_leak`: the position ids of packed examples are not passed (each example attends to the ones before it).
+- `packing_leak`: the position ids of packed examples are not passed (each example attends to the ones before it);
+- `aux_unweighted`: a mixture-of-experts router's load-balancing term is added after the engine's division by the
+  accumulation steps (each micro-batch's term counts whole: the aux loss's gradient grad_accum times too large).
 """
 
 from __future__ import annotations
@@ -71,7 +73,31 @@ def packing_leak() -> None:
     build.loss_for = lambda sliced, labelled: without_positions if labelled and not sliced else chosen(sliced, labelled)
 
 
-PLANTS = {"unreduced": unreduced, "accum_scale": accum_scale, "tied_not_updated": tied_not_updated, "packing_leak": packing_leak}
+def aux_unweighted() -> None:
+    from harness.training import RouterLoss
+
+    call, backward, terms = RouterLoss.__call__, TorchEngine.backward, []
+
+    def kept(self: RouterLoss, *args, **kwargs):
+        terms.append(term := call(self, *args, **kwargs))
+        return term
+
+    def aux_undivided(self: TorchEngine, loss, last_micro: bool) -> None:
+        term = terms.pop() if terms else None
+        terms.clear()
+        backward(self, loss if term is None else loss + term * (self.grad_accum - 1), last_micro)  # / grad_accum: the term whole
+
+    RouterLoss.__call__ = kept
+    TorchEngine.backward = aux_undivided
+
+
+PLANTS = {
+    "unreduced": unreduced,
+    "accum_scale": accum_scale,
+    "tied_not_updated": tied_not_updated,
+    "packing_leak": packing_leak,
+    "aux_unweighted": aux_unweighted,
+}
 
 if __name__ == "__main__":
     plant = os.environ.get("HARNESS_TEST_PLANT", "none")

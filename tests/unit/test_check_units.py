@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness.config import RunConfig
-from harness.data import unpack_examples
+from harness.data import unpack_examples, unpack_with_origin
 from harness.distributed import Collectives
 from harness.errors import ConfigError
 from harness.runner.check import Record, check_bounds, check_config, compare, reference_config, step_tokens
@@ -43,6 +43,15 @@ def test_packed_examples_are_unpacked_into_rows_with_the_same_targets() -> None:
     assert count_targets(rows) == count_targets(batch) == 3
     text = torch.arange(16).reshape(2, 8)
     assert unpack_examples(text) is text
+    # where each row's tokens came from (flat block * S + position; -1: the row's padding), and with
+    # every segment kept (a router balances every token the run routes) each token exactly once
+    kept, origin = unpack_with_origin(batch)
+    assert torch.equal(kept, rows) and origin[:, :3].tolist() == [[0, 1, 2], [3, 4, 5]] and (origin[:, 3:] == -1).all()
+    every, origin = unpack_with_origin(torch.cat([batch, batch]), every_segment=True)
+    assert every.shape[0] == 6 and sorted(origin[origin >= 0].tolist()) == list(range(16))
+    flat = torch.cat([batch, batch])[:, 0].reshape(-1)
+    assert torch.equal(every[:, 0][origin >= 0], flat[origin[origin >= 0]])  # the same token ids
+    assert torch.equal(unpack_with_origin(text)[1].reshape(-1), torch.arange(16))
 
 
 WIDTH = 176  # the suite's twin: hidden 64, MLP 176, 64-token blocks

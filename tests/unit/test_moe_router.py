@@ -9,7 +9,10 @@ branch's loader reads gpt-oss's fused experts, not the per-expert files of the o
   leaves auto off; a number overrides the config's;
 - a coefficient written for a dense model or a family whose loss transformers does not expose is
   refused in one line; auto says so instead;
-- `moe.aux_loss_coef` values are checked when the config is read.
+- `moe.aux_loss_coef` values are checked when the config is read;
+- told which tokens were which micro-batch (`token_groups`: the check's reference, one forward for a
+  split run), the loss, its gradient and the recorded expert counts are those of the groups run as
+  micro-batches of their own, averaged.
 
 Split-invariance through the user's entry point (world 2 x accum 1 = world 1 x accum 2):
 tests/integration/test_moe_router_runs.py.
@@ -144,3 +147,34 @@ def test_bad_coefficients_are_refused_when_the_config_is_read(value):
     with pytest.raises(ConfigError, match=r"moe.aux_loss_coef=.* must be auto"):
         load_config(None, [f"moe.aux_loss_coef={value}"])
     assert load_config(None, ["moe.aux_loss_coef=1e-2"]).moe.aux_loss_coef == "1e-2"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_token_groups_give_the_mean_of_the_groups_run_as_micro_batches(family):
+    model, ids = tiny(family), torch.randint(0, SMALL["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(2))
+    router = RouterLoss(1.0)  # a large coefficient: the aux term's gradient is not lost under the LM's
+    router.attach(model)
+    # two micro-batches of two rows, each split into two sequence slices of 8 tokens: four groups
+    groups = (torch.arange(4).view(4, 1) // 2) * 2 + (torch.arange(16).view(1, 16) // 8)
+    terms, counts = [], 0
+    for rows in (slice(0, 2), slice(2, 4)):
+        for cols in (slice(0, 8), slice(8, 16)):
+            out = model(input_ids=ids, output_router_logits=True, use_cache=False)  # the same tokens' router logits
+            picked = [g.view(4, 16, -1)[rows, cols].reshape(-1, g.shape[-1]) for g in out.router_logits]
+            terms.append(router(picked))
+            counts = counts + router.pop()[1:]
+    expected = torch.stack(terms).mean()
+    expected.backward()
+    want = router_grads(model)
+    router.token_groups = groups
+    out = model(input_ids=ids, output_router_logits=True, use_cache=False)
+    got = router(out.router_logits)
+    assert float(got.detach()) == pytest.approx(float(expected), rel=1e-6)
+    got.backward()
+    for name, grad in router_grads(model).items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-8)
+    recorded = router.pop()
+    assert float(recorded[0]) == pytest.approx(float(expected), rel=1e-6) and torch.equal(recorded[1:], counts)
+    whole = RouterLoss(1.0)  # one group of all the tokens: another number (the balance is not additive)
+    whole.attach(model)
+    assert abs(float(whole(model(input_ids=ids, output_router_logits=True, use_cache=False).router_logits)) - float(expected)) > 1e-4
