@@ -33,7 +33,7 @@ from harness.models.lora import (
     trainable_counts,
     wrap_peft,
 )
-from harness.models.packing import unconfined_packing
+from harness.models.packing import confine_packing
 from harness.models.qlora import (
     QuantizedWeights,
     cast_except_quantized,
@@ -56,7 +56,6 @@ __all__ = [
     "expert_tensors",
     "split_experts",
     "attention_is_swappable",
-    "unconfined_packing",
     "use_ulysses",
     "PRESETS",
     "QuantizedWeights",
@@ -76,6 +75,7 @@ __all__ = [
     "cast_except_quantized",
     "hold_frozen_in",
     "clean_name",
+    "confine_packing",
     "construct_model",
     "count_parameters",
     "decoder_block_list",

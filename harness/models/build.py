@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from harness.config import PRESETS, is_preset
+from harness.models.packing import confine_packing
 from harness.models.qlora import QuantizedWeights, quantize_empty, quantized_codes
 from harness.models.weights import CheckpointWeights, InitWeights, WeightSource, fill, materialize
 
@@ -73,6 +74,7 @@ def construct_model(config: Any) -> nn.Module:
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.tie_weights()  # transformers ties inside `init_weights`, which `no_init_weights` skips
+    confine_packing(model)  # packed examples kept apart in decoders whose forward forgets the position ids
     model.train()
     return model
 

@@ -36,7 +36,6 @@ from harness.checkpoint import (
     verified_meta,
 )
 from harness.config import (
-    INSTRUCTION_FORMATS,
     ParallelLayout,
     RunConfig,
     Strategy,
@@ -62,7 +61,6 @@ from harness.models import (
     is_preset,
     model_config,
     resolve_targets,
-    unconfined_packing,
 )
 from harness.runner.data_checks import check_data, looks_like_path, offline
 from harness.runner.inputs import check_environment, check_index
@@ -180,11 +178,6 @@ def check_architecture(cfg: RunConfig, strategy: Strategy, layout: ParallelLayou
         raise ConfigError(
             f"model.name '{name}': parallel.sequence={layout.sequence} runs attention through transformers' "
             f"AttentionInterface with sdpa, which {type(template).__name__} does not use (eager attention only); set parallel.sequence=1"
-        )
-    packed = cfg.data.packing and cfg.data.format in INSTRUCTION_FORMATS
-    if packed and not layout.splits_sequences and (leak := unconfined_packing(template)) is not None:  # Ulysses confines examples itself
-        raise ConfigError(
-            f"model.name '{name}': data.packing=true but {leak} (transformers {transformers.__version__}); set data.packing=false"
         )
     if cfg.lora.enabled:  # what the adapters reach, refused here rather than on every rank after the launch
         try:
