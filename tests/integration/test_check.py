@@ -1,4 +1,4 @@
-"""`harness.train --check` under torchrun (2 gloo ranks): a correct run passes, and each of four
+"""`harness.train --check` under torchrun (2 gloo ranks; one case 4): a correct run passes, and each of four
 bugs that leave a run training without an error is named (exit 7). The bugs are planted in the
 launched ranks by `planted_check.py` (`HARNESS_TEST_PLANT`); one config has every feature they
 need: a tied model whose vocabulary (515) shards unevenly over 2 ranks, packed instruction data,
@@ -13,10 +13,12 @@ launch here).
 
 A mixture-of-experts twin (tiny Qwen3-MoE, the same packed data, fp32, its router's aux loss on at
 the config's 0.001): a correct run under expert parallelism (DDP, `parallel.expert=2`: the tokens'
-all-to-all to their experts' ranks and back) passes with the aux loss compared each step, and the
-aux loss added after the division by the accumulation steps is named at step 1, in a router's
-gradient (measured 0.042 against a bound of 0.0015), under FSDP2: every parameter before it in the
-model's order (the embedding, the first block's attention) within its fp32 bound."""
+all-to-all to their experts' ranks and back) passes with the aux loss compared each step; so does
+the same twin at world 4 as 2 sequence-parallel groups of 2 under FSDP2 (data x sequence with
+accumulation against one process, each rank's aux loss its slice's balance); and the aux loss
+added after the division by the accumulation steps is named at step 1, in a router's gradient
+(measured 0.042 against a bound of 0.0015), under FSDP2: every parameter before it in the model's
+order (the embedding, the first block's attention) within its fp32 bound."""
 
 from __future__ import annotations
 
@@ -81,9 +83,15 @@ def test_check_names_each_planted_bug(case: str, check_config: Path, monkeypatch
     assert os.path.isdir(check_config.parent / f"out-{case}" / "check" / "run")
 
 
-MOE_CASES = {  # case: (plant, overrides, what the check must name)
-    "moe-ep-none": ("none", ["strategy=ddp", "parallel.expert=2"], None),
-    "moe-aux_unweighted": ("aux_unweighted", ["strategy=fsdp"], "step 1 gradient of model.layers.0.mlp.gate.weight"),
+MOE_CASES = {  # case: (ranks, plant, overrides, what the check must name)
+    "moe-ep-none": (2, "none", ["strategy=ddp", "parallel.expert=2"], None),
+    "moe-aux_unweighted": (2, "aux_unweighted", ["strategy=fsdp"], "step 1 gradient of model.layers.0.mlp.gate.weight"),
+    # 2 sequence groups of 2 ranks: data x sequence, each rank's aux loss its slice's balance
+    "moe-sp2x2-none": (4, "none", ["strategy=fsdp", "parallel.sequence=2"], None),
+}
+PASSED = {
+    "moe-ep-none": "ddp (ddp) x2, fp32, micro-batch 2 x grad_accum 2, expert parallel 2, instruction data packed, router aux loss x0.001",
+    "moe-sp2x2-none": "fsdp (fsdp) x4, fp32, micro-batch 2 x grad_accum 2, sequence parallel 2, instruction data packed, router aux loss",
 }
 
 
@@ -94,17 +102,23 @@ def test_check_covers_the_router_and_expert_parallelism(case: str, check_config:
     model = check_config.parent / "qwen3_moe"
     if not model.exists():
         save_moe_families(check_config.parent, ("qwen3_moe",))
-    plant, overrides, named = MOE_CASES[case]
+    ranks, plant, overrides, named = MOE_CASES[case]
     monkeypatch.setenv("HARNESS_TEST_PLANT", plant)
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", PLANTED, "--config", str(check_config), "--check"]
+    cmd = [
+        str(BIN / "torchrun"),
+        f"--nproc_per_node={ranks}",
+        f"--master_port={free_port()}",
+        PLANTED,
+        "--config",
+        str(check_config),
+        "--check",
+    ]
     proc = run([*cmd, *overrides, f"model.name={model}", f"output_dir={check_config.parent / ('out-' + case)}"], check=False)
     out = proc.stdout + proc.stderr
     if named is None:
         assert proc.returncode == EXIT_OK, out[-4000:]
         line = next(x for x in out.splitlines() if x.startswith("[harness] check passed"))
-        assert (
-            "ddp (ddp) x2, fp32, micro-batch 2 x grad_accum 2, expert parallel 2, instruction data packed, router aux loss x0.001" in line
-        )
+        assert PASSED[case] in line, line
         assert "step 1 aux loss" in line and "step 2 aux loss" in line, line  # compared, not left out
         return
     assert proc.returncode != 0 and f"(exitcode: {EXIT_WRONG_RESULTS})" in out, out[-4000:]
