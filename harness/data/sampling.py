@@ -109,8 +109,9 @@ def unpack_with_origin(batch: torch.Tensor, every_segment: bool = False) -> tupl
     end, the block's tail padding), so that every token of `batch` is in exactly one row: what a
     quantity over all of a batch's tokens (a router's balance) needs, which the loss does not."""
     length = batch.shape[-1]
+    in_place = torch.arange(batch.shape[0] * length).view(batch.shape[0], length)  # every token where it is
     if batch.dim() != 3 or batch.shape[1] < 3:
-        return batch, torch.arange(batch.shape[0] * length).view(batch.shape[0], length)
+        return batch, in_place
     rows, origins = [], []
     for index, block in enumerate(batch):
         starts = (block[2] == 0).nonzero().flatten().tolist()
@@ -126,9 +127,7 @@ def unpack_with_origin(batch: torch.Tensor, every_segment: bool = False) -> tupl
             origin[: b - a] = torch.arange(index * length + a, index * length + b)
             rows.append(row)
             origins.append(origin)
-    if not rows:
-        return batch, torch.arange(batch.shape[0] * length).view(batch.shape[0], length)
-    return torch.stack(rows), torch.stack(origins)
+    return (torch.stack(rows), torch.stack(origins)) if rows else (batch, in_place)
 
 
 def split_batches(

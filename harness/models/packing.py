@@ -38,8 +38,10 @@ def _called(node: ast.AST) -> str:
     return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
 
 
+@functools.cache
 def unpositioned_builders(cls: type) -> list[str]:
-    """The mask builders `cls.forward` calls, if it hands none of them the position ids ([] otherwise)."""
+    """The mask builders `cls.forward` calls, if it hands none of them the position ids ([] otherwise);
+    read once per class (every model harness builds asks, the check's reference and the planner's too)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
     except (OSError, TypeError, SyntaxError):

@@ -290,11 +290,13 @@ def describe(cfg: RunConfig, plan: EnginePlan, info: DistInfo, router: RouterLos
     sequence = f", sequence parallel {plan.layout.sequence}" if plan.layout.splits_sequences else ""
     sequence += f", expert parallel {plan.layout.expert}" if plan.layout.expert > 1 else ""
     lora = f", LoRA r={cfg.lora.r}{' ' + cfg.lora.quantize if cfg.lora.quantize != 'none' else ''}" if cfg.lora.enabled else ""
-    if router is not None and router.active:
-        lora += f", router aux loss x{router.coef:g}" if router.coef else ", router aux loss off"
+    routed = (
+        "" if router is None or not router.active else f", router aux loss x{router.coef:g}" if router.coef else ", router aux loss off"
+    )
+    features = f"{sequence}{packing}{lora}{routed}"
     return (
         f"{plan.strategy.name} ({plan.kind}) x{info.world_size}, {cfg.precision}, micro-batch {cfg.micro_batch_size} x "
-        f"grad_accum {cfg.grad_accum}{sequence}{packing}{lora}; twin of {cfg.model.name} with {TWIN_LAYERS} layers, {CHECK_STEPS} steps"
+        f"grad_accum {cfg.grad_accum}{features}; twin of {cfg.model.name} with {TWIN_LAYERS} layers, {CHECK_STEPS} steps"
     )
 
 
