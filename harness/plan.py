@@ -135,8 +135,15 @@ def _routing_json(est: Any) -> dict[str, Any] | None:
     r = est.routing
     if r is None:
         return None
-    cases = {c: {"peak_bytes": est.total, "busiest_expert_rows": r.busiest(c), "assumes": r.describe(c)} for c in ROUTINGS}
-    return {"assumed": r.assumed, "experts": r.facts.experts, "top_k": r.facts.top_k, "cases": cases, "why_equal": r.why_equal()}
+    cases = {c: {"peak_bytes": r.peak(c, est.total), "busiest_expert_rows": r.busiest(c), "assumes": r.describe(c)} for c in ROUTINGS}
+    return {
+        "assumed": r.assumed,
+        "experts": r.facts.experts,
+        "top_k": r.facts.top_k,
+        "expert_parallel": r.expert,
+        "cases": cases,
+        "why_equal": r.why_equal(),
+    }
 
 
 def _frugal_fits(

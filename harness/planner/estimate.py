@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import tempfile
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -130,6 +131,7 @@ def specs_for(
         frozen_dtype=DTYPE_NAMES[policy.frozen_dtype] if lora.enabled and policy.frozen_dtype != policy.param_dtype else None,
         sequence=plan.layout.sequence,
         packed=cfg.data.packs_examples,
+        expert=plan.layout.expert,
     )
     common = dict(
         kind=kind,
@@ -245,7 +247,10 @@ def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Mom
             cats["parameters"] += em.params_held - trace.held_param_bytes
         elif em.params is not None:
             cats["parameters"] = em.params
-        if em.grads is not None:
+        if em.grads is not None and em.grads_made_in_backward:
+            # the buffers from the start, and autograd's gradients as the trace makes them (at most the traced ones)
+            cats["gradients"] = em.grads - em.grads_made_in_backward + min(em.grads_made_in_backward, traced_grads)
+        elif em.grads is not None:
             cats["gradients"] = em.grads if (seen_grad or em.grads_from_start) else 0
         elif em.sharded_grads_on_host and trace.sharded_grads:
             cats["gradients"] = max(0, traced_grads - trace.sharded_grads[i])
@@ -341,22 +346,16 @@ def estimate(
         tspec, espec = specs_for(cfg, strategy, world_size, hidden, target, vocab, plan)
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
+    splits_experts = tspec.expert > 1
+    if splits_experts:
+        tspec = replace(tspec, routing=routing)  # each routing case its own trace: this rank computes what it is sent
     trace = cached_trace(tspec)
     info: ParamInfo = trace.params
-    ranks = _worst_ranks(espec, info)
-    best: tuple[Moment, list[Moment], EngineModel, int] | None = None
-    for rank in ranks:
-        em = engine_model(espec, info, rank)
-        if cfg.lora.enabled and cfg.lora.quantize != "none":
-            # the rest of the base (embeddings, head, norms) is held in the frozen dtype
-            shard = espec.world if espec.kind == "fsdp" else 1
-            em = quantized_base(em, info, cfg.lora.quantize, shard, espec.frozen_param_bytes, espec.torch_param_bytes)
-        moments = walk(trace, em, cpu_run=target == "cpu")
-        peak = max(moments, key=lambda m: m.total)
-        if best is None or peak.total > best[0].total:
-            best = (peak, moments, em, rank)
-    assert best is not None
-    peak, moments, em, rank = best
+    peak, moments, em, rank = _peak_rank(trace, espec, cfg, target)
+    peaks: tuple[tuple[str, int], ...] = ()
+    if splits_experts and trace.moe is not None:
+        other = next(case for case in ROUTINGS if case != routing)
+        peaks = ((routing, peak.total), (other, _peak_rank(cached_trace(replace(tspec, routing=other)), espec, cfg, target)[0].total))
     load_device, load_host = load_phase_bytes(espec, info)
     if cfg.lora.enabled and cfg.lora.quantize != "none":
         # bitsandbytes quantizes on load, a tensor at a time onto the device: the quantized base and one bf16 tensor
@@ -391,8 +390,28 @@ def estimate(
         race_bytes=race,
         config=plan.config,
         # the tokens of one micro-batch this rank's model sees (its slice of each sequence under sequence parallelism)
-        routing=Routing(trace.moe, tspec.micro_batch * (tspec.seq_len // tspec.sequence), routing) if trace.moe else None,
+        routing=Routing(trace.moe, tspec.micro_batch * (tspec.seq_len // tspec.sequence), routing, tspec.expert, peaks)
+        if trace.moe
+        else None,
     )
+
+
+def _peak_rank(trace: TraceResult, espec: EngineSpec, cfg: RunConfig, target: str) -> tuple[Moment, list[Moment], EngineModel, int]:
+    """The engine laid over the trace on the rank that peaks highest: its peak, moments, model and rank."""
+    info = trace.params
+    best: tuple[Moment, list[Moment], EngineModel, int] | None = None
+    for rank in _worst_ranks(espec, info):
+        em = engine_model(espec, info, rank)
+        if cfg.lora.enabled and cfg.lora.quantize != "none":
+            # the rest of the base (embeddings, head, norms) is held in the frozen dtype
+            shard = espec.world if espec.kind == "fsdp" else 1
+            em = quantized_base(em, info, cfg.lora.quantize, shard, espec.frozen_param_bytes, espec.torch_param_bytes)
+        moments = walk(trace, em, cpu_run=target == "cpu")
+        peak = max(moments, key=lambda m: m.total)
+        if best is None or peak.total > best[0].total:
+            best = (peak, moments, em, rank)
+    assert best is not None
+    return best
 
 
 def _worst_ranks(espec: EngineSpec, info: ParamInfo) -> list[int]:

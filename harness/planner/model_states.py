@@ -95,6 +95,9 @@ class EngineModel:
     # FSDP2 CPU offload: each reduce-scattered gradient shard goes to the host, so a traced row's device
     # gradients are its unsharded ones (the groups in backward, not reduced yet): `TraceResult.sharded_grads` off.
     sharded_grads_on_host: bool = False
+    # Of `grads`, the bytes outside the buffers that exist from the start (DDP's buckets leave out the experts
+    # split over ranks): autograd makes them in backward, as the trace's own gradients grow.
+    grads_made_in_backward: int = 0
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -196,8 +199,10 @@ def torch_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
         note = "optimizer in backward: each parameter steps (and frees its gradient) as the gradient appears"
         return _in_backward(plain, transient, step_bytes_per_element(spec) / pb, note)
     if ddp:
-        # gradient_as_bucket_view=True: the DDP buckets are the .grad tensors, allocated at wrap time.
-        return EngineModel(name, None, total, True, 0, opt, None, total, step, host, notes=notes)
+        # gradient_as_bucket_view=True: the DDP buckets are the .grad tensors, allocated at wrap time; the
+        # experts split over ranks are left out of them, their gradients made by autograd in backward.
+        unbucketed = info.split_expert_numel * pb
+        return EngineModel(name, None, total, True, 0, opt, None, total, step, host, notes=notes, grads_made_in_backward=unbucketed)
     return plain
 
 

@@ -20,6 +20,16 @@ holds for every routing, and the report says so beside both cases (:class:`Routi
 expert per layer under top-1) and the balanced (each expert ``tokens x top_k / experts`` rows). An
 implementation whose shapes follow the routing (``eager``: a loop over the experts hit, each with
 its own tokens) is refused in one line, before tracing (:func:`untraceable`).
+
+**Expert parallelism.** Split over ``N`` ranks (``parallel.expert``), a rank holds ``E / N`` experts
+of every layer and computes the rows the ``N`` ranks of its expert group send it, so here the
+routing does change the bytes: transformers' dispatch reads the split sizes back from the routing
+(one ``.tolist()`` a layer), which a fake tensor cannot answer. The trace splits the experts with
+transformers' own plan, as the trainer does, and runs its dispatch unchanged under
+:class:`PlannedExchange`, which answers those reads with the case's sizes (:func:`exchange_sizes`):
+in the worst case every token of the group goes to this rank's experts (``N x tokens x min(top_k,
+E / N)`` rows received), in the balanced one each rank receives what it sends. The two cases are
+traced apart and both peaks reported.
 """
 
 from __future__ import annotations
@@ -106,6 +116,38 @@ class GroupedMMAsRun(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def exchange_sizes(case: str, tokens: int, top_k: int, experts: int, degree: int) -> tuple[list[int], list[int]]:
+    """The rows rank 0 of an expert group of ``degree`` ranks sends to each rank and receives from
+    each, in ``case``, for one MoE layer of ``experts`` experts (``degree`` consecutive ranges)."""
+    rows, local = tokens * top_k, experts // degree
+    if case == "worst":  # every rank's tokens to as many of rank 0's experts as each token can pick
+        mine = tokens * min(top_k, local)
+        rest = rows - mine  # the token's other choices, on the next ranks (what rank 0 sends away)
+        send = [mine] + [rest // (degree - 1) + (i < rest % (degree - 1)) for i in range(degree - 1)]
+        return send, [mine] * degree
+    even = [rows // degree + (i < rows % degree) for i in range(degree)]
+    return even, list(even)
+
+
+class PlannedExchange(TorchDispatchMode):
+    """Entered inside the trace's FakeTensorMode: the split sizes transformers' expert dispatch reads
+    back from the routing (``aten._local_scalar_dense``, send sizes then receive sizes, a layer at a
+    time) are answered with a routing case's (:func:`exchange_sizes`). Nothing else in a traced step
+    reads a value: a fake tensor has none, and the step without experts split traces to its end."""
+
+    def __init__(self, send: list[int], recv: list[int]):
+        super().__init__()
+        self.sizes = [*send, *recv]
+        self.read = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            value = self.sizes[self.read % len(self.sizes)]
+            self.read += 1
+            return value
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass(frozen=True)
 class Routing:
     """Where a micro-batch's tokens go in each MoE layer, as a plan assumes it, and what that changes."""
@@ -113,26 +155,51 @@ class Routing:
     facts: MoeFacts
     tokens: int  # tokens of one micro-batch on this rank (its sequence slice under sequence parallelism)
     assumed: str = "worst"  # the case the verdict uses (ROUTINGS)
+    expert: int = 1  # ranks the experts are split over (parallel.expert)
+    peaks: tuple[tuple[str, int], ...] = ()  # under expert parallelism: each case's own traced peak
 
     @property
     def rows(self) -> int:
         return self.tokens * self.facts.top_k
 
+    def received(self, case: str) -> int:
+        """(token, expert) rows this rank's experts compute in a layer (all of its own without expert parallelism)."""
+        if self.expert == 1:
+            return self.rows
+        return sum(exchange_sizes(case, self.tokens, self.facts.top_k, self.facts.experts, self.expert)[1])
+
     def busiest(self, case: str) -> int:
         """Rows the busiest expert of a layer gets in ``case``."""
         if case == "worst":
-            return self.tokens  # top-k experts are distinct: at most every token once
-        return -(-self.rows // self.facts.experts)
+            return self.tokens * self.expert  # top-k experts are distinct: at most every token of the group once
+        return -(-self.rows * self.expert // self.facts.experts)
 
     def describe(self, case: str) -> str:
-        k, e = self.facts.top_k, self.facts.experts
+        k, e, n = self.facts.top_k, self.facts.experts, self.expert
+        if case == "worst" and n > 1:
+            return (
+                f"every token of the {n} ranks of an expert group to this rank's {e // n} experts in every layer "
+                f"({self.received(case):,} rows received)"
+            )
         if case == "worst":
             to = "the same expert" if k == 1 else f"the same {k} experts"
             return f"every token of a micro-batch to {to} in every layer ({self.tokens:,} rows each, {e - k} experts idle)"
-        share = f"{self.rows // e:,}" if self.rows % e == 0 else f"{self.rows / e:,.1f}"
-        return f"each of the {e} experts {share} of the {self.rows:,} (token, expert) rows in every layer"
+        rows = self.rows * n
+        share = f"{rows // e:,}" if rows % e == 0 else f"{rows / e:,.1f}"
+        group = f" of the {n} ranks' {rows:,}" if n > 1 else f" of the {rows:,}"
+        return f"each of the {e} experts {share}{group} (token, expert) rows in every layer"
+
+    def peak(self, case: str, verdict_peak: int) -> int:
+        """The per-rank peak in ``case``: one trace for both without expert parallelism, each its own with it."""
+        return dict(self.peaks).get(case, verdict_peak)
 
     def why_equal(self) -> str:
+        if self.expert > 1:
+            return (
+                f"the bytes differ: split over {self.expert} ranks, this rank computes the rows the others send it, "
+                f"{self.received('balanced'):,} a layer balanced and {self.received('worst'):,} in the worst case; "
+                "each case is its own trace, with transformers' dispatch told the case's split sizes"
+            )
         return (
             f"the same bytes in both: {self.facts.implementation} computes a layer's {self.rows:,} (token, expert) rows as one "
             "batch however they are split among the experts; a fake-tensor trace stops at any shape taken from a value, "
@@ -146,7 +213,9 @@ __all__ = [
     "ROUTING_FREE",
     "GroupedMMAsRun",
     "MoeFacts",
+    "PlannedExchange",
     "Routing",
+    "exchange_sizes",
     "grouped_mm_output",
     "moe_facts",
     "untraceable",

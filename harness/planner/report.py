@@ -170,7 +170,8 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
     lines.append(f"    loading the model (one tensor in flight; offloaded parameters) {gib(est.load_host)} per rank")
     lines.append(f"    per node ({gpus_per_node} ranks): {gib(v.host_need_per_node or 0)}" + (f" of {gib(cpu_mem)}" if cpu_mem else ""))
     lines.append("")
-    lines.append(format_dtype_table(est.params_total, gpu_mem))
+    split = est.routing is not None and est.routing.expert > 1
+    lines.append(format_dtype_table(est.params_total, gpu_mem, "this rank's" if split else "all"))
     lines.append("")
     lines.append(("FITS" if v.fits else "DOES NOT FIT") + f": {v.reason.removeprefix('fits: ')}")
     for note in est.notes:
@@ -191,17 +192,18 @@ def format_routing(est: Estimate) -> list[str]:
     ]
     for case in ROUTINGS:
         mark = "  <- the verdict" if case == r.assumed else ""
-        lines.append(f"    {case + ' case':<14} {gib(est.total):>14}  {r.describe(case)}{mark}")
+        lines.append(f"    {case + ' case':<14} {gib(r.peak(case, est.total)):>14}  {r.describe(case)}{mark}")
     other = next(c for c in ROUTINGS if c != r.assumed)
     lines.append(f"  the verdict uses the {r.assumed} case (--routing {other} for the other)")
     lines.append(f"  {r.why_equal()}")
     return lines
 
 
-def format_dtype_table(total_params: int, gpu_mem: int) -> str:
-    """The per-dtype table: whole-model parameters/gradients/Adam state per dtype on one GPU."""
+def format_dtype_table(total_params: int, gpu_mem: int, whose: str = "all") -> str:
+    """The per-dtype table: whole-model parameters/gradients/Adam state per dtype on one GPU (``whose``:
+    which parameters they are, "all" unless expert parallelism leaves a rank its share of the experts)."""
     lines = [
-        f"Model states of all {total_params:,} parameters on one GPU (no sharding, no activations):",
+        f"Model states of {whose} {total_params:,} parameters on one GPU (no sharding, no activations):",
         f"    {'mode':<26} {'parameters':>12} {'gradients':>12} {'Adam state':>12} {'total':>12}  vs {gib(gpu_mem)}",
     ]
     for row in dtype_breakdown(total_params):

@@ -39,8 +39,8 @@ from harness.config import LoraConfig, MemoryConfig, ParallelLayout, Strategy
 from harness.distributed import local_tensor
 from harness.engine import fsdp_wrap
 from harness.memory import ActivationOffload, prepare_model
-from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config, use_ulysses
-from harness.planner.moe import GroupedMMAsRun, MoeFacts, moe_facts, untraceable
+from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config, split_experts, use_ulysses
+from harness.planner.moe import GroupedMMAsRun, MoeFacts, PlannedExchange, exchange_sizes, moe_facts, untraceable
 from harness.planner.packed import pack_block_linears
 from harness.planner.timeline import CAT_INDEX, CATS, tracker_class
 from harness.training import DTYPES, loss_for, precision_policy
@@ -77,6 +77,8 @@ class TraceSpec:
     frozen_dtype: str | None = None  # LoRA: the frozen base held in this dtype, not module_dtype (PrecisionPolicy.frozen_dtype)
     sequence: int = 1  # Ulysses: each sample's sequence split over this many ranks; the trace is one rank's slice
     packed: bool = False  # rows pack several instruction examples: attention gets the (B, 1, S, S) mask that keeps them apart
+    expert: int = 1  # expert parallelism: each MoE layer's experts split over this many ranks; the trace is rank 0's
+    routing: str = "worst"  # under expert parallelism, the routing case traced (harness.planner.moe.ROUTINGS)
 
     def memory(self) -> MemoryConfig:
         """The memory section whose techniques the traced model is prepared with (compile is not traced)."""
@@ -115,6 +117,7 @@ class ParamInfo:
     num_layers: int
     frozen_shapes: list[tuple[int, ...]] = field(default_factory=list)  # parameters that take no gradient (LoRA's base)
     frozen_names: list[str] = field(default_factory=list)
+    split_expert_numel: int = 0  # of `numels`: this rank's part of the experts split over ranks (DDP leaves them out of its buckets)
 
     @property
     def frozen(self) -> int:
@@ -270,8 +273,9 @@ def build_fake_model(
 
 
 def param_info(model: nn.Module) -> ParamInfo:
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    """The parameters this rank holds whole: a DTensor's local part (experts split over ranks)."""
+    params = [(n, local_tensor(p)) for n, p in model.named_parameters() if p.requires_grad]
+    frozen = [(n, local_tensor(p)) for n, p in model.named_parameters() if not p.requires_grad]
     config = getattr(model, "config", None)
     return ParamInfo(
         numels=[p.numel() for _, p in params],
@@ -283,6 +287,17 @@ def param_info(model: nn.Module) -> ParamInfo:
         frozen_shapes=[tuple(p.shape) for _, p in frozen],
         frozen_names=[n for n, _ in frozen],
     )
+
+
+def _split_experts(model: nn.Module, spec: TraceSpec, moe: MoeFacts) -> tuple[list[str], PlannedExchange]:
+    """Rank 0's experts, split as the trainer splits them (`harness.models.split_experts`, inside
+    the fake group of `spec.expert` ranks): their names, and the exchange's split sizes for the traced
+    routing case."""
+    layout = ParallelLayout(spec.expert, 1, spec.expert)
+    mesh = layout.expert_mesh("cpu")
+    split = split_experts(model, mesh["expert"], mesh["same_batch"])
+    tokens = spec.micro_batch * spec.seq_len
+    return split, PlannedExchange(*exchange_sizes(spec.routing, tokens, moe.top_k, moe.experts, spec.expert))
 
 
 # ----------------------------------------------------------------------------- the trace
@@ -343,12 +358,18 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     # the grouped GEMM's output as the trainer's CPU and CUDA kernels make it, in any precision (torch's fake asserts bf16)
     grouped = GroupedMMAsRun() if moe is not None else contextlib.nullcontext()
     Timeline = tracker_class()
-    # plain wrap: the engine is laid over afterwards, but Ulysses' exchange needs its sequence group
-    world = spec.world_size if spec.wrap == "fsdp" else spec.sequence
+    # plain wrap: the engine is laid over afterwards, but Ulysses' and the experts' exchanges need their groups
+    world = spec.world_size if spec.wrap == "fsdp" else max(spec.sequence, spec.expert)
+    exchange: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     try:
         with fake_process_group(world):
             if spec.sequence > 1:  # as the trainer: attention swapped before AC, tiling and sharding
                 use_ulysses(model, ParallelLayout(world, spec.sequence).sequence_group("cpu"), spec.packed)
+            if spec.expert > 1 and moe is not None:  # as the trainer: experts split on the model before it is prepared
+                split, exchange = _split_experts(model, spec, moe)
+                info = param_info(model)
+                params = dict(model.named_parameters())
+                info.split_expert_numel = sum(local_tensor(params[name]).numel() for name in split)
             prepare_model(model, spec.memory())  # the engines' own preparation, in its order
             if spec.wrap == "fsdp":
                 model = _wrap_fsdp(model, spec)
@@ -364,7 +385,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                 # the trainer's own offload, simulated: the device copy is released at pack time and an empty one
                 # comes back when backward (or the prefetch ahead of it) asks for it
                 offload = ActivationOffload(scope="checkpoint_inputs", model=model, simulate=True, pin_memory=True)
-                with warnings.catch_warnings(), real_run_masking(packed=spec.packed), grouped, tracker:
+                with warnings.catch_warnings(), real_run_masking(packed=spec.packed), grouped, exchange, tracker:
                     warnings.simplefilter("ignore")
                     for micro, batch in enumerate(ids):
                         last = micro == len(ids) - 1
