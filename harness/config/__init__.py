@@ -12,7 +12,14 @@ and the run config leaves to defaults), `accelerate_table` (the verdict on each
 `sequence_checks` (how long a sequence may be, and what splitting it over ranks runs with)."""
 
 from harness.config.accelerate_launch import launcher_settings, wrap_class_problem
-from harness.config.checks import aux_loss_coefficient, check_optimizer_in_backward, check_run, check_strategy_against_run, check_values
+from harness.config.checks import (
+    aux_loss_coefficient,
+    check_expert_parallel,
+    check_optimizer_in_backward,
+    check_run,
+    check_strategy_against_run,
+    check_values,
+)
 from harness.config.deepspeed_auto import resolve_deepspeed_config
 from harness.config.drop_in import adopt_settings
 from harness.config.layout import ParallelLayout
@@ -138,6 +145,7 @@ __all__ = [
     "check_sequence_heads",
     "check_sequence_length",
     "sequence_limit",
+    "check_expert_parallel",
     "check_sequence_parallel",
     "check_strategy_against_run",
     "checkpoint_format",

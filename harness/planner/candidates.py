@@ -1,7 +1,7 @@
 """The search space of `harness.plan --recommend --fastest`: one candidate per combination of
-precision x activation checkpointing x micro-batch x strategy (stage and offload) x sequence split,
-each with the accumulation that keeps the user's samples per optimizer step, and its expected
-step time.
+precision x activation checkpointing x micro-batch x strategy (stage and offload) x sequence split
+x expert split (a mixture of experts, under DDP), each with the accumulation that keeps the user's
+samples per optimizer step, and its expected step time.
 
 Expected speed is a product of stated relative step-time factors (``SPEED``; a strategy's is
 its resolved facts' `StrategyFacts.step_time`, harness.config.strategy_facts). They are
@@ -12,7 +12,9 @@ relative to DDP's all-reduce, PCIe traffic plus a CPU optimizer for offload.
 
 A candidate is only offered where the trainer would run it: the config checks decide (DeepSpeed
 runs its own optimizers; harness's Ulysses runs under the torch engines, without pruning or
-optimizer-in-backward), never a strategy's name.
+optimizer-in-backward; expert parallelism under DDP with torch's optimizers), never a strategy's name.
+Expert parallelism is costed as DDP (an assumption: each MoE layer's tokens cross the ranks twice each
+way, and no expert's weights are gathered; not measured).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from harness.config import (
     ParallelLayout,
     RunConfig,
     StrategyFacts,
+    check_expert_parallel,
     check_sequence_parallel,
     check_strategy_against_run,
     check_values,
@@ -35,6 +38,7 @@ from harness.config import (
 from harness.errors import ConfigError
 from harness.memory import AC_STEP_TIME, CHECKPOINT_INPUT_OFFLOAD, TILED_MLP
 from harness.planner.long_context import sequence_degree
+from harness.planner.moe import expert_degree
 
 # Relative step time (lower is faster); see the module docstring for where each comes from.
 SPEED: dict[str, dict[str, float]] = {
@@ -89,6 +93,7 @@ class Candidate:
     strategy: str
     lora: str = "none"  # none (full fine-tune) | lora | nf4 (QLoRA)
     sequence: int = 1  # each sample split over this many ranks (Ulysses); 1: whole sequences
+    expert: int = 1  # each MoE layer's experts split over this many ranks; 1: every rank holds them all
 
     def overrides(self) -> list[str]:
         out = [
@@ -98,6 +103,7 @@ class Candidate:
             f"grad_accum={self.grad_accum}",
             f"strategy={self.strategy}",
             f"parallel.sequence={self.sequence}",
+            f"parallel.expert={self.expert}",
         ]
         if self.ac == "selective":
             out.append("memory.ac_every=2")
@@ -114,6 +120,7 @@ class Candidate:
         ac = f"AC {self.ac}" if self.ac != "none" else "no AC"
         tuned = {"none": "", "lora": ", LoRA (base frozen)", "nf4": ", QLoRA (NF4 base, bitsandbytes)"}
         split = f", sequence over {self.sequence} ranks" if self.sequence > 1 else ""
+        split += f", experts over {self.expert} ranks" if self.expert > 1 else ""
         return f"{self.strategy}, {self.precision}, {ac}, micro-batch {self.micro_batch} x accum {self.grad_accum}{split}{tuned[self.lora]}"
 
 
@@ -130,28 +137,29 @@ def strategies_for(world: int, nvme: bool, target: str) -> list[str]:
     return [name for name in shipped_names() if meaningful(shipped_facts(name))]
 
 
-def runs_with(cfg: RunConfig, strategy_name: str, target: str, sequence: int = 1, world: int = 1) -> bool:
+def runs_with(cfg: RunConfig, strategy_name: str, target: str, sequence: int = 1, world: int = 1, expert: int = 1) -> bool:
     """Whether the run's optimizer and precision may run under this strategy (the config checks'
     rule: DeepSpeed runs only its own optimizers, bitsandbytes cannot step FSDP2 shards, ...),
     with each sample split over ``sequence`` ranks of ``world`` (refused with pruning, with
     optimizer-in-backward): under DeepSpeed that is ALST, whose per-rank peak the planner's trace
-    predicts with and without offload (test_planner_accuracy)."""
-    trial = with_sequence(cfg, sequence)
+    predicts with and without offload (test_planner_accuracy); and with the experts split over
+    ``expert`` ranks (DDP with torch's optimizers only)."""
+    trial = with_split(cfg, sequence, expert)
     strategy = load_strategy(strategy_name)
     try:
         check_strategy_against_run(strategy, trial, has_accelerator=target == "cuda")
         check_sequence_parallel(trial, strategy, world)
+        check_expert_parallel(trial, strategy, world)
     except ConfigError:
         return False
     return True
 
 
-def with_sequence(cfg: RunConfig, sequence: int) -> RunConfig:
-    return (
-        cfg
-        if sequence == cfg.parallel.sequence
-        else dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence=sequence))
-    )
+def with_split(cfg: RunConfig, sequence: int, expert: int = 1) -> RunConfig:
+    """``cfg`` with each sample split over ``sequence`` ranks and the experts over ``expert``."""
+    if (sequence, expert) == (cfg.parallel.sequence, cfg.parallel.expert):
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence=sequence, expert=expert))
 
 
 def accum_for(cfg: RunConfig, micro: int, sequence: int) -> int:
@@ -172,18 +180,14 @@ def candidates(cfg: RunConfig, world: int, nvme: bool, target: str, vocab: int |
     acs = ["none", "op", "selective", "full"]
     micro = cfg.micro_batch_size
     micros = sorted({micro} | {micro >> k for k in range(1, micro.bit_length()) if micro >> k >= 1}, reverse=True)
-    runnable = [
-        (s, n)
-        for n in sequence_choices(cfg, world, vocab)
-        for s in strategies_for(world, nvme, target)
-        if runs_with(cfg, s, target, n, world)
-    ]
+    splits = [(n, e) for n in sequence_choices(cfg, world, vocab) for e in sorted({1, expert_degree(cfg, world)}) if n == 1 or e == 1]
+    runnable = [(s, n, e) for n, e in splits for s in strategies_for(world, nvme, target) if runs_with(cfg, s, target, n, world, e)]
     out = []
     for p in precisions:
         for ac in acs:
             for m in micros:
-                for s, n in runnable:
-                    out.append(Candidate(p, ac, m, accum_for(cfg, m, n), s, sequence=n))
+                for s, n, e in runnable:
+                    out.append(Candidate(p, ac, m, accum_for(cfg, m, n), s, sequence=n, expert=e))
     return sorted(out, key=lambda c: c.cost(micro))
 
 
@@ -200,7 +204,8 @@ def lora_candidates(cfg: RunConfig, world: int) -> list[Candidate]:
 
 def most_frugal(cfg: RunConfig, world: int, nvme: bool, target: str = "cuda") -> Candidate:
     """bf16, full recomputation, micro-batch 1 (same global batch), everything offloaded: ZeRO-3's
-    offload, or where the run's optimizer cannot run under DeepSpeed, FSDP2's (then plain FSDP2, DDP)."""
+    offload, or where the run's optimizer cannot run under DeepSpeed, FSDP2's (then plain FSDP2, DDP);
+    whole sequences, and every expert on every rank (the offloading engines do not split them)."""
     corners = ["zero3_nvme" if nvme else "zero3_offload", "fsdp_offload" if target == "cuda" else "fsdp", "fsdp", "ddp"]
     strategy = next((s for s in corners if runs_with(cfg, s, target)), "ddp")
     return Candidate("bf16", "full", 1, accum_for(cfg, 1, 1), strategy)
@@ -211,7 +216,7 @@ def with_candidate(cfg: RunConfig, c: Candidate) -> RunConfig:
     memory = dataclasses.replace(cfg.memory, activation_checkpointing=c.ac, ac_every=2 if c.ac == "selective" else cfg.memory.ac_every)
     lora = cfg.lora if c.lora == "none" else dataclasses.replace(cfg.lora, enabled=True, quantize="nf4" if c.lora == "nf4" else "none")
     run = dataclasses.replace(
-        with_sequence(cfg, c.sequence),
+        with_split(cfg, c.sequence, c.expert),
         precision=c.precision,
         micro_batch_size=c.micro_batch,
         grad_accum=c.grad_accum,
@@ -237,5 +242,5 @@ __all__ = [
     "sequence_choices",
     "strategies_for",
     "with_candidate",
-    "with_sequence",
+    "with_split",
 ]

@@ -16,7 +16,10 @@ part adds (:func:`offload_seconds`).
 ranks, `ddp` (one process) on one; `{more_sharding}` is one step further along the run's own
 engine, read from its resolved strategy (DDP: FSDP2; DeepSpeed: its next ZeRO stage; the rung
 is left out where nothing shards further); `{grad_clip}` is the user's own `optim.grad_clip`
-(restored once a rung leaves optimizer-in-backward, which cannot clip).
+(restored once a rung leaves optimizer-in-backward, which cannot clip); `{expert}` the expert-parallel
+degree (`harness.planner.moe.expert_degree`: a mixture of experts under DDP). Expert parallelism runs
+under DDP with torch's own optimizers only, so the first rung that leaves those (`with_experts`
+False: more sharding, every optimizer and engine change below it) also sets `parallel.expert=1`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from harness.memory import ACTIVATION_CHECKPOINTING, CHECKPOINT_INPUT_OFFLOAD, C
 from harness.planner.candidates import step_time_factor
 from harness.planner.estimate import Estimate, estimate
 from harness.planner.long_context import sequence_degree
+from harness.planner.moe import expert_degree
 from harness.planner.report import gib, gpu_allowance, verdict
 from harness.planner.trace import PlanError
 
@@ -49,16 +53,19 @@ class Rung:
     min_world: int = 1  # sharding means nothing on one rank
     max_world: int | None = None  # torchao's low-bit states on bf16 weights do not step under FSDP2 (refused)
     with_sequence: bool = True  # False: left out below the sequence-parallel rung (a combination the trainer refuses)
+    with_experts: bool = False  # True: runs with the experts split (DDP, torch's optimizers); False: the rung sets parallel.expert=1
 
     @classmethod
     def of(cls, technique: Technique) -> Rung:
         """A memory technique's rung: its row's name and what turns it on (`harness.memory.techniques`)."""
-        return cls(technique.name, technique.overrides())
+        return cls(technique.name, technique.overrides(), with_experts=True)
 
 
 RUNGS: tuple[Rung, ...] = (
-    Rung("as configured", ()),
-    Rung("bf16 mixed precision", ("precision=bf16",)),
+    Rung("as configured", (), with_experts=True),
+    Rung("bf16 mixed precision", ("precision=bf16",), with_experts=True),
+    # a mixture of experts under DDP: each rank holds 1/{expert} of every MoE layer's experts
+    Rung("expert parallelism (DDP: each rank its share of the experts)", ("parallel.expert={expert}",), min_world=2, with_experts=True),
     Rung("more sharding (DDP: FSDP2; DeepSpeed: its next ZeRO stage)", ("strategy={more_sharding}",), min_world=2),
     Rung.of(ACTIVATION_CHECKPOINTING),
     Rung.of(CHUNKED_LOSS),
@@ -139,12 +146,19 @@ def net(overrides: list[str]) -> list[str]:
 
 
 def rung_overrides(
-    world: int, grad_clip: float = 1.0, strategy: Strategy | None = None, sequence: int = 1, grad_accum: int = 1
+    world: int,
+    grad_clip: float = 1.0,
+    strategy: Strategy | None = None,
+    sequence: int = 1,
+    grad_accum: int = 1,
+    expert: int = 1,
+    user_expert: int = 1,
 ) -> list[tuple[Rung, list[str]]]:
     """Each rung that applies at ``world`` with the overrides of it and every rung above it.
     ``strategy``: the run's resolved strategy (default DDP), which `{more_sharding}` continues;
     ``sequence``: the sequence-parallel rung's degree (1: no such rung, `sequence_degree`);
-    ``grad_accum``: the user's, which that rung multiplies."""
+    ``grad_accum``: the user's, which that rung multiplies; ``expert``: the expert-parallel rung's
+    degree (1: no such rung, `expert_degree`); ``user_expert``: the run's own `parallel.expert`."""
     further = more_sharding(StrategyFacts.of(strategy)) if strategy is not None else "fsdp"
     values = {
         "shard": "fsdp" if world > 1 else "ddp",
@@ -152,8 +166,10 @@ def rung_overrides(
         "more_sharding": further,
         "sequence": str(sequence),
         "sequence_accum": str(grad_accum * sequence),
+        "expert": str(expert),
     }
     out, applied = [], []
+    split = user_expert > 1  # the experts are split in the rungs so far
     for rung in RUNGS:
         if world < rung.min_world or (rung.max_world is not None and world > rung.max_world):
             continue
@@ -163,7 +179,14 @@ def rung_overrides(
             continue
         if sequence > 1 and not rung.with_sequence and "parallel.sequence=1" not in applied:
             continue
+        if any("{expert}" in o for o in rung.overrides):
+            if expert == user_expert or expert == 1:
+                continue  # nothing to split, or split as the user asked already
+            split = True
         applied = applied + [o.format(**values) for o in rung.overrides]
+        if split and not rung.with_experts:
+            applied.append("parallel.expert=1")
+            split = False
         out.append((rung, net(applied)))
     return out
 
@@ -233,7 +256,10 @@ def walk_ladder(
     except ConfigError:
         strategy = None  # the first rung, the config as written, reports it
     sequence = sequence_degree(user, world, vocab_size)
-    for rung, applied in rung_overrides(world, user.optim.grad_clip, strategy, sequence, user.grad_accum):
+    # expert parallelism runs under DDP: its rung for a DDP run of a mixture of experts
+    expert = expert_degree(user, world) if strategy is not None and strategy.kind == "ddp" else 1
+    rungs = rung_overrides(world, user.optim.grad_clip, strategy, sequence, user.grad_accum, expert, user.parallel.expert)
+    for rung, applied in rungs:
         all_overrides = [*overrides, *applied]
         try:
             cfg = load_config(config, all_overrides)

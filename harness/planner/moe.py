@@ -34,12 +34,16 @@ traced apart and both peaks reported.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from harness.config import RunConfig
+from harness.models import empty_model, expert_count, model_config
 
 ROUTINGS = ("worst", "balanced")  # the routing case a plan's verdict uses (`harness.plan --routing`)
 ROUTING_FREE = ("grouped_mm", "batched_mm")  # experts implementations whose shapes no routing changes
@@ -65,6 +69,29 @@ def moe_facts(model: nn.Module) -> MoeFacts | None:
     top_k = int(getattr(config, "num_experts_per_tok", 0) or getattr(config, "top_k", 0) or 1)
     implementation = str(getattr(config, "_experts_implementation", None) or "grouped_mm")
     return MoeFacts(len(experts), int(experts[0].num_experts), top_k, implementation)
+
+
+@functools.cache
+def _experts_per_layer(model_name: str) -> int | None:
+    """The model's experts per MoE layer by its expert plan (`harness.models.expert_count`, on the meta
+    device); None: a dense model, one without an expert plan, or a name whose config cannot be read
+    (the estimate itself then says why)."""
+    try:
+        return expert_count(empty_model(model_config(model_name)))
+    except Exception:
+        return None
+
+
+def expert_degree(cfg: RunConfig, world: int) -> int:
+    """The expert-parallel degree a plan offers: the user's, or else the largest that divides both the
+    world and the model's experts per layer (the fewest experts a rank can hold); 1 where there is
+    nothing to split (a dense model, one rank)."""
+    if cfg.parallel.expert > 1:
+        return cfg.parallel.expert
+    count = _experts_per_layer(cfg.model.name) if world > 1 else None
+    if not count:
+        return 1
+    return max(d for d in range(1, world + 1) if world % d == 0 and count % d == 0)
 
 
 def untraceable(facts: MoeFacts | None, model_name: str) -> str | None:
@@ -216,6 +243,7 @@ __all__ = [
     "PlannedExchange",
     "Routing",
     "exchange_sizes",
+    "expert_degree",
     "grouped_mm_output",
     "moe_facts",
     "untraceable",

@@ -25,7 +25,7 @@ TINY = ["model.name=tiny-llama", "data.seq_len=64", "micro_batch_size=2"]
 @pytest.mark.parametrize("world", [1, 2])
 def test_every_rung_is_a_config_the_trainer_accepts(world: int) -> None:
     rungs = rung_overrides(world)
-    splits = [r for r in RUNGS if any("{sequence}" in o for o in r.overrides)]  # no degree given: no such rung
+    splits = [r for r in RUNGS if any("{sequence}" in o or "{expert}" in o for o in r.overrides)]  # no degree given: no such rung
     assert [r.name for r, _ in rungs] == [r.name for r in RUNGS if r.min_world <= world <= (r.max_world or world) and r not in splits]
     for rung, overrides in rungs:
         cfg = load_config(None, [*TINY, *overrides])
@@ -49,6 +49,41 @@ def test_the_sequence_parallel_rung_keeps_the_global_batch_and_drops_what_it_ref
         assert (cfg.parallel.sequence, cfg.grad_accum) == ((2, 6) if split <= i else (1, 3)), rung.name
     zero = next(o for r, o in rungs if r.name.startswith("ZeRO-Offload"))
     assert "strategy=zero2_offload" in zero and "parallel.sequence=2" in zero and "grad_accum=6" in zero
+
+
+def test_the_expert_parallel_rung_splits_the_experts_until_a_rung_leaves_ddp(tmp_path) -> None:
+    """A mixture of experts under DDP: the degree is the largest that divides the world and the experts
+    (the user's own kept); the rung splits them, the next (more sharding: FSDP2) and every one after
+    it sets parallel.expert=1 (expert parallelism runs under DDP only); every rung a config the trainer
+    accepts. The search offers the split under DDP, and its most frugal corner does not split."""
+    from model_families import moe_configs
+
+    from harness.planner.candidates import candidates, most_frugal, with_candidate
+    from harness.planner.moe import expert_degree
+
+    moe_configs(4)["qwen3_moe"].save_pretrained(tmp_path)
+    moe = [f"model.name={tmp_path}", "data.seq_len=64", "micro_batch_size=2", "strategy=ddp"]
+    assert [expert_degree(load_config(None, moe), world) for world in (1, 2, 3, 8)] == [1, 2, 1, 4]
+    assert expert_degree(load_config(None, TINY), 8) == 1  # dense: nothing to split
+    assert expert_degree(load_config(None, [*moe, "parallel.expert=2"]), 8) == 2  # the user's own
+
+    rungs = rung_overrides(2, expert=2)
+    names = [r.name for r, _ in rungs]
+    split = next(i for i, n in enumerate(names) if n.startswith("expert parallelism"))
+    assert names[split + 1].startswith("more sharding")
+    for i, (rung, overrides) in enumerate(rungs):
+        cfg = load_config(None, [*TINY, *overrides])
+        check_run(cfg, load_strategy(cfg.strategy), 2, has_accelerator=True)
+        assert cfg.parallel.expert == (2 if i == split else 1), rung.name
+    asked = rung_overrides(2, expert=2, user_expert=2)  # the user split them: no rung, the first that leaves DDP undoes it
+    assert not any(r.name.startswith("expert parallelism") for r, _ in asked)
+    assert next(o for r, o in asked if r.name.startswith("more sharding"))[-1] == "parallel.expert=1"
+
+    cfg = load_config(None, moe)
+    searched = {(c.strategy, c.expert) for c in candidates(cfg, 2, nvme=False, target="cuda")}
+    assert ("ddp", 2) in searched and all(s == "ddp" for s, e in searched if e > 1)
+    split_cfg = load_config(None, [*moe, "parallel.expert=2"])
+    assert with_candidate(split_cfg, most_frugal(split_cfg, 2, nvme=False)).parallel.expert == 1
 
 
 def test_sequence_degree_is_the_largest_split_the_world_heads_and_length_allow() -> None:
