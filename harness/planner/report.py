@@ -156,7 +156,7 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
         lines.append(f"    NCCL communicator buffers           {gib(allow.nccl):>14}")
         lines.append(f"    cuBLAS/cuDNN workspaces             {gib(allow.workspaces):>14}")
         lines.append(f"    allocator fragmentation ({FRAGMENTATION:.0%} of peak) {gib(allow.fragmentation):>14}")
-        lines.append(f"  predicted max_memory_allocated {gib(est.total)} + allowance {gib(allow.total)} = {gib(v.device_need)}")
+        lines.append(f"  predicted max_memory_allocated {gib(est.total)} + allowance {gib(allow.total)} = {gib(est.total + allow.total)}")
     lines.append("")
     lines.append("Host (CPU) memory:")
     if est.target == "cpu":

@@ -26,7 +26,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from harness.config import LoraConfig, MemoryConfig, ParallelLayout, Strategy
 from harness.distributed import local_tensor
 from harness.engine import fsdp_wrap
+from harness.errors import ConfigError
 from harness.memory import ActivationOffload, prepare_model
 from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config, split_experts, use_ulysses
 from harness.planner.moe import GroupedMMAsRun, MoeFacts, PlannedExchange, exchange_sizes, moe_facts, untraceable
@@ -267,6 +268,8 @@ def build_fake_model(
                     for name, p in list(module._parameters.items()):
                         if p is not None and (p.device.type == "meta" or (p.is_floating_point() and p.dtype != dtype)):
                             module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad)
+        except ConfigError as exc:  # the adapters' own refusal (harness.models.resolve_targets), as pre-flight says it
+            raise PlanError(f"model '{model_name}': {exc}") from None
         except Exception as exc:
             raise PlanError(f"cannot build model '{model_name}' from its config: {type(exc).__name__}: {exc}".splitlines()[0]) from None
     return model
@@ -342,6 +345,8 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     dtype = DTYPES[spec.module_dtype]  # FSDP2: fp32 sharded masters, or bf16 shards under bf16_pure
     lora = adapter_config(spec.lora) if spec.lora is not None else None
+    if lora is not None and spec.nf4_storage is not None:  # QLoRA: what it cannot quantize is refused, as in the trainer
+        lora = replace(lora, quantize="nf4")
     model = build_fake_model(spec.model_name, spec.vocab_size, fake_mode, dtype, lora)
     info = param_info(model)  # the base's shapes as they are in the checkpoint (the formulas' input)
     if spec.frozen_dtype is not None:

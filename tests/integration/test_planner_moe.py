@@ -74,6 +74,17 @@ def test_experts_whose_shapes_follow_the_routing_are_refused_in_one_line(
     assert len(lines) == 1 and "experts_implementation 'eager'" in lines[0] and "set it to grouped_mm" in lines[0]
 
 
+def test_qlora_of_stacked_experts_is_refused_as_the_trainer_refuses_it(
+    moe_dirs: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bitsandbytes quantizes linears only: the plan of an NF4 base would hold the experts in bf16, a run the
+    trainer refuses; the planner says the trainer's line instead of planning it."""
+    argv = ["--gpu-mem", "1GiB", f"model.name={moe_dirs['qwen3_moe']}", "lora.enabled=true", "lora.quantize=nf4", *SHAPE]
+    assert main(argv) == EXIT_BAD_INPUT
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("harness.plan: error: ")]
+    assert len(lines) == 1 and "lora.quantize=nf4: bitsandbytes quantizes linear layers only" in lines[0], lines
+
+
 def _route(case: str, busiest: list[int]):
     """Qwen3-MoE's router with its choice replaced (a new index tensor: topk saved its own for backward):
     every token to experts 0..k-1 (worst), or spread evenly; ``busiest`` gets the busiest expert's rows per call."""
