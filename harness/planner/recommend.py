@@ -75,6 +75,7 @@ def _model_state_floor(cfg: RunConfig, world: int, target: str, info: ParamInfo,
     """Per-rank peak with zero activations: a lower bound that needs no trace."""
     strategy = load_strategy(cfg.strategy)
     tspec, espec = specs_for(cfg, strategy, world, info.hidden_size, target, vocab)
+    info = info.split(tspec.expert)  # each rank its share of the experts
     if tspec.wrap == "fsdp":
         params = sum(fsdp_local_numel(s, world, 0) for s in info.shapes) * 4
         grads = params

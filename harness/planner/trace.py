@@ -40,7 +40,16 @@ from harness.distributed import local_tensor
 from harness.engine import fsdp_wrap
 from harness.errors import ConfigError
 from harness.memory import ActivationOffload, prepare_model
-from harness.models import PRESETS, empty_lora_model, hold_frozen_in, is_preset, model_config, split_experts, use_ulysses
+from harness.models import (
+    PRESETS,
+    empty_lora_model,
+    expert_tensors,
+    hold_frozen_in,
+    is_preset,
+    model_config,
+    split_experts,
+    use_ulysses,
+)
 from harness.planner.moe import GroupedMMAsRun, MoeFacts, PlannedExchange, exchange_sizes, moe_facts, untraceable
 from harness.planner.packed import pack_block_linears
 from harness.planner.timeline import CAT_INDEX, CATS, tracker_class
@@ -119,6 +128,18 @@ class ParamInfo:
     frozen_shapes: list[tuple[int, ...]] = field(default_factory=list)  # parameters that take no gradient (LoRA's base)
     frozen_names: list[str] = field(default_factory=list)
     split_expert_numel: int = 0  # of `numels`: this rank's part of the experts split over ranks (DDP leaves them out of its buckets)
+    expert_names: tuple[str, ...] = ()  # the stacked expert tensors expert parallelism splits (transformers' expert plan)
+
+    def split(self, degree: int) -> ParamInfo:
+        """What one rank holds with every MoE layer's experts split over ``degree`` ranks (dim 0, evenly),
+        without tracing: the model-state bound of a search candidate."""
+        if degree == 1 or not self.expert_names:
+            return self
+        experts = set(self.expert_names)
+        shapes = [(s[0] // degree, *s[1:]) if n in experts else s for n, s in zip(self.names, self.shapes)]
+        numels = [math.prod(s) for s in shapes]
+        split = sum(k for n, k in zip(self.names, numels) if n in experts)
+        return replace(self, numels=numels, shapes=shapes, split_expert_numel=split)
 
     @property
     def frozen(self) -> int:
@@ -289,6 +310,7 @@ def param_info(model: nn.Module) -> ParamInfo:
         num_layers=int(getattr(config, "num_hidden_layers", 0) or 0),
         frozen_shapes=[tuple(p.shape) for _, p in frozen],
         frozen_names=[n for n, _ in frozen],
+        expert_names=tuple(expert_tensors(model)),
     )
 
 

@@ -58,7 +58,7 @@ def test_the_expert_parallel_rung_splits_the_experts_until_a_rung_leaves_ddp(tmp
     accepts. The search offers the split under DDP, and its most frugal corner does not split."""
     from model_families import moe_configs
 
-    from harness.planner.candidates import candidates, most_frugal, with_candidate
+    from harness.planner.candidates import candidates, most_frugal, with_candidate, with_split
     from harness.planner.moe import expert_degree
 
     moe_configs(4)["qwen3_moe"].save_pretrained(tmp_path)
@@ -84,6 +84,15 @@ def test_the_expert_parallel_rung_splits_the_experts_until_a_rung_leaves_ddp(tmp
     assert ("ddp", 2) in searched and all(s == "ddp" for s, e in searched if e > 1)
     split_cfg = load_config(None, [*moe, "parallel.expert=2"])
     assert with_candidate(split_cfg, most_frugal(split_cfg, 2, nvme=False)).parallel.expert == 1
+    # the search's untraced model-state bound holds a rank's share of the experts, as the trace does
+    from harness.models import empty_model, expert_tensors, model_config
+    from harness.planner.recommend import _model_state_floor, _param_info
+
+    info = _param_info(cfg, None)
+    experts = sum(p.numel() for p in expert_tensors(empty_model(model_config(str(tmp_path)))).values())
+    assert info.split(2).total == info.total - experts // 2 and info.split(2).split_expert_numel == experts // 2
+    floors = {e: _model_state_floor(with_split(cfg, 1, e), 2, "cuda", info, None) for e in (1, 2)}
+    assert floors[1] - floors[2] == experts // 2 * 4 * 4  # fp32 parameters, gradients and AdamW's two states
 
 
 def test_sequence_degree_is_the_largest_split_the_world_heads_and_length_allow() -> None:
