@@ -8,8 +8,9 @@ architecture and widths, `TWIN_LAYERS` blocks) for `CHECK_STEPS` steps, under th
 exact strategy, precision, accumulation, packing and LoRA/QLoRA at the launcher's world
 size, through the same `build_run` and `Trainer` as training; and compares every step's
 loss, every parameter's reduced gradient and update with a reference: the same global batch
-computed the plainest way (`reference_config`: fp32, one process, one micro-batch, packed
-examples unpacked into rows of their own).
+computed the plainest way (`reference_config`: fp32, one process, accumulated over the run's own
+micro-batches with the memory techniques that leave the arithmetic unchanged, packed examples
+unpacked into rows of their own).
 
 The reference is computed by every rank alone, in its own process, before the process group
 starts (`run_check`): with no group, every collective harness issues falls back to a world of
@@ -28,12 +29,12 @@ covers any engine that reports its shards.
 
 A mixture-of-experts router's load-balancing loss is checked as the run adds it: per micro-batch
 (transformers' definition: the balance of one forward's tokens), averaged over the step's
-micro-batches and ranks (`harness.training.router`). The reference's one forward holds every
-micro-batch of the step, so it is told which of the run's micro-batches, and under sequence
-parallelism which rank's slice, each of its tokens was in (`ReferenceSampler`: the run's sampler
-gives micro-batch a of data rank r the `micro` blocks starting at (a * world + r) * micro) and its
-router averages each group's loss (`RouterLoss.token_groups`); packed examples are unpacked with
-the segments that hold no label kept, as the run routes them. The aux loss is compared each step
+micro-batches and ranks (`harness.training.router`). Each reference micro-batch is one of the
+run's (the run's sampler gives micro-batch a of data rank r the blocks starting at (a * data + r)
+* micro, the reference's micro-batch a * data + r), so the trainer's own average over micro-batches
+is the run's; under sequence parallelism each token is told which rank's slice it was in
+(`ReferenceSampler`) and the router averages each slice's loss (`RouterLoss.token_groups`); packed
+examples are unpacked with the segments that hold no label kept, as the run routes them. The aux loss is compared each step
 beside the loss, and its weight shows in every router's and expert's gradient.
 """
 
@@ -105,20 +106,21 @@ def check_config(cfg: RunConfig) -> RunConfig:
 
 
 def reference_config(twin: RunConfig, world: int, rank: int) -> RunConfig:
-    """The same global batch, computed the plainest way: one process, fp32, the whole batch as one
-    micro-batch (`micro_batch_size * grad_accum * world`: the sampler's global batch is the same
-    blocks at any split), no memory technique that changes how the step is computed."""
+    """The same global batch, computed the plainest way: one process, fp32, in the run's micro-batches
+    (the global batch `micro_batch_size * grad_accum * data ranks` accumulated over `grad_accum * data
+    ranks` of them: the sampler deals the same blocks at any split, and the reference's micro-batch
+    j is the run's micro-batch j // data of data rank j % data), with the two memory techniques that
+    leave the arithmetic as it is (activation checkpointing recomputes the same forward, the chunked
+    loss sums the same token losses), so a reference fits wherever the run's micro-batch does; none
+    of the rest (compile, offload, tiling, the optimizer in backward)."""
     ref = copy.deepcopy(twin)
     ref.strategy, ref.precision = "ddp", "fp32"
     # the sampler's global batch: a sequence-parallel group reads one data-parallel rank's samples
-    ref.micro_batch_size, ref.grad_accum, ref.global_batch_size = (
-        ParallelLayout.of(twin.parallel, world).global_batch(twin.micro_batch_size, twin.grad_accum),
-        1,
-        None,
-    )
+    data = ParallelLayout.of(twin.parallel, world).data
+    ref.micro_batch_size, ref.grad_accum, ref.global_batch_size = twin.micro_batch_size, twin.grad_accum * data, None
     m = ref.memory
-    m.activation_checkpointing, m.activation_offload, m.compile, m.activation_memory_budget = "none", False, "none", None
-    m.optimizer_in_backward, m.loss_chunk_size = False, 0
+    m.activation_offload, m.offload_checkpoint_inputs, m.compile, m.activation_memory_budget = False, False, "none", None
+    m.tiled_mlp, m.tiled_mlp_tokens, m.optimizer_in_backward = 0, 0, False
     ref.optim.cpu_offload = False
     ref.parallel.sequence = 1  # whole sequences: what sequence parallelism must compute
     ref.parallel.expert = 1  # every expert in the one process: what expert parallelism must compute
@@ -246,15 +248,20 @@ def compare(run: Record, ref: Record, g_bound: float, comm: Collectives) -> Verd
     return verdict
 
 
-def reference_run(ref: RunConfig, local_rank: int, micro: int, slices: int) -> Record:
+def reference_run(ref: RunConfig, local_rank: int, slices: int) -> Record:
     """The reference on this rank alone, before any process group exists (module docstring);
-    `micro`, `slices`: the run's micro-batch size and sequence-parallel degree."""
+    `slices`: the run's sequence-parallel degree."""
     started = time.perf_counter()
     device = pick_device(ref.device, local_rank)
     plan = plan_engine(ref, load_strategy("ddp"), 1, device, None, env={})
     trainer, _ = build_run(plan.config, plan, DistInfo(0, 1, local_rank, device, None), twin_layers=TWIN_LAYERS)
     router = trainer.router if trainer.router is not None and trainer.router.active else None
-    trainer.sampler = ReferenceSampler(trainer.sampler, router, micro, slices)
+    trainer.sampler = ReferenceSampler(trainer.sampler, router, slices)
+    m = ref.memory
+    log.info(
+        f"check: reference: {ref.grad_accum} micro-batches of {ref.micro_batch_size} x {ref.data.seq_len} tokens, fp32, one process, "
+        f"activation checkpointing {m.activation_checkpointing}, loss chunk {m.loss_chunk_size or 'none'}"
+    )
     rec = record(trainer)
     rec.seconds = time.perf_counter() - started
     steps_discarded("joining the process group after the check's reference")
@@ -267,21 +274,22 @@ def reference_run(ref: RunConfig, local_rank: int, micro: int, slices: int) -> R
 
 class ReferenceSampler:
     """The reference's batches: every packed example in a row of its own (`harness.data.unpack_with_origin`);
-    with a router, the segments without a label kept too, and each token's group told to it: the
-    run's micro-batch it was in (`micro` consecutive blocks of the global batch) and its sequence
-    slice (`slices` equal parts of the block), as the run's sampler deals them."""
+    with a router, the segments without a label kept too, and each token's group told to it: its
+    sequence slice (`slices` equal parts of the block), as the run's sequence ranks route them, or
+    none for a row's padding. A
+    reference micro-batch is one of the run's (`reference_config`), so its router's loss is that
+    micro-batch's, averaged over the slices; the trainer averages it over the micro-batches."""
 
-    def __init__(self, sampler, router: RouterLoss | None, micro: int, slices: int) -> None:
+    def __init__(self, sampler, router: RouterLoss | None, slices: int) -> None:
         self.inner, self.global_batch = sampler, sampler.global_batch
-        self.router, self.micro, self.slices = router, micro, slices
+        self.router, self.slices = router, slices
 
     def batch(self, step: int, micro_index: int) -> torch.Tensor:
         packed = self.inner.batch(step, micro_index)
         rows, origin = unpack_with_origin(packed, every_segment=self.router is not None)
         if self.router is not None:
-            length = packed.shape[-1]
-            group = (origin // length) // self.micro * self.slices + (origin % length) // (length // self.slices)
-            self.router.token_groups = torch.where(origin >= 0, group, -1)
+            group = (origin % packed.shape[-1]) // (packed.shape[-1] // self.slices)
+            self.router.token_groups.append(torch.where(origin >= 0, group, -1))  # -1: a row's padding, never routed in the run
         return rows
 
 
@@ -334,7 +342,7 @@ def run_check(config: str | None, overrides: list[str]) -> int:
         bounds.append(check_bounds(plan, world))  # before the reference: a step too large is refused at once
         entering("computing the check's world-1 reference")
         run = plan.config  # the twin as resolved
-        refs.append(reference_run(reference_config(run, world, rank), local_rank, run.micro_batch_size, plan.layout.sequence))
+        refs.append(reference_run(reference_config(run, world, rank), local_rank, plan.layout.sequence))
         return twin, plan
 
     return run_command("harness", load, lambda cfg, plan, info: check_body(cfg, plan, info, refs[0], bounds[0], began))

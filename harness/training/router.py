@@ -30,6 +30,7 @@ tokens over the mean tokens per expert (1: balanced; E/top_k: every token to the
 
 from __future__ import annotations
 
+import collections
 import inspect
 import re
 import sys
@@ -119,10 +120,11 @@ class RouterLoss:
         self.num_experts = self.top_k = 0
         self._loss_func: Callable[..., Any] | None = None
         self._sum: torch.Tensor | None = None  # [aux, counts of layer 0, ...] summed since `pop`
-        # `(B, S)` group of each token of the next forward (-1: none): the loss is then the mean of
-        # each group's loss, as if each group were a micro-batch of its own (the check's reference,
-        # one forward standing for a split run's micro-batches); None: the forward is one group
-        self.token_groups: torch.Tensor | None = None
+        # `(B, S)` group of each token (-1: none), one per forward to come, in forward order (a step's
+        # micro-batches are dealt before the first forward): the loss is then the mean of each group's
+        # loss, as if each group were a micro-batch of its own (the check's reference: its forward of one
+        # of the run's micro-batches stands for that micro-batch's sequence slices); empty: one group
+        self.token_groups: collections.deque[torch.Tensor] = collections.deque()
 
     def attach(self, model: nn.Module) -> str | None:
         """Resolve the coefficient from the built model (its family, its config, whether a router
@@ -159,7 +161,7 @@ class RouterLoss:
         logits = tuple(router_logits)
         assert self._loss_func is not None and len(logits) == len(self.layers), (len(logits), self.layers)
         device = logits[0].device
-        groups = None if self.token_groups is None else self.token_groups.to(device)
+        groups = self.token_groups.popleft().to(device) if self.token_groups else None
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.coef > 0):
             if groups is None:
                 aux = self._loss_func(logits, self.num_experts, self.top_k, attention_mask)

@@ -149,6 +149,11 @@ def test_what_the_check_cannot_compare_is_refused_and_the_rest_is_the_users_run(
     assert (twin.strategy, twin.precision, twin.micro_batch_size, twin.grad_accum, twin.steps) == ("zero3", "bf16", 3, 4, 2)
     assert twin.output_dir == "/runs/x/check/run" and twin.memory.activation_checkpointing == "full"
     ref = reference_config(twin, world=2, rank=1)
-    assert (ref.strategy, ref.precision, ref.micro_batch_size, ref.grad_accum) == ("ddp", "fp32", 24, 1)
-    assert ref.memory.activation_checkpointing == "none" and ref.output_dir == "/runs/x/check/reference-rank1"
+    # the run's micro-batches (3 rows), accumulated over both data ranks' 4: the global batch of 24; the
+    # recomputation kept (the same arithmetic), nothing that changes it
+    assert (ref.strategy, ref.precision, ref.micro_batch_size, ref.grad_accum) == ("ddp", "fp32", 3, 8)
+    assert ref.memory.activation_checkpointing == "full" and ref.output_dir == "/runs/x/check/reference-rank1"
+    twin.memory.compile, twin.memory.tiled_mlp, twin.memory.loss_chunk_size = "model", 2, 64
+    ref = reference_config(twin, world=2, rank=1)
+    assert (ref.memory.compile, ref.memory.tiled_mlp, ref.memory.loss_chunk_size) == ("none", 0, 64)
     assert cfg.steps == 50 and cfg.output_dir == "/runs/x"  # the user's config is left as it was
