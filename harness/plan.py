@@ -9,14 +9,15 @@ No GPU is needed and no weights are loaded: the model is built from its config w
 storage and one training step is traced on rank 0 of a fake process group (see
 ``harness.planner``). Overrides are the trainer's ``key=value`` ones.
 
---recommend walks the memory ladder (``harness.planner.ladder``: precision, sharding, recomputation,
-chunked loss, tiled MLP, checkpoint-input offload, sequence parallelism, optimizer in backward, offload,
-LoRA, QLoRA),
+--recommend walks the memory ladder (``harness.planner.ladder``: precision, expert parallelism (a
+mixture of experts under DDP), sharding, recomputation, chunked loss, tiled MLP, checkpoint-input
+offload, sequence parallelism, optimizer in backward, offload, LoRA, QLoRA),
 prints every rung and writes the first that fits. --max-seq-len finds the longest
 ``data.seq_len`` the config fits at (``harness.planner.long_context``), every other knob as written,
 and never longer than the trainer takes for the model (its positions, ``model.max_seq_len``).
 A mixture of experts' plan prints the worst routing case and the balanced one (``harness.planner.moe``);
-the verdict uses the worst unless --routing balanced.
+the verdict uses the worst unless --routing balanced. Under expert parallelism (``parallel.expert``) the
+plan is rank 0's: its share of the experts, and the rows the other ranks send it in each case.
 
 Exit status (the table in harness/errors.py): 0 the config fits (or --recommend wrote one
 that does); 10 it does not fit (something else would: see --recommend); 11 nothing fits
