@@ -45,9 +45,10 @@ from harness.planner.estimate import estimate, resolve_vocab
 from harness.planner.ladder import CPU_ADAM_PARAMS_PER_S, PCIE_BYTES_PER_S, first_fit, format_ladder, offload_seconds, walk_ladder
 from harness.planner.long_context import SEQ_STEP, format_search, max_seq_len
 from harness.planner.moe import ROUTINGS
+from harness.planner.params import param_info
 from harness.planner.recommend import evaluate_lora, recommend, recommended_config, write_recommended
 from harness.planner.report import format_estimate, gib, gpu_allowance, parse_size, verdict
-from harness.planner.trace import build_fake_model, param_info
+from harness.planner.trace import build_fake_model
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

@@ -37,8 +37,9 @@ from harness.planner.load_phase import load_phase_bytes
 from harness.planner.lora import quantized_base
 from harness.planner.model_states import EngineModel, EngineSpec, engine_model, zero12_partition
 from harness.planner.moe import ROUTINGS, Routing
+from harness.planner.params import ParamInfo
 from harness.planner.result import REPORT_CATS, Estimate, Moment
-from harness.planner.trace import CATS, ParamInfo, PlanError, TraceResult, TraceSpec, adapter_key, build_fake_model, trace_step
+from harness.planner.trace import CATS, PlanError, TraceResult, TraceSpec, adapter_key, build_fake_model, trace_step
 from harness.training import DTYPE_BYTES, DTYPE_NAMES, name_compiles_step
 
 # ----------------------------------------------------------------------------- config → specs

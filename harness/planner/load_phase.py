@@ -4,7 +4,7 @@ engine's state exists): the planner's account of `harness.engine.load_model`."""
 from __future__ import annotations
 
 from harness.planner.model_states import EngineSpec
-from harness.planner.trace import ParamInfo
+from harness.planner.params import ParamInfo
 
 
 def load_phase_bytes(espec: EngineSpec, info: ParamInfo) -> tuple[int, int]:

@@ -32,7 +32,7 @@ import math
 from harness.memory import pinned_bytes
 from harness.planner.fsdp_offload import in_flight_bytes, largest_group_shard
 from harness.planner.model_states import EngineModel
-from harness.planner.trace import ParamInfo
+from harness.planner.params import ParamInfo
 
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weight, 8-bit absmax per 64, fp32 per 256 absmax blocks
 BLOCKSIZE = 64  # bitsandbytes' 4-bit block (one 8-bit absmax each); its absmax are quantized again in blocks of 256

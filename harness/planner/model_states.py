@@ -48,7 +48,7 @@ from harness.planner.optimizer_model import (
     torch_optimizer_bytes,
     torch_step_transient,
 )
-from harness.planner.trace import ParamInfo
+from harness.planner.params import ParamInfo
 from harness.training import DTYPE_BYTES
 
 

@@ -45,8 +45,9 @@ from harness.config import (
 from harness.planner.candidates import SPEED, Candidate, accum_for, candidates, lora_candidates, most_frugal, with_candidate
 from harness.planner.estimate import Estimate, estimate, resolve_vocab, specs_for, walk
 from harness.planner.model_states import engine_model, fsdp_local_numel
+from harness.planner.params import ParamInfo, param_info
 from harness.planner.report import CUDA_CONTEXT, FRAGMENTATION, LIBRARY_WORKSPACES, NCCL_BUFFERS, gib, verdict
-from harness.planner.trace import ParamInfo, TraceResult, build_fake_model, param_info
+from harness.planner.trace import TraceResult, build_fake_model
 from harness.training import DTYPE_BYTES
 
 

@@ -21,7 +21,6 @@ gradient and parameter handling is laid over the recorded per-op timeline afterw
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 import warnings
@@ -43,7 +42,6 @@ from harness.memory import ActivationOffload, prepare_model
 from harness.models import (
     PRESETS,
     empty_lora_model,
-    expert_tensors,
     hold_frozen_in,
     is_preset,
     model_config,
@@ -52,6 +50,7 @@ from harness.models import (
 )
 from harness.planner.moe import GroupedMMAsRun, MoeFacts, PlannedExchange, exchange_sizes, moe_facts, untraceable
 from harness.planner.packed import pack_block_linears
+from harness.planner.params import ParamInfo, param_info
 from harness.planner.timeline import CAT_INDEX, CATS, tracker_class
 from harness.training import DTYPES, loss_for, precision_policy
 
@@ -113,50 +112,6 @@ def adapter_config(key: tuple[int, float, float, tuple[str, ...] | None, tuple[s
         return list(value) if value is not None else None
 
     return LoraConfig(enabled=True, r=r, alpha=alpha, dropout=dropout, target_modules=names(modules), target_parameters=names(parameters))
-
-
-@dataclass
-class ParamInfo:
-    """Shape facts of the *unwrapped* model, for the analytic model-state formulas."""
-
-    numels: list[int]  # trainable parameters, in ``model.parameters()`` order
-    shapes: list[tuple[int, ...]]
-    names: list[str]
-    buffer_bytes: int
-    hidden_size: int
-    num_layers: int
-    frozen_shapes: list[tuple[int, ...]] = field(default_factory=list)  # parameters that take no gradient (LoRA's base)
-    frozen_names: list[str] = field(default_factory=list)
-    split_expert_numel: int = 0  # of `numels`: this rank's part of the experts split over ranks (DDP leaves them out of its buckets)
-    expert_names: tuple[str, ...] = ()  # the stacked expert tensors expert parallelism splits (transformers' expert plan)
-
-    def split(self, degree: int) -> ParamInfo:
-        """What one rank holds with every MoE layer's experts split over ``degree`` ranks (dim 0, evenly),
-        without tracing: the model-state bound of a search candidate."""
-        if degree == 1 or not self.expert_names:
-            return self
-        experts = set(self.expert_names)
-        shapes = [(s[0] // degree, *s[1:]) if n in experts else s for n, s in zip(self.names, self.shapes)]
-        numels = [math.prod(s) for s in shapes]
-        split = sum(k for n, k in zip(self.names, numels) if n in experts)
-        return replace(self, numels=numels, shapes=shapes, split_expert_numel=split)
-
-    @property
-    def frozen(self) -> int:
-        return sum(math.prod(s) for s in self.frozen_shapes)
-
-    @property
-    def whole_largest(self) -> int:
-        """The largest parameter, frozen or not (a model is loaded a tensor at a time)."""
-        return max([self.largest, *(math.prod(s) for s in self.frozen_shapes)])
-
-    @property
-    def total(self) -> int:
-        return sum(self.numels)
-
-    @property
-    def largest(self) -> int:
-        return max(self.numels) if self.numels else 0
 
 
 @dataclass
@@ -294,24 +249,6 @@ def build_fake_model(
         except Exception as exc:
             raise PlanError(f"cannot build model '{model_name}' from its config: {type(exc).__name__}: {exc}".splitlines()[0]) from None
     return model
-
-
-def param_info(model: nn.Module) -> ParamInfo:
-    """The parameters this rank holds whole: a DTensor's local part (experts split over ranks)."""
-    params = [(n, local_tensor(p)) for n, p in model.named_parameters() if p.requires_grad]
-    frozen = [(n, local_tensor(p)) for n, p in model.named_parameters() if not p.requires_grad]
-    config = getattr(model, "config", None)
-    return ParamInfo(
-        numels=[p.numel() for _, p in params],
-        shapes=[tuple(p.shape) for _, p in params],
-        names=[n for n, _ in params],
-        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-        hidden_size=int(getattr(config, "hidden_size", 0) or 0),
-        num_layers=int(getattr(config, "num_hidden_layers", 0) or 0),
-        frozen_shapes=[tuple(p.shape) for _, p in frozen],
-        frozen_names=[n for n, _ in frozen],
-        expert_names=tuple(expert_tensors(model)),
-    )
 
 
 def _split_experts(model: nn.Module, spec: TraceSpec, moe: MoeFacts) -> tuple[list[str], PlannedExchange]:

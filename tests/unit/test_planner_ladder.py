@@ -16,7 +16,8 @@ from harness.planner.ladder import RUNGS, first_fit, offload_seconds, rung_overr
 from harness.planner.long_context import sequence_degree
 from harness.planner.model_states import fsdp_local_numel
 from harness.planner.optimizer_model import EngineSpec, step_bytes_per_element
-from harness.planner.trace import build_fake_model, param_info
+from harness.planner.params import param_info
+from harness.planner.trace import build_fake_model
 from harness.training import name_compiles_step
 
 TINY = ["model.name=tiny-llama", "data.seq_len=64", "micro_batch_size=2"]

@@ -18,9 +18,10 @@ from harness.plan import main
 from harness.planner.candidates import Candidate
 from harness.planner.estimate import cached_trace, estimate, specs_for
 from harness.planner.lora import NF4_BYTES, nf4_matrix_bytes, quantized_base_bytes, quantized_linears
+from harness.planner.params import param_info
 from harness.planner.recommend import _param_info, evaluate_lora, recommend
 from harness.planner.report import verdict
-from harness.planner.trace import TraceSpec, build_fake_model, param_info, trace_step
+from harness.planner.trace import TraceSpec, build_fake_model, trace_step
 from harness.training import causal_lm_loss, optimizer_shared_bytes, optimizer_state_bytes, optimizer_step_bytes
 
 VOCAB = 4096
