@@ -381,7 +381,7 @@ def check_expert_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> Non
     ParallelLayout.of(cfg.parallel, world)  # divides the world; not with sequences split
     what = f"parallel.expert={n}"
     refused = {
-        f"strategy={strategy.name} ({strategy.kind})": strategy.kind != "ddp",
+        f"strategy={strategy.name} ({strategy.kind})": strategy.kind not in ("ddp", "fsdp"),  # DeepSpeed's AutoEP: not wired
         f"prune.method={cfg.prune.method}": cfg.prune.enabled,
         "lora.enabled": cfg.lora.enabled or cfg.lora.quantize != "none",
         "memory.optimizer_in_backward": cfg.memory.optimizer_in_backward,
@@ -392,9 +392,14 @@ def check_expert_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> Non
     for setting, on in refused.items():
         if on:
             raise ConfigError(
-                f"{what} with {setting}: expert parallelism runs under strategy=ddp with torch's adamw, adam or sgd, "
+                f"{what} with {setting}: expert parallelism runs under strategy=ddp or fsdp with torch's adamw, adam or sgd, "
                 "without pruning, LoRA, optimizer-in-backward, an offloaded optimizer or fp16; set parallel.expert=1 or change that setting"
             )
+    if strategy.kind == "fsdp" and cfg.precision == "bf16":
+        raise ConfigError(
+            f"{what} with strategy={strategy.name} and precision=bf16: FSDP2's mixed precision casts only the parameters it "
+            "shards, and the split experts are not among them (they would run in fp32); set precision=fp32, or strategy=ddp (autocast)"
+        )
 
 
 def check_optimizer_values(cfg: RunConfig) -> None:

@@ -6,15 +6,18 @@ transformers' own) on the meta model, before any weight is allocated, over the l
 (`ParallelLayout.expert_mesh`); the filled model then holds, on each rank, only its range of every
 MoE layer's experts (a `Shard(0)` DTensor, which the checkpoint's DCP saves and reshards like
 FSDP2's). DDP is told to leave those tensors alone (neither broadcast at the wrap nor averaged
-over the world: each rank's are different experts).
+over the world: each rank's are different experts); so is FSDP2 (`ignored_params`), which shards
+the rest over the whole world and leaves the experts whole on their ranks. Its mixed precision
+casts only what it shards, so under FSDP2 the split run is fp32 (`check_expert_parallel`).
 
-`ExpertGradients` does what DDP does for the rest, for the experts: after the last micro-batch's
-backward, each expert gradient is summed over its replica group (the ranks holding the same
-experts; none at expert = world) and divided by the world, DDP's mean. That is the world-1
-gradient: rank r's expert e already holds the gradient of every token of its expert group routed
-to e (the all-to-all's backward brought them), and the loss of each rank is its share of the
-global mean, as for the parameters DDP averages. The gradient norm is the world-1 norm: the
-rest's (identical on every rank after DDP) and the experts' squares summed over the expert group.
+`ExpertGradients` does what the engine does for the rest, for the experts: after the last
+micro-batch's backward, each expert gradient is summed over its replica group (the ranks holding
+the same experts; none at expert = world) and divided by the world, the engines' mean. That is the
+world-1 gradient: rank r's expert e already holds the gradient of every token of its expert group
+routed to e (the all-to-all's backward brought them), and the loss of each rank is its share of the
+global mean, as for the parameters the engine averages. The gradient norm is the world-1 norm: the
+rest's (identical on every rank after DDP; FSDP2's shards summed over the world) and the experts'
+squares summed over the expert group.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from harness.config import ParallelLayout
 from harness.distributed import local_tensor
@@ -75,6 +79,7 @@ class ExpertGradients:
         device = (rest or mine)[0].device
         zero = torch.zeros((), device=device)
         rest_sq = torch.nn.utils.get_total_norm(rest).square() if rest else zero
+        rest_sq = rest_sq.full_tensor() if isinstance(rest_sq, DTensor) else rest_sq  # FSDP2's shards: the norm over all
         experts_sq = torch.stack([g.float().square().sum() for g in mine]).sum() if mine else zero.clone()
         dist.all_reduce(experts_sq, group=self.expert_group)
         total = (rest_sq + experts_sq).sqrt()

@@ -35,7 +35,9 @@ from harness.models import (
 from harness.training import DTYPES, PrecisionPolicy
 
 
-def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, mesh: DeviceMesh) -> nn.Module:
+def fsdp_wrap(
+    model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, mesh: DeviceMesh, ignored: set[nn.Parameter] | None = None
+) -> nn.Module:
     """FSDP2: shard the embeddings, each decoder block, the LM head, and the root.
 
     The head is its own unit (kept gathered after forward: backward needs it at once), so
@@ -49,8 +51,12 @@ def fsdp_wrap(model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, mes
     Called on the meta model: each rank then allocates only its shards. One module per
     `fully_shard` call: torch's FSDPMemTracker instruments each
     module's parameter group once, and a group shared by two modules breaks its tracking.
+    `ignored`: parameters FSDP2 leaves whole and unreduced (experts split over ranks: each rank's
+    are other experts, reduced by `harness.engine.experts`).
     """
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
+    if ignored:
+        kwargs["ignored_params"] = ignored
     reduce = DTYPES[strategy.reduce_dtype]
     if policy.mode == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)

@@ -316,7 +316,9 @@ class FSDPEngine(TorchEngine):
         """On the meta model: the memory techniques, then the shards; each rank then allocates and
         fills only its own."""
         prepare_model(model, cfg.memory)
-        fsdp_wrap(model, plan.strategy, plan.precision, plan.layout.shard_mesh(info.device.type))
+        experts: ExpertGradients | None = getattr(model, "harness_experts", None)
+        ignored = set(experts.bind(model).params) if experts is not None else None
+        fsdp_wrap(model, plan.strategy, plan.precision, plan.layout.shard_mesh(info.device.type), ignored)
         weights.fill(materialize(model, info.device))
 
     def _sync_gradients(self, last_micro: bool) -> None:

@@ -86,10 +86,17 @@ def deepspeed_zero(plan: EnginePlan) -> Any:
 
 
 def check_modelled(cfg: RunConfig, strategy: Strategy, world: int) -> str:
-    """The engine kind, or PlanError where the planner does not model the strategy (ZeRO-0, LoRA under DeepSpeed)."""
+    """The engine kind, or PlanError where the planner does not model the strategy (ZeRO-0, LoRA
+    under DeepSpeed, FSDP2 with the experts split)."""
     kind = engine_kind(strategy.kind, world)
     if kind == "deepspeed" and strategy.zero_stage == 0:
         raise PlanError(f"{strategy.name}: DeepSpeed ZeRO stage 0 is not modelled by the planner; use ddp.json")
+    if kind == "fsdp" and cfg.parallel.expert > 1:
+        raise PlanError(
+            f"parallel.expert={cfg.parallel.expert} under strategy={strategy.name}: the planner traces expert parallelism under "
+            "strategy=ddp only (FSDP2 leaving the split experts whole is not modelled yet); plan it with strategy=ddp, which "
+            "holds the rest of the model whole"
+        )
     if cfg.lora.enabled and kind == "deepspeed":
         raise PlanError(f"lora.enabled=true under {strategy.name}: LoRA is planned under ddp or fsdp (torch's engines) only")
     return kind

@@ -1,15 +1,19 @@
-"""Expert parallelism (`parallel.expert`) trains what one process trains, holding half the experts.
+"""Expert parallelism (`parallel.expert`) under FSDP2 trains what one process trains, each rank
+holding half the experts and half of the rest.
 
 A tiny random Qwen3-MoE (2 layers, 4 experts, top-2; transformers' expert plan), fp32, through
-the user's entry points: `torchrun --nproc_per_node=2 harness/train.py ... strategy=ddp
+the user's entry points: `torchrun --nproc_per_node=2 harness/train.py ... strategy=fsdp
 parallel.expert=2` (each rank 2 of every layer's 4 experts, tokens exchanged by all-to-all over
-gloo, saving a checkpoint at step 2) beside `python -m harness.train` at world 1 on the same global
-batch (grad_accum 4 for the ranks' 2 x 2). Every step's loss and gradient norm (clipped at 1.0, so
-the norm's expert share and the clip coefficient are both exercised; a missing or doubled division
-of the expert gradients moves it) agree within 1e-5; each rank's parameter and gradient bytes,
-counted by the engine, are the world-1 run's less half the experts'; and the step-2 checkpoint,
+gloo, FSDP2 sharding everything else over both ranks, saving a checkpoint at step 2) beside
+`python -m harness.train` at world 1 on the same global batch (grad_accum 4 for the ranks' 2 x 2).
+Every step's loss and gradient norm (clipped at 1.0, so the norm's expert share, summed with the
+FSDP2 shards' and the clip coefficient are all exercised; a missing or doubled division of the
+expert gradients moves it) agree within 1e-5; each rank's parameter and gradient bytes, counted by
+the engine, are half the world-1 run's: half the experts (split) plus half the rest (sharded),
+which would not be so if FSDP2 also sharded the experts or left the rest whole; and the step-2 checkpoint,
 written as each rank's experts, resumes at world 1 (DCP reassembles them) and trains step 3 to the
-same loss and eval loss.
+same loss and eval loss. The same split under DDP is judged per parameter against one process by
+`--check` (`test_check.py`'s DDP + expert-parallel launch).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def _expert_bytes(directory: str) -> int:
 
 
 @pytest.mark.integration
-def test_two_ranks_splitting_the_experts_train_as_one_process(tmp_path, data_cache):
+def test_two_ranks_splitting_the_experts_under_fsdp2_train_as_one_process(tmp_path, data_cache):
     from launching import final_eval, launch_command, run, side_by_side, state_bytes, tiny_config
     from model_families import save_moe_families
 
@@ -43,7 +47,7 @@ def test_two_ranks_splitting_the_experts_train_as_one_process(tmp_path, data_cac
     ep_cfg = tiny_config(tmp_path / "ep.yaml", data_cache, tmp_path / "ep", **common, **{"checkpoint.every": 2})
     one_cfg = tiny_config(tmp_path / "one.yaml", data_cache, tmp_path / "one", **common, grad_accum=4)
     ep, _ = side_by_side(
-        lambda: run(launch_command("torchrun", 2, ep_cfg, ["strategy=ddp", "parallel.expert=2"])),
+        lambda: run(launch_command("torchrun", 2, ep_cfg, ["strategy=fsdp", "parallel.expert=2"])),
         lambda: run(launch_command("python", 1, one_cfg, ["strategy=ddp"])),
     )
     assert "global batch 8 x 32 tokens" in ep.stdout + ep.stderr
@@ -53,10 +57,11 @@ def test_two_ranks_splitting_the_experts_train_as_one_process(tmp_path, data_cac
         assert len(got) == 3 and got == pytest.approx(want, rel=RTOL), key
     experts = _expert_bytes(model)
     whole = state_bytes(tmp_path / "one", 0)
+    assert 0 < experts < whole["params"]
     for rank in (0, 1):
         held = state_bytes(tmp_path / "ep", rank)
         for kind in ("params", "grads"):
-            assert whole[kind] - held[kind] == experts // 2, (rank, kind, whole[kind], held[kind], experts)
+            assert held[kind] == experts // 2 + (whole[kind] - experts) // 2, (rank, kind, whole[kind], held[kind], experts)
 
     resumed_cfg = tiny_config(tmp_path / "resumed.yaml", data_cache, tmp_path / "resumed", **common, grad_accum=4)
     saved = tmp_path / "ep" / "checkpoints" / "step_00000002"
