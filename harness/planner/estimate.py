@@ -36,7 +36,7 @@ from harness.models import is_preset
 from harness.planner.load_phase import load_phase_bytes
 from harness.planner.lora import quantized_base
 from harness.planner.model_states import EngineModel, EngineSpec, engine_model, zero12_partition
-from harness.planner.moe import ROUTINGS, Routing
+from harness.planner.moe import ROUTINGS, Routing, split_unplanned
 from harness.planner.params import ParamInfo
 from harness.planner.result import REPORT_CATS, Estimate, Moment
 from harness.planner.trace import CATS, PlanError, TraceResult, TraceSpec, adapter_key, build_fake_model, trace_step
@@ -91,7 +91,7 @@ def check_modelled(cfg: RunConfig, strategy: Strategy, world: int) -> str:
     kind = engine_kind(strategy.kind, world)
     if kind == "deepspeed" and strategy.zero_stage == 0:
         raise PlanError(f"{strategy.name}: DeepSpeed ZeRO stage 0 is not modelled by the planner; use ddp.json")
-    if kind == "fsdp" and cfg.parallel.expert > 1:
+    if split_unplanned(kind, cfg.parallel.expert):
         raise PlanError(
             f"parallel.expert={cfg.parallel.expert} under strategy={strategy.name}: the planner traces expert parallelism under "
             "strategy=ddp only (FSDP2 leaving the split experts whole is not modelled yet); plan it with strategy=ddp, which "
