@@ -364,7 +364,7 @@ def prune_in_process(
             not_run.append({"key": key, "pattern": pat_key, "seed": seed, "calib_samples": prune.calib_samples})
             continue
         engine.module.load_state_dict(dense_state)
-        stats, report = prune_and_measure(engine, data, dataclasses.replace(cfg, prune=prune), info, dense, Collectives())
+        stats, report, _ = prune_and_measure(engine, data, dataclasses.replace(cfg, prune=prune), info, dense, Collectives())
         row = {
             **{k: v for k, v in stats.items() if k != "layers"},
             "key": key,

@@ -110,7 +110,7 @@ def measure(model: str, seeds: list[int], patterns: list[str], methods: list[str
                 engine.module.load_state_dict(dense_state)
                 prune = dataclasses.replace(cfg.prune, method=method, pattern=PATTERNS[pattern], calib_seed=seed)
                 start = time.perf_counter()
-                stats, _ = prune_and_measure(engine, data, dataclasses.replace(cfg, prune=prune), info, dense, Collectives())
+                stats, _, _ = prune_and_measure(engine, data, dataclasses.replace(cfg, prune=prune), info, dense, Collectives())
                 row = {
                     "model": model,
                     "method": method,

@@ -25,10 +25,13 @@ from harness import imports_done  # the package first: as the program, the impor
 # isort: split
 from safetensors import safe_open
 
+import json
+
 from harness.config import PRUNE_METHOD_FACTS, RunConfig, load_config, load_strategy
 from harness.distributed import Collectives, DistInfo, exit_process
 from harness.engine import EnginePlan
 from harness.errors import ConfigError
+from harness.models import EXPERT_COUNT_ATTRS
 from harness.runner import parse_command_line, preflight, run_command, run_recipe
 
 
@@ -45,6 +48,14 @@ def exported_zeros(hf_dir: str, names: list[str]) -> dict[str, int]:
     return out
 
 
+def exported_expert_count(hf_dir: str) -> int | None:
+    """The expert count an exported model's config.json gives (None: it names none)."""
+    with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    return next((config[a] for a in EXPERT_COUNT_ATTRS if isinstance(config.get(a), int)), None)
+
+
 def prune_model(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, Any]:
     """The command: build the run as `harness.train` does, prune, fine-tune, export."""
     done = run_recipe(cfg, plan, info, ("prune", "finetune", "export"))
@@ -59,18 +70,24 @@ def prune_model(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, A
         "prune_eval_perplexity_after": stats["eval_perplexity_after"],
         "final_eval_perplexity": final["eval/perplexity"],
     }
+    experts = stats.get("experts")
+    if experts:
+        summary["prune_experts_kept_per_layer"] = experts["kept_per_layer"]
     short: list[str] = []
     if info.is_main:  # one reader; every rank learns the verdict so all of them stop together
         zeros = exported_zeros(hf_dir, [x["name"] for x in stats["layers"]])
         short = [x["name"] for x in stats["layers"] if zeros.get(x["name"], -1) < x["pruned"]]
+        if experts and exported_expert_count(hf_dir) != experts["kept_per_layer"]:
+            short.append(f"experts: {exported_expert_count(hf_dir)} per layer in config.json, {experts['kept_per_layer']} kept")
         summary["exported_zeros"] = sum(zeros.values())
         print(
             f"[harness] pruned model exported to {os.path.abspath(hf_dir)}: {summary['exported_zeros']:,} zero weights in "
-            f"{len(zeros)} pruned matrices (pruned {sum(x['pruned'] for x in stats['layers']):,})",
+            f"{len(zeros)} pruned matrices (pruned {sum(x['pruned'] for x in stats['layers']):,})"
+            + (f"; {experts['kept_per_layer']} of {experts['count']} experts per MoE layer" if experts else ""),
             flush=True,
         )
     if Collectives().any([bool(short)])[0]:
-        raise RuntimeError(f"the exported model in {hf_dir} is not sparse where it was pruned ({short[:3] or 'see rank 0'})")
+        raise RuntimeError(f"the exported model in {hf_dir} does not hold what was pruned ({short[:3] or 'see rank 0'})")
     trainer.observer.log_summary(summary)
     trainer.close()
     return summary
@@ -82,7 +99,9 @@ def command_config(path: str | None, overrides: list[str]) -> RunConfig:
     cfg = load_config(path, overrides)
     if not cfg.prune.enabled:
         names = list(PRUNE_METHOD_FACTS)
-        raise ConfigError(f"python -m harness.prune needs prune.method ({', '.join(names[:-1])} or {names[-1]})")
+        raise ConfigError(
+            f"python -m harness.prune needs prune.method ({', '.join(names[:-1])} or {names[-1]}) or prune.experts (a fraction of each MoE layer's experts)"
+        )
     if cfg.checkpoint.resume not in ("", "none"):
         raise ConfigError(
             "python -m harness.prune prunes model.name; to prune a checkpoint, export it first "

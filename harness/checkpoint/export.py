@@ -21,7 +21,7 @@ from harness.checkpoint.lora_export import export_lora, is_lora_checkpoint
 from harness.checkpoint.outdir import check_export_target, commit_export, new_export_dir
 from harness.engine import read_model_weights
 from harness.errors import CheckpointError
-from harness.models import clean_name, empty_model, materialize, model_config
+from harness.models import clean_name, drop_experts, empty_model, materialize, model_config
 
 
 def consolidated_weights(path: str) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
@@ -67,6 +67,9 @@ def _export_full(path: str, tmp: str) -> None:
         raise CheckpointError(f"{path}: weights do not match the saved architecture (missing {missing[:3]}, unexpected {unexpected[:3]})")
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
+    kept = read_meta(path).kept_experts
+    if kept:  # expert pruning's choice: the smaller model, router rows and all
+        drop_experts(model, kept)
     model.save_pretrained(tmp, safe_serialization=True)
     hf_files = os.path.join(path, "hf_config")
     for name in os.listdir(hf_files):  # tokenizer files (config.json came from save_pretrained)

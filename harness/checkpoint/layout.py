@@ -47,6 +47,7 @@ class CheckpointMeta:
     precision: str
     config: dict[str, Any]
     masks: str = "none"  # none | replicated | sharded
+    kept_experts: dict[str, list[int]] = field(default_factory=dict)  # expert pruning's: MoE block -> the experts the export keeps
     files: dict[str, int] = field(default_factory=dict)  # every file's size, relative path -> bytes (empty: written before the manifest)
     format: int = FORMAT
     time: float = field(default_factory=time.time)

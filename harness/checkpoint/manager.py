@@ -131,6 +131,7 @@ class CheckpointManager:
         self.keep = max(1, cfg.checkpoint.keep)
         self._masks: Any = None  # `register_masks`: a Stateful whose state_dict() is name -> this rank's mask
         self._masks_sharded = False
+        self._kept_experts: dict[str, list[int]] = {}
         self.last_path: str | None = None  # the newest complete checkpoint of this run
         self.last_step: int | None = None
         self.preempted = False
@@ -148,6 +149,12 @@ class CheckpointManager:
         self._masks, self._masks_sharded = masks, sharded
         self.last_step = None
 
+    def register_kept_experts(self, kept: dict[str, list[int]]) -> None:
+        """Later checkpoints name the experts expert pruning kept (MoE block -> indices); their
+        export writes the smaller model. The end-of-run save is written again."""
+        self._kept_experts = kept
+        self.last_step = None
+
     @property
     def final_save(self) -> bool:
         c = self.cfg.checkpoint
@@ -162,6 +169,11 @@ class CheckpointManager:
                 log.info(f"checkpoint.resume=auto: no checkpoint in {self.root}; starting at step 0")
             return ResumeState()
         meta = verified_meta(path)
+        if meta.kept_experts:
+            raise CheckpointError(
+                f"{path} holds a model whose experts were pruned (its export drops them); export it "
+                f"(python -m harness.export {path} --out <dir>) and train the exported model: model.name=<dir>, checkpoint.resume=none"
+            )
         check_compatible(meta, path, self.cfg, self.strategy, self.engine.plan.layout)
         t0 = time.perf_counter()
         with unreadable_as_checkpoint_error(path):
@@ -393,6 +405,7 @@ class CheckpointManager:
             precision=cfg.precision,
             config=config_to_dict(cfg),
             masks="none" if self._masks is None else ("sharded" if self._masks_sharded else "replicated"),
+            kept_experts=self._kept_experts,
         )
 
     def _commit(self, tmp: str, final: str, step: int) -> None:

@@ -30,8 +30,8 @@ from harness.errors import ConfigError, did_you_mean
 
 # Sections whose keys do nothing until one key switches them on: the switch and how to turn it on.
 SWITCHED_SECTIONS = {
-    "lora": ("enabled", "lora.enabled=true"),
-    "prune": ("method", "prune.method=<{}>"),
+    "lora": (("enabled",), "lora.enabled=true"),
+    "prune": (("method", "experts"), "prune.method=<{}> or prune.experts=<fraction of each MoE layer's experts>"),
 }
 
 
@@ -39,11 +39,12 @@ def check_dead_keys(given: dict, cfg: RunConfig) -> None:
     """A key of a switched-off section whose switch the user never gave does nothing: `lora.r=8`
     without `lora.enabled=true` would silently train the whole model. Name the switch.
     A switch given explicitly off (`lora.enabled: false`) is the user's choice, not an error."""
-    for section, (switch, turn_on) in SWITCHED_SECTIONS.items():
+    for section, (switches, turn_on) in SWITCHED_SECTIONS.items():
         keys = given.get(section)
-        if not isinstance(keys, dict) or switch in keys:
+        if not isinstance(keys, dict) or any(s in keys for s in switches):
             continue
-        dead = sorted(k for k in keys if k != switch)
+        switch = switches[0]
+        dead = sorted(k for k in keys if k not in switches)
         if dead:
             if "{}" in turn_on:  # an enumerated switch: its values other than "off"
                 choices = choice_fields(RunConfig)[f"{section}.{switch}"][0]
@@ -109,6 +110,8 @@ def check_values(cfg: RunConfig) -> None:
         raise ConfigError(f"memory.activation_memory_budget={budget} must be in [0, 1]")
     if not 0.0 <= cfg.prune.sparsity < 1.0:
         raise ConfigError(f"prune.sparsity={cfg.prune.sparsity} must be in [0, 1)")
+    if not 0.0 <= cfg.prune.experts < 1.0:
+        raise ConfigError(f"prune.experts={cfg.prune.experts} (the fraction of each MoE layer's experts to drop) must be in [0, 1)")
     if cfg.prune.pattern != "unstructured":
         try:
             n, m = (int(x) for x in cfg.prune.pattern.split(":"))
@@ -116,7 +119,7 @@ def check_values(cfg: RunConfig) -> None:
             raise ConfigError(f"prune.pattern={cfg.prune.pattern!r} must be 'unstructured' or N:M like 2:4") from None
         if not 0 < n < m:
             raise ConfigError(f"prune.pattern={cfg.prune.pattern}: N:M needs 0 < N < M")
-        if cfg.prune.enabled and abs(cfg.prune.sparsity - (m - n) / m) > 1e-9:
+        if cfg.prune.prunes_weights and abs(cfg.prune.sparsity - (m - n) / m) > 1e-9:
             raise ConfigError(
                 f"prune.pattern={cfg.prune.pattern} prunes {(m - n) / m:g} of each group "
                 f"but prune.sparsity={cfg.prune.sparsity}; set prune.sparsity={(m - n) / m:g}"
@@ -146,7 +149,7 @@ def check_values(cfg: RunConfig) -> None:
         raise ConfigError(f"data.calib_fraction={cfg.data.calib_fraction} must be in [0, 0.5) (0: no calibration split)")
     if cfg.data.calib_fraction == 0.0 and needs_calibration(cfg.prune):
         raise ConfigError(
-            f"prune.method={cfg.prune.method} calibrates on the calib split, but data.calib_fraction=0 holds out none; "
+            f"{cfg.prune.named} calibrates on the calib split, but data.calib_fraction=0 holds out none; "
             "set data.calib_fraction (default 0.05)"
         )
 
@@ -194,7 +197,7 @@ def check_lora(cfg: RunConfig, strategy_kind: str, zero_stage: int = 0) -> None:
         return
     if cfg.prune.enabled:
         raise ConfigError(
-            f"lora.enabled=true with prune.method={cfg.prune.method}: prune first (harness.prune), export the "
+            f"lora.enabled=true with {cfg.prune.named}: prune first (harness.prune), export the "
             "pruned model, then fine-tune it with LoRA (see notes/lora.md)"
         )
     if cfg.memory.optimizer_in_backward:
@@ -267,6 +270,12 @@ def check_prune_config(cfg: RunConfig, world: int) -> None:
         raise ConfigError(f"prune.schedule raises an unstructured target; prune.pattern={p.pattern} fixes the sparsity")
     if p.finetune_steps < 0:
         raise ConfigError(f"prune.finetune_steps={p.finetune_steps} must be >= 0")
+    if p.experts and p.finetune_steps:
+        raise ConfigError(
+            f"prune.experts={p.experts:g} with prune.finetune_steps={p.finetune_steps}: the dropped experts leave only at the "
+            "export; fine-tune the exported model (smaller, so faster): unset prune.finetune_steps, then "
+            "python -m harness.train model.name=<output_dir>/hf"
+        )
     check_prune_mode(p)
 
 
@@ -382,7 +391,7 @@ def check_expert_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> Non
     what = f"parallel.expert={n}"
     refused = {
         f"strategy={strategy.name} ({strategy.kind})": strategy.kind not in ("ddp", "fsdp"),  # DeepSpeed's AutoEP: not wired
-        f"prune.method={cfg.prune.method}": cfg.prune.enabled,
+        f"{cfg.prune.named}": cfg.prune.enabled,
         "lora.enabled": cfg.lora.enabled or cfg.lora.quantize != "none",
         "memory.optimizer_in_backward": cfg.memory.optimizer_in_backward,
         "precision=fp16": cfg.precision == "fp16",

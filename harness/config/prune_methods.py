@@ -87,9 +87,10 @@ def row_score_key(p: PruneConfig) -> str:
 def reads_base(p: PruneConfig) -> bool:
     """Whether the config's method draws its candidates from `prune.base` and decides by
     `prune.decision` (GradProbe); False for `prune.method=none`."""
-    return p.enabled and method_facts(p).reads_base
+    return p.prunes_weights and method_facts(p).reads_base
 
 
 def needs_calibration(p: PruneConfig) -> bool:
-    """Whether the run draws calibration samples (a method that reads no data draws none)."""
-    return p.enabled and method_facts(p).needs_calibration
+    """Whether the run draws calibration samples (a method that reads no data draws none; expert
+    pruning reads the routing of every rule's)."""
+    return p.experts > 0 or (p.prunes_weights and method_facts(p).needs_calibration)

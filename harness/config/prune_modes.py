@@ -88,7 +88,7 @@ def resolve_prune(p: PruneConfig) -> tuple[PruneConfig, list[str]]:
 def check_prune_mode(p: PruneConfig) -> None:
     """Refuse (ConfigError, one line) a method or decision mode combined with a setting it cannot
     honour. Checked on the config as written, so an explicit contradiction is named, not overridden."""
-    if not p.enabled:
+    if not p.prunes_weights:
         return
     check_method_keys(p)
     facts = method_facts(p)
@@ -154,7 +154,7 @@ def check_method_keys(p: PruneConfig) -> None:
     with another method, the fit's (`FIT_KEYS`) with a method that does not fit; a key counts when
     its value is not the schema's default (a saved full config writes every key). Also called by
     `run_pruning` for library callers."""
-    if not p.enabled:
+    if not p.prunes_weights:
         return
     facts = method_facts(p)
     unread = [] if facts.reads_base else list(GRADPROBE_KEYS)
@@ -220,7 +220,7 @@ def check_original(p: PruneConfig) -> None:
 
 def check_prune_widths(p: PruneConfig, shape: dict) -> None:
     """An N:M pattern's M must divide every pruned layer's input width (`shape`: the model config's values)."""
-    if not p.enabled or p.pattern == "unstructured":
+    if not p.prunes_weights or p.pattern == "unstructured":
         return
     m = int(p.pattern.split(":")[1])
     heads = shape.get("num_attention_heads")

@@ -34,6 +34,8 @@ OnNonfinite = Literal["skip", "stop"]
 # by gradient steps, guarded (harness.pruning.fit)
 PruneMethod = Literal["none", "magnitude", "wanda", "sparsegpt", "sparsegpt_fit", "gradprobe"]
 # GradProbe's base scores: magnitude, wanda in harness.pruning.methods; gblm, taylor, ria (measured worse) in harness.pruning.experimental
+# How expert pruning (prune.experts) scores each expert on the calibration set (harness.pruning.experts)
+ExpertScore = Literal["reap", "gradient", "frequency", "random"]
 PruneBase = Literal["magnitude", "wanda", "gblm", "taylor", "ria"]
 # GradProbe's decision rule (harness/config/prune_modes.py); rank and saliency (measured worse): harness.pruning.experimental
 PruneDecision = Literal["rank", "veto", "saliency", "original"]
@@ -65,6 +67,7 @@ DATA_FORMATS = get_args(DataFormat)
 INSTRUCTION_FORMATS = tuple(f for f in DATA_FORMATS if f != "text")  # blocks of (input_ids, labels)
 PRUNE_METHODS = get_args(PruneMethod)
 PRUNE_BASES = get_args(PruneBase)
+EXPERT_SCORES = get_args(ExpertScore)
 PRUNE_DECISIONS = get_args(PruneDecision)
 PRUNE_ALLOCATIONS = get_args(PruneAllocation)
 PRUNE_SCOPES = get_args(PruneScope)
@@ -329,11 +332,26 @@ class PruneConfig(Section):
     # (a fit the guard rejects is retried at a tenth of it, then SparseGPT's weights stay: harness/pruning/fit.py)
     fit_epochs: int = 1
     fit_lr: float = 1e-3
+    # the fraction of each mixture-of-experts layer's experts to drop (0: none), by expert_score's measure; the
+    # export removes them (router rows and all), routing as the smaller model meanwhile; with or without prune.method
+    experts: float = 0.0
+    expert_score: ExpertScore = "reap"  # reap | gradient (the probe's loss change) | frequency | random
 
     @property
     def enabled(self) -> bool:
-        """Whether the run prunes at all (`method: none` does not)."""
+        """Whether the run prunes at all (`method: none` without `experts` does not)."""
+        return self.prunes_weights or self.experts > 0
+
+    @property
+    def prunes_weights(self) -> bool:
+        """Whether `method` prunes weights (as opposed to whole experts alone)."""
         return self.method != "none"
+
+    @property
+    def named(self) -> str:
+        """The settings that make the run prune, as a refusal names them."""
+        parts = ([f"prune.method={self.method}"] if self.prunes_weights else []) + ([f"prune.experts={self.experts:g}"] if self.experts else [])
+        return " and ".join(parts) or "prune.method=none"
 
 
 # Keys and values that once existed, with what replaced them: named in the refusal instead of a guess.

@@ -28,7 +28,7 @@ def check_sequence_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> N
         raise ConfigError(f"{what} must divide data.seq_len={cfg.data.seq_len}: each rank holds an equal slice of every sample")
     if cfg.prune.enabled:
         raise ConfigError(
-            f"{what} with prune.method={cfg.prune.method}: pruning's calibration runs whole sequences; set parallel.sequence=1"
+            f"{what} with {cfg.prune.named}: pruning's calibration runs whole sequences; set parallel.sequence=1"
         )
     if cfg.memory.optimizer_in_backward:
         raise ConfigError(

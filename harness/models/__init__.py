@@ -18,7 +18,7 @@ from harness.models.build import (
     preset_config,
     twin_spec,
 )
-from harness.models.experts import expert_count, expert_parallel_problem, expert_tensors, split_experts
+from harness.models.experts import EXPERT_COUNT_ATTRS, drop_experts, expert_count, expert_parallel_problem, expert_tensors, split_experts
 from harness.models.lora import (
     AdapterTargets,
     LoraWeights,
@@ -49,6 +49,8 @@ from harness.models.ulysses import ULYSSES, attention_is_swappable, use_ulysses
 from harness.models.weights import CheckpointWeights, InitWeights, Part, WeightSource, clean_name, fill, materialize, whole_part
 
 __all__ = [
+    "EXPERT_COUNT_ATTRS",
+    "drop_experts",
     "AdapterTargets",
     "ULYSSES",
     "expert_count",

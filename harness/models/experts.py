@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -70,3 +71,54 @@ def split_experts(model: nn.Module, expert_mesh: DeviceMesh, same_batch_mesh: De
     names = list(expert_tensors(model))
     apply_expert_parallelism(model, expert_mesh, same_batch_mesh, plan)
     return names
+
+
+# The attributes by which transformers' MoE modules name their expert count (router and experts alike).
+EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _counts_experts(module: nn.Module, count: int) -> bool:
+    return any(getattr(module, a, None) == count for a in EXPERT_COUNT_ATTRS)
+
+
+def drop_experts(model: nn.Module, kept: dict[str, list[int]]) -> int:
+    """Remove every expert not in `kept` (MoE block name -> the expert indices it keeps, every block
+    the same number), in place: the block's router rows and its experts' stacked tensors (and any
+    parameter or buffer of theirs indexed by expert), their expert counts, and the config's, so
+    `save_pretrained` writes the smaller model transformers builds from its config. The modules
+    that index by expert are the block's children whose expert-count attribute equals the old
+    count (a shared expert has none and is kept whole). Returns the new count per block."""
+    sizes = {len(k) for k in kept.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"every MoE block must keep the same number of experts (the config holds one count), not {sorted(sizes)}")
+    (new,) = sizes
+    modules = dict(model.named_modules())
+    old = 0
+    for block_name, indices in kept.items():
+        block = modules[block_name]
+        counts = _child_counts(block)
+        if len(counts) != 1:
+            raise ValueError(f"{block_name}: its children declare expert counts {sorted(counts)}, not one")
+        old = counts.pop()
+        parts = [m for m in block.children() if _counts_experts(m, old)]
+        index = torch.tensor(sorted(indices), dtype=torch.long)
+        for part in parts:
+            for name, p in list(part.named_parameters(recurse=False)):
+                if p.shape and p.shape[0] == old:
+                    setattr(part, name, nn.Parameter(p.data.index_select(0, index.to(p.device)), requires_grad=p.requires_grad))
+            for name, b in list(part.named_buffers(recurse=False)):
+                if b is not None and b.shape and b.shape[0] == old:
+                    part.register_buffer(name, b.index_select(0, index.to(b.device)))
+            for a in EXPERT_COUNT_ATTRS:
+                if getattr(part, a, None) == old:
+                    setattr(part, a, new)
+    for owner in (model, model.config, getattr(model.config, "text_config", None)):
+        for a in EXPERT_COUNT_ATTRS:
+            if owner is not None and getattr(owner, a, None) == old:
+                setattr(owner, a, new)
+    return new
+
+
+def _child_counts(block: nn.Module) -> set[int]:
+    """The expert counts a MoE block's children declare."""
+    return {v for m in block.children() for a in EXPERT_COUNT_ATTRS if isinstance(v := getattr(m, a, None), int)}

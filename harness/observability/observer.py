@@ -220,7 +220,9 @@ class Observer:
         layers = sum(k.startswith(M.PRUNE_LAYER_PREFIX) for k in numbers)
         achieved = numbers.get(M.PRUNE_ACHIEVED)
         achieved_text = f"{100.0 * achieved:.2f}%" if achieved is not None else "n/a"
-        self.print(f"prune @ step {step}: achieved sparsity {achieved_text} over {layers} layers")
+        kept, count = numbers.get("prune/experts/kept_per_layer"), numbers.get("prune/experts/count")
+        experts = f", {kept:g} of {count:g} experts kept per MoE layer" if kept is not None else ""
+        self.print(f"prune @ step {step}: achieved sparsity {achieved_text} over {layers} layers{experts}")
 
     def log_summary(self, values: dict[str, Any]) -> None:
         if self.active and not self._closed:

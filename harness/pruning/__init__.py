@@ -3,6 +3,7 @@
 Entry points for the trainer:
     run_pruning(model_or_engine, calib_batches, cfg.prune, loss_fn, grad_accum=...) -> PruneReport
     MaskEnforcer(model_or_engine, report.masks, cfg.prune.targets)  # call after each optimizer step
+    prune_experts(model_or_engine, calib_batches, cfg.prune, loss_fn) -> ExpertReport  # whole experts
     report.masks.save(dir, views, comm) / MaskSet.load(dir, views, comm)
 For measurements and tests:
     snap = snapshot_views(views); ...; restore_views(views, snap, comm)  # masks chosen, weights put back
@@ -12,6 +13,7 @@ A method is one entry of `harness.pruning.registry` and its module.
 """
 
 from harness.pruning.calibration import calibration_samples, shard_calibration
+from harness.pruning.experts import ExpertReport, experts_to_drop, prune_experts
 from harness.pruning.gradprobe import recording_g0
 from harness.pruning.masks import MaskEnforcer, MaskSet
 from harness.pruning.pipeline import LayerReport, PruneReport, run_pruning
@@ -19,6 +21,7 @@ from harness.pruning.schedule import ScheduleReport, run_schedule
 from harness.pruning.shards import ShardView, build_views, restore_views, snapshot_views
 
 __all__ = [
+    "ExpertReport",
     "LayerReport",
     "MaskEnforcer",
     "MaskSet",
@@ -27,6 +30,8 @@ __all__ = [
     "ShardView",
     "build_views",
     "calibration_samples",
+    "experts_to_drop",
+    "prune_experts",
     "recording_g0",
     "restore_views",
     "run_pruning",

@@ -58,7 +58,7 @@ def check_eval_split(cfg: RunConfig, data: PackedData, info: DistInfo) -> None:
         f"less than one block of {cfg.data.seq_len}"
     )
     if cfg.prune.enabled:
-        raise ConfigError(f"{held}; prune.method={cfg.prune.method} measures eval perplexity: raise data.eval_fraction or give more data")
+        raise ConfigError(f"{held}; {cfg.prune.named} measures eval perplexity: raise data.eval_fraction or give more data")
     if info.is_main:
         log.warning(f"data: {held}: the run does not evaluate (raise data.eval_fraction to evaluate)")
 

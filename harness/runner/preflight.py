@@ -62,6 +62,7 @@ from harness.models import (
     model_config,
     resolve_targets,
 )
+from harness.pruning import experts_to_drop
 from harness.runner.data_checks import check_data, looks_like_path, offline
 from harness.runner.inputs import check_environment, check_index
 from harness.runner.run_dir import check_not_in_use
@@ -148,7 +149,7 @@ def block_users(cfg: RunConfig, strategy: Strategy) -> list[str]:
         "strategy=fsdp (one FSDP2 unit per block)": strategy.kind == "fsdp",
         f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}": cfg.memory.activation_checkpointing != "none",
         "memory.compile=block": cfg.memory.compile == "block",
-        f"prune.method={cfg.prune.method}": cfg.prune.enabled,
+        f"{cfg.prune.named}": cfg.prune.enabled,
         "memory.layer_hooks": cfg.memory.layer_hooks,
     }
     return [what for what, used in users.items() if used]
@@ -207,7 +208,10 @@ def check_architecture(cfg: RunConfig, strategy: Strategy, layout: ParallelLayou
 
 def check_experts(cfg: RunConfig, layout: ParallelLayout) -> None:
     """Expert parallelism needs a model whose experts transformers can split (its expert plan), in
-    a count the expert dimension divides (built on the meta device: no memory)."""
+    a count the expert dimension divides; expert pruning, experts to drop and enough left to route
+    (built on the meta device: no memory)."""
+    if cfg.prune.experts:
+        experts_to_drop(empty_model(model_config(cfg.model.name)), cfg.prune)
     if not layout.splits_experts:
         return
     problem = expert_parallel_problem(empty_model(model_config(cfg.model.name)), layout.expert)

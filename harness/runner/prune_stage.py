@@ -29,11 +29,13 @@ from harness.errors import ConfigError, StopRequested
 from harness.log import get_logger
 from harness.observability import Observer
 from harness.pruning import (
+    ExpertReport,
     MaskEnforcer,
     MaskSet,
     PruneReport,
     build_views,
     calibration_samples,
+    prune_experts,
     run_pruning,
     run_schedule,
     shard_calibration,
@@ -53,16 +55,19 @@ class PruneStats(dict):
     masks stay enforced through every later step by a post-step hook on the engine
     (`Engine.register_post_step_hook`) until `release()`."""
 
-    def __init__(self, values: dict[str, Any], masks: MaskSet | None = None, hook: Any = None) -> None:
+    def __init__(self, values: dict[str, Any], masks: MaskSet | None = None, hook: Any = None, experts: ExpertReport | None = None) -> None:
         super().__init__(values)
         self.masks = masks
         self._hook = hook
+        self.experts = experts  # expert pruning's choice, routed around until `release()`
 
     def release(self) -> None:
         """Stop enforcing (removes the hook); for callers that prune the same engine again."""
         if self._hook is not None:
             self._hook.remove()
         self._hook = None
+        if self.experts is not None and self.experts.mask is not None:
+            self.experts.mask.remove()
 
 
 # ----------------------------------------------------------------------------- calibration data
@@ -117,7 +122,9 @@ def run_prune_stage(
         return _restore(engine, cfg, info, resumed.masks, ckpt, comm)
     before = evaluate(engine, data, cfg, info)
     with _stopped_with_advice(ckpt, step):
-        stats, report = prune_and_measure(engine, data, cfg, info, before, comm)
+        stats, report, experts = prune_and_measure(engine, data, cfg, info, before, comm)
+    if experts is not None and ckpt is not None:
+        ckpt.register_kept_experts(experts.kept)  # the export drops the others
     hook = None
     if report is not None:
         report.masks.save(os.path.join(cfg.output_dir, MASKS_DIR), build_views(engine, cfg.prune.targets, comm), comm)
@@ -125,15 +132,17 @@ def run_prune_stage(
         hook = _enforce(engine, report.masks, cfg.prune.targets, comm)
         _hand_to_checkpoints(ckpt, report.masks, comm)
     _publish(stats, cfg, info, observer, step)
-    return PruneStats(stats, None if report is None else report.masks, hook)
+    return PruneStats(stats, None if report is None else report.masks, hook, experts)
 
 
 def prune_and_measure(
     engine: Engine, data: PackedData, cfg: RunConfig, info: DistInfo, before: dict[str, float], comm: Collectives
-) -> tuple[dict[str, Any], PruneReport | None]:
-    """The stage's pruning and its numbers, nothing kept: calibrate on the `calib` split, prune
-    (or run `prune.schedule`), evaluate after; `before` is the dense model's `evaluate`. Returns
-    (the stats, the report; None when a schedule accepted no round). Collective."""
+) -> tuple[dict[str, Any], PruneReport | None, ExpertReport | None]:
+    """The stage's pruning and its numbers, nothing kept: calibrate on the `calib` split, drop
+    experts (`prune.experts`), prune weights (or run `prune.schedule`), evaluate after; `before`
+    is the dense model's `evaluate`. Returns (the stats, the weights' report: None when none were
+    pruned or a schedule accepted no round, the experts' report: routed around until its
+    `mask.remove()`). Collective."""
     p = cfg.prune
     samples, holdout = calibration_split(data, cfg)
     batches = calibration_batches(samples, cfg, info, comm)
@@ -142,8 +151,16 @@ def prune_and_measure(
         should_stop=lambda: comm.any([signal_received()])[0],  # every rank stops at the same calibration step
     )  # probe steps: the engine's accumulation; unset keys of `p`: the decision mode's (run_pruning)
     loss_fn = lambda _, batch: engine.forward_loss(batch)
+    experts: ExpertReport | None = None
+    report: PruneReport | None = None
+    extra: dict[str, Any] = {}
     with engine.backward_without_step():  # probe backwards must not step
-        if p.schedule:
+        if p.experts:  # first: weights are then pruned in the model that will be exported
+            experts = prune_experts(engine, batches, p, loss_fn, **kwargs)
+            extra["experts"] = experts.to_dict()
+            if info.is_main:
+                log.info(experts.summary())
+        if p.prunes_weights and p.schedule:
             val = dataclasses.replace(data, blocks={**data.blocks, HOLDOUT_SPLIT: holdout})
             if holdout.shape[0] == 0:
                 raise ConfigError(
@@ -153,16 +170,16 @@ def prune_and_measure(
             metric = lambda _: evaluate(engine, val, cfg, info, split=HOLDOUT_SPLIT)["eval/loss"]
             sched = run_schedule(engine, batches, p, loss_fn, metric, list(p.schedule), p.max_metric_increase, **kwargs)
             report = sched.accepted
-            extra: dict[str, Any] = {
+            extra = {
+                **extra,
                 "schedule": {
                     "baseline_holdout_loss": sched.baseline,
                     "stopped_at": sched.stopped_at,
                     "rounds": [list(r) for r in sched.rounds],
                 }
             }
-        else:
+        elif p.prunes_weights:
             report = run_pruning(engine, batches, p, loss_fn, **kwargs)
-            extra = {}
     after = evaluate(engine, data, cfg, info)
     stats: dict[str, Any] = report.to_dict() if report is not None else {"method": p.method, "achieved_sparsity": 0.0, "layers": []}
     stats.update(extra)
@@ -174,7 +191,7 @@ def prune_and_measure(
         calib_samples_used=len(batches) * cfg.micro_batch_size * info.world_size,
         calib_seed=p.calib_seed,
     )
-    return stats, report
+    return stats, report, experts
 
 
 @contextlib.contextmanager
@@ -240,16 +257,21 @@ def _publish(stats: dict[str, Any], cfg: RunConfig, info: DistInfo, observer: Ob
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, REPORT_FILE), "w") as f:
         json.dump(stats, f, indent=1, default=str)
-    line = (
-        f"prune {stats['method']} {cfg.prune.pattern}: sparsity {stats['achieved_sparsity']:.4f} over the pruned layers "
-        f"(target {stats.get('target_sparsity', cfg.prune.sparsity):g}); eval perplexity {stats['eval_perplexity_before']:.3f} -> "
-        f"{stats['eval_perplexity_after']:.3f}"
+    weights = (
+        f"{stats['method']} {cfg.prune.pattern}: sparsity {stats['achieved_sparsity']:.4f} over the pruned layers "
+        f"(target {stats.get('target_sparsity', cfg.prune.sparsity):g}); "
+        if cfg.prune.prunes_weights
+        else "experts: "
     )
+    line = f"prune {weights}eval perplexity {stats['eval_perplexity_before']:.3f} -> {stats['eval_perplexity_after']:.3f}"
     if "wall_time_s" in stats:
         line += (
             f"; {stats['wall_time_s']:.1f}s, passes fwd {stats['fwd_passes']:g} fwd+bwd {stats['fwd_bwd_passes']:g}, "
             f"K={stats['group_size']}, probe memory {stats['peak_probe_bytes'] / 2**20:.2f} MiB/rank"
         )
+    if "experts" in stats:
+        e = stats["experts"]
+        line += f"; experts by {e['score']}: {e['kept_per_layer']} of {e['count']} kept per MoE layer"
     if "schedule" in stats:
         line += f"; schedule rounds {stats['schedule']['rounds']} stopped at {stats['schedule']['stopped_at']}"
     log.info(line)

@@ -26,7 +26,7 @@ from harness.training.optim import (
     optimizer_step_bytes,
 )
 from harness.training.precision import DTYPE_BYTES, DTYPE_NAMES, DTYPES, PrecisionPolicy, bf16_supported, precision_policy
-from harness.training.router import AUX_LOSS, EXPERT_LOAD, RouterLoss, router_refusal
+from harness.training.router import AUX_LOSS, EXPERT_LOAD, RouterLoss, base_model, model_class, router_class, router_refusal
 
 __all__ = [
     "AUX_LOSS",
@@ -39,6 +39,7 @@ __all__ = [
     "OPTIMIZER_NAMES",
     "PrecisionPolicy",
     "RouterLoss",
+    "base_model",
     "bf16_supported",
     "build_optimizer",
     "build_scheduler",
@@ -52,11 +53,13 @@ __all__ = [
     "loss_for",
     "sequence_shard_loss",
     "lr_lambda",
+    "model_class",
     "name_compiles_step",
     "optimizer_shared_bytes",
     "optimizer_state_bytes",
     "optimizer_step_bytes",
     "precision_policy",
+    "router_class",
     "router_refusal",
     "shift_targets",
 ]

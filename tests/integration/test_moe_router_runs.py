@@ -10,6 +10,11 @@ same eval loss (the same gradients stepped). Step 1 equals transformers' own val
 micro-batches (`output_router_logits=True`, labels given): its loss minus coefficient x aux loss
 (train/loss is the language model's) and its aux loss, each the mean over the micro-batches. The
 world-1 run draws the plots (moe.png) and says the coefficient in its start-up line.
+
+After training, both runs drop a quarter of each layer's experts by the gradient probe
+(`prune.experts`, `harness.pruning.experts`): the same experts at both world sizes (the scores
+summed over ranks, within 1e-5), the same eval loss of the masked model, and each exports the
+smaller model, equal to the other's, that transformers loads with 3 experts per layer.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from harness.data import BatchSampler, load_packed, prepare_data
 
 STEPS = 3
 RTOL = 1e-6  # fp32; world 2 vs world 1 is another reduction order
+# After training, each run drops a quarter of the experts by the gradient probe and exports the smaller model.
+PRUNE = {"prune.experts": 0.25, "prune.expert_score": "gradient", "checkpoint.export_hf": True}
 SPLITS = {"w1_accum2": (2, 1, None), "w2_fsdp": (1, 2, "fsdp")}  # (grad_accum, world, strategy); micro-batch 2
 
 
@@ -59,7 +66,7 @@ def config(ws, name: str, accum: int) -> Path:
         ws["root"] / name,
         steps=STEPS,
         grad_accum=accum,
-        **{"model.name": ws["model"], "logging.plots": name == "w1_accum2", "eval_batches": 2},
+        **{"model.name": ws["model"], "logging.plots": name == "w1_accum2", "eval_batches": 2, **PRUNE},
     )
 
 
@@ -115,3 +122,22 @@ def test_step_one_equals_transformers_own(ws, runs):
     first = runs["w1_accum2"][0][0]
     assert first["train/aux_loss"] == pytest.approx(sum(float(o.aux_loss) for o in outs) / 2, rel=RTOL)
     assert first["train/loss"] == pytest.approx(sum(float(o.loss - coef * o.aux_loss) for o in outs) / 2, rel=RTOL)
+
+
+def test_expert_pruning_world_two_equals_world_one_and_exports_the_smaller_model(ws, runs):
+    prune = {}
+    for name in SPLITS:
+        (prune[name],) = [r for r in map(json.loads, (ws["root"] / name / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "prune"]
+    one, two = prune.values()
+    kept = {k: v for k, v in one.items() if k.startswith("prune/experts/kept/")}
+    assert len(kept) == 2 and all(len(v) == 3 for v in kept.values())
+    assert kept == {k: v for k, v in two.items() if k.startswith("prune/experts/kept/")}
+    for key in (k for k in one if k.startswith(("prune/experts/scores/", "prune/experts/tokens/"))):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    assert one["prune/eval_loss_after"] != one["prune/eval_loss_before"]
+    exported = [AutoModelForCausalLM.from_pretrained(ws["root"] / name / "hf", dtype=torch.float32) for name in SPLITS]
+    assert [m.config.num_local_experts for m in exported] == [3, 3]
+    for (key, a), b in zip(exported[0].state_dict().items(), exported[1].state_dict().values()):  # Adam's normalised steps
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4, msg=key)  # carry the reduction order's 1e-7 to 2e-5 in rare tokens' rows
+    assert exported[0].model.layers[0].mlp.router.weight.shape[0] == 3
+    assert exported[0].model.layers[0].mlp.experts.gate_up_proj.shape[0] == 3
