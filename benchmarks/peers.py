@@ -1,6 +1,6 @@
 """harness with its defaults side by side with HF Trainer (+ peft) on the real model, in one invocation.
 
-    python benchmarks/peers.py [--rows fp32 bf16 lora fsdp2] [--steps 12] [--seq-len 256] [--micro-batch 2]
+    python benchmarks/peers.py [--rows fp32 bf16 lora fsdp2 moe] [--steps 12] [--seq-len 256] [--micro-batch 2]
 
 What a user comparing the two would run: the same model (SmolLM2-135M, `benchmarks/real_model.py`),
 the same blocks of tokens (harness prepares the embedded corpus with the model's tokenizer;
@@ -14,7 +14,10 @@ Rows: `fp32` one process; `bf16` one process (harness `precision=bf16`, Trainer 
 `lora` one process, r=8 alpha=16 on every linear layer of the decoder blocks (harness
 `lora.enabled=true`; Trainer + peft `LoraConfig` with the same targets); `fsdp2` two processes
 (harness `strategy=fsdp` under torchrun; Trainer under `accelerate launch` with FSDP2 requested,
-which accelerate drops on CPU: the worker records what Trainer wrapped the model in).
+which accelerate drops on CPU: the worker records what Trainer wrapped the model in); `moe` one
+process on a random Qwen3-MoE (`moe_model`: 16 experts top-4, the real model's tokenizer), the
+router's load-balancing loss on both sides (harness: its default; Trainer: the model config's
+`output_router_logits=True`, how transformers adds it).
 
 Reported per row: the median step time after the first step and `--warmup` more, tokens/s (global), the ratio
 harness / Trainer in tokens/s (target >= 0.97), and each side's time to first step. A step's time
@@ -51,7 +54,30 @@ ROWS = {
     "bf16": {"world": 1, "harness": {"precision": "bf16"}, "trainer": {"bf16": True}},
     "lora": {"world": 1, "harness": {"lora": {"enabled": True}}, "trainer": {"lora": True}},
     "fsdp2": {"world": 2, "harness": {"strategy": "fsdp"}, "trainer": {"fsdp": True}},
+    "moe": {"world": 1, "harness": {}, "trainer": {"router_loss": True}, "moe": True},
 }
+
+
+def moe_model(real: Path, tmp: Path) -> Path:
+    """A random Qwen3-MoE with the real model's tokenizer (seed 0), saved under `tmp`."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+
+    out = tmp / "qwen3_moe"
+    vocab = len(AutoTokenizer.from_pretrained(real))
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4, max_position_embeddings=2048,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for name in (p for p in os.listdir(real) if p.startswith(("tokenizer", "special_tokens"))):
+        shutil.copy2(real / name, out / name)
+    return out
+
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -150,6 +176,7 @@ def trainer_worker(spec_path: str) -> None:
     rows = [torch.from_numpy(np.asarray(blocks[i % len(blocks)], dtype=np.int64)) for i in range(n)]
     dataset = [{"input_ids": r, "labels": r.clone()} for r in rows]
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    model.config.output_router_logits = bool(spec.get("router_loss"))  # transformers adds the aux loss only so
     if spec.get("lora"):
         from peft import LoraConfig, get_peft_model
 
@@ -215,12 +242,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # Tokenized once, before either side's clock starts; harness's runs find the same cache ready.
         data_cache = prepare_data(str(model), _data_config(args, Path(tmp)), progress=False)
+        moe = moe_model(model, Path(tmp)) if any(ROWS[n].get("moe") for n in args.rows) else None
         for name in args.rows:
             row = ROWS[name]
             work = Path(tmp) / name
             work.mkdir(parents=True)
-            ours = harness_side(row, model, args, work)
-            theirs = trainer_side(row, model, args, work, data_cache)
+            used, cache = (
+                (moe, prepare_data(str(moe), _data_config(args, Path(tmp)), progress=False)) if row.get("moe") else (model, data_cache)
+            )
+            ours = harness_side(row, used, args, work)
+            theirs = trainer_side(row, used, args, work, cache)
             tokens = args.micro_batch * args.seq_len * row["world"]
             h, t = median_after(ours["step_times"], args.warmup), median_after(theirs["step_times"], args.warmup)
             print(

@@ -13,6 +13,7 @@ checkpoint export, so the saved model is exactly as sparse as the masks.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from typing import Any
@@ -24,8 +25,6 @@ from harness import imports_done  # the package first: as the program, the impor
 
 # isort: split
 from safetensors import safe_open
-
-import json
 
 from harness.config import PRUNE_METHOD_FACTS, RunConfig, load_config, load_strategy
 from harness.distributed import Collectives, DistInfo, exit_process
@@ -100,7 +99,8 @@ def command_config(path: str | None, overrides: list[str]) -> RunConfig:
     if not cfg.prune.enabled:
         names = list(PRUNE_METHOD_FACTS)
         raise ConfigError(
-            f"python -m harness.prune needs prune.method ({', '.join(names[:-1])} or {names[-1]}) or prune.experts (a fraction of each MoE layer's experts)"
+            f"python -m harness.prune needs prune.method ({', '.join(names[:-1])} or {names[-1]}) "
+            "or prune.experts (a fraction of each MoE layer's experts)"
         )
     if cfg.checkpoint.resume not in ("", "none"):
         raise ConfigError(

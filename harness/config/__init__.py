@@ -38,18 +38,6 @@ from harness.config.prune_methods import (
 )
 from harness.config.prune_modes import check_method_keys, check_original, check_prune_widths, is_original, resolve_prune
 from harness.config.schema import (
-    AC_MODES,
-    BF16_WEIGHT_OPTIMIZERS,
-    COMPILE_MODES,
-    DATA_FORMATS,
-    EMBEDDED_CORPORA,
-    INSTRUCTION_FORMATS,
-    LORA_QUANTIZE,
-    OPTIMIZER_LIBRARY,
-    OPTIMIZER_NAMES,
-    PRECISIONS,
-    PRUNE_BASES,
-    PRUNE_METHODS,
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
@@ -83,6 +71,20 @@ from harness.config.strategies import (
     load_strategy,
 )
 from harness.config.strategy_facts import StrategyFacts, facts_of, more_sharding, shipped_equivalent, shipped_facts, shipped_names
+from harness.config.vocabulary import (
+    AC_MODES,
+    BF16_WEIGHT_OPTIMIZERS,
+    COMPILE_MODES,
+    DATA_FORMATS,
+    EMBEDDED_CORPORA,
+    INSTRUCTION_FORMATS,
+    LORA_QUANTIZE,
+    OPTIMIZER_LIBRARY,
+    OPTIMIZER_NAMES,
+    PRECISIONS,
+    PRUNE_BASES,
+    PRUNE_METHODS,
+)
 from harness.errors import ConfigError
 
 __all__ = [

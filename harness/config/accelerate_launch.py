@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from harness.config.accelerate_table import REFUSED, SAID
-from harness.config.schema import PRECISIONS
+from harness.config.vocabulary import PRECISIONS
 
 # Sequence parallelism: the run config key accelerate's `--parallelism_config_sp_size` maps to
 # (harness's Ulysses under the torch engines, DeepSpeed's ALST under DeepSpeed; `launcher_values` takes

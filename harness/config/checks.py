@@ -14,18 +14,10 @@ import math
 from harness.config.layout import ParallelLayout
 from harness.config.prune_methods import needs_calibration
 from harness.config.prune_modes import check_prune_mode
-from harness.config.schema import (
-    BF16_WEIGHT_OPTIMIZERS,
-    EMBEDDED_CORPORA,
-    INSTRUCTION_FORMATS,
-    OPTIMIZER_LIBRARY,
-    RENAMED,
-    MoeConfig,
-    RunConfig,
-    choice_fields,
-)
+from harness.config.schema import RENAMED, MoeConfig, RunConfig
 from harness.config.sequence_checks import check_sequence_engine, check_sequence_parallel
 from harness.config.strategies import Strategy
+from harness.config.vocabulary import BF16_WEIGHT_OPTIMIZERS, EMBEDDED_CORPORA, INSTRUCTION_FORMATS, OPTIMIZER_LIBRARY, choice_fields
 from harness.errors import ConfigError, did_you_mean
 
 # Sections whose keys do nothing until one key switches them on: the switch and how to turn it on.

@@ -24,8 +24,9 @@ from harness.config.accelerate_launch import launcher_values
 from harness.config.deepspeed_auto import is_auto
 from harness.config.layout import ParallelLayout
 from harness.config.loading import is_given
-from harness.config.schema import RunConfig, choice_fields
+from harness.config.schema import RunConfig
 from harness.config.strategies import Strategy
+from harness.config.vocabulary import choice_fields
 
 # A DeepSpeed file's top-level numbers harness owns → the run config key each one is
 FILE_NUMBERS = {

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.config.schema import PRUNE_BASES, PruneConfig
+from harness.config.schema import PruneConfig
+from harness.config.vocabulary import PRUNE_BASES
 
 
 @dataclass(frozen=True)

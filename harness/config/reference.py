@@ -19,7 +19,8 @@ from dataclasses import MISSING, Field, fields, is_dataclass
 from typing import Any, get_type_hints
 
 from harness.config import schema
-from harness.config.schema import RunConfig, literal_choices
+from harness.config.schema import RunConfig
+from harness.config.vocabulary import literal_choices
 
 HEADER = "# Configuration reference\n\nBack to the [README](../README.md).\n"
 GENERATED = (

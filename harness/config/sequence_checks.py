@@ -27,9 +27,7 @@ def check_sequence_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> N
     if cfg.data.seq_len % n:
         raise ConfigError(f"{what} must divide data.seq_len={cfg.data.seq_len}: each rank holds an equal slice of every sample")
     if cfg.prune.enabled:
-        raise ConfigError(
-            f"{what} with {cfg.prune.named}: pruning's calibration runs whole sequences; set parallel.sequence=1"
-        )
+        raise ConfigError(f"{what} with {cfg.prune.named}: pruning's calibration runs whole sequences; set parallel.sequence=1")
     if cfg.memory.optimizer_in_backward:
         raise ConfigError(
             f"{what} with memory.optimizer_in_backward: that optimizer steps before the sequence shards' gradients are reduced"

@@ -18,7 +18,15 @@ from harness.models.build import (
     preset_config,
     twin_spec,
 )
-from harness.models.experts import EXPERT_COUNT_ATTRS, drop_experts, expert_count, expert_parallel_problem, expert_tensors, split_experts
+from harness.models.experts import (
+    EXPERT_COUNT_ATTRS,
+    drop_experts,
+    expert_count,
+    expert_parallel_problem,
+    expert_parameter_count,
+    expert_tensors,
+    split_experts,
+)
 from harness.models.lora import (
     AdapterTargets,
     LoraWeights,
@@ -51,6 +59,7 @@ from harness.models.weights import CheckpointWeights, InitWeights, Part, WeightS
 __all__ = [
     "EXPERT_COUNT_ATTRS",
     "drop_experts",
+    "expert_parameter_count",
     "AdapterTargets",
     "ULYSSES",
     "expert_count",

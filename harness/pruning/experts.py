@@ -5,17 +5,21 @@ layer, as a config holds one expert count); `prune.expert_score` says how useful
 on the calibration set, each expert's score summed over every rank's tokens so any world size
 picks the same experts:
 
-  reap       REAP (router-weighted expert activation pruning, Lasby et al. 2025, eq. 9): the
-             mean, over the tokens routed to the expert, of its routing weight times the L2 norm
-             of its output; the experts whose weighted output is smallest where they are used go.
-  gradient   the probe's estimate of the loss change of removing the expert (Molchanov et al.
-             2019's Taylor criterion): the sum over its (token, slot) pairs of (w * dL/dw)^2, w the
-             routing weight the experts module applies. The MoE output is linear in w
-             (sum_k w_k f_k(x)), so dL/dw of a pair is <dL/dy, f_k(x)> exactly, read from one
-             backward per probe step with a hook on w. Squared, because the signed first-order
-             sum -w * dL/dw cancels over tokens at a trained model (measured: it chose worse than
-             random, notes/moe.md); its square is the second-order term with the gradient's outer
-             product for the Hessian. The experts whose removal costs least go.
+  gradient   (the default, measured best: notes/expert_pruning.md) the probe's estimate of the
+             loss change of removing the expert (Molchanov et al. 2019's Taylor criterion): the
+             sum over its (token, slot) pairs of (w * dL/dw)^2, w the routing weight the experts
+             module applies. The MoE output is linear in w (sum_k w_k f_k(x)), so dL/dw of a pair
+             is <dL/dy, f_k(x)> exactly, read from one backward per probe step with a hook on w.
+             Squared, because the signed first-order sum -w * dL/dw cancels over tokens at a
+             trained model (measured: it chose worse than random); its square is the
+             second-order term with the gradient's outer product for the Hessian. The experts
+             whose removal costs least go.
+  reap       REAP (router-weighted expert activation pruning, Lasby et al. 2025, eq. 9), as its
+             authors' code computes it: the mean, over the tokens routed to the expert, of its
+             router probability (the softmax of the router's logits over all experts, whatever
+             the family then combines) times the L2 norm of its output; the experts whose
+             weighted output is smallest where they are used go. How often an expert is used
+             does not enter.
   frequency  the tokens routed to the expert (the least used go): the usual baseline.
   random     a seeded draw (prune.calib_seed): the floor every rule must beat.
 
@@ -97,17 +101,26 @@ class ExpertScores:
         device = next(layers[0].experts.parameters()).device
         self.count = torch.zeros(len(layers), layers[0].count, dtype=torch.float64, device=device)
         self.value = torch.zeros_like(self.count)
+        self._logits: dict[int, torch.Tensor] = {}  # each layer's last router logits (REAP's probabilities)
         self._handles: list[Any] = []
 
     def __enter__(self) -> ExpertScores:
         for i, layer in enumerate(self.layers):
             self._handles.append(layer.experts.register_forward_pre_hook(self._experts_hook(i), with_kwargs=True))
+            if self.rule == "reap":
+                self._handles.append(layer.router.register_forward_hook(self._logits_hook(i)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def _logits_hook(self, i: int) -> Callable[..., None]:
+        def hook(router: nn.Module, args: Any, output: Any) -> None:
+            self._logits[i] = output[0].detach()
+
+        return hook
 
     def _experts_hook(self, i: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -116,9 +129,10 @@ class ExpertScores:
             self.count[i].index_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
             if self.rule == "reap":
                 with torch.no_grad():
+                    probs = torch.softmax(self._logits.pop(i).double().reshape(index.shape[0], -1), dim=-1)
                     for k in range(index.shape[-1]):  # one slot at a time: each token's k-th expert's own output
                         out = module.forward(hidden, index[:, k : k + 1], torch.ones_like(weight[:, k : k + 1]))
-                        contrib = weight[:, k].detach().double() * out.detach().double().norm(dim=-1)
+                        contrib = probs.gather(1, index[:, k : k + 1]).squeeze(1) * out.detach().double().norm(dim=-1)
                         self.value[i].index_add_(0, index[:, k], contrib)
             elif self.rule == "gradient" and torch.is_grad_enabled():
                 probe = weight.view_as(weight) if weight.requires_grad else weight.detach().requires_grad_()
@@ -195,7 +209,9 @@ def experts_to_drop(model: nn.Module, p: PruneConfig) -> tuple[list[MoELayer], i
     them or a fraction that leaves none to drop or too few to route (pre-flight asks on the meta model)."""
     layers = moe_layers(model)
     if not layers:
-        raise ConfigError(f"prune.experts={p.experts:g}: {model_class(base_model(model)).__name__} has no mixture-of-experts layers; unset it")
+        raise ConfigError(
+            f"prune.experts={p.experts:g}: {model_class(base_model(model)).__name__} has no mixture-of-experts layers; unset it"
+        )
     return layers, drop_count(p, layers[0].count, int(getattr(layers[0].router, "top_k", 1)))
 
 
@@ -233,7 +249,9 @@ class RouterMask:
                     f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]})"
                 ) from None
             if out[0].shape[-1] != index.numel():
-                raise ConfigError(f"prune.experts: {model_class(router).__name__} computes its logits from more than its own rows of experts")
+                raise ConfigError(
+                    f"prune.experts: {model_class(router).__name__} computes its logits from more than its own rows of experts"
+                )
             logits = out[0].new_full((*out[0].shape[:-1], count), float("-inf"))
             logits[..., index] = out[0]
             return (logits, *(o if o.is_floating_point() else index[o] for o in out[1:]))

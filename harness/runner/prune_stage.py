@@ -23,10 +23,11 @@ import torch
 from harness.checkpoint import CheckpointManager, ResumeState
 from harness.config import RunConfig, needs_calibration
 from harness.data import PackedData
-from harness.distributed import Collectives, DistInfo
+from harness.distributed import Collectives, DistInfo, unwrap
 from harness.engine import Engine
 from harness.errors import ConfigError, StopRequested
 from harness.log import get_logger
+from harness.models import expert_parameter_count
 from harness.observability import Observer
 from harness.pruning import (
     ExpertReport,
@@ -176,10 +177,16 @@ def prune_and_measure(
                     "baseline_holdout_loss": sched.baseline,
                     "stopped_at": sched.stopped_at,
                     "rounds": [list(r) for r in sched.rounds],
-                }
+                },
             }
         elif p.prunes_weights:
             report = run_pruning(engine, batches, p, loss_fn, **kwargs)
+    if p.prunes_weights and (whole := expert_parameter_count(unwrap(engine.module))):
+        extra["unpruned_expert_parameters"] = whole
+        log.info(
+            f"prune.method={p.method} pruned Linear layers; the mixture-of-experts layers' stacked expert tensors "
+            f"({whole:,} of {engine.num_parameters():,} parameters) are left whole: prune.experts drops whole experts"
+        )
     after = evaluate(engine, data, cfg, info)
     stats: dict[str, Any] = report.to_dict() if report is not None else {"method": p.method, "achieved_sparsity": 0.0, "layers": []}
     stats.update(extra)

@@ -127,7 +127,9 @@ def test_step_one_equals_transformers_own(ws, runs):
 def test_expert_pruning_world_two_equals_world_one_and_exports_the_smaller_model(ws, runs):
     prune = {}
     for name in SPLITS:
-        (prune[name],) = [r for r in map(json.loads, (ws["root"] / name / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "prune"]
+        (prune[name],) = [
+            r for r in map(json.loads, (ws["root"] / name / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "prune"
+        ]
     one, two = prune.values()
     kept = {k: v for k, v in one.items() if k.startswith("prune/experts/kept/")}
     assert len(kept) == 2 and all(len(v) == 3 for v in kept.values())

@@ -5,7 +5,8 @@
   logits, for Qwen3-MoE, Mixtral, OLMoE, gpt-oss, Qwen2-MoE (a shared expert) and DeepSeek-V3
   (group-limited routing); and the mask changes the logits; a router that cannot route over fewer
   experts (Ernie 4.5's) is refused in one line;
-- REAP's score equals a hand computation from the stacked expert weights (Qwen3-MoE);
+- REAP's score equals a hand computation from the router's probabilities and the stacked expert
+  weights (Qwen3-MoE);
 - the gradient score equals the sum of (w <dL/dy, f_e(x)>)^2 over each expert's routed pairs, dL/dy
   from the block output's gradient and f_e from the stacked weights;
 - pre-flight's one-line refusals: too few experts left to route, none dropped, a dense model, fine-tuning
@@ -32,10 +33,23 @@ EXPERTS = 8
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=512, max_position_embeddings=64, num_experts_per_tok=2)
 OTHERS = {  # families beyond the four: a shared expert beside the routed ones; DeepSeek's group-limited sigmoid router
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(num_experts=EXPERTS, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_key_value_heads=2, **SMALL),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        num_experts=EXPERTS, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_key_value_heads=2, **SMALL
+    ),
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        n_routed_experts=EXPERTS, n_group=2, topk_group=1, first_k_dense_replace=0, moe_intermediate_size=32, num_key_value_heads=4,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=None, head_dim=8, **SMALL
+        n_routed_experts=EXPERTS,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=0,
+        moe_intermediate_size=32,
+        num_key_value_heads=4,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        head_dim=8,
+        **SMALL,
     ),
     "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(num_experts=EXPERTS, moe_intermediate_size=32, **SMALL),
 }
@@ -101,7 +115,8 @@ def test_reap_score_is_the_mean_routed_weight_times_output_norm() -> None:
     block.register_forward_pre_hook(lambda m, args: seen.update(x=args[0].reshape(-1, 64)))
     with torch.no_grad():
         model(_ids())
-        _, weight, index = block.gate(seen["x"])
+        logits, _, index = block.gate(seen["x"])
+        weight = torch.softmax(logits.double(), dim=-1).gather(1, index)  # the router's probability (REAP's authors' code)
         value, count = torch.zeros(EXPERTS, dtype=torch.float64), torch.zeros(EXPERTS, dtype=torch.float64)
         e = block.experts
         for t in range(index.shape[0]):
@@ -161,12 +176,21 @@ def test_a_router_that_cannot_route_over_fewer_experts_is_refused_in_one_line() 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["prune.experts=0.9"], r"prune.experts=0.9 keeps 1 of 8 experts per layer, fewer than the model routes each token to \(2\); set it to at most 0.75"),
+        (
+            ["prune.experts=0.9"],
+            r"prune.experts=0.9 keeps 1 of 8 experts per layer, fewer than the model routes each token to \(2\); set it to at most 0.75",
+        ),
         (["prune.experts=0.1"], r"prune.experts=0.1 drops none of 8 experts per layer; set it to at least 0.125"),
         (["prune.experts=0.25", "model.name=tiny-llama"], r"prune.experts=0.25: LlamaForCausalLM has no mixture-of-experts layers"),
-        (["prune.experts=0.25", "prune.finetune_steps=2"], r"fine-tune the exported model .* python -m harness.train model.name=<output_dir>/hf"),
+        (
+            ["prune.experts=0.25", "prune.finetune_steps=2"],
+            r"fine-tune the exported model .* python -m harness.train model.name=<output_dir>/hf",
+        ),
         (["prune.experts=1.5"], r"prune.experts=1.5 \(the fraction of each MoE layer's experts to drop\) must be in \[0, 1\)"),
-        (["prune.experts=0.25", "strategy=ddp", "parallel.expert=2"], r"parallel.expert=2 with prune.experts=0.25: expert parallelism runs"),
+        (
+            ["prune.experts=0.25", "strategy=ddp", "parallel.expert=2"],
+            r"parallel.expert=2 with prune.experts=0.25: expert parallelism runs",
+        ),
     ],
 )
 def test_preflight_refuses_in_one_line(tmp_path, overrides: list[str], message: str) -> None:
