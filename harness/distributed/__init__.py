@@ -19,9 +19,11 @@ from harness.distributed.process_group import (
     teardown,
 )
 from harness.distributed.tensors import local_tensor
+from harness.distributed.traffic import CollectiveBytes
 from harness.distributed.wrappers import WRAPPER_ATTRS, is_deepspeed_engine, unwrap, wrapper_chain
 
 __all__ = [
+    "CollectiveBytes",
     "WRAPPER_ATTRS",
     "is_deepspeed_engine",
     "unwrap",

@@ -40,6 +40,7 @@ from harness.planner.moe import ROUTINGS, Routing, split_unplanned
 from harness.planner.params import ParamInfo
 from harness.planner.result import REPORT_CATS, Estimate, Moment
 from harness.planner.trace import CATS, PlanError, TraceResult, TraceSpec, adapter_key, build_fake_model, trace_step
+from harness.planner.traffic import planned_traffic
 from harness.training import DTYPE_BYTES, DTYPE_NAMES, name_compiles_step
 
 # ----------------------------------------------------------------------------- config → specs
@@ -401,6 +402,7 @@ def estimate(
         routing=Routing(trace.moe, tspec.micro_batch * (tspec.seq_len // tspec.sequence), routing, tspec.expert, peaks)
         if trace.moe
         else None,
+        traffic=planned_traffic(trace, espec.kind, world_size),
     )
 
 

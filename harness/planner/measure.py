@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from harness.config import ParallelLayout, load_config, load_strategy
 from harness.data import SequenceSlice
-from harness.distributed import free_port, init_distributed, teardown
+from harness.distributed import CollectiveBytes, free_port, init_distributed, teardown
 from harness.engine import build_engine, hidden_size_of, plan_engine
 from harness.memory import CATEGORIES as CATS
 from harness.memory import AllocatorTrace, FrozenAwareMemTracker, StepMemoryTracker, category_of
@@ -98,6 +98,7 @@ def measure_config(
     compiled_step = name_compiles_step(cfg.optim.name)
     live_split = compiled_step or (allocator and not dispatch)  # the step outside MemTracker, the total the allocator's
     per_step: list[dict[str, int]] = []
+    sent: list[dict[str, int]] = []  # per step: bytes this rank sent by collective kind, in the micro-batches' forward and backward
     with AllocatorTrace() if allocator or compiled_step else contextlib.nullcontext() as trace:
         tracker = FrozenAwareMemTracker()  # torch's MemTracker, which refuses a frozen parameter (a LoRA base)
         with tracker:
@@ -120,15 +121,17 @@ def measure_config(
         for _ in range(steps):
             if trace is not None:
                 trace.start_window()
+            traffic = CollectiveBytes()
             if split is not None:
                 with split.step():
-                    run_step(engine, batches, tracker=None)
+                    run_step(engine, batches, tracker=None, traffic=traffic)
                 per_step.append({**{k: v or 0 for k, v in split.last_category_maxima().items()}, "total": 0})
             else:
                 tracker.reset_mod_stats()
                 with tracker:
-                    run_step(engine, batches, tracker)
+                    run_step(engine, batches, tracker, traffic=traffic)
                 per_step.append(cpu_categories(tracker.get_tracker_snapshot("peak")))
+            sent.append(dict(traffic.sent))
             if trace is not None:
                 trace.end_window()
     allocator_peaks = trace.window_peaks() if trace is not None else None
@@ -145,6 +148,8 @@ def measure_config(
         "peak": best["total"],
         "peak_by_category": best,
         "per_step": [s["total"] for s in per_step],
+        # per step: bytes this rank sent by collective kind (DDP's second step also broadcasts its rebuilt bucket order)
+        "sent_bytes": sent,
         "allocator_peak": max(allocator_peaks) if allocator_peaks else None,
         "allocator_per_step": allocator_peaks,
         "trainer_tracker_peak": trainer_peak,
@@ -166,15 +171,18 @@ def packed_rows(rows: int, seq_len: int, vocab: int, gen: torch.Generator, examp
     return torch.stack([ids, labels, positions], dim=1).contiguous()
 
 
-def run_step(engine: Any, batches: list[torch.Tensor], tracker: Any = None) -> None:
+def run_step(engine: Any, batches: list[torch.Tensor], tracker: Any = None, traffic: CollectiveBytes | None = None) -> None:
     """One training step as the measurement runs it: every micro-batch's forward and backward
     through the engine, then the optimizer step. ``tracker``: the MemTracker around the step, whose
-    module statistics are re-armed between micro-batches (it refuses a module's second forward)."""
+    module statistics are re-armed between micro-batches (it refuses a module's second forward);
+    ``traffic``: counts the collectives of the forwards and backwards (the optimizer step's norm, a
+    few scalars, is not counted, nor planned)."""
     for micro, batch in enumerate(batches):
         if micro and tracker is not None:
             tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
-        loss = engine.forward_loss(batch)
-        engine.backward(loss, last_micro=micro == len(batches) - 1)
+        with traffic if traffic is not None else contextlib.nullcontext():
+            loss = engine.forward_loss(batch)
+            engine.backward(loss, last_micro=micro == len(batches) - 1)
         del loss
     engine.step()
 

@@ -149,6 +149,7 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
     for m in est.moments:
         lines.append(f"    {m.name:<60.60}  {gib(m.total):>14}")
     lines.extend(format_routing(est))
+    lines.extend(format_traffic(est))
     if est.target == "cuda":
         lines.append("")
         lines.append("Allowance for what a CPU trace cannot see on a GPU (assumed, not traced):")
@@ -177,6 +178,20 @@ def format_estimate(est: Estimate, gpu_mem: int, cpu_mem: int | None, gpus_per_n
     for note in est.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def format_traffic(est: Estimate) -> list[str]:
+    """What this rank sends per step, by collective (`harness.distributed.traffic`'s volumes)."""
+    if est.world_size == 1:
+        return []
+    if est.traffic is None:
+        return ["", "Traffic: not planned for DeepSpeed's engine"]
+    parts = ", ".join(f"{kind.replace('_', '-')} {gib(n)}" for kind, n in sorted(est.traffic.items(), key=lambda kv: -kv[1]))
+    return [
+        "",
+        f"Traffic of rank {est.rank}, a step's forwards and backwards: {gib(sum(est.traffic.values()))} sent ({parts or 'nothing'}); "
+        "volumes as NCCL's tests count bus bytes, the optimizer step's norm not included",
+    ]
 
 
 def format_routing(est: Estimate) -> list[str]:

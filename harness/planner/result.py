@@ -46,6 +46,9 @@ class Estimate:
     # the run config as the run resolves it (what the launcher and a DeepSpeed file set taken in), which was estimated
     config: RunConfig | None = None
     routing: Routing | None = None  # a mixture of experts: where its tokens are assumed to go (harness.planner.moe)
+    # bytes this rank sends per step in its forwards and backwards, by collective kind (harness.distributed.traffic);
+    # None where not planned (DeepSpeed's engine)
+    traffic: dict[str, int] | None = None
 
     @property
     def total(self) -> int:

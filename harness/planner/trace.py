@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from harness.config import LoraConfig, MemoryConfig, ParallelLayout, Strategy
-from harness.distributed import local_tensor
+from harness.distributed import CollectiveBytes, local_tensor
 from harness.engine import fsdp_wrap
 from harness.errors import ConfigError
 from harness.memory import ActivationOffload, prepare_model
@@ -137,6 +137,12 @@ class TraceResult:
     notes: list[str] = field(default_factory=list)
     offloaded_bytes: int = 0  # pinned host bytes of the offloaded checkpoint inputs at most (per rank; harness.memory.pinned)
     moe: MoeFacts | None = None  # the model's experts (harness.planner.moe); None: a dense model
+    # The collectives the traced forwards and backwards dispatch (FSDP2's gathers and reduce-scatters,
+    # the experts' and Ulysses' all-to-alls): bytes this rank sends by kind (harness.distributed.traffic)
+    sent: dict[str, int] = field(default_factory=dict)
+    grad_bytes: int = 0  # this rank's trained parameters' bytes (a gradient each, in their dtype)
+    split_grad_bytes: int = 0  # of which the experts split over ranks (reduced over their replicas, not the world)
+    buffer_bytes: int = 0  # the model's buffers (DDP broadcasts them from rank 0 before every forward)
 
     def total(self, i: int) -> int:
         return sum(self.rows[i])
@@ -334,6 +340,8 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                 info = param_info(model)
                 params = dict(model.named_parameters())
                 info.split_expert_numel = sum(local_tensor(params[name]).numel() for name in split)
+            named = dict(model.named_parameters())
+            split_ids = {id(named[n]) for n in split} if spec.expert > 1 and moe is not None else set()
             prepare_model(model, spec.memory())  # the engines' own preparation, in its order
             if spec.wrap == "fsdp":
                 model = _wrap_fsdp(model, spec)
@@ -341,6 +349,10 @@ def trace_step(spec: TraceSpec) -> TraceResult:
             tracker: Any = Timeline()
             tracker.track_external(model)
             trained = [p for p in model.parameters() if p.requires_grad]  # FSDP2's shards, registered between steps
+            grad_bytes = sum(local_tensor(p).numel() * p.element_size() for p in trained)
+            split_grad_bytes = sum(local_tensor(p).numel() * p.element_size() for p in trained if id(p) in split_ids)
+            buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+            traffic = CollectiveBytes()
             hooks = tracker.follow_sharded_grads(trained) if spec.wrap == "fsdp" else []
             with fake_mode:
                 ids = [_step_input(spec, vocab) for _ in range(spec.micro_batches)]
@@ -349,7 +361,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                 # the trainer's own offload, simulated: the device copy is released at pack time and an empty one
                 # comes back when backward (or the prefetch ahead of it) asks for it
                 offload = ActivationOffload(scope="checkpoint_inputs", model=model, simulate=True, pin_memory=True)
-                with warnings.catch_warnings(), real_run_masking(packed=spec.packed), grouped, exchange, tracker:
+                with warnings.catch_warnings(), real_run_masking(packed=spec.packed), grouped, exchange, traffic, tracker:
                     warnings.simplefilter("ignore")
                     for micro, batch in enumerate(ids):
                         last = micro == len(ids) - 1
@@ -386,6 +398,10 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         sharded_grads=tracker.sharded_grads,
         offloaded_bytes=offload.stats.peak_pinned_bytes,
         moe=moe,
+        sent=dict(traffic.sent),
+        grad_bytes=grad_bytes,
+        split_grad_bytes=split_grad_bytes,
+        buffer_bytes=buffer_bytes,
     )
     result.trace_seconds = time.perf_counter() - start
     return result

@@ -123,7 +123,8 @@ def test_expert_parallel_plans_a_ranks_share_of_the_experts_and_each_routing_cas
     """`parallel.expert=2` under DDP at world 2: the plan holds half the experts on each rank (what the
     engine holds, measured), and rank 0's peak in each routing case (every token of both ranks to its
     experts; each rank its own share) is the peak a real 2-rank step routed that way reaches
-    (`routed_measure.py`, the planner's judge with the router's choice replaced)."""
+    (`routed_measure.py`, the planner's judge with the router's choice replaced); and the bytes rank 0
+    sends in each case, planned and counted (`harness.distributed.traffic`), are equal."""
     from launching import free_port
 
     whole = [f"model.name={moe_dirs['qwen3_moe']}", "strategy=ddp", "precision=fp32", *SHAPE]
@@ -145,6 +146,8 @@ def test_expert_parallel_plans_a_ranks_share_of_the_experts_and_each_routing_cas
         assert held * 2 == experts and all(r["peak_by_category"]["parameters"] == plan.peak.categories["parameters"] for r in ranks)
         assert plan.total == pytest.approx(ranks[0]["peak"], rel=1e-3), (case, plan.total, ranks[0]["peak"])
         assert plan.routing is not None and plan.routing.peak(case, 0) == plan.total
+        # rank 0's bytes sent in step 1 (the experts' all-to-alls both ways, DDP's all-reduce of the rest, its buffers)
+        assert plan.traffic == {k: v for k, v in ranks[0]["sent_bytes"][0].items() if v}, case
     worst, balanced = plans["worst"].routing, plans["balanced"].routing
     assert worst.peak("balanced", 0) == plans["balanced"].total and balanced.peak("worst", 0) == plans["worst"].total
     assert worst.received("worst") == 2 * 128 * 2 and worst.received("balanced") == 128 * 2  # rows rank 0's experts compute
