@@ -107,6 +107,17 @@ def _scores(model: torch.nn.Module, rule: str, backward: bool = False) -> torch.
     return scores
 
 
+def _routed_outputs(block: torch.nn.Module, x: torch.Tensor, index: torch.Tensor):
+    """(token, slot, expert, that expert's output for the token) of every routed pair, from Qwen3-MoE's
+    stacked weights by hand (SwiGLU: down(silu(gate) * up))."""
+    e = block.experts
+    for t in range(index.shape[0]):
+        for k in range(index.shape[1]):
+            j = int(index[t, k])
+            gate, up = (e.gate_up_proj[j] @ x[t]).chunk(2)
+            yield t, k, j, e.down_proj[j] @ (torch.nn.functional.silu(gate) * up)
+
+
 def test_reap_score_is_the_mean_routed_weight_times_output_norm() -> None:
     model = _model("qwen3_moe")
     scores = _scores(model, "reap")
@@ -118,14 +129,9 @@ def test_reap_score_is_the_mean_routed_weight_times_output_norm() -> None:
         logits, _, index = block.gate(seen["x"])
         weight = torch.softmax(logits.double(), dim=-1).gather(1, index)  # the router's probability (REAP's authors' code)
         value, count = torch.zeros(EXPERTS, dtype=torch.float64), torch.zeros(EXPERTS, dtype=torch.float64)
-        e = block.experts
-        for t in range(index.shape[0]):
-            for k in range(index.shape[1]):
-                j = int(index[t, k])
-                gate, up = (e.gate_up_proj[j] @ seen["x"][t]).chunk(2)
-                out = e.down_proj[j] @ (torch.nn.functional.silu(gate) * up)
-                value[j] += float(weight[t, k]) * out.double().norm()
-                count[j] += 1
+        for t, k, j, out in _routed_outputs(block, seen["x"], index):
+            value[j] += float(weight[t, k]) * out.double().norm()
+            count[j] += 1
     torch.testing.assert_close(scores.count[0], count)
     reap = scores.totals(_NoComm(), seed=0)[0]
     torch.testing.assert_close(reap, torch.where(count > 0, value / count.clamp(min=1), 0.0), rtol=1e-5, atol=1e-9)
@@ -150,13 +156,8 @@ def test_gradient_score_is_the_squared_first_order_change_of_each_routed_term() 
     with torch.no_grad():
         _, weight, index = block.gate(seen["x"])
         expected = torch.zeros(EXPERTS, dtype=torch.float64)
-        e = block.experts
-        for t in range(index.shape[0]):
-            for k in range(index.shape[1]):
-                j = int(index[t, k])
-                gate, up = (e.gate_up_proj[j] @ seen["x"][t]).chunk(2)
-                out = e.down_proj[j] @ (torch.nn.functional.silu(gate) * up)
-                expected[j] += (float(weight[t, k]) * (dy[t].double() @ out.double())) ** 2
+        for t, k, j, out in _routed_outputs(block, seen["x"], index):
+            expected[j] += (float(weight[t, k]) * (dy[t].double() @ out.double())) ** 2
     torch.testing.assert_close(scores.totals(_NoComm(), seed=0)[0], expected, rtol=1e-4, atol=1e-15)
     assert expected.min() > 0
 
