@@ -76,8 +76,8 @@ def prune_model(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, A
     if info.is_main:  # one reader; every rank learns the verdict so all of them stop together
         zeros = exported_zeros(hf_dir, [x["name"] for x in stats["layers"]])
         short = [x["name"] for x in stats["layers"] if zeros.get(x["name"], -1) < x["pruned"]]
-        if experts and exported_expert_count(hf_dir) != experts["kept_per_layer"]:
-            short.append(f"experts: {exported_expert_count(hf_dir)} per layer in config.json, {experts['kept_per_layer']} kept")
+        if experts and (written := exported_expert_count(hf_dir)) != experts["kept_per_layer"]:
+            short.append(f"experts: {written} per layer in config.json, {experts['kept_per_layer']} kept")
         summary["exported_zeros"] = sum(zeros.values())
         print(
             f"[harness] pruned model exported to {os.path.abspath(hf_dir)}: {summary['exported_zeros']:,} zero weights in "

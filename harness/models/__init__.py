@@ -20,6 +20,7 @@ from harness.models.build import (
 )
 from harness.models.experts import (
     EXPERT_COUNT_ATTRS,
+    declares_experts,
     drop_experts,
     expert_count,
     expert_parallel_problem,
@@ -58,6 +59,7 @@ from harness.models.weights import CheckpointWeights, InitWeights, Part, WeightS
 
 __all__ = [
     "EXPERT_COUNT_ATTRS",
+    "declares_experts",
     "drop_experts",
     "expert_parameter_count",
     "AdapterTargets",

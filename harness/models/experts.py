@@ -83,7 +83,8 @@ def split_experts(model: nn.Module, expert_mesh: DeviceMesh, same_batch_mesh: De
 EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def _counts_experts(module: nn.Module, count: int) -> bool:
+def declares_experts(module: nn.Module, count: int) -> bool:
+    """Whether `module` names `count` as its expert count (a router or an experts module of that layer)."""
     return any(getattr(module, a, None) == count for a in EXPERT_COUNT_ATTRS)
 
 
@@ -106,7 +107,7 @@ def drop_experts(model: nn.Module, kept: dict[str, list[int]]) -> int:
         if len(counts) != 1:
             raise ValueError(f"{block_name}: its children declare expert counts {sorted(counts)}, not one")
         old = counts.pop()
-        parts = [m for m in block.children() if _counts_experts(m, old)]
+        parts = [m for m in block.children() if declares_experts(m, old)]
         index = torch.tensor(sorted(indices), dtype=torch.long)
         for part in parts:
             for name, p in list(part.named_parameters(recurse=False)):

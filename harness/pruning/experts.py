@@ -45,7 +45,7 @@ from torch import nn
 from harness.config import PruneConfig
 from harness.distributed import Collectives
 from harness.errors import ConfigError
-from harness.models import EXPERT_COUNT_ATTRS, clean_name
+from harness.models import EXPERT_COUNT_ATTRS, clean_name, declares_experts
 from harness.pruning.calibration import Runner
 from harness.training import base_model, model_class, router_class
 
@@ -73,15 +73,11 @@ def moe_layers(model: Any) -> list[MoELayer]:
             continue
         count = next((v for a in EXPERT_COUNT_ATTRS if isinstance(v := getattr(router, a, None), int)), None)
         parent = name.rpartition(".")[0]
-        runners = [m for m in modules[parent].children() if m is not router and count is not None and _declares(m, count)]
+        runners = [m for m in modules[parent].children() if m is not router and count is not None and declares_experts(m, count)]
         if count is None or len(runners) != 1:
             raise ConfigError(f"prune.experts: {type(router).__name__} at {name} has no one experts module beside it to prune")
         out.append(MoELayer(clean_name(parent), router, runners[0], count))
     return out
-
-
-def _declares(module: nn.Module, count: int) -> bool:
-    return any(getattr(module, a, None) == count for a in EXPERT_COUNT_ATTRS)
 
 
 def _call_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
