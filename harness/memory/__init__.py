@@ -39,6 +39,7 @@ from harness.memory.tracking import (
     FrozenAwareMemTracker,
     ModelStorage,
     StepMemoryTracker,
+    available_bytes,
     optimizer_state_bytes,
 )
 
@@ -68,6 +69,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_compile",
     "apply_tiled_mlp",
+    "available_bytes",
     "blocks_to_wrap",
     "category_of",
     "checkpointed_blocks",

@@ -16,6 +16,7 @@ from harness.models.build import (
     model_directory,
     model_spec,
     preset_config,
+    twin_config,
     twin_spec,
 )
 from harness.models.experts import (
@@ -112,6 +113,7 @@ __all__ = [
     "resolve_targets",
     "stacked_expert_parameters",
     "trainable_counts",
+    "twin_config",
     "twin_spec",
     "whole_part",
     "wrap_peft",

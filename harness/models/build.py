@@ -122,15 +122,20 @@ def model_spec(
     return ModelSpec(name_or_path, model_config(directory, **(config_overrides or {})), seed, directory)
 
 
-def twin_spec(spec: ModelSpec, layers: int) -> ModelSpec:
-    """A small twin of `spec`: the same architecture and widths, `layers` decoder blocks, the
-    world-invariant seeded init (a checkpoint's weights are not read: the twin checks how a run
-    computes, not what it starts from). Per-layer lists in the config (`layer_types`) are cut to match."""
-    config = copy.deepcopy(spec.config)
+def twin_config(config: Any, layers: int) -> Any:
+    """A copy of a model config with its first `layers` decoder blocks: the same architecture and
+    widths. Per-layer lists in the config (`layer_types`) are cut to match."""
+    config = copy.deepcopy(config)
     config.num_hidden_layers = min(layers, config.num_hidden_layers)
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[: config.num_hidden_layers]
-    return ModelSpec(spec.name, config, spec.seed, None)
+    return config
+
+
+def twin_spec(spec: ModelSpec, layers: int) -> ModelSpec:
+    """A small twin of `spec` (`twin_config`) with the world-invariant seeded init (a checkpoint's
+    weights are not read: the twin checks how a run computes, not what it starts from)."""
+    return ModelSpec(spec.name, twin_config(spec.config, layers), spec.seed, None)
 
 
 def build_model(

@@ -4,7 +4,7 @@ The trainer uses `Observer` alone; the submodules are importable for tools that 
 run afterwards (`plots.write_plots`, `metrics.read_records`, `mfu.flops_per_token`).
 """
 
-from .metrics import PEAK_RANK
+from .metrics import PEAK_RANK, format_bytes
 from .observer import Observer
 
-__all__ = ["PEAK_RANK", "Observer"]
+__all__ = ["PEAK_RANK", "Observer", "format_bytes"]

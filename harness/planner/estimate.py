@@ -333,9 +333,11 @@ def estimate(
     vocab_size: int | None = None,
     strategy: Strategy | None = None,
     routing: str = "worst",
+    layers: int | None = None,
 ) -> Estimate:
     """Predict one step's per-rank peak for ``cfg`` on ``world_size`` ranks of ``target`` ("cuda" or "cpu");
-    ``routing``: the case of a mixture of experts' routing the estimate is for (`harness.planner.moe.ROUTINGS`)."""
+    ``routing``: the case of a mixture of experts' routing the estimate is for (`harness.planner.moe.ROUTINGS`);
+    ``layers``: the model's first decoder blocks only (the small twin `harness.train --check` runs)."""
     if world_size < 1:
         raise PlanError(f"world size must be >= 1, got {world_size}")
     if routing not in ROUTINGS:
@@ -355,6 +357,7 @@ def estimate(
         tspec, espec = specs_for(cfg, strategy, world_size, hidden, target, vocab, plan)
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
+    tspec = replace(tspec, layers=layers)
     splits_experts = tspec.expert > 1
     if splits_experts:
         tspec = replace(tspec, routing=routing)  # each routing case its own trace: this rank computes what it is sent

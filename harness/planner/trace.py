@@ -46,6 +46,7 @@ from harness.models import (
     is_preset,
     model_config,
     split_experts,
+    twin_config,
     use_ulysses,
 )
 from harness.planner.moe import GroupedMMAsRun, MoeFacts, PlannedExchange, exchange_sizes, moe_facts, untraceable
@@ -88,6 +89,7 @@ class TraceSpec:
     packed: bool = False  # rows pack several instruction examples: attention gets the (B, 1, S, S) mask that keeps them apart
     expert: int = 1  # expert parallelism: each MoE layer's experts split over this many ranks; the trace is rank 0's
     routing: str = "worst"  # under expert parallelism, the routing case traced (harness.planner.moe.ROUTINGS)
+    layers: int | None = None  # the model's first `layers` decoder blocks only (`--check`'s twin); None: all of them
 
     def memory(self) -> MemoryConfig:
         """The memory section whose techniques the traced model is prepared with (compile is not traced)."""
@@ -210,7 +212,12 @@ def real_run_masking(packed: bool = False) -> Iterator[None]:
 
 
 def build_fake_model(
-    model_name: str, vocab_size: int | None, fake_mode: Any, dtype: torch.dtype = torch.float32, lora: LoraConfig | None = None
+    model_name: str,
+    vocab_size: int | None,
+    fake_mode: Any,
+    dtype: torch.dtype = torch.float32,
+    lora: LoraConfig | None = None,
+    layers: int | None = None,
 ) -> nn.Module:
     """The model with fake storage: the config is read (a preset or a local dir), weights never are.
 
@@ -219,6 +226,7 @@ def build_fake_model(
     peft's adapters injected into it, base frozen, every parameter in ``dtype`` - the module
     the trainer builds (``harness.models.empty_lora_model``, then ``.to(dtype)``), so a LoRA
     step's activations are its own (a frozen linear saves no input for a weight gradient).
+    ``layers``: its first decoder blocks only, as ``harness.models.twin_config`` cuts them.
     """
     from transformers import AutoModelForCausalLM
 
@@ -235,6 +243,8 @@ def build_fake_model(
         ) from None
     if vocab_size and getattr(config, "vocab_size", vocab_size) != vocab_size:
         config.vocab_size = vocab_size  # an explicit --vocab-size wins over a local model's config
+    if layers is not None:
+        config = twin_config(config, layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -312,7 +322,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     lora = adapter_config(spec.lora) if spec.lora is not None else None
     if lora is not None and spec.nf4_storage is not None:  # QLoRA: what it cannot quantize is refused, as in the trainer
         lora = replace(lora, quantize="nf4")
-    model = build_fake_model(spec.model_name, spec.vocab_size, fake_mode, dtype, lora)
+    model = build_fake_model(spec.model_name, spec.vocab_size, fake_mode, dtype, lora, spec.layers)
     info = param_info(model)  # the base's shapes as they are in the checkpoint (the formulas' input)
     if spec.frozen_dtype is not None:
         with fake_mode:

@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
 
 from harness.distributed import Collectives
 from harness.engine import gradient_probe
 from harness.errors import StopRequested
+from harness.memory import available_bytes
 from harness.pruning.prefix import PrefixCache
 from harness.pruning.shards import ShardView
 
@@ -311,15 +310,6 @@ def forward_pass(runner: Runner, batches: list[Any], stats: InputStats) -> None:
     with stats:
         for batch in batches:
             runner.forward(batch)
-
-
-def available_bytes(device: torch.device) -> int:
-    """Free memory this rank may count on: free GPU memory, or host memory / local ranks."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return int(psutil.virtual_memory().available // max(1, local))
 
 
 def default_group_size(views: list[ShardView], units: list[int], comm: Collectives, device: torch.device) -> int:

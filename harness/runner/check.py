@@ -18,7 +18,8 @@ one by itself, so the reference is a world-1 run of the same code and nothing in
 depend on the launch under test; no tensor travels between ranks or nodes (each rank compares
 its own shards against its own copy; only per-parameter sums are gathered); and it costs the
 wall time of one small run, in parallel on every rank's device. The price, the twin whole on
-each rank's device for a few seconds, is small by construction (two blocks).
+each rank's device for a few seconds (two blocks, but the whole vocabulary and, in a mixture of
+experts, every expert), is planned before it runs and said (`plan_reference`).
 
 Not covered (refused in one line): streaming data (each rank reads its own stream: no global
 batch to recompute), fp16 (the gradients read before the step are loss-scaled), the optimizer
@@ -55,7 +56,10 @@ from harness.distributed import Collectives, DistInfo, launch_env, pick_device
 from harness.engine import Engine, EnginePlan, plan_engine
 from harness.errors import EXIT_OK, EXIT_WRONG_RESULTS, ConfigError, StopRequested
 from harness.log import get_logger
+from harness.memory import available_bytes
 from harness.models import clean_name, model_spec
+from harness.observability import format_bytes
+from harness.planner import PlanError, estimate
 from harness.reliability import entering, steps_discarded
 from harness.runner.build import build_run
 from harness.runner.check_compare import (
@@ -248,11 +252,39 @@ def compare(run: Record, ref: Record, g_bound: float, comm: Collectives) -> Verd
     return verdict
 
 
+def plan_reference(ref: RunConfig, device: torch.device) -> str:
+    """The reference's peak on this rank's device, planned before it runs (`harness.planner` on the
+    twin's blocks, as one fp32 DDP process of the run's micro-batches: what `reference_run` builds),
+    said; refused in one line where it would not fit the memory this rank may count on (every
+    rank of a node computes its reference at the same time). A reference the planner does not
+    model is said to be unplanned, with the planner's reason."""
+    target = "cuda" if device.type == "cuda" else "cpu"
+    try:
+        planned = estimate(ref, 1, target=target, strategy=load_strategy("ddp"), layers=TWIN_LAYERS)
+    except PlanError as exc:
+        return f"not planned ({exc})"
+    peak, free = planned.peak.total, available_bytes(device)
+    if peak > free:
+        m, changes = ref.memory, []
+        if m.activation_checkpointing != "full":
+            changes.append("memory.activation_checkpointing=full")
+        if not m.loss_chunk_size:
+            changes.append("memory.loss_chunk_size=1024")
+        changes.append("a smaller micro_batch_size or data.seq_len (the recipe is checked, not the batch size)")
+        raise ConfigError(
+            f"--check: its world-1 reference (fp32, {TWIN_LAYERS} blocks, micro-batch {ref.micro_batch_size} x {ref.data.seq_len}) "
+            f"plans a peak of {format_bytes(peak)} on {device}, which has {format_bytes(free)} free for this rank; "
+            f"check with {' or '.join(changes)}"
+        )
+    return f"planned peak {format_bytes(peak)} on {device} ({format_bytes(free)} free)"
+
+
 def reference_run(ref: RunConfig, local_rank: int, slices: int) -> Record:
     """The reference on this rank alone, before any process group exists (module docstring);
     `slices`: the run's sequence-parallel degree."""
     started = time.perf_counter()
     device = pick_device(ref.device, local_rank)
+    planned = plan_reference(ref, device)
     plan = plan_engine(ref, load_strategy("ddp"), 1, device, None, env={})
     trainer, _ = build_run(plan.config, plan, DistInfo(0, 1, local_rank, device, None), twin_layers=TWIN_LAYERS)
     router = trainer.router if trainer.router is not None and trainer.router.active else None
@@ -260,7 +292,7 @@ def reference_run(ref: RunConfig, local_rank: int, slices: int) -> Record:
     m = ref.memory
     log.info(
         f"check: reference: {ref.grad_accum} micro-batches of {ref.micro_batch_size} x {ref.data.seq_len} tokens, fp32, one process, "
-        f"activation checkpointing {m.activation_checkpointing}, loss chunk {m.loss_chunk_size or 'none'}"
+        f"activation checkpointing {m.activation_checkpointing}, loss chunk {m.loss_chunk_size or 'none'}; {planned}"
     )
     rec = record(trainer)
     rec.seconds = time.perf_counter() - started
@@ -348,4 +380,14 @@ def run_check(config: str | None, overrides: list[str]) -> int:
     return run_command("harness", load, lambda cfg, plan, info: check_body(cfg, plan, info, refs[0], bounds[0], began))
 
 
-__all__ = ["CHECK_STEPS", "TWIN_LAYERS", "check_bounds", "check_config", "reference_config", "run_check", "stage_width", "step_tokens"]
+__all__ = [
+    "CHECK_STEPS",
+    "TWIN_LAYERS",
+    "check_bounds",
+    "check_config",
+    "plan_reference",
+    "reference_config",
+    "run_check",
+    "stage_width",
+    "step_tokens",
+]

@@ -23,6 +23,7 @@ order (the embedding, the first block's attention) within its fp32 bound."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,8 @@ def test_check_covers_the_router_and_expert_parallelism(case: str, check_config:
         line = next(x for x in out.splitlines() if x.startswith("[harness] check passed"))
         assert PASSED[case] in line, line
         assert "step 1 aux loss" in line and "step 2 aux loss" in line, line  # compared, not left out
+        # the reference's memory planned before it ran (every expert of the twin in one process)
+        assert re.search(r"check: reference: \d+ micro-batches .*; planned peak [\d.]+ [KMG]iB on cpu \(", out), out[-4000:]
         return
     assert proc.returncode != 0 and f"(exitcode: {EXIT_WRONG_RESULTS})" in out, out[-4000:]
     line = next(x for x in out.splitlines() if x.startswith("[harness] check failed"))

@@ -12,7 +12,7 @@ from harness.config import RunConfig
 from harness.data import unpack_examples, unpack_with_origin
 from harness.distributed import Collectives
 from harness.errors import ConfigError
-from harness.runner.check import Record, check_bounds, check_config, compare, reference_config, step_tokens
+from harness.runner.check import Record, check_bounds, check_config, compare, plan_reference, reference_config, step_tokens
 from harness.runner.check_compare import (
     DETECTION_LIMIT,
     DRIFT,
@@ -157,3 +157,29 @@ def test_what_the_check_cannot_compare_is_refused_and_the_rest_is_the_users_run(
     ref = reference_config(twin, world=2, rank=1)
     assert (ref.memory.compile, ref.memory.tiled_mlp, ref.memory.loss_chunk_size) == ("none", 0, 64)
     assert cfg.steps == 50 and cfg.output_dir == "/runs/x"  # the user's config is left as it was
+
+
+def test_the_reference_is_planned_as_its_two_blocks_before_it_runs_and_refused_where_it_cannot_fit(tmp_path, monkeypatch) -> None:
+    """The reference's peak is the planner's for the twin: the same as for a model that has only the
+    twin's blocks; a rank without that much free memory is refused in one line before it runs."""
+    from harness.models import preset_config, twin_config
+    from harness.planner import estimate
+    from harness.runner import check
+
+    twin_config(preset_config("small-llama"), check.TWIN_LAYERS).save_pretrained(tmp_path)  # 4 blocks -> 2
+    run = RunConfig(strategy="zero3", precision="bf16", micro_batch_size=2, grad_accum=2)
+    run.model.name = "small-llama"
+    ref = reference_config(check_config(run), world=2, rank=0)
+    alone = RunConfig(strategy="ddp", precision="fp32", micro_batch_size=2, grad_accum=4)
+    alone.model.name = str(tmp_path)
+    expected = estimate(alone, 1, target="cpu", vocab_size=4096).peak.total
+    assert estimate(ref, 1, target="cpu", vocab_size=4096, layers=check.TWIN_LAYERS).peak.total == expected
+    assert estimate(ref, 1, target="cpu", vocab_size=4096).peak.total > expected  # all four blocks: more
+    expected = estimate(ref, 1, target="cpu", layers=check.TWIN_LAYERS).peak.total  # the run's vocabulary, as the reference sees it
+    said = plan_reference(ref, torch.device("cpu"))
+    assert said.startswith("planned peak ") and "free" in said
+    monkeypatch.setattr(check, "available_bytes", lambda _device: expected - 1)
+    with pytest.raises(ConfigError, match=r"--check: its world-1 reference .* plans a peak of .* memory.activation_checkpointing=full or "):
+        plan_reference(ref, torch.device("cpu"))
+    monkeypatch.setattr(check, "available_bytes", lambda _device: expected)
+    assert plan_reference(ref, torch.device("cpu")).startswith("planned peak ")

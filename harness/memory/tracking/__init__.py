@@ -8,7 +8,7 @@ an engine's internals).
 """
 
 from harness.memory.tracking.allocator import AllocatorTrace
-from harness.memory.tracking.counters import COUNTER_KEYS
+from harness.memory.tracking.counters import COUNTER_KEYS, available_bytes
 from harness.memory.tracking.live import is_compiled, optimizer_state_bytes, optimizer_tensors
 from harness.memory.tracking.step import StepMemoryTracker
 from harness.memory.tracking.storage import ModelStorage
@@ -20,6 +20,7 @@ __all__ = [
     "FrozenAwareMemTracker",
     "ModelStorage",
     "StepMemoryTracker",
+    "available_bytes",
     "is_compiled",
     "optimizer_state_bytes",
     "optimizer_tensors",

@@ -18,10 +18,12 @@ Cost, measured: one ``open``/``write`` and one read of a small ``/proc`` file pe
 
 from __future__ import annotations
 
+import os
 import re
 import resource
 import sys
 
+import psutil
 import torch
 
 CLEAR_REFS = "/proc/self/clear_refs"
@@ -69,3 +71,13 @@ class PeakCounters:
                 pass
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory this rank may count on: the GPU's free memory, or the host's available memory
+    shared by the node's local ranks (`LOCAL_WORLD_SIZE`)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return int(psutil.virtual_memory().available // max(1, local))
