@@ -256,7 +256,10 @@ def walk(trace: TraceResult, em: EngineModel, cpu_run: bool = False) -> list[Mom
             cats["parameters"] += em.params_held - trace.held_param_bytes
         elif em.params is not None:
             cats["parameters"] = em.params
-        if em.grads is not None and em.grads_made_in_backward:
+        if em.grads is not None and accumulating and em.accumulates_beside_buckets:
+            # the buckets, and autograd's own accumulated gradients beside them (`no_sync` micro-batches)
+            cats["gradients"] = em.grads - em.grads_made_in_backward + traced_grads
+        elif em.grads is not None and em.grads_made_in_backward:
             # the buffers from the start, and autograd's gradients as the trace makes them (at most the traced ones)
             cats["gradients"] = em.grads - em.grads_made_in_backward + min(em.grads_made_in_backward, traced_grads)
         elif em.grads is not None:

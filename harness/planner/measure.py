@@ -176,13 +176,15 @@ def run_step(engine: Any, batches: list[torch.Tensor], tracker: Any = None, traf
     through the engine, then the optimizer step. ``tracker``: the MemTracker around the step, whose
     module statistics are re-armed between micro-batches (it refuses a module's second forward);
     ``traffic``: counts the collectives of the forwards and backwards (the optimizer step's norm, a
-    few scalars, is not counted, nor planned)."""
+    few scalars, is not counted, nor planned). Each micro-batch inside `Engine.micro_batch`, as the
+    trainer runs it: under DDP only the last one all-reduces."""
     for micro, batch in enumerate(batches):
         if micro and tracker is not None:
             tracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
-        with traffic if traffic is not None else contextlib.nullcontext():
+        last = micro == len(batches) - 1
+        with traffic if traffic is not None else contextlib.nullcontext(), engine.micro_batch(last):
             loss = engine.forward_loss(batch)
-            engine.backward(loss, last_micro=micro == len(batches) - 1)
+            engine.backward(loss, last_micro=last)
         del loss
     engine.step()
 

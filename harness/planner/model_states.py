@@ -98,6 +98,10 @@ class EngineModel:
     # Of `grads`, the bytes outside the buffers that exist from the start (DDP's buckets leave out the experts
     # split over ranks): autograd makes them in backward, as the trace's own gradients grow.
     grads_made_in_backward: int = 0
+    # DDP under gradient accumulation: the micro-batches before the last run in `no_sync`, so autograd
+    # accumulates its own .grad tensors beside the buckets; the last backward copies each into its bucket
+    # and frees it as it is reduced (booked until the end of backward: at most the traced gradients more).
+    accumulates_beside_buckets: bool = False
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -202,7 +206,21 @@ def torch_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
         # gradient_as_bucket_view=True: the DDP buckets are the .grad tensors, allocated at wrap time; the
         # experts split over ranks are left out of them, their gradients made by autograd in backward.
         unbucketed = info.split_expert_numel * pb
-        return EngineModel(name, None, total, True, 0, opt, None, total, step, host, notes=notes, grads_made_in_backward=unbucketed)
+        return EngineModel(
+            name,
+            None,
+            total,
+            True,
+            0,
+            opt,
+            None,
+            total,
+            step,
+            host,
+            notes=notes,
+            grads_made_in_backward=unbucketed,
+            accumulates_beside_buckets=True,
+        )
     return plain
 
 

@@ -18,15 +18,16 @@ def planned_traffic(trace: TraceResult, kind: str, world: int) -> dict[str, int]
     """What this rank sends per step in its forwards and backwards: the traced collectives (FSDP2's,
     the experts' and Ulysses' exchanges) and those of the engine laid over the trace, counted by the
     measurement's rule (`harness.distributed.traffic`). DDP all-reduces every trained gradient but the
-    split experts' once a step and broadcasts the buffers from rank 0 before every forward; the split
-    experts are all-reduced over their replicas. None for DeepSpeed (not planned)."""
+    split experts' once a step and broadcasts the buffers from rank 0 once a step too (before the first
+    forward: a forward inside `no_sync` leaves the next one unsynced); the split experts are all-reduced
+    over their replicas. None for DeepSpeed (not planned)."""
     if kind == "deepspeed":
         return None
     sent = collections.Counter(trace.sent)
     spec = trace.spec
     if kind == "ddp" and world > 1:
         sent["all_reduce"] += (trace.grad_bytes - trace.split_grad_bytes) * 2 * (world - 1) // world
-        sent["broadcast"] += trace.buffer_bytes * (world - 1) * spec.micro_batches
+        sent["broadcast"] += trace.buffer_bytes * (world - 1)
     replicas = world // spec.expert
     if spec.expert > 1 and replicas > 1:
         sent["all_reduce"] += trace.split_grad_bytes * 2 * (replicas - 1) // replicas
