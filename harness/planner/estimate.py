@@ -36,7 +36,7 @@ from harness.models import is_preset
 from harness.planner.load_phase import load_phase_bytes
 from harness.planner.lora import quantized_base
 from harness.planner.model_states import EngineModel, EngineSpec, engine_model, zero12_partition
-from harness.planner.moe import ROUTINGS, Routing, split_unplanned
+from harness.planner.moe import ROUTINGS, Routing
 from harness.planner.params import ParamInfo
 from harness.planner.result import REPORT_CATS, Estimate, Moment
 from harness.planner.trace import CATS, PlanError, TraceResult, TraceSpec, adapter_key, build_fake_model, trace_step
@@ -88,16 +88,10 @@ def deepspeed_zero(plan: EnginePlan) -> Any:
 
 def check_modelled(cfg: RunConfig, strategy: Strategy, world: int) -> str:
     """The engine kind, or PlanError where the planner does not model the strategy (ZeRO-0, LoRA
-    under DeepSpeed, FSDP2 with the experts split)."""
+    under DeepSpeed)."""
     kind = engine_kind(strategy.kind, world)
     if kind == "deepspeed" and strategy.zero_stage == 0:
         raise PlanError(f"{strategy.name}: DeepSpeed ZeRO stage 0 is not modelled by the planner; use ddp.json")
-    if split_unplanned(kind, cfg.parallel.expert):
-        raise PlanError(
-            f"parallel.expert={cfg.parallel.expert} under strategy={strategy.name}: the planner traces expert parallelism under "
-            "strategy=ddp only (FSDP2 leaving the split experts whole is not modelled yet); plan it with strategy=ddp, which "
-            "holds the rest of the model whole"
-        )
     if cfg.lora.enabled and kind == "deepspeed":
         raise PlanError(f"lora.enabled=true under {strategy.name}: LoRA is planned under ddp or fsdp (torch's engines) only")
     return kind

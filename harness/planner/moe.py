@@ -94,12 +94,6 @@ def expert_degree(cfg: RunConfig, world: int) -> int:
     return max(d for d in range(1, world + 1) if world % d == 0 and count % d == 0)
 
 
-def split_unplanned(engine_kind: str, expert: int) -> bool:
-    """Whether the trainer runs this expert split but the planner cannot plan it: FSDP2 with the
-    experts split (it leaves them whole; the trace and the FSDP2 formulas shard every parameter)."""
-    return expert > 1 and engine_kind == "fsdp"
-
-
 def untraceable(facts: MoeFacts | None, model_name: str) -> str | None:
     """Why the step cannot be traced, in one line, when the experts' shapes follow the routing; else None."""
     if facts is None or facts.implementation in ROUTING_FREE:

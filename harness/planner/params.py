@@ -30,6 +30,7 @@ class ParamInfo:
     frozen_names: list[str] = field(default_factory=list)
     split_expert_numel: int = 0  # of `numels`: this rank's part of the experts split over ranks (DDP leaves them out of its buckets)
     expert_names: tuple[str, ...] = ()  # the stacked expert tensors expert parallelism splits (transformers' expert plan)
+    split_names: frozenset[str] = frozenset()  # of `names`: the experts split over ranks (FSDP2 leaves them whole, unsharded)
 
     def split(self, degree: int) -> ParamInfo:
         """What one rank holds with every MoE layer's experts split over ``degree`` ranks (dim 0, evenly),
@@ -40,7 +41,7 @@ class ParamInfo:
         shapes = [(s[0] // degree, *s[1:]) if n in experts else s for n, s in zip(self.names, self.shapes)]
         numels = [math.prod(s) for s in shapes]
         split = sum(k for n, k in zip(self.names, numels) if n in experts)
-        return replace(self, numels=numels, shapes=shapes, split_expert_numel=split)
+        return replace(self, numels=numels, shapes=shapes, split_expert_numel=split, split_names=frozenset(experts))
 
     @property
     def frozen(self) -> int:

@@ -271,8 +271,8 @@ def _split_experts(model: nn.Module, spec: TraceSpec, moe: MoeFacts) -> tuple[li
     """Rank 0's experts, split as the trainer splits them (`harness.models.split_experts`, inside
     the fake group of `spec.expert` ranks): their names, and the exchange's split sizes for the traced
     routing case."""
-    layout = ParallelLayout(spec.expert, 1, spec.expert)
-    mesh = layout.expert_mesh("cpu")
+    world = spec.world_size if spec.wrap == "fsdp" else spec.expert  # DDP's trace: one copy of the experts' ranks
+    mesh = ParallelLayout(world, 1, spec.expert).expert_mesh("cpu")
     split = split_experts(model, mesh["expert"], mesh["same_batch"])
     tokens = spec.micro_batch * spec.seq_len
     return split, PlannedExchange(*exchange_sizes(spec.routing, tokens, moe.top_k, moe.experts, spec.expert))
@@ -281,8 +281,9 @@ def _split_experts(model: nn.Module, spec: TraceSpec, moe: MoeFacts) -> tuple[li
 # ----------------------------------------------------------------------------- the trace
 
 
-def _wrap_fsdp(model: nn.Module, spec: TraceSpec) -> nn.Module:
-    """The trainer's own FSDP2 wrapping (same groups, same mixed precision) over the fake group."""
+def _wrap_fsdp(model: nn.Module, spec: TraceSpec, ignored: set[nn.Parameter]) -> nn.Module:
+    """The trainer's own FSDP2 wrapping (same groups, same mixed precision) over the fake group;
+    `ignored`: the experts split over ranks, left whole as the trainer leaves them."""
 
     strategy = Strategy(
         "fsdp",
@@ -293,7 +294,7 @@ def _wrap_fsdp(model: nn.Module, spec: TraceSpec) -> nn.Module:
         reduce_dtype=spec.fsdp_reduce_dtype,
     )
     policy = precision_policy(spec.precision, torch.device("cpu"), "fsdp")
-    return fsdp_wrap(model, strategy, policy, ParallelLayout(spec.world_size, spec.sequence).shard_mesh("cpu"))
+    return fsdp_wrap(model, strategy, policy, ParallelLayout(spec.world_size, spec.sequence).shard_mesh("cpu"), ignored or None)
 
 
 def _step_input(spec: TraceSpec, vocab: int) -> torch.Tensor:
@@ -350,11 +351,12 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                 info = param_info(model)
                 params = dict(model.named_parameters())
                 info.split_expert_numel = sum(local_tensor(params[name]).numel() for name in split)
+                info.split_names = frozenset(split)
             named = dict(model.named_parameters())
             split_ids = {id(named[n]) for n in split} if spec.expert > 1 and moe is not None else set()
             prepare_model(model, spec.memory())  # the engines' own preparation, in its order
             if spec.wrap == "fsdp":
-                model = _wrap_fsdp(model, spec)
+                model = _wrap_fsdp(model, spec, {p for p in model.parameters() if id(p) in split_ids})
             held = sum(local_tensor(p).untyped_storage().nbytes() for p in model.parameters())
             tracker: Any = Timeline()
             tracker.track_external(model)

@@ -7,8 +7,9 @@ Qwen3-MoE's router choosing where every token goes, one routing case after the o
   gets the same rows.
 
 The router's probabilities (its loss) are kept; only the chosen indices are replaced, by a new tensor
-(topk saved its own for backward). Usage: `torchrun --nproc_per_node 2 routed_measure.py OUT OVERRIDE...`;
-rank 0 writes `{case: [each rank's measure_config result]}` to OUT.
+(topk saved its own for backward). Usage: `torchrun --nproc_per_node 2 routed_measure.py OUT OVERRIDE... [:: OVERRIDE...]`
+(each `::`-separated list one config, measured in the same ranks one after the other); rank 0 writes, per
+config, `{case: [each rank's measure_config result]}` to OUT, as a list.
 """
 
 from __future__ import annotations
@@ -43,14 +44,17 @@ def routed(case: str):
 
 
 def main() -> None:
-    out, overrides = sys.argv[1], sys.argv[2:]
-    results = {}
-    for case in CASES:
-        ROUTER.forward = routed(case)
-        mine = measure_config(overrides, steps=2, trainer_view=False)
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        results[case] = gathered
+    out, words = sys.argv[1], " ".join(sys.argv[2:])
+    results = []
+    for overrides in (group.split() for group in words.split("::")):
+        per_case = {}
+        for case in CASES:
+            ROUTER.forward = routed(case)
+            mine = measure_config(overrides, steps=2, trainer_view=False)
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            per_case[case] = gathered
+        results.append(per_case)
     teardown()
     if int(os.environ["RANK"]) == 0:
         with open(out, "w") as f:

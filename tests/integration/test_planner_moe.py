@@ -124,17 +124,27 @@ def test_expert_parallel_plans_a_ranks_share_of_the_experts_and_each_routing_cas
     engine holds, measured), and rank 0's peak in each routing case (every token of both ranks to its
     experts; each rank its own share) is the peak a real 2-rank step routed that way reaches
     (`routed_measure.py`, the planner's judge with the router's choice replaced); and the bytes rank 0
-    sends in each case, planned and counted (`harness.distributed.traffic`), are equal."""
+    sends in each case, planned and counted (`harness.distributed.traffic`), are equal. The same launch
+    measures FSDP2 with the experts split (its ignored parameters, whole on their ranks; the rest
+    sharded): planned within gloo's possible buffer, its traffic to the byte. (By hand at world 4, two
+    replicas of each expert half: within 32 B of the interval, the replicas' all-reduce to the byte.)"""
     from launching import free_port
 
     whole = [f"model.name={moe_dirs['qwen3_moe']}", "strategy=ddp", "precision=fp32", *SHAPE]
     split = [*whole, "parallel.expert=2"]
+    sharded = [f"model.name={moe_dirs['qwen3_moe']}", "strategy=fsdp", "precision=fp32", *SHAPE, "parallel.expert=2"]
     out = tmp_path / "routed.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", f"--master_port={free_port()}"]
-    cmd += [str(Path(__file__).with_name("routed_measure.py")), str(out), *split]
+    cmd += [str(Path(__file__).with_name("routed_measure.py")), str(out), *split, "::", *sharded]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    measured = json.loads(out.read_text())
+    measured, measured_fsdp = json.loads(out.read_text())
+    for case in ("worst", "balanced"):
+        plan, rank0 = estimate(load_config(None, sharded), 2, target="cpu", routing=case), measured_fsdp[case][0]
+        assert plan.total - plan.race_bytes <= rank0["peak"] <= plan.total, (case, plan.total, plan.race_bytes, rank0["peak"])
+        assert plan.peak.categories["parameters"] == rank0["peak_by_category"]["parameters"], case
+        assert plan.peak.categories["optimizer_state"] == rank0["peak_by_category"]["optimizer_state"], case
+        assert plan.traffic == {k: v for k, v in rank0["sent_bytes"][0].items() if v}, case
 
     model = empty_model(model_config(moe_dirs["qwen3_moe"]))
     experts = sum(p.numel() * 4 for p in expert_tensors(model).values())  # fp32 bytes of every layer's stacked experts
