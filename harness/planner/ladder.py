@@ -54,6 +54,8 @@ class Rung:
     max_world: int | None = None  # torchao's low-bit states on bf16 weights do not step under FSDP2 (refused)
     with_sequence: bool = True  # False: left out below the sequence-parallel rung (a combination the trainer refuses)
     with_experts: bool = False  # True: runs with the experts split (DDP, torch's optimizers); False: the rung sets parallel.expert=1
+    # True: only while the experts are split, and undone with the split (a later rung of its own turns it on again)
+    while_split: bool = False
 
     @classmethod
     def of(cls, technique: Technique) -> Rung:
@@ -66,6 +68,15 @@ RUNGS: tuple[Rung, ...] = (
     Rung("bf16 mixed precision", ("precision=bf16",), with_experts=True),
     # a mixture of experts under DDP: each rank holds 1/{expert} of every MoE layer's experts
     Rung("expert parallelism (DDP: each rank its share of the experts)", ("parallel.expert={expert}",), min_world=2, with_experts=True),
+    # recomputation before the experts leave: the next rung (more sharding) leaves DDP, so without this the
+    # ladder never tries the two together; undone with the split, so that rung is judged without it
+    Rung(
+        f"{ACTIVATION_CHECKPOINTING.name}, the experts still split",
+        ACTIVATION_CHECKPOINTING.overrides(),
+        min_world=2,
+        with_experts=True,
+        while_split=True,
+    ),
     Rung("more sharding (DDP: FSDP2; DeepSpeed: its next ZeRO stage)", ("strategy={more_sharding}",), min_world=2),
     Rung.of(ACTIVATION_CHECKPOINTING),
     Rung.of(CHUNKED_LOSS),
@@ -170,7 +181,10 @@ def rung_overrides(
     }
     out, applied = [], []
     split = user_expert > 1  # the experts are split in the rungs so far
+    scoped: list[str] = []  # what `while_split` rungs added, dropped when the experts leave
     for rung in RUNGS:
+        if rung.while_split and not split:
+            continue
         if world < rung.min_world or (rung.max_world is not None and world > rung.max_world):
             continue
         if further is None and any("{more_sharding}" in o for o in rung.overrides):
@@ -183,10 +197,15 @@ def rung_overrides(
             if expert == user_expert or expert == 1:
                 continue  # nothing to split, or split as the user asked already
             split = True
-        applied = applied + [o.format(**values) for o in rung.overrides]
+        added = [o.format(**values) for o in rung.overrides]
+        if rung.while_split:
+            scoped = scoped + added
+        applied = applied + added
         if split and not rung.with_experts:
-            applied.append("parallel.expert=1")
-            split = False
+            applied = [o for o in applied if o not in scoped] + ["parallel.expert=1"]
+            split, scoped = False, []
+        if out and net(applied) == out[-1][1]:
+            continue  # nothing new: a technique the user, or a rung above, already turned on
         out.append((rung, net(applied)))
     return out
 

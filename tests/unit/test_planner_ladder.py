@@ -26,7 +26,8 @@ TINY = ["model.name=tiny-llama", "data.seq_len=64", "micro_batch_size=2"]
 @pytest.mark.parametrize("world", [1, 2])
 def test_every_rung_is_a_config_the_trainer_accepts(world: int) -> None:
     rungs = rung_overrides(world)
-    splits = [r for r in RUNGS if any("{sequence}" in o or "{expert}" in o for o in r.overrides)]  # no degree given: no such rung
+    # no degree given: no such rung, nor one that applies only while the experts are split
+    splits = [r for r in RUNGS if r.while_split or any("{sequence}" in o or "{expert}" in o for o in r.overrides)]
     assert [r.name for r, _ in rungs] == [r.name for r in RUNGS if r.min_world <= world <= (r.max_world or world) and r not in splits]
     for rung, overrides in rungs:
         cfg = load_config(None, [*TINY, *overrides])
@@ -54,9 +55,10 @@ def test_the_sequence_parallel_rung_keeps_the_global_batch_and_drops_what_it_ref
 
 def test_the_expert_parallel_rung_splits_the_experts_until_a_rung_leaves_ddp(tmp_path) -> None:
     """A mixture of experts under DDP: the degree is the largest that divides the world and the experts
-    (the user's own kept); the rung splits them, the next (more sharding: FSDP2) and every one after
-    it sets parallel.expert=1 (expert parallelism runs under DDP only); every rung a config the trainer
-    accepts. The search offers the split under DDP, and its most frugal corner does not split."""
+    (the user's own kept); the rung splits them, the next adds activation checkpointing with them split,
+    the next (more sharding: FSDP2) and every one after it sets parallel.expert=1 and drops that
+    recomputation (judged without it, until the checkpointing rung of its own); every rung a config the
+    trainer accepts. The search offers the split under DDP, and its most frugal corner does not split."""
     from model_families import moe_configs
 
     from harness.planner.candidates import candidates, most_frugal, with_candidate, with_split
@@ -71,11 +73,14 @@ def test_the_expert_parallel_rung_splits_the_experts_until_a_rung_leaves_ddp(tmp
     rungs = rung_overrides(2, expert=2)
     names = [r.name for r, _ in rungs]
     split = next(i for i, n in enumerate(names) if n.startswith("expert parallelism"))
-    assert names[split + 1].startswith("more sharding")
+    assert names[split + 1].endswith("the experts still split") and names[split + 2].startswith("more sharding")
+    checkpointed = next(i for i, n in enumerate(names) if n.startswith("activation checkpointing") and i > split + 1)
     for i, (rung, overrides) in enumerate(rungs):
         cfg = load_config(None, [*TINY, *overrides])
         check_run(cfg, load_strategy(cfg.strategy), 2, has_accelerator=True)
-        assert cfg.parallel.expert == (2 if i == split else 1), rung.name
+        assert cfg.parallel.expert == (2 if i in (split, split + 1) else 1), rung.name
+        recomputes = i == split + 1 or i >= checkpointed
+        assert (cfg.memory.activation_checkpointing == "full") == recomputes, rung.name
     asked = rung_overrides(2, expert=2, user_expert=2)  # the user split them: no rung, the first that leaves DDP undoes it
     assert not any(r.name.startswith("expert parallelism") for r, _ in asked)
     assert next(o for r, o in asked if r.name.startswith("more sharding"))[-1] == "parallel.expert=1"
