@@ -28,7 +28,6 @@ class ParamInfo:
     num_layers: int
     frozen_shapes: list[tuple[int, ...]] = field(default_factory=list)  # parameters that take no gradient (LoRA's base)
     frozen_names: list[str] = field(default_factory=list)
-    split_expert_numel: int = 0  # of `numels`: this rank's part of the experts split over ranks (DDP leaves them out of its buckets)
     expert_names: tuple[str, ...] = ()  # the stacked expert tensors expert parallelism splits (transformers' expert plan)
     split_names: frozenset[str] = frozenset()  # of `names`: the experts split over ranks (FSDP2 leaves them whole, unsharded)
 
@@ -40,8 +39,12 @@ class ParamInfo:
         experts = set(self.expert_names)
         shapes = [(s[0] // degree, *s[1:]) if n in experts else s for n, s in zip(self.names, self.shapes)]
         numels = [math.prod(s) for s in shapes]
-        split = sum(k for n, k in zip(self.names, numels) if n in experts)
-        return replace(self, numels=numels, shapes=shapes, split_expert_numel=split, split_names=frozenset(experts))
+        return replace(self, numels=numels, shapes=shapes, split_names=frozenset(experts))
+
+    @property
+    def split_expert_numel(self) -> int:
+        """Of `numels`: this rank's part of the experts split over ranks (DDP leaves them out of its buckets)."""
+        return sum(k for n, k in zip(self.names, self.numels) if n in self.split_names)
 
     @property
     def frozen(self) -> int:

@@ -348,10 +348,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                 use_ulysses(model, ParallelLayout(world, spec.sequence).sequence_group("cpu"), spec.packed)
             if spec.expert > 1 and moe is not None:  # as the trainer: experts split on the model before it is prepared
                 split, exchange = _split_experts(model, spec, moe)
-                info = param_info(model)
-                params = dict(model.named_parameters())
-                info.split_expert_numel = sum(local_tensor(params[name]).numel() for name in split)
-                info.split_names = frozenset(split)
+                info = replace(param_info(model), split_names=frozenset(split))
             named = dict(model.named_parameters())
             split_ids = {id(named[n]) for n in split} if spec.expert > 1 and moe is not None else set()
             prepare_model(model, spec.memory())  # the engines' own preparation, in its order

@@ -50,13 +50,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.config import INSTRUCTION_FORMATS, ParallelLayout, RunConfig, load_config, load_strategy
+from harness.config import INSTRUCTION_FORMATS, ParallelLayout, RunConfig, Strategy, load_config, load_strategy
 from harness.data import unpack_with_origin
 from harness.distributed import Collectives, DistInfo, launch_env, pick_device
 from harness.engine import Engine, EnginePlan, plan_engine
 from harness.errors import EXIT_OK, EXIT_WRONG_RESULTS, ConfigError, StopRequested
 from harness.log import get_logger
-from harness.memory import available_bytes
+from harness.memory import ACTIVATION_CHECKPOINTING, CHUNKED_LOSS, available_bytes
 from harness.models import clean_name, model_spec
 from harness.observability import format_bytes
 from harness.planner import PlanError, estimate
@@ -252,7 +252,7 @@ def compare(run: Record, ref: Record, g_bound: float, comm: Collectives) -> Verd
     return verdict
 
 
-def plan_reference(ref: RunConfig, device: torch.device) -> str:
+def plan_reference(ref: RunConfig, ddp: Strategy, device: torch.device) -> str:
     """The reference's peak on this rank's device, planned before it runs (`harness.planner` on the
     twin's blocks, as one fp32 DDP process of the run's micro-batches: what `reference_run` builds),
     said; refused in one line where it would not fit the memory this rank may count on (every
@@ -260,16 +260,16 @@ def plan_reference(ref: RunConfig, device: torch.device) -> str:
     model is said to be unplanned, with the planner's reason."""
     target = "cuda" if device.type == "cuda" else "cpu"
     try:
-        planned = estimate(ref, 1, target=target, strategy=load_strategy("ddp"), layers=TWIN_LAYERS)
+        planned = estimate(ref, 1, target=target, strategy=ddp, layers=TWIN_LAYERS)
     except PlanError as exc:
         return f"not planned ({exc})"
     peak, free = planned.peak.total, available_bytes(device)
     if peak > free:
         m, changes = ref.memory, []
         if m.activation_checkpointing != "full":
-            changes.append("memory.activation_checkpointing=full")
-        if not m.loss_chunk_size:
-            changes.append("memory.loss_chunk_size=1024")
+            changes.extend(ACTIVATION_CHECKPOINTING.overrides())
+        if not CHUNKED_LOSS.is_on(m):
+            changes.extend(CHUNKED_LOSS.overrides())
         changes.append("a smaller micro_batch_size or data.seq_len (the recipe is checked, not the batch size)")
         raise ConfigError(
             f"--check: its world-1 reference (fp32, {TWIN_LAYERS} blocks, micro-batch {ref.micro_batch_size} x {ref.data.seq_len}) "
@@ -284,8 +284,9 @@ def reference_run(ref: RunConfig, local_rank: int, slices: int) -> Record:
     `slices`: the run's sequence-parallel degree."""
     started = time.perf_counter()
     device = pick_device(ref.device, local_rank)
-    planned = plan_reference(ref, device)
-    plan = plan_engine(ref, load_strategy("ddp"), 1, device, None, env={})
+    ddp = load_strategy("ddp")
+    planned = plan_reference(ref, ddp, device)
+    plan = plan_engine(ref, ddp, 1, device, None, env={})
     trainer, _ = build_run(plan.config, plan, DistInfo(0, 1, local_rank, device, None), twin_layers=TWIN_LAYERS)
     router = trainer.router if trainer.router is not None and trainer.router.active else None
     trainer.sampler = ReferenceSampler(trainer.sampler, router, slices)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.config import RunConfig
+from harness.config import RunConfig, load_strategy
 from harness.data import unpack_examples, unpack_with_origin
 from harness.distributed import Collectives
 from harness.errors import ConfigError
@@ -176,10 +176,10 @@ def test_the_reference_is_planned_as_its_two_blocks_before_it_runs_and_refused_w
     assert estimate(ref, 1, target="cpu", vocab_size=4096, layers=check.TWIN_LAYERS).peak.total == expected
     assert estimate(ref, 1, target="cpu", vocab_size=4096).peak.total > expected  # all four blocks: more
     expected = estimate(ref, 1, target="cpu", layers=check.TWIN_LAYERS).peak.total  # the run's vocabulary, as the reference sees it
-    said = plan_reference(ref, torch.device("cpu"))
+    said = plan_reference(ref, load_strategy("ddp"), torch.device("cpu"))
     assert said.startswith("planned peak ") and "free" in said
     monkeypatch.setattr(check, "available_bytes", lambda _device: expected - 1)
     with pytest.raises(ConfigError, match=r"--check: its world-1 reference .* plans a peak of .* memory.activation_checkpointing=full or "):
-        plan_reference(ref, torch.device("cpu"))
+        plan_reference(ref, load_strategy("ddp"), torch.device("cpu"))
     monkeypatch.setattr(check, "available_bytes", lambda _device: expected)
-    assert plan_reference(ref, torch.device("cpu")).startswith("planned peak ")
+    assert plan_reference(ref, load_strategy("ddp"), torch.device("cpu")).startswith("planned peak ")
