@@ -11,6 +11,15 @@ Both compile *in place* (``nn.Module.compile``): no ``_orig_mod.`` in parameter 
 the same module objects for ``fully_shard``, state dicts unchanged. FSDP2 hooks added
 afterwards are skipped by dynamo (``torch._dynamo.config.skip_fsdp_hooks``) and run eagerly.
 
+Blocks compiled inside activation checkpointing: dynamo refuses a forward side effect under
+the checkpoint (it would have to replay it in the backward's recompute) and falls back to eager
+for the whole block. transformers' attention sets a module-routing context variable in every
+forward (`kernels`' `use_kernelized_func`, transformers 5.25) and its output capture appends to
+lists from hooks, so with AC nothing compiled at all. ``apply_compile`` sets
+``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` (as torchtitan does when
+it compiles): the forward's side effects happen once, in the forward, which is what these
+set-and-reset routings and captures mean. Process-wide, like the budget below.
+
 The activation memory budget is ``torch._functorch.config.activation_memory_budget``: the
 min-cut partitioner saves the activations that fit into ``budget`` x (what would be
 saved without recomputation) and recomputes the rest, choosing by a knapsack on runtime.
@@ -60,6 +69,8 @@ def apply_compile(
     set_activation_memory_budget(memory_budget)
     if mode == "none":
         return mode
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # module docstring (torch 2.13 has it)
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     if mode == "model":
         model.compile(backend=backend, fullgraph=fullgraph)
         return mode
