@@ -31,6 +31,7 @@ from harness.config import MemoryConfig, RunConfig
 from harness.memory.activation_checkpoint import apply_activation_checkpointing
 from harness.memory.compile import apply_compile
 from harness.memory.tiled_mlp import apply_tiled_mlp
+from harness.models import sum_embedding_grads_in_fp32
 
 LOSS_CHUNK = 1024  # tokens per chunk of the chunked loss: logits of 1024 positions at a time
 MLP_TILE_TOKENS = 4096  # tokens per MLP tile: ALST's rule (tiles of hidden-size tokens) at Llama-3-8B's 4096
@@ -114,7 +115,10 @@ TECHNIQUES: tuple[Technique, ...] = (TILED_MLP, ACTIVATION_CHECKPOINTING, COMPIL
 
 def prepare_model(model: nn.Module, memory: MemoryConfig) -> None:
     """Apply every technique `memory` turns on that rewrites the model, in `TECHNIQUES`' order
-    (before any sharding wraps the blocks)."""
+    (before any sharding wraps the blocks). First, whatever is on: the embedding's weight gradient
+    summed in fp32 on a CPU (`harness.models.embedding`; CUDA's kernel already does), so a bf16
+    run's most-read rows are not rounded once per token."""
+    sum_embedding_grads_in_fp32(model)
     for technique in TECHNIQUES:
         if technique.apply is not None and technique.is_on(memory):
             technique.apply(model, memory)

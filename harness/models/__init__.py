@@ -19,6 +19,7 @@ from harness.models.build import (
     twin_config,
     twin_spec,
 )
+from harness.models.embedding import Fp32SumEmbedding, sum_embedding_grads_in_fp32
 from harness.models.experts import (
     EXPERT_COUNT_ATTRS,
     declares_experts,
@@ -59,6 +60,8 @@ from harness.models.ulysses import ULYSSES, attention_is_swappable, use_ulysses
 from harness.models.weights import CheckpointWeights, InitWeights, Part, WeightSource, clean_name, fill, materialize, whole_part
 
 __all__ = [
+    "Fp32SumEmbedding",
+    "sum_embedding_grads_in_fp32",
     "EXPERT_COUNT_ATTRS",
     "declares_experts",
     "drop_experts",

@@ -157,3 +157,50 @@ def test_a_checkpoint_read_of_another_shape_is_a_config_error(tmp_path):
     weights = CheckpointWeights(directory, "model")
     with pytest.raises(ConfigError, match=r"has shape \[\d+, \d+\], the model expects"):
         weights.read(["model.embed_tokens.weight"], (1, 1), 0, 1)
+
+
+def test_a_bf16_embeddings_gradient_is_summed_in_fp32_on_the_cpu():
+    """torch's CPU kernel sums a row's token gradients in bf16 (an error growing with the step's
+    tokens); after `prepare_model` the sum is fp32's, rounded once, and everything else is torch's own."""
+    from torch import nn
+
+    from harness.config import MemoryConfig
+    from harness.memory import prepare_model
+    from harness.models import Fp32SumEmbedding
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.multinomial(1 / torch.arange(1.0, 2049), 131_072, True, generator=gen).reshape(64, 2048)
+    grad = torch.randn(64, 2048, 32, generator=gen).bfloat16()
+    exact = torch.zeros(2048, 32).index_add_(0, ids.reshape(-1), grad.float().reshape(-1, 32))
+
+    def error(module: nn.Module) -> float:
+        module(ids).backward(grad)
+        return float((module.weight.grad.float() - exact).norm() / exact.norm())
+
+    plain = nn.Embedding(2048, 32).bfloat16()
+    model = nn.Sequential(nn.Embedding(2048, 32)).bfloat16()
+    prepare_model(model, MemoryConfig())
+    assert type(model[0]) is Fp32SumEmbedding and list(model.state_dict()) == ["0.weight"]
+    assert error(plain) > 0.03  # torch's kernel: rounded per token (0.068 measured)
+    assert error(model[0]) < 2**-8  # summed in fp32, rounded once to bf16
+
+    # padding rows take no gradient; fp32 weights (and a GPU) keep torch's kernel, to the bit
+    padded, reference = nn.Embedding(2048, 32, padding_idx=1), nn.Embedding(2048, 32, padding_idx=1)
+    prepare_model(padded, MemoryConfig())
+    for module in (padded, reference):
+        module(ids).backward(grad.float())
+    assert torch.equal(padded.weight.grad, reference.weight.grad) and not padded.weight.grad[1].any()
+    low = nn.Embedding(2048, 32, padding_idx=1).bfloat16()
+    prepare_model(low, MemoryConfig())
+    low(ids).backward(grad)
+    assert not low.weight.grad[1].any()
+
+    class Scaled(nn.Embedding):  # Gemma's: the lookup scaled by a constant
+        def forward(self, ids):
+            return super().forward(ids) * 2.0
+
+    scaled = Scaled(2048, 32).bfloat16()
+    prepare_model(scaled, MemoryConfig())
+    assert isinstance(scaled, Scaled) and isinstance(scaled, Fp32SumEmbedding)
+    scaled(ids).backward(grad)
+    assert float((scaled.weight.grad.float() - 2 * exact).norm() / (2 * exact).norm()) < 2**-8
