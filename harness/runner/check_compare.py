@@ -38,6 +38,18 @@ the run's precision:
   parameter never updated has an update error of exactly 1, which the update bound reaches at a
   gradient bound of 0.25. A step whose gradient bound would reach it (bf16 past ~1.7e10 tokens) is
   refused before the check runs, never passed (`check_bounds`).
+- `rounding_bounds`: in bf16 the worst case above is loose (it adds every stage's rounding as if
+  none cancelled) where the planted bugs need not be: a plain DDP run that never all-reduces differs
+  by 0.075 at 131,072 tokens, inside bf16's worst case (0.20), while a correct run's rounding is near
+  0.01. So a bf16 run's first-step gradients are bounded by what rounding measurably does: a second
+  world-1 reference computed in bf16 (`harness.runner.check.rounding_reference_config`), whose
+  relative difference e from the fp32 reference is, per parameter, what bf16 alone does to that
+  gradient. The run rounds in other places than that reference (other kernels' orders, each data
+  rank's partial gradient, the reduction, the final cast), each one rounding of relative size u
+  at most: the bound is min(worst case, fp32's own terms + `ROUNDING_MARGIN` * e + (2 + data ranks) * u).
+  Measured (`notes/reliability.md`): a correct FSDP2 bf16 run 0.0082 of 0.041 at 131,072 tokens,
+  the never-reduced DDP run named there. Updates and the second step keep the worst case: the bf16
+  reference steps bf16 weights with no fp32 master, so it does not make the run's Adam sign flips.
 - the loss: the gradient's bound (it is one more sum over the step's tokens).
 - from the second step on, `drift_allowance`: the run starts the step from its own weights, which
   left the reference's by the previous update's error e (its relative error over all parameters,
@@ -65,6 +77,7 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16
 
 DETECTION_LIMIT = 0.25  # the smallest planted bug's error; the update bound reaches 1 here (module docstring)
 DRIFT = 3.0  # the allowance for weights that left the reference's, in multiples of its estimate (module docstring)
+ROUNDING_MARGIN = 3.0  # the measured rounding's multiple in a bf16 run's first-step bound (module docstring)
 
 
 def grad_bound(compute: torch.dtype, tokens: int, layers: int, width: int) -> float:
@@ -76,6 +89,32 @@ def grad_bound(compute: torch.dtype, tokens: int, layers: int, width: int) -> fl
     kernels = stages * LAMBDA * math.sqrt(max(width, 1)) * u32
     order = LAMBDA * math.sqrt(max(tokens, 1)) * u32
     return rounding + kernels + order
+
+
+def relative_errors(values: dict[str, torch.Tensor | None], reference: dict[str, torch.Tensor | None]) -> dict[str, float]:
+    """Per parameter both hold a value for, ||values - reference|| / ||reference|| (inf where the
+    reference is zero and the values are not)."""
+    out = {}
+    for name, ref in reference.items():
+        other = values.get(name)
+        if ref is None or other is None:
+            continue
+        diff, norm = float((other.float() - ref.float()).norm()), float(ref.float().norm())
+        out[name] = diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+    return out
+
+
+def rounding_bounds(measured: list[dict[str, float]], worst_case: float, floor: float, unit: float, data_ranks: int) -> dict[str, float]:
+    """Each parameter's first-step gradient bound from the rounding measured in the run's precision
+    (module docstring): `measured` every rank's relative errors (the largest taken, so every rank
+    holds the same bounds), `floor` the fp32 bound of the same step, `unit` the compute dtype's
+    unit roundoff; never above `worst_case`."""
+    largest: dict[str, float] = {}
+    for errors in measured:
+        for name, e in errors.items():
+            largest[name] = max(largest.get(name, 0.0), e)
+    slack = (2 + data_ranks) * unit
+    return {name: min(worst_case, floor + ROUNDING_MARGIN * e + slack) for name, e in largest.items()}
 
 
 def update_bound(grad: float) -> float:
@@ -174,15 +213,22 @@ class Verdict:
     first: Finding | None = None
     worst: dict[str, tuple[float, str, float]] = field(default_factory=dict)  # quantity -> largest relative error, where, its bound
     compared: int = 0
+    closest: tuple[str, float, float] | None = None  # the quantity nearest its bound (relative to it): what, error, bound
 
     def summary(self) -> str:
-        return "; ".join(f"{key} {rel:.2g} ({name}, bound {bound:.2g})" for key, (rel, name, bound) in self.worst.items())
+        worst = "; ".join(f"{key} {rel:.2g} ({name}, bound {bound:.2g})" for key, (rel, name, bound) in self.worst.items())
+        if self.closest is None:
+            return worst
+        what, rel, bound = self.closest
+        return f"{worst}; nearest its bound: {what} {rel:.2g} of {bound:.2g}"
 
     def add(self, step: int, what: str, name: str, relative: float, bound: float, detail: str = "") -> None:
         self.compared += 1
         key = what if what in ("initial weights", "loss") else f"step {step} {what}"
         if relative >= self.worst.get(key, (-1.0, "", 0.0))[0]:
             self.worst[key] = (relative, name, bound)
+        if bound > 0 and (self.closest is None or relative / bound > self.closest[1] / self.closest[2]):
+            self.closest = (key if what in ("loss", "aux loss") else f"{key} of {name}", relative, bound)
         if relative > bound and self.first is None:
             self.first = Finding(step, what, name, relative, bound, detail)
 
@@ -218,6 +264,7 @@ def unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 __all__ = [
     "DETECTION_LIMIT",
     "DRIFT",
+    "ROUNDING_MARGIN",
     "Finding",
     "Part",
     "Verdict",
@@ -226,6 +273,8 @@ __all__ = [
     "judge",
     "merge",
     "overall",
+    "relative_errors",
+    "rounding_bounds",
     "sums",
     "update_bound",
 ]
