@@ -396,11 +396,6 @@ def check_expert_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> Non
                 f"{what} with {setting}: expert parallelism runs under strategy=ddp or fsdp with torch's adamw, adam or sgd, "
                 "without pruning, LoRA, optimizer-in-backward, an offloaded optimizer or fp16; set parallel.expert=1 or change that setting"
             )
-    if strategy.kind == "fsdp" and cfg.precision == "bf16":
-        raise ConfigError(
-            f"{what} with strategy={strategy.name} and precision=bf16: FSDP2's mixed precision casts only the parameters it "
-            "shards, and the split experts are not among them (they would run in fp32); set precision=fp32, or strategy=ddp (autocast)"
-        )
 
 
 def check_optimizer_values(cfg: RunConfig) -> None:

@@ -197,9 +197,9 @@ class ParallelConfig(Section):
     # plan: the model's `base_model_ep_plan`, its all-to-all dispatch); each rank still reads its own samples (the
     # global batch is unchanged), tokens travel to their experts' ranks and back. Expert gradients are summed over
     # the ranks holding the same experts, the rest over the world. Must divide the world and the model's experts;
-    # strategy=ddp (fp32 or bf16) or fsdp (fp32: FSDP2 shards the rest and leaves the split experts whole), not
-    # DeepSpeed; refused with parallel.sequence, LoRA, pruning, optimizer-in-backward and a model without an expert
-    # plan. Measured: notes/moe.md
+    # strategy=ddp or fsdp (each expert range sharded over the ranks holding it, the rest over the world, one
+    # mixed precision for both), in fp32 or bf16, not DeepSpeed; refused with parallel.sequence, LoRA, pruning,
+    # optimizer-in-backward and a model without an expert plan. Measured: notes/moe.md
     expert: int = 1
 
 

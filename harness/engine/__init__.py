@@ -24,6 +24,7 @@ from harness.engine import deepspeed_engine, torch_engine
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.build import build_engine, load_model
 from harness.engine.deepspeed_engine import DeepSpeedEngine, train_collectives_only
+from harness.engine.experts import ExpertGradients, split_for
 from harness.engine.finite import weights_finite
 from harness.engine.parallelize import fsdp_wrap
 from harness.engine.plan import EnginePlan, hidden_size_of, plan_engine
@@ -50,6 +51,7 @@ __all__ = [
     "Engine",
     "DeepSpeedProbe",
     "EnginePlan",
+    "ExpertGradients",
     "GradientProbe",
     "LossFn",
     "ParamShard",
@@ -67,6 +69,7 @@ __all__ = [
     "read_model_weights",
     "weights_finite",
     "shard_of",
+    "split_for",
     "train_collectives_only",
     "unwrap",
 ]

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from harness.config import LoraConfig, RunConfig, Strategy
+from harness.engine.experts import ExpertGradients
 from harness.engine.storage import local_part
 from harness.memory import prepare_model
 from harness.models import (
@@ -36,7 +37,7 @@ from harness.training import DTYPES, PrecisionPolicy
 
 
 def fsdp_wrap(
-    model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, mesh: DeviceMesh, ignored: set[nn.Parameter] | None = None
+    model: nn.Module, strategy: Strategy, policy: PrecisionPolicy, mesh: DeviceMesh, experts: ExpertGradients | None = None
 ) -> nn.Module:
     """FSDP2: shard the embeddings, each decoder block, the LM head, and the root.
 
@@ -51,12 +52,12 @@ def fsdp_wrap(
     Called on the meta model: each rank then allocates only its shards. One module per
     `fully_shard` call: torch's FSDPMemTracker instruments each
     module's parameter group once, and a group shared by two modules breaks its tracking.
-    `ignored`: parameters FSDP2 leaves whole and unreduced (experts split over ranks: each rank's
-    are other experts, reduced by `harness.engine.experts`).
+    `experts`: the experts split over ranks (bound to `model`): each experts module is its own
+    group on the replica mesh (the ranks holding the same experts), in the same mixed precision, its
+    gradients summed over the replicas and divided by the world (`harness.engine.experts`); the
+    blocks' groups then leave them out.
     """
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
-    if ignored:
-        kwargs["ignored_params"] = ignored
     reduce = DTYPES[strategy.reduce_dtype]
     if policy.mode == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
@@ -68,6 +69,15 @@ def fsdp_wrap(
         # pinned host memory needs CUDA; on a CPU run the "device" is the host, and the policy runs
         # the same shard moves and host step (no memory saved: a correctness run)
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    if experts is not None:
+        for module in experts.modules(model):
+            fully_shard(module, **{**kwargs, "mesh": experts.replica_mesh})
+            module.set_gradient_divide_factor(float(experts.world))
+            if experts.replicas > 1:
+                # a sum, then the division: gloo has no pre-multiplied sum. (Not on a replica group of one:
+                # torch 2.13 then divides the copy and the result both, halving the gradient at world 2.)
+                module.set_force_sum_reduction_for_comms(True)
+        experts.sharded = True
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = embed is not None and head is not None and head.weight is embed.weight
     if embed is not None and not tied:  # tied input/output embeddings: one weight, left to the root's group

@@ -26,8 +26,8 @@ def shard_of(param: nn.Parameter, name: str, world: int, split: Split | None = N
     rank works on where every rank holds the whole parameter (default: all of it)."""
     if isinstance(param, DTensor):
         mesh = param.device_mesh
-        if mesh.ndim != 1 or mesh.size() != world:
-            raise NotImplementedError(f"FSDP2 mesh {tuple(mesh.shape)}: only a 1-D mesh over all ranks is supported (no HSDP)")
+        if mesh.size() != world:  # every element held by one rank: FSDP2's world mesh, or the experts' (replica x expert)
+            raise NotImplementedError(f"DTensor mesh {tuple(mesh.shape)}: only a mesh over all {world} ranks is supported (no HSDP)")
         shape, start, end, _ = local_part(param)
         return DTensorShard(name, param, shape, start, end)
     deepspeed_shard = deepspeed_shard_of(param, name, world)

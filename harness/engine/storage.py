@@ -12,20 +12,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from harness.models import Part, whole_part
 
 
 def _dtensor_part(p: DTensor) -> Part:
-    mesh = p.device_mesh
-    (placement,) = p.placements
-    if mesh.ndim != 1 or not (isinstance(placement, Shard) and placement.dim == 0):
-        raise NotImplementedError(f"FSDP2 placement {p.placements} on mesh {tuple(mesh.shape)}: only Shard(0) on a 1-D mesh")
-    rows = p.shape[0]
-    per_rank = -(-rows // mesh.size())  # torch.chunk's split: ceil(rows / world), the last ranks short or empty
+    """Whole rows of dim 0: FSDP2's `Shard(0)` over the world, or an expert range's rows split over
+    its replicas (the experts' `Shard(0)` on the expert mesh under FSDP2's on the replica mesh)."""
+    if not all(isinstance(pl, (Shard, _StridedShard)) and pl.dim == 0 for pl in p.placements):
+        raise NotImplementedError(f"placement {p.placements} on mesh {tuple(p.device_mesh.shape)}: only dim-0 shards")
     local = p.to_local()
-    r0 = min(mesh.get_local_rank() * per_rank, rows)
+    rows = p.shape[0]
     row = p.numel() // rows if rows else 0
+    if p.device_mesh.ndim == 1:
+        per_rank = -(-rows // p.device_mesh.size())  # torch.chunk's split: ceil(rows / world), the last ranks short or empty
+        r0 = min(p.device_mesh.get_local_rank() * per_rank, rows)
+    else:
+        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        r0 = offset[0] if local.numel() else rows
     return tuple(p.shape), r0 * row, (r0 + local.shape[0]) * row, local.view(-1)
 
 

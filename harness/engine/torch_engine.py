@@ -317,8 +317,7 @@ class FSDPEngine(TorchEngine):
         fills only its own."""
         prepare_model(model, cfg.memory)
         experts: ExpertGradients | None = getattr(model, "harness_experts", None)
-        ignored = set(experts.bind(model).params) if experts is not None else None
-        fsdp_wrap(model, plan.strategy, plan.precision, plan.layout.shard_mesh(info.device.type), ignored)
+        fsdp_wrap(model, plan.strategy, plan.precision, plan.layout.shard_mesh(info.device.type), experts)
         weights.fill(materialize(model, info.device))
 
     def _sync_gradients(self, last_micro: bool) -> None:

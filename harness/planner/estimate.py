@@ -151,6 +151,7 @@ def specs_for(
         # LoRA/QLoRA adapters too: the trainer casts all but the quantized linears (`cast_except_quantized`)
         torch_param_bytes=DTYPE_BYTES[param_dtype],
         frozen_param_bytes=DTYPE_BYTES[DTYPE_NAMES[policy.frozen_dtype]],
+        expert=plan.layout.expert,
     )
     if kind != "deepspeed":
         return trace, EngineSpec(**common)

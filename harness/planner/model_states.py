@@ -226,8 +226,10 @@ def torch_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
 
 def fsdp_model(spec: EngineSpec, info: ParamInfo) -> EngineModel:
     """FSDP2: sharded fp32 parameters and gradients are traced; the optimizer is added here. The
-    experts split over ranks (expert parallelism) are FSDP2's ignored parameters: whole on their rank."""
-    local = [math.prod(s) if n in info.split_names else fsdp_local_numel(s, spec.world, 0) for n, s in zip(info.names, info.shapes)]
+    experts split over ranks (expert parallelism): each rank's range sharded over its replicas
+    (`harness.engine.parallelize.fsdp_wrap`)."""
+    replicas = spec.world // spec.expert
+    local = [fsdp_local_numel(s, replicas if n in info.split_names else spec.world, 0) for n, s in zip(info.names, info.shapes)]
     states = torch_optimizer_bytes(spec, local)
     transient = torch_step_transient(spec, max(local, default=0))
     if spec.offload_params != "none" and spec.target == "cuda":

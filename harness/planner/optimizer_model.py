@@ -25,6 +25,7 @@ class EngineSpec:
     kind: EngineKind  # harness.config.EngineKind: single | ddp | fsdp | deepspeed
     world: int
     precision: str  # fp32 | bf16 | fp16
+    expert: int = 1  # ranks each MoE layer's experts are split over; FSDP2 shards each range over world / expert replicas
     stage: int = 0  # ZeRO stage (zero only)
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_params: str = "none"

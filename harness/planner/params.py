@@ -29,7 +29,7 @@ class ParamInfo:
     frozen_shapes: list[tuple[int, ...]] = field(default_factory=list)  # parameters that take no gradient (LoRA's base)
     frozen_names: list[str] = field(default_factory=list)
     expert_names: tuple[str, ...] = ()  # the stacked expert tensors expert parallelism splits (transformers' expert plan)
-    split_names: frozenset[str] = frozenset()  # of `names`: the experts split over ranks (FSDP2 leaves them whole, unsharded)
+    split_names: frozenset[str] = frozenset()  # of `names`: the experts split over ranks (FSDP2 shards them over their replicas)
 
     def split(self, degree: int) -> ParamInfo:
         """What one rank holds with every MoE layer's experts split over ``degree`` ranks (dim 0, evenly),

@@ -36,7 +36,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from harness.config import LoraConfig, MemoryConfig, ParallelLayout, Strategy
 from harness.distributed import CollectiveBytes, local_tensor
-from harness.engine import fsdp_wrap
+from harness.engine import ExpertGradients, fsdp_wrap, split_for
 from harness.errors import ConfigError
 from harness.memory import ActivationOffload, prepare_model
 from harness.models import (
@@ -45,7 +45,6 @@ from harness.models import (
     hold_frozen_in,
     is_preset,
     model_config,
-    split_experts,
     twin_config,
     use_ulysses,
 )
@@ -267,23 +266,21 @@ def build_fake_model(
     return model
 
 
-def _split_experts(model: nn.Module, spec: TraceSpec, moe: MoeFacts) -> tuple[list[str], PlannedExchange]:
-    """Rank 0's experts, split as the trainer splits them (`harness.models.split_experts`, inside
-    the fake group of `spec.expert` ranks): their names, and the exchange's split sizes for the traced
-    routing case."""
+def _split_experts(model: nn.Module, spec: TraceSpec, moe: MoeFacts) -> tuple[ExpertGradients, PlannedExchange]:
+    """Rank 0's experts, split as the trainer splits them (`harness.engine.split_for`, inside the
+    fake group): their keeper, and the exchange's split sizes for the traced routing case."""
     world = spec.world_size if spec.wrap == "fsdp" else spec.expert  # DDP's trace: one copy of the experts' ranks
-    mesh = ParallelLayout(world, 1, spec.expert).expert_mesh("cpu")
-    split = split_experts(model, mesh["expert"], mesh["same_batch"])
+    experts = split_for(model, ParallelLayout(world, 1, spec.expert), "cpu")
     tokens = spec.micro_batch * spec.seq_len
-    return split, PlannedExchange(*exchange_sizes(spec.routing, tokens, moe.top_k, moe.experts, spec.expert))
+    return experts, PlannedExchange(*exchange_sizes(spec.routing, tokens, moe.top_k, moe.experts, spec.expert))
 
 
 # ----------------------------------------------------------------------------- the trace
 
 
-def _wrap_fsdp(model: nn.Module, spec: TraceSpec, ignored: set[nn.Parameter]) -> nn.Module:
+def _wrap_fsdp(model: nn.Module, spec: TraceSpec, experts: ExpertGradients | None) -> nn.Module:
     """The trainer's own FSDP2 wrapping (same groups, same mixed precision) over the fake group;
-    `ignored`: the experts split over ranks, left whole as the trainer leaves them."""
+    `experts`: the experts split over ranks, each range sharded over its replicas as the trainer does."""
 
     strategy = Strategy(
         "fsdp",
@@ -294,7 +291,7 @@ def _wrap_fsdp(model: nn.Module, spec: TraceSpec, ignored: set[nn.Parameter]) ->
         reduce_dtype=spec.fsdp_reduce_dtype,
     )
     policy = precision_policy(spec.precision, torch.device("cpu"), "fsdp")
-    return fsdp_wrap(model, strategy, policy, ParallelLayout(spec.world_size, spec.sequence).shard_mesh("cpu"), ignored or None)
+    return fsdp_wrap(model, strategy, policy, ParallelLayout(spec.world_size, spec.sequence).shard_mesh("cpu"), experts)
 
 
 def _step_input(spec: TraceSpec, vocab: int) -> torch.Tensor:
@@ -346,14 +343,14 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         with fake_process_group(world):
             if spec.sequence > 1:  # as the trainer: attention swapped before AC, tiling and sharding
                 use_ulysses(model, ParallelLayout(world, spec.sequence).sequence_group("cpu"), spec.packed)
+            experts: ExpertGradients | None = None
             if spec.expert > 1 and moe is not None:  # as the trainer: experts split on the model before it is prepared
-                split, exchange = _split_experts(model, spec, moe)
-                info = replace(param_info(model), split_names=frozenset(split))
-            named = dict(model.named_parameters())
-            split_ids = {id(named[n]) for n in split} if spec.expert > 1 and moe is not None else set()
+                experts, exchange = _split_experts(model, spec, moe)
+                info = replace(param_info(model), split_names=frozenset(experts.names))
             prepare_model(model, spec.memory())  # the engines' own preparation, in its order
             if spec.wrap == "fsdp":
-                model = _wrap_fsdp(model, spec, {p for p in model.parameters() if id(p) in split_ids})
+                model = _wrap_fsdp(model, spec, experts.bind(model) if experts is not None else None)
+            split_ids = {id(p) for p in experts.bind(model).params} if experts is not None else set()
             held = sum(local_tensor(p).untyped_storage().nbytes() for p in model.parameters())
             tracker: Any = Timeline()
             tracker.track_external(model)

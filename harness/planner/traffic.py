@@ -20,7 +20,8 @@ def planned_traffic(trace: TraceResult, kind: str, world: int) -> dict[str, int]
     measurement's rule (`harness.distributed.traffic`). DDP all-reduces every trained gradient but the
     split experts' once a step and broadcasts the buffers from rank 0 once a step too (before the first
     forward: a forward inside `no_sync` leaves the next one unsynced); the split experts are all-reduced
-    over their replicas. None for DeepSpeed (not planned)."""
+    over their replicas (under FSDP2 they are its groups on the replica mesh: traced). None for
+    DeepSpeed (not planned)."""
     if kind == "deepspeed":
         return None
     sent = collections.Counter(trace.sent)
@@ -29,7 +30,7 @@ def planned_traffic(trace: TraceResult, kind: str, world: int) -> dict[str, int]
         sent["all_reduce"] += (trace.grad_bytes - trace.split_grad_bytes) * 2 * (world - 1) // world
         sent["broadcast"] += trace.buffer_bytes * (world - 1)
     replicas = world // spec.expert
-    if spec.expert > 1 and replicas > 1:
+    if kind == "ddp" and spec.expert > 1 and replicas > 1:
         sent["all_reduce"] += trace.split_grad_bytes * 2 * (replicas - 1) // replicas
     return {k: v for k, v in sent.items() if v}
 

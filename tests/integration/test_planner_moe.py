@@ -125,26 +125,35 @@ def test_expert_parallel_plans_a_ranks_share_of_the_experts_and_each_routing_cas
     experts; each rank its own share) is the peak a real 2-rank step routed that way reaches
     (`routed_measure.py`, the planner's judge with the router's choice replaced); and the bytes rank 0
     sends in each case, planned and counted (`harness.distributed.traffic`), are equal. The same launch
-    measures FSDP2 with the experts split (its ignored parameters, whole on their ranks; the rest
-    sharded): planned within gloo's possible buffer, its traffic to the byte. (By hand at world 4, two
-    replicas of each expert half: within 32 B of the interval, the replicas' all-reduce to the byte.)"""
+    measures FSDP2 with the experts split (each rank's half its own FSDP2 group on the replica mesh,
+    the rest sharded), in fp32 and in bf16 (the experts gathered in bf16 over fp32 shards, as the
+    rest): planned within gloo's possible buffer, its traffic to the byte. (By hand at world 4, two
+    replicas of each expert half, each sharding it: notes/moe.md.)"""
     from launching import free_port
 
     whole = [f"model.name={moe_dirs['qwen3_moe']}", "strategy=ddp", "precision=fp32", *SHAPE]
     split = [*whole, "parallel.expert=2"]
     sharded = [f"model.name={moe_dirs['qwen3_moe']}", "strategy=fsdp", "precision=fp32", *SHAPE, "parallel.expert=2"]
+    sharded_bf16 = [*sharded, "precision=bf16"]
     out = tmp_path / "routed.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", f"--master_port={free_port()}"]
-    cmd += [str(Path(__file__).with_name("routed_measure.py")), str(out), *split, "::", *sharded]
+    cmd += [str(Path(__file__).with_name("routed_measure.py")), str(out), *split, "::", *sharded, "::", *sharded_bf16]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    measured, measured_fsdp = json.loads(out.read_text())
-    for case in ("worst", "balanced"):
-        plan, rank0 = estimate(load_config(None, sharded), 2, target="cpu", routing=case), measured_fsdp[case][0]
-        assert plan.total - plan.race_bytes <= rank0["peak"] <= plan.total, (case, plan.total, plan.race_bytes, rank0["peak"])
-        assert plan.peak.categories["parameters"] == rank0["peak_by_category"]["parameters"], case
-        assert plan.peak.categories["optimizer_state"] == rank0["peak_by_category"]["optimizer_state"], case
-        assert plan.traffic == {k: v for k, v in rank0["sent_bytes"][0].items() if v}, case
+    measured, measured_fsdp, measured_bf16 = json.loads(out.read_text())
+    for overrides, fsdp in ((sharded, measured_fsdp), (sharded_bf16, measured_bf16)):
+        for case in ("worst", "balanced"):
+            plan, rank0 = estimate(load_config(None, overrides), 2, target="cpu", routing=case), fsdp[case][0]
+            assert plan.total - plan.race_bytes <= rank0["peak"] <= plan.total, (
+                overrides,
+                case,
+                plan.total,
+                plan.race_bytes,
+                rank0["peak"],
+            )
+            assert plan.peak.categories["parameters"] == rank0["peak_by_category"]["parameters"], (overrides, case)
+            assert plan.peak.categories["optimizer_state"] == rank0["peak_by_category"]["optimizer_state"], (overrides, case)
+            assert plan.traffic == {k: v for k, v in rank0["sent_bytes"][0].items() if v}, (overrides, case)
 
     model = empty_model(model_config(moe_dirs["qwen3_moe"]))
     experts = sum(p.numel() * 4 for p in expert_tensors(model).values())  # fp32 bytes of every layer's stacked experts
