@@ -17,9 +17,7 @@ packing_leak (`planted_check.py`). About 1.5 minutes a case on 2 CPU cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -33,32 +31,17 @@ from harness.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PLANTED = REPO / "tests" / "integration" / "planted_check.py"
-WORDS = "apple river stone cloud maple tiger ocean pencil garden silver planet candle".split()
 CASES = ["none-fsdp-bf16", "unreduced-ddp-bf16", "none-fsdp-fp32", "unreduced-ddp-fp32", "packing_leak-ddp-bf16"]
 
 
 def build_inputs(root: Path, records: int, micro_batch: int, seq_len: int) -> Path:
-    """The tied twin's model directory, the instruction file and the run config; the config's path."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The tied twin's model directory, the instruction file and the run config (the suite's own
+    helpers, `tests/launching.py`); the config's path."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from launching import instruction_file, tied_llama
 
-    model = root / "tied-llama"
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=515, max_position_embeddings=256, tie_word_embeddings=True,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(model)
-    rng = random.Random(0)
-    data = root / "sft.jsonl"
-    with open(data, "w") as f:
-        for i in range(records):
-            w = rng.sample(WORDS, 3)
-            if i % 3 == 0:
-                rec: dict = {
-                    "messages": [{"role": "user", "content": "Sort: " + " ".join(w)}, {"role": "assistant", "content": " ".join(sorted(w))}]
-                }
-            else:
-                rec = {"prompt": f"Reverse the list {' '.join(w)}\nAnswer:", "response": " " + " ".join(reversed(w))}
-            f.write(json.dumps(rec) + "\n")
+    model = tied_llama(root / "tied-llama")
+    data = instruction_file(root / "sft.jsonl", records)
     cfg = {
         "model": {"name": str(model)},
         "data": {"source": str(data), "format": "instruction", "packing": True, "seq_len": seq_len, "cache_dir": str(root / "cache")},

@@ -85,6 +85,18 @@ def instruction_file(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
+def tied_llama(path: Path) -> Path:
+    """The check's tiny Llama saved at `path`: tied embeddings, a 515-row vocabulary (uneven over 2 ranks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=515, max_position_embeddings=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")

@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 
 import pytest
-from launching import BIN, TESTS, instruction_file, run, tiny_config
+from launching import BIN, TESTS, instruction_file, run, tied_llama, tiny_config
 
 from harness.distributed import free_port
 from harness.errors import EXIT_OK, EXIT_WRONG_RESULTS
@@ -41,15 +41,8 @@ PLANTED = str(TESTS / "integration" / "planted_check.py")
 
 @pytest.fixture(scope="module")
 def check_config(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("check")
-    model = root / "tied-llama"
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=515, max_position_embeddings=256, tie_word_embeddings=True,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(model)
+    model = tied_llama(root / "tied-llama")
     data = {"source": str(instruction_file(root / "sft.jsonl", 240)), "format": "instruction", "packing": True}
     return tiny_config(
         root / "run.yaml",
