@@ -1,6 +1,6 @@
 """The search space of `harness.plan --recommend --fastest`: one candidate per combination of
 precision x activation checkpointing x micro-batch x strategy (stage and offload) x sequence split
-x expert split (a mixture of experts, under DDP), each with the accumulation that keeps the user's
+x expert split (a mixture of experts, under DDP or FSDP2), each with the accumulation that keeps the user's
 samples per optimizer step, and its expected step time.
 
 Expected speed is a product of stated relative step-time factors (``SPEED``; a strategy's is
@@ -12,9 +12,9 @@ relative to DDP's all-reduce, PCIe traffic plus a CPU optimizer for offload.
 
 A candidate is only offered where the trainer would run it: the config checks decide (DeepSpeed
 runs its own optimizers; harness's Ulysses runs under the torch engines, without pruning or
-optimizer-in-backward; expert parallelism under DDP with torch's optimizers), never a strategy's name.
-Expert parallelism is costed as DDP (an assumption: each MoE layer's tokens cross the ranks twice each
-way, and no expert's weights are gathered; not measured).
+optimizer-in-backward; expert parallelism under DDP or FSDP2 with torch's optimizers), never a strategy's
+name. Expert parallelism is costed as its strategy (an assumption: each MoE layer's tokens cross the
+ranks twice each way, taken as free beside the strategy's own traffic; not measured).
 """
 
 from __future__ import annotations
@@ -143,13 +143,9 @@ def runs_with(cfg: RunConfig, strategy_name: str, target: str, sequence: int = 1
     with each sample split over ``sequence`` ranks of ``world`` (refused with pruning, with
     optimizer-in-backward): under DeepSpeed that is ALST, whose per-rank peak the planner's trace
     predicts with and without offload (test_planner_accuracy); and with the experts split over
-    ``expert`` ranks (DDP with torch's optimizers only)."""
+    ``expert`` ranks (DDP or FSDP2 with torch's optimizers only)."""
     trial = with_split(cfg, sequence, expert)
     strategy = load_strategy(strategy_name)
-    if expert > 1 and strategy.kind == "fsdp":
-        # FSDP2 with the experts split is planned when asked for (`estimate`), not searched yet: the
-        # search has no step-time factor measured for it
-        return False
     try:
         check_strategy_against_run(strategy, trial, has_accelerator=target == "cuda")
         check_sequence_parallel(trial, strategy, world)

@@ -17,9 +17,10 @@ ranks, `ddp` (one process) on one; `{more_sharding}` is one step further along t
 engine, read from its resolved strategy (DDP: FSDP2; DeepSpeed: its next ZeRO stage; the rung
 is left out where nothing shards further); `{grad_clip}` is the user's own `optim.grad_clip`
 (restored once a rung leaves optimizer-in-backward, which cannot clip); `{expert}` the expert-parallel
-degree (`harness.planner.moe.expert_degree`: a mixture of experts under DDP). Expert parallelism runs
-under DDP with torch's own optimizers only, so the first rung that leaves those (`with_experts`
-False: more sharding, every optimizer and engine change below it) also sets `parallel.expert=1`.
+degree (`harness.planner.moe.expert_degree`: a mixture of experts under DDP or FSDP2). Expert
+parallelism runs under DDP and FSDP2 with torch's own optimizers only, so the first rung that leaves
+those (`with_experts` False: every optimizer and engine change, more sharding too unless it is DDP's
+step to FSDP2, `experts_under_fsdp`) also sets `parallel.expert=1`.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class Rung:
     min_world: int = 1  # sharding means nothing on one rank
     max_world: int | None = None  # torchao's low-bit states on bf16 weights do not step under FSDP2 (refused)
     with_sequence: bool = True  # False: left out below the sequence-parallel rung (a combination the trainer refuses)
-    with_experts: bool = False  # True: runs with the experts split (DDP, torch's optimizers); False: the rung sets parallel.expert=1
+    with_experts: bool = False  # True: runs with the experts split (DDP or FSDP2, torch's optimizers); False: sets parallel.expert=1
+    experts_under_fsdp: bool = False  # True: keeps them split where its strategy resolves to plain FSDP2 (more sharding from DDP)
     # True: only while the experts are split, and undone with the split (a later rung of its own turns it on again)
     while_split: bool = False
 
@@ -66,10 +68,10 @@ class Rung:
 RUNGS: tuple[Rung, ...] = (
     Rung("as configured", (), with_experts=True),
     Rung("bf16 mixed precision", ("precision=bf16",), with_experts=True),
-    # a mixture of experts under DDP: each rank holds 1/{expert} of every MoE layer's experts
-    Rung("expert parallelism (DDP: each rank its share of the experts)", ("parallel.expert={expert}",), min_world=2, with_experts=True),
-    # recomputation before the experts leave: the next rung (more sharding) leaves DDP, so without this the
-    # ladder never tries the two together; undone with the split, so that rung is judged without it
+    # a mixture of experts under DDP or FSDP2: each rank holds 1/{expert} of every MoE layer's experts
+    Rung("expert parallelism (each rank its share of the experts)", ("parallel.expert={expert}",), min_world=2, with_experts=True),
+    # recomputation with the experts split, before any rung that may leave them (more sharding from FSDP2
+    # does); undone with the split, so that rung is judged without it
     Rung(
         f"{ACTIVATION_CHECKPOINTING.name}, the experts still split",
         ACTIVATION_CHECKPOINTING.overrides(),
@@ -77,7 +79,7 @@ RUNGS: tuple[Rung, ...] = (
         with_experts=True,
         while_split=True,
     ),
-    Rung("more sharding (DDP: FSDP2; DeepSpeed: its next ZeRO stage)", ("strategy={more_sharding}",), min_world=2),
+    Rung("more sharding (DDP: FSDP2; DeepSpeed: its next ZeRO stage)", ("strategy={more_sharding}",), min_world=2, experts_under_fsdp=True),
     Rung.of(ACTIVATION_CHECKPOINTING),
     Rung.of(CHUNKED_LOSS),
     # long sequences: activations that grow with seq_len, in cost order
@@ -200,11 +202,14 @@ def rung_overrides(
         added = [o.format(**values) for o in rung.overrides]
         if rung.while_split:
             scoped = scoped + added
+        else:  # a rung of its own turns it on: no longer undone with the split
+            scoped = [o for o in scoped if o not in added]
         applied = applied + added
-        if split and not rung.with_experts:
+        keeps = rung.with_experts or (rung.experts_under_fsdp and further == "fsdp")
+        if split and not keeps:
             applied = [o for o in applied if o not in scoped] + ["parallel.expert=1"]
             split, scoped = False, []
-        if out and net(applied) == out[-1][1]:
+        if out and sorted(net(applied)) == sorted(out[-1][1]):
             continue  # nothing new: a technique the user, or a rung above, already turned on
         out.append((rung, net(applied)))
     return out
@@ -275,8 +280,8 @@ def walk_ladder(
     except ConfigError:
         strategy = None  # the first rung, the config as written, reports it
     sequence = sequence_degree(user, world, vocab_size)
-    # expert parallelism runs under DDP: its rung for a DDP run of a mixture of experts
-    expert = expert_degree(user, world) if strategy is not None and strategy.kind == "ddp" else 1
+    # expert parallelism runs under DDP and FSDP2: its rung for such a run of a mixture of experts
+    expert = expert_degree(user, world) if strategy is not None and strategy.kind in ("ddp", "fsdp") else 1
     rungs = rung_overrides(world, user.optim.grad_clip, strategy, sequence, user.grad_accum, expert, user.parallel.expert)
     for rung, applied in rungs:
         all_overrides = [*overrides, *applied]

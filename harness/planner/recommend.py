@@ -77,8 +77,9 @@ def _model_state_floor(cfg: RunConfig, world: int, target: str, info: ParamInfo,
     strategy = load_strategy(cfg.strategy)
     tspec, espec = specs_for(cfg, strategy, world, info.hidden_size, target, vocab)
     info = info.split(tspec.expert)  # each rank its share of the experts
-    if tspec.wrap == "fsdp":
-        params = sum(fsdp_local_numel(s, world, 0) for s in info.shapes) * 4
+    if tspec.wrap == "fsdp":  # each rank's expert range sharded over its replicas, the rest over the world
+        replicas = world // tspec.expert
+        params = sum(fsdp_local_numel(s, replicas if n in info.split_names else world, 0) for n, s in zip(info.names, info.shapes)) * 4
         grads = params
     else:
         params = info.total * DTYPE_BYTES.get(tspec.module_dtype, 4)

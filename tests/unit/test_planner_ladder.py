@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -53,12 +54,14 @@ def test_the_sequence_parallel_rung_keeps_the_global_batch_and_drops_what_it_ref
     assert "strategy=zero2_offload" in zero and "parallel.sequence=2" in zero and "grad_accum=6" in zero
 
 
-def test_the_expert_parallel_rung_splits_the_experts_until_a_rung_leaves_ddp(tmp_path) -> None:
+def test_the_expert_parallel_rung_splits_the_experts_until_a_rung_leaves_ddp_and_fsdp2(tmp_path) -> None:
     """A mixture of experts under DDP: the degree is the largest that divides the world and the experts
     (the user's own kept); the rung splits them, the next adds activation checkpointing with them split,
-    the next (more sharding: FSDP2) and every one after it sets parallel.expert=1 and drops that
-    recomputation (judged without it, until the checkpointing rung of its own); every rung a config the
-    trainer accepts. The search offers the split under DDP, and its most frugal corner does not split."""
+    more sharding (DDP's step to FSDP2) keeps them split, as do the memory techniques after it, and the
+    first rung that leaves DDP and FSDP2's torch optimizers (the step inside backward) sets
+    parallel.expert=1, keeping the recomputation (its own rung turned it on by then); every rung a config
+    the trainer accepts. The search offers the split under DDP and FSDP2, and its most frugal corner
+    does not split."""
     from model_families import moe_configs
 
     from harness.planner.candidates import candidates, most_frugal, with_candidate, with_split
@@ -74,20 +77,25 @@ def test_the_expert_parallel_rung_splits_the_experts_until_a_rung_leaves_ddp(tmp
     names = [r.name for r, _ in rungs]
     split = next(i for i, n in enumerate(names) if n.startswith("expert parallelism"))
     assert names[split + 1].endswith("the experts still split") and names[split + 2].startswith("more sharding")
-    checkpointed = next(i for i, n in enumerate(names) if n.startswith("activation checkpointing") and i > split + 1)
+    left = next(i for i, n in enumerate(names) if n.startswith("optimizer step inside backward"))
+    assert left > split + 3  # chunked loss, tiled MLP, checkpoint-input offload: still split
     for i, (rung, overrides) in enumerate(rungs):
         cfg = load_config(None, [*TINY, *overrides])
         check_run(cfg, load_strategy(cfg.strategy), 2, has_accelerator=True)
-        assert cfg.parallel.expert == (2 if i in (split, split + 1) else 1), rung.name
-        recomputes = i == split + 1 or i >= checkpointed
-        assert (cfg.memory.activation_checkpointing == "full") == recomputes, rung.name
-    asked = rung_overrides(2, expert=2, user_expert=2)  # the user split them: no rung, the first that leaves DDP undoes it
+        assert cfg.parallel.expert == (2 if split <= i < left else 1), rung.name
+        assert (cfg.memory.activation_checkpointing == "full") == (i > split), rung.name
+        if i == split + 2:
+            assert cfg.strategy == "fsdp", rung.name
+    asked = rung_overrides(2, expert=2, user_expert=2)  # the user split them: no rung; FSDP2 keeps them, the step inside backward not
     assert not any(r.name.startswith("expert parallelism") for r, _ in asked)
-    assert next(o for r, o in asked if r.name.startswith("more sharding"))[-1] == "parallel.expert=1"
+    assert "parallel.expert=1" not in next(o for r, o in asked if r.name.startswith("more sharding"))
+    assert next(o for r, o in asked if r.name.startswith("optimizer step inside"))[-1] == "parallel.expert=1"
+    from_fsdp = rung_overrides(2, strategy=load_strategy("fsdp", env={}), expert=2)  # FSDP2's run gets the rung too
+    assert any(r.name.startswith("expert parallelism") for r, _ in from_fsdp)
 
     cfg = load_config(None, moe)
     searched = {(c.strategy, c.expert) for c in candidates(cfg, 2, nvme=False, target="cuda")}
-    assert ("ddp", 2) in searched and all(s == "ddp" for s, e in searched if e > 1)
+    assert {("ddp", 2), ("fsdp", 2)} <= searched and all(load_strategy(s).kind in ("ddp", "fsdp") for s, e in searched if e > 1)
     split_cfg = load_config(None, [*moe, "parallel.expert=2"])
     assert with_candidate(split_cfg, most_frugal(split_cfg, 2, nvme=False)).parallel.expert == 1
     # the search's untraced model-state bound holds a rank's share of the experts, as the trace does
@@ -99,6 +107,9 @@ def test_the_expert_parallel_rung_splits_the_experts_until_a_rung_leaves_ddp(tmp
     assert info.split(2).total == info.total - experts // 2 and info.split(2).split_expert_numel == experts // 2
     floors = {e: _model_state_floor(with_split(cfg, 1, e), 2, "cuda", info, None) for e in (1, 2)}
     assert floors[1] - floors[2] == experts // 2 * 4 * 4  # fp32 parameters, gradients and AdamW's two states
+    fsdp = dataclasses.replace(cfg, strategy="fsdp")  # each rank's range sharded over its replicas: 1/world of the experts
+    sharded = {e: _model_state_floor(with_split(fsdp, 1, e), 4, "cuda", info, None) for e in (1, 2)}
+    assert sharded[1] == sharded[2]
 
 
 def test_sequence_degree_is_the_largest_split_the_world_heads_and_length_allow() -> None:
@@ -198,13 +209,14 @@ def test_fsdp2_cpu_offload_keeps_the_unsharded_gradients_of_a_group_in_backward_
     assert end["gradients"] == 0 and est.host["gradients"] == pinned
 
 
-def test_expert_parallelism_under_fsdp2_is_planned_when_asked_and_never_searched():
-    """The trainer runs FSDP2 with the experts split (left whole by FSDP2); the planner plans it when
-    asked (measured in `test_planner_moe.py`), and the search does not propose it (no step-time factor)."""
+def test_expert_parallelism_under_fsdp2_is_planned_and_searched():
+    """The trainer runs FSDP2 with the experts split (each range sharded over its replicas); the planner
+    plans it (measured in `test_planner_moe.py`), and the search proposes it, costed as FSDP2."""
     from harness.planner.candidates import runs_with
     from harness.planner.estimate import check_modelled
 
     cfg = load_config(None, ["precision=fp32", "parallel.expert=2"])
     assert check_modelled(cfg, load_strategy("fsdp", env={}), 2) == "fsdp"
     assert check_modelled(cfg, load_strategy("ddp", env={}), 2) == "ddp"
-    assert runs_with(cfg, "ddp", "cuda", world=2, expert=2) and not runs_with(cfg, "fsdp", "cuda", world=2, expert=2)
+    assert runs_with(cfg, "ddp", "cuda", world=2, expert=2) and runs_with(cfg, "fsdp", "cuda", world=2, expert=2)
+    assert not runs_with(cfg, "zero3", "cuda", world=2, expert=2)
