@@ -14,10 +14,9 @@ shards, as the rest), the gradients reduce-scattered over the replicas.
 
 `ExpertGradients` does what the engine does for the rest, for the experts: after the last
 micro-batch's backward, each expert gradient is summed over its replica group (the ranks holding
-the same experts; none at expert = world) and divided by the world, the engines' mean. Under FSDP2
-the reduce-scatter sums over the replicas and divides by the world (`gradient_divide_factor`) in
-the backward, and nothing is left to do. That is the
-world-1 gradient: rank r's expert e already holds the gradient of every token of its expert group
+the same experts; none at expert = world) and divided by the world, the engines' mean (under FSDP2
+its reduce-scatter does both in the backward, `gradient_divide_factor`). That is the world-1
+gradient: rank r's expert e already holds the gradient of every token of its expert group
 routed to e (the all-to-all's backward brought them), and the loss of each rank is its share of the
 global mean, as for the parameters the engine averages. The gradient norm is the world-1 norm: the
 rest's (identical on every rank after DDP; FSDP2's shards summed over the world) and the experts'
