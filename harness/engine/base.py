@@ -26,10 +26,20 @@ from harness.engine.plan import EnginePlan
 from harness.engine.probe import GradientProbe
 from harness.engine.shard_base import ParamShard
 from harness.engine.shards import memory_storage, shard_of
-from harness.memory import ActivationOffload, ModelStorage
+from harness.log import get_logger
+from harness.memory import COMPILE, ActivationOffload, CompiledCheck, ModelStorage
 from harness.models import ModelSpec, count_parameters, quantized_codes
 
 LossFn = Callable[..., torch.Tensor]  # (model, batch, num_items=None) -> the micro-batch's loss
+
+
+log = get_logger(__name__)
+
+
+def _say_if_eager(compiled: CompiledCheck) -> None:
+    line = compiled.fell_back()
+    if line is not None:
+        log.warning(line)
 
 
 @dataclass
@@ -69,6 +79,10 @@ class Engine:
         self._offloader: ActivationOffload | None = None  # `_offload`'s, once built
         # what must have happened in the first forward (Ulysses' exchange ran), checked once after it
         self._after_first_forward: list[Callable[[], None]] = []
+        memory = plan.config.memory
+        if COMPILE.is_on(memory):  # said, not refused: an eager fallback trains the same model, only slower
+            compiled = CompiledCheck(memory.compile if memory.compile != "none" else "model")
+            self._after_first_forward.append(lambda: _say_if_eager(compiled))
 
     @classmethod
     def build(cls, spec: ModelSpec, cfg: RunConfig, plan: EnginePlan, info: DistInfo, loss_fn: LossFn) -> Engine:

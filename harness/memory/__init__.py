@@ -16,7 +16,7 @@ in `harness.config.checks`.
 from harness.memory.activation_checkpoint import apply_activation_checkpointing, blocks_to_wrap, checkpointed_blocks, clean_fqn
 from harness.memory.activation_offload import ActivationOffload
 from harness.memory.categories import CATEGORIES, REPORTED, STATE_CATEGORIES, category_of
-from harness.memory.compile import CompileTimer, apply_compile, set_activation_memory_budget
+from harness.memory.compile import CompiledCheck, CompileTimer, apply_compile, set_activation_memory_budget
 from harness.memory.optimizer_in_backward import OptimizerInBackward
 from harness.memory.pinned import pinned_block, pinned_bytes
 from harness.memory.techniques import (
@@ -24,6 +24,7 @@ from harness.memory.techniques import (
     ACTIVATION_CHECKPOINTING,
     CHECKPOINT_INPUT_OFFLOAD,
     CHUNKED_LOSS,
+    COMPILE,
     LOSS_CHUNK,
     MLP_TILE_TOKENS,
     TECHNIQUES,
@@ -48,6 +49,7 @@ __all__ = [
     "ACTIVATION_CHECKPOINTING",
     "CHECKPOINT_INPUT_OFFLOAD",
     "CHUNKED_LOSS",
+    "COMPILE",
     "LOSS_CHUNK",
     "MLP_TILE_TOKENS",
     "TECHNIQUES",
@@ -62,6 +64,7 @@ __all__ = [
     "STATE_CATEGORIES",
     "ActivationOffload",
     "CompileTimer",
+    "CompiledCheck",
     "FrozenAwareMemTracker",
     "ModelStorage",
     "OptimizerInBackward",

@@ -84,6 +84,24 @@ def _graphs_compiled() -> int:
     return int(counters["stats"].get("unique_graphs", 0))
 
 
+class CompiledCheck:
+    """Whether the first forward after a compile compiled anything: dynamo falls back to eager, with
+    no error, where it cannot trace (a graph break it cannot split at, such as a side effect inside
+    activation checkpointing, is a whole block run eagerly). Built when the model is compiled;
+    `fell_back()` after the first forward is None, or one line saying what ran eagerly and why
+    (dynamo's first recorded graph break)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.before = mode, _graphs_compiled()
+
+    def fell_back(self) -> str | None:
+        if _graphs_compiled() > self.before:
+            return None
+        breaks = [*counters["graph_break"], *counters["unimplemented"]]
+        why = str(breaks[0]).strip().splitlines()[0] if breaks else "dynamo recorded no reason"
+        return f"memory.compile={self.mode}: the first forward compiled no graph, so the model runs eagerly ({why})"
+
+
 class CompileTimer:
     """Separate compile warm-up from steady step time.
 

@@ -124,3 +124,15 @@ def test_compile_timer_without_compilation() -> None:
             torch.ones(8).sum()
     report = timer.report()
     assert report["warmup_steps"] == 0 and report["compile_s"] == 0.0 and report["steady_steps"] == 3
+
+
+def test_a_compile_that_ran_eagerly_is_said_after_the_first_forward() -> None:
+    """dynamo falls back to eager without an error (a side effect under activation checkpointing made
+    every block eager with transformers 5.25): the engines say so after the first forward."""
+    from harness.memory import CompiledCheck
+
+    check = CompiledCheck("block")
+    line = check.fell_back()
+    assert line is not None and line.startswith("memory.compile=block: the first forward compiled no graph, so the model runs eagerly")
+    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2))
+    assert check.fell_back() is None
