@@ -320,9 +320,11 @@ class FSDPEngine(TorchEngine):
         fsdp_wrap(model, plan.strategy, plan.precision, plan.layout.shard_mesh(info.device.type), experts)
         weights.fill(materialize(model, info.device))
 
-    def _sync_gradients(self, last_micro: bool) -> None:
-        # FSDP2 decides in backward: skip the reduce-scatter on all but the last micro-batch.
-        self.model.set_requires_gradient_sync(last_micro)
+    # Gradients are reduce-scattered after every micro-batch, accumulating in the sharded `.grad`
+    # (torchtitan's choice, and ZeRO's): skipping the reduce-scatter until the last micro-batch
+    # (`set_requires_gradient_sync(False)`) keeps every group's unsharded gradient alive across the
+    # accumulation, the whole model's gradients on every rank (Qwen3-30B-A3B at 8 ranks: 113 GiB
+    # planned), which is what sharding is for. The price: a reduce-scatter per micro-batch, not per step.
 
 
 def drop_frozen_aliases(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:

@@ -403,7 +403,7 @@ def estimate(
         routing=Routing(trace.moe, tspec.micro_batch * (tspec.seq_len // tspec.sequence), routing, tspec.expert, peaks)
         if trace.moe
         else None,
-        traffic=planned_traffic(trace, espec.kind, world_size),
+        traffic=planned_traffic(trace, espec.kind, world_size, plan.config.grad_accum),
     )
 
 

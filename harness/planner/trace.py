@@ -139,8 +139,9 @@ class TraceResult:
     offloaded_bytes: int = 0  # pinned host bytes of the offloaded checkpoint inputs at most (per rank; harness.memory.pinned)
     moe: MoeFacts | None = None  # the model's experts (harness.planner.moe); None: a dense model
     # The collectives the traced forwards and backwards dispatch (FSDP2's gathers and reduce-scatters,
-    # the experts' and Ulysses' all-to-alls): bytes this rank sends by kind (harness.distributed.traffic)
-    sent: dict[str, int] = field(default_factory=dict)
+    # the experts' and Ulysses' all-to-alls): bytes this rank sends by kind (harness.distributed.traffic),
+    # per traced micro-batch (the second stands for every one after it)
+    sent: list[dict[str, int]] = field(default_factory=list)
     grad_bytes: int = 0  # this rank's trained parameters' bytes (a gradient each, in their dtype)
     split_grad_bytes: int = 0  # of which the experts split over ranks (reduced over their replicas, not the world)
     buffer_bytes: int = 0  # the model's buffers (DDP broadcasts them from rank 0 before every forward)
@@ -369,15 +370,16 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                 offload = ActivationOffload(scope="checkpoint_inputs", model=model, simulate=True, pin_memory=True)
                 with warnings.catch_warnings(), real_run_masking(packed=spec.packed), grouped, exchange, traffic, tracker:
                     warnings.simplefilter("ignore")
+                    sent: list[dict[str, int]] = []
                     for micro, batch in enumerate(ids):
-                        last = micro == len(ids) - 1
-                        if spec.wrap == "fsdp":
-                            model.set_requires_gradient_sync(last)
+                        before = dict(traffic.sent)
+                        # FSDP2 reduce-scatters every micro-batch, as the engine does (`FSDPEngine`)
                         if micro:
                             tracker.reset_mod_stats()
                         with autocast, offload if spec.offload_checkpoint_inputs else contextlib.nullcontext():
                             loss = _loss(model, batch, spec)
                         (loss / max(1, spec.micro_batches)).backward()
+                        sent.append({k: v - before.get(k, 0) for k, v in traffic.sent.items() if v - before.get(k, 0)})
                         del loss
             for hook in hooks:
                 hook.remove()
@@ -404,7 +406,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
         sharded_grads=tracker.sharded_grads,
         offloaded_bytes=offload.stats.peak_pinned_bytes,
         moe=moe,
-        sent=dict(traffic.sent),
+        sent=sent,
         grad_bytes=grad_bytes,
         split_grad_bytes=split_grad_bytes,
         buffer_bytes=buffer_bytes,

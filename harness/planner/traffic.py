@@ -14,17 +14,22 @@ import collections
 from harness.planner.trace import TraceResult
 
 
-def planned_traffic(trace: TraceResult, kind: str, world: int) -> dict[str, int] | None:
+def planned_traffic(trace: TraceResult, kind: str, world: int, grad_accum: int = 1) -> dict[str, int] | None:
     """What this rank sends per step in its forwards and backwards: the traced collectives (FSDP2's,
     the experts' and Ulysses' exchanges) and those of the engine laid over the trace, counted by the
     measurement's rule (`harness.distributed.traffic`). DDP all-reduces every trained gradient but the
     split experts' once a step and broadcasts the buffers from rank 0 once a step too (before the first
     forward: a forward inside `no_sync` leaves the next one unsynced); the split experts are all-reduced
-    over their replicas (under FSDP2 they are its groups on the replica mesh: traced). None for
-    DeepSpeed (not planned)."""
+    over their replicas (under FSDP2 they are its groups on the replica mesh: traced). The trace holds
+    at most two micro-batches of a step of `grad_accum`: the second stands for every one after the
+    first. None for DeepSpeed (not planned)."""
     if kind == "deepspeed":
         return None
-    sent = collections.Counter(trace.sent)
+    sent: collections.Counter[str] = collections.Counter()
+    for i, micro in enumerate(trace.sent):
+        repeats = max(1, grad_accum - 1) if i == len(trace.sent) - 1 and i > 0 else 1
+        for k, v in micro.items():
+            sent[k] += v * repeats
     spec = trace.spec
     if kind == "ddp" and world > 1:
         sent["all_reduce"] += (trace.grad_bytes - trace.split_grad_bytes) * 2 * (world - 1) // world
