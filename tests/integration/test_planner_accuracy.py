@@ -214,7 +214,7 @@ def test_traffic_planned_as_measured_at_world_two(measured_peaks) -> None:
 
 @pytest.mark.parametrize("strategy", ACCUMULATION_STRATEGIES)
 def test_accumulation_and_chunked_loss_within_3_percent(strategy: str, measured_peaks) -> None:
-    """Gradient accumulation (FSDP2 keeps unsharded gradients across no-sync micro-batches) and the chunked loss."""
+    """Gradient accumulation (FSDP2 reduce-scatters every micro-batch, the shards accumulating) and the chunked loss."""
     _check(_accumulation_runs(strategy), 2, measured_peaks)
 
 
