@@ -87,7 +87,7 @@ def _graphs_compiled() -> int:
 class CompiledCheck:
     """Whether the first forward after a compile compiled anything: dynamo falls back to eager, with
     no error, where it cannot trace (a graph break it cannot split at, such as a side effect inside
-    activation checkpointing, is a whole block run eagerly). Built when the model is compiled;
+    activation checkpointing, is a whole block run eagerly). Built by the engine before its first forward;
     `fell_back()` after the first forward is None, or one line saying what ran eagerly and why
     (dynamo's first recorded graph break)."""
 
