@@ -73,6 +73,7 @@ from harness.runner.check_compare import (
     Part,
     Verdict,
     drift_allowance,
+    failure_hint,
     grad_bound,
     judge,
     merge,
@@ -394,12 +395,9 @@ def check_body(cfg: RunConfig, plan: EnginePlan, info: DistInfo, refs: list[Reco
     elif info.is_main:  # every rank reached the same verdict from the same gathered sums: one line
         log.error(f"check failed: {what}: {verdict.first.line()}")
         log.error(f"check: largest relative errors: {worst}")
-        if cfg.precision == "bf16" and verdict.first.relative < 2 * verdict.first.bound:
-            # a rounding neither reference saw (a kernel's own order, the run's reductions) may still reach its bound
-            log.error(
-                "check: in bf16 an error this close to its bound may be bf16's own rounding at a large step; "
-                "precision=fp32 compares a thousand times finer: a difference that remains there is the run's"
-            )
+        hint = failure_hint(plan.precision, verdict.first)
+        if hint:
+            log.error(hint)
     return EXIT_OK if verdict.first is None else EXIT_WRONG_RESULTS
 
 

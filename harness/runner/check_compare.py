@@ -70,6 +70,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.training import PrecisionPolicy
+
 LAMBDA = 6.0
 STAGES_PER_BLOCK = 12  # stored tensors a gradient passes per decoder block: 2 norms, q/k/v/o, scores, softmax, gate/up/down, residual
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -253,6 +255,27 @@ def judge(
         verdict.add(step, what, name, relative, bound, detail)
 
 
+def failure_hint(precision: PrecisionPolicy, first: Finding) -> str | None:
+    """What a bf16 run's failed check most likely saw, when its first difference is within twice its
+    bound (None: nothing to add). Two causes are the precision's own, not a bug in the run: an
+    update rounded away by weights kept in bf16 (the reference steps fp32 weights, so its small
+    updates land; a norm weight near 1 moves by the learning rate, far below bf16's step of 2^-7
+    there), and a rounding neither reference saw at a large step (a kernel's own order, the run's
+    reductions)."""
+    if precision.compute_dtype != torch.bfloat16 or first.relative >= 2 * first.bound:
+        return None
+    if first.what == "update" and precision.param_dtype == torch.bfloat16:
+        return (
+            f"check: this run keeps {precision.master_weights}: an update smaller than half a bf16 step of its weight "
+            "rounds away, where the fp32 reference's lands; strategy=fsdp keeps fp32 master weights (at any world size), "
+            "or precision=fp32 trains in fp32 throughout"
+        )
+    return (
+        "check: in bf16 an error this close to its bound may be bf16's own rounding at a large step; "
+        "precision=fp32 compares a thousand times finer: a difference that remains there is the run's"
+    )
+
+
 def unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     out = []
     for d in reversed(shape):
@@ -269,6 +292,7 @@ __all__ = [
     "Part",
     "Verdict",
     "drift_allowance",
+    "failure_hint",
     "grad_bound",
     "judge",
     "merge",

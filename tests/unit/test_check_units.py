@@ -28,16 +28,18 @@ from harness.runner.check_compare import (
     DRIFT,
     ROUNDING_MARGIN,
     UNIT_ROUNDOFF,
+    Finding,
     Part,
     Verdict,
     drift_allowance,
+    failure_hint,
     grad_bound,
     judge,
     merge,
     sums,
     update_bound,
 )
-from harness.training import count_targets
+from harness.training import count_targets, precision_policy
 
 IGNORE = -100
 
@@ -175,6 +177,24 @@ def test_bf16s_measured_rounding_names_a_gradient_its_worst_case_bound_lets_pass
     assert rounding_bounds([{"w": 1.0}], worst, floor, u, 2)["w"] == worst
     rounded = rounding_reference_config(reference_config(check_config(RunConfig(precision="bf16", output_dir="/runs/x")), 2, 0))
     assert (rounded.precision, rounded.strategy, rounded.output_dir) == ("bf16", "ddp", "/runs/x/check/reference-rank0-bf16")
+
+
+def test_a_bf16_failure_near_its_bound_says_which_rounding_it_may_be() -> None:
+    """Measured: `--check` of tiny-llama in bf16 at world 1 (the module cast to bf16) fails on a norm
+    weight's update, 1 > 0.902: its update is far below bf16's step at 1.0, so it rounds away where
+    the fp32 reference's lands. The hint names the weights the run keeps and the strategy that keeps
+    fp32 masters; a gradient near its bound gets the large-step rounding hint; a difference far
+    beyond its bound, or in fp32, gets none."""
+    cpu = torch.device("cpu")
+    cast, fsdp, fp32 = (precision_policy(m, cpu, k) for m, k in (("bf16", "ddp"), ("bf16", "fsdp"), ("fp32", "ddp")))
+    norm_update = Finding(1, "update", "model.norm.weight", 1.0, 0.902)
+    hint = failure_hint(cast, norm_update)
+    assert hint is not None and "bf16 weights (the module is cast), no fp32 master" in hint and "strategy=fsdp" in hint
+    large_step = failure_hint(fsdp, norm_update)  # fp32 masters: not an update rounded away
+    assert large_step is not None and "large step" in large_step and "strategy=fsdp" not in large_step
+    assert "large step" in failure_hint(cast, Finding(1, "gradient", "w", 0.05, 0.04))
+    assert failure_hint(cast, Finding(1, "update", "w", 1.0, 0.3)) is None  # far beyond its bound: the run's
+    assert failure_hint(fp32, norm_update) is None
 
 
 def test_what_the_check_cannot_compare_is_refused_and_the_rest_is_the_users_run() -> None:
