@@ -379,7 +379,7 @@ def check_expert_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> Non
     n = cfg.parallel.expert
     if n == 1:
         return
-    ParallelLayout.of(cfg.parallel, world)  # divides the world; not with sequences split
+    ParallelLayout.of(cfg.parallel, world)  # divides the world
     what = f"parallel.expert={n}"
     refused = {
         f"strategy={strategy.name} ({strategy.kind})": strategy.kind not in ("ddp", "fsdp"),  # DeepSpeed's AutoEP: not wired

@@ -24,7 +24,10 @@ r % expert, and each token is sent to its experts' ranks and back (an all-to-all
 reduced over the whole world as before; an expert's gradient already holds every token of its
 expert group that was routed to it (the all-to-all's backward brings them), so it is summed only
 over its replica group (none at expert = world) and divided by the world, as the rest are.
-Experts and sequences are not split together (refused here: not proven).
+Experts and sequences split together: a MoE layer routes each token on its own, so a rank sends its
+slice's tokens to their experts' ranks as it would whole sequences' (the expert ranges are counted
+over the world, across sequence groups); the router's balance is taken over the whole sequences
+(`harness.training.router`), and the expert gradients' reduction is the same.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ if TYPE_CHECKING:  # torch.distributed is imported where a mesh is built, not by
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """The world's ranks as a data x sequence grid, experts split over the data ranks (see the module docstring)."""
+    """The world's ranks as a data x sequence grid, experts split over ranks of either (see the module docstring)."""
 
     world: int = 1
     sequence: int = 1  # ranks sharing each sequence (Ulysses; DeepSpeed's ALST under DeepSpeed)
@@ -58,11 +61,6 @@ class ParallelLayout:
             raise ConfigError(
                 f"parallel.expert={self.expert} must divide the world size ({self.world}): each group of {self.expert} ranks "
                 "holds one copy of every expert"
-            )
-        if self.expert > 1 and self.sequence > 1:
-            raise ConfigError(
-                f"parallel.expert={self.expert} with parallel.sequence={self.sequence}: experts and sequences split together "
-                "are not supported; set one of them to 1"
             )
 
     @classmethod
@@ -116,9 +114,9 @@ class ParallelLayout:
 
     def describe(self) -> str:
         """The start-up line's words for the split ('' when nothing is split but the data)."""
-        if self.splits_experts:
-            return f"experts split over {self.expert} ranks"
-        return f"each sequence split over {self.sequence} ranks" if self.splits_sequences else ""
+        words = [f"each sequence split over {self.sequence} ranks"] if self.splits_sequences else []
+        words += [f"experts split over {self.expert} ranks"] if self.splits_experts else []
+        return ", ".join(words)
 
     def mesh(self, device_type: str) -> DeviceMesh:
         """The world's ("data", "sequence") device mesh over the current process group. Collective:
@@ -141,8 +139,8 @@ class ParallelLayout:
 
     def expert_mesh(self, device_type: str) -> DeviceMesh:
         """The world's ("expert_replica", "expert", "same_batch") device mesh: rank = replica x expert +
-        expert_rank. "same_batch" is the ranks that hold the same samples (transformers' `tp_mesh` in
-        its expert dispatch), each rank alone: experts are not split with sequences. Collective, like `mesh`."""
+        expert_rank. "same_batch" is the ranks that hold the same tokens (transformers' `tp_mesh` in its
+        expert dispatch), each rank alone: a sequence group's ranks hold different slices. Collective, like `mesh`."""
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = (self.expert_replicas, self.expert, 1)

@@ -23,6 +23,7 @@ system that is one preparation for the whole cluster; on local disks, one per no
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import multiprocessing as mp
@@ -241,6 +242,9 @@ def _build(model_name: str, cfg: DataConfig, tmp: str, progress: bool) -> str:
     )
 
 
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a write refused for room, not for the data
+
+
 def _read_corpus(cfg: DataConfig) -> datasets.Dataset:
     """The documents; a source the loaders cannot read (an undecodable line, broken JSON or
     parquet) is one line naming it, not a loader's traceback on every rank."""
@@ -257,6 +261,13 @@ def _read_corpus(cfg: DataConfig) -> datasets.Dataset:
         raise
     except Exception as exc:
         cause = exc.__cause__ or exc.__context__ or exc
+        if isinstance(cause, OSError) and cause.errno in DISK_FULL:  # the datasets library converts files into its own cache
+            import datasets
+
+            raise ConfigError(
+                f"data.source '{cfg.source}' could not be converted: the datasets cache {datasets.config.HF_DATASETS_CACHE} "
+                f"could not be written ({cause.strerror or cause}); free space or set HF_DATASETS_CACHE to a writable directory"
+            ) from None
         raise ConfigError(
             f"data.source '{cfg.source}' could not be read ({type(cause).__name__}: "
             f"{(str(cause).splitlines() or [''])[0][:200]}); fix or remove the file"

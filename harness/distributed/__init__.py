@@ -18,7 +18,7 @@ from harness.distributed.process_group import (
     record_exit,
     teardown,
 )
-from harness.distributed.tensors import local_tensor
+from harness.distributed.tensors import gather_rows, local_tensor
 from harness.distributed.traffic import CollectiveBytes
 from harness.distributed.wrappers import WRAPPER_ATTRS, is_deepspeed_engine, unwrap, wrapper_chain
 
@@ -34,6 +34,7 @@ __all__ = [
     "FileLock",
     "exit_process",
     "free_port",
+    "gather_rows",
     "init_distributed",
     "launch_env",
     "local_tensor",

@@ -23,10 +23,14 @@ Split = Callable[[int], tuple[int, int]]  # a replicated parameter's numel -> th
 
 def shard_of(param: nn.Parameter, name: str, world: int, split: Split | None = None) -> ParamShard:
     """The shard object of `param` on this rank of a `world`-rank run; `split` picks the range a
-    rank works on where every rank holds the whole parameter (default: all of it)."""
+    rank works on where every rank holds the whole parameter (default: all of it).
+
+    A DTensor's mesh spans the world (FSDP2's, or the experts' replica x expert under FSDP2: every
+    element held by one rank), or, for experts split under DDP with replicas, one expert group: each
+    range then held whole by world / mesh ranks, as a replicated parameter is held by every rank."""
     if isinstance(param, DTensor):
         mesh = param.device_mesh
-        if mesh.size() != world:  # every element held by one rank: FSDP2's world mesh, or the experts' (replica x expert)
+        if world % mesh.size() or (mesh.size() != world and mesh.ndim != 1):
             raise NotImplementedError(f"DTensor mesh {tuple(mesh.shape)}: only a mesh over all {world} ranks is supported (no HSDP)")
         shape, start, end, _ = local_part(param)
         return DTensorShard(name, param, shape, start, end)

@@ -180,7 +180,7 @@ def candidates(cfg: RunConfig, world: int, nvme: bool, target: str, vocab: int |
     acs = ["none", "op", "selective", "full"]
     micro = cfg.micro_batch_size
     micros = sorted({micro} | {micro >> k for k in range(1, micro.bit_length()) if micro >> k >= 1}, reverse=True)
-    splits = [(n, e) for n in sequence_choices(cfg, world, vocab) for e in sorted({1, expert_degree(cfg, world)}) if n == 1 or e == 1]
+    splits = [(n, e) for n in sequence_choices(cfg, world, vocab) for e in sorted({1, expert_degree(cfg, world)})]
     runnable = [(s, n, e) for n, e in splits for s in strategies_for(world, nvme, target) if runs_with(cfg, s, target, n, world, e)]
     out = []
     for p in precisions:

@@ -21,6 +21,7 @@ gradient and parameter handling is laid over the recorded per-op timeline afterw
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import warnings
@@ -267,12 +268,12 @@ def build_fake_model(
     return model
 
 
-def _split_experts(model: nn.Module, spec: TraceSpec, moe: MoeFacts) -> tuple[ExpertGradients, PlannedExchange]:
+def _split_experts(model: nn.Module, spec: TraceSpec, moe: MoeFacts, world: int) -> tuple[ExpertGradients, PlannedExchange]:
     """Rank 0's experts, split as the trainer splits them (`harness.engine.split_for`, inside the
-    fake group): their keeper, and the exchange's split sizes for the traced routing case."""
-    world = spec.world_size if spec.wrap == "fsdp" else spec.expert  # DDP's trace: one copy of the experts' ranks
-    experts = split_for(model, ParallelLayout(world, 1, spec.expert), "cpu")
-    tokens = spec.micro_batch * spec.seq_len
+    fake group of `world` ranks): their keeper, and the exchange's split sizes for the traced routing
+    case (each rank routes its slice of every sequence)."""
+    experts = split_for(model, ParallelLayout(world, spec.sequence, spec.expert), "cpu")
+    tokens = spec.micro_batch * (spec.seq_len // spec.sequence)
     return experts, PlannedExchange(*exchange_sizes(spec.routing, tokens, moe.top_k, moe.experts, spec.expert))
 
 
@@ -338,7 +339,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     grouped = GroupedMMAsRun() if moe is not None else contextlib.nullcontext()
     Timeline = tracker_class()
     # plain wrap: the engine is laid over afterwards, but Ulysses' and the experts' exchanges need their groups
-    world = spec.world_size if spec.wrap == "fsdp" else max(spec.sequence, spec.expert)
+    world = spec.world_size if spec.wrap == "fsdp" else math.lcm(spec.sequence, spec.expert)
     exchange: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     try:
         with fake_process_group(world):
@@ -346,7 +347,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                 use_ulysses(model, ParallelLayout(world, spec.sequence).sequence_group("cpu"), spec.packed)
             experts: ExpertGradients | None = None
             if spec.expert > 1 and moe is not None:  # as the trainer: experts split on the model before it is prepared
-                experts, exchange = _split_experts(model, spec, moe)
+                experts, exchange = _split_experts(model, spec, moe, world)
                 info = replace(param_info(model), split_names=frozenset(experts.names))
             prepare_model(model, spec.memory())  # the engines' own preparation, in its order
             if spec.wrap == "fsdp":

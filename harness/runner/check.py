@@ -38,9 +38,10 @@ A mixture-of-experts router's load-balancing loss is checked as the run adds it:
 micro-batches and ranks (`harness.training.router`). Each reference micro-batch is one of the
 run's (the run's sampler gives micro-batch a of data rank r the blocks starting at (a * data + r)
 * micro, the reference's micro-batch a * data + r), so the trainer's own average over micro-batches
-is the run's; under sequence parallelism each token is told which rank's slice it was in
-(`ReferenceSampler`) and the router averages each slice's loss (`RouterLoss.token_groups`); packed
-examples are unpacked with the segments that hold no label kept, as the run routes them. The aux loss is compared each step
+is the run's. Under sequence parallelism the run's ranks balance their whole sequences together
+(`harness.training.router.whole_sequences`), as the reference does. Packed examples are unpacked
+with the segments that hold no label kept, as the run routes them, and the rows' padding, which the
+run never routes, is masked out of the reference's balance (`ReferenceSampler`). The aux loss is compared each step
 beside the loss, and its weight shows in every router's and expert's gradient.
 """
 
@@ -314,10 +315,10 @@ def plan_reference(ref: RunConfig, ddp: Strategy, device: torch.device) -> str:
     return f"planned peak {format_bytes(peak)} on {device} ({format_bytes(free)} free)"
 
 
-def reference_run(ref: RunConfig, local_rank: int, slices: int, planned: bool = True) -> Record:
+def reference_run(ref: RunConfig, local_rank: int, planned: bool = True) -> Record:
     """The reference on this rank alone, before any process group exists (module docstring);
-    `slices`: the run's sequence-parallel degree; `planned=False` for the bf16 reference, which runs
-    after the fp32 one in the same micro-batches and so within its peak."""
+    `planned=False` for the bf16 reference, which runs after the fp32 one in the same micro-batches
+    and so within its peak."""
     started = time.perf_counter()
     device = pick_device(ref.device, local_rank)
     ddp = load_strategy("ddp")
@@ -325,7 +326,7 @@ def reference_run(ref: RunConfig, local_rank: int, slices: int, planned: bool = 
     plan = plan_engine(ref, ddp, 1, device, None, env={})
     trainer, _ = build_run(plan.config, plan, DistInfo(0, 1, local_rank, device, None), twin_layers=TWIN_LAYERS)
     router = trainer.router if trainer.router is not None and trainer.router.active else None
-    trainer.sampler = ReferenceSampler(trainer.sampler, router, slices)
+    trainer.sampler = ReferenceSampler(trainer.sampler, router)
     m = ref.memory
     log.info(
         f"check: reference: {ref.grad_accum} micro-batches of {ref.micro_batch_size} x {ref.data.seq_len} tokens, {ref.precision}, "
@@ -343,22 +344,19 @@ def reference_run(ref: RunConfig, local_rank: int, slices: int, planned: bool = 
 
 class ReferenceSampler:
     """The reference's batches: every packed example in a row of its own (`harness.data.unpack_with_origin`);
-    with a router, the segments without a label kept too, and each token's group told to it: its
-    sequence slice (`slices` equal parts of the block), as the run's sequence ranks route them, or
-    none for a row's padding. A
-    reference micro-batch is one of the run's (`reference_config`), so its router's loss is that
-    micro-batch's, averaged over the slices; the trainer averages it over the micro-batches."""
+    with a router, the segments without a label kept too, and the router told which tokens the run
+    routed (not a row's padding). A reference micro-batch is one of the run's (`reference_config`),
+    so its router's loss is that micro-batch's; the trainer averages it over the micro-batches."""
 
-    def __init__(self, sampler, router: RouterLoss | None, slices: int) -> None:
+    def __init__(self, sampler, router: RouterLoss | None) -> None:
         self.inner, self.global_batch = sampler, sampler.global_batch
-        self.router, self.slices = router, slices
+        self.router = router
 
     def batch(self, step: int, micro_index: int) -> torch.Tensor:
         packed = self.inner.batch(step, micro_index)
         rows, origin = unpack_with_origin(packed, every_segment=self.router is not None)
         if self.router is not None:
-            group = (origin % packed.shape[-1]) // (packed.shape[-1] // self.slices)
-            self.router.token_groups.append(torch.where(origin >= 0, group, -1))  # -1: a row's padding, never routed in the run
+            self.router.routed_tokens.append(origin >= 0)  # -1: a row's padding, never routed in the run
         return rows
 
 
@@ -416,9 +414,9 @@ def run_check(config: str | None, overrides: list[str]) -> int:
         entering("computing the check's world-1 reference")
         run = plan.config  # the twin as resolved
         ref = reference_config(run, world, rank)
-        refs.append(reference_run(ref, local_rank, plan.layout.sequence))
+        refs.append(reference_run(ref, local_rank))
         if plan.precision.compute_dtype == torch.bfloat16:  # bf16's rounding measured: the first step's fine bounds
-            refs.append(reference_run(rounding_reference_config(ref), local_rank, plan.layout.sequence, planned=False))
+            refs.append(reference_run(rounding_reference_config(ref), local_rank, planned=False))
         return twin, plan
 
     return run_command("harness", load, lambda cfg, plan, info: check_body(cfg, plan, info, refs, bounds[0], began))

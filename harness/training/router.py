@@ -13,14 +13,17 @@ coefficient x loss to every training micro-batch's loss; evaluation (no gradient
 Weighting. The loss is per micro-batch (transformers' definition: the balance of one forward's
 tokens), and the engines average the micro-batch losses over accumulation and ranks, so the step's
 aux term is the mean over its micro-batches and ranks. Every micro-batch routes the same number of
-tokens (micro_batch_size x seq_len, or a rank's slice of it under sequence parallelism; padding is
-routed too, as transformers routes it without an attention mask), so that mean is also the mean
-weighted by routed tokens; weighting by labelled tokens, as the language-model loss is, would weigh
-a router's balance by how many of its tokens carry labels, which routing does not see. The same
-micro-batches spread differently over ranks and accumulation (world 2 x accum 1, world 1 x accum 2:
-the sampler gives each (micro-batch, rank) position the same blocks) give the same loss and
-gradients; another micro_batch_size changes what one micro-batch balances, and so the loss, as in
-transformers.
+tokens (micro_batch_size x seq_len; padding is routed too, as transformers routes it without an
+attention mask), so that mean is also the mean weighted by routed tokens; weighting by labelled
+tokens, as the language-model loss is, would weigh a router's balance by how many of its tokens
+carry labels, which routing does not see. The same micro-batches spread differently over ranks
+and accumulation (world 2 x accum 1, world 1 x accum 2: the sampler gives each (micro-batch, rank)
+position the same blocks) give the same loss and gradients; another micro_batch_size changes what
+one micro-batch balances, and so the loss, as in transformers. Under sequence parallelism a rank
+holds a slice of its micro-batch's sequences: its router logits are gathered over the sequence
+group and every rank computes the whole micro-batch's loss (`whole_sequences`), the value and the
+gradients of one process (the slice's own balance, used until 2026-12-07, is another loss: the
+product of two means over tokens does not split over slices).
 
 Logged per step (`pop`, summed over ranks in the step guard's one sync; `step_metrics`):
 train/aux_loss, the loss without its coefficient (transformers' `aux_loss`), also where the
@@ -38,9 +41,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from harness.distributed import unwrap
+from harness.distributed import gather_rows, unwrap
 from harness.errors import ConfigError
 
 AUX_LOSS = "train/aux_loss"
@@ -102,6 +106,23 @@ def router_refusal(model: nn.Module, written: float | None) -> str | None:
     return None if problem is None else f"moe.aux_loss_coef={written:g}: {problem}; unset it (auto) to train without the loss"
 
 
+def whole_sequences(
+    logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None, group: dist.ProcessGroup
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """Every layer's router logits (and the mask) of the whole sequences, from each rank's slice of
+    them: gathered over the sequence group with torch's autograd all-gather, slices in rank order
+    (the family's loss takes means over tokens, in whatever order, each token's mask entry beside it).
+    Every rank of the group then computes the same loss; the gather's backward sums the ranks'
+    gradients of each slice, so the group's gradient is the group's size times one loss's, which
+    the engines' mean over the world makes the mean over data-parallel ranks, as for the rest."""
+    whole = tuple(gather_rows(layer, group) for layer in logits)
+    if attention_mask is None:
+        return whole, None
+    masks = [torch.empty_like(attention_mask) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(masks, attention_mask.contiguous(), group=group)
+    return whole, torch.cat(masks)  # (ranks x batch, slice): the logits' order
+
+
 def _layer_index(name: str, position: int) -> int:
     found = re.findall(r"\.(\d+)(?:\.|$)", f".{name}")
     return int(found[-1]) if found else position
@@ -114,22 +135,25 @@ class RouterLoss:
 
     def __init__(self, written: float | None) -> None:
         self.written = written
+        self.sequence_group: dist.ProcessGroup | None = None  # ranks holding slices of the same sequences (`attach`)
         self.coef = 0.0  # what multiplies the loss (0: logged, not added)
         self.active = False  # the model exposes its router: ask for its logits in training forwards
         self.layers: list[int] = []  # each router's decoder layer, in forward order
         self.num_experts = self.top_k = 0
         self._loss_func: Callable[..., Any] | None = None
         self._sum: torch.Tensor | None = None  # [aux, counts of layer 0, ...] summed since `pop`
-        # `(B, S)` group of each token (-1: none), one per forward to come, in forward order (a step's
-        # micro-batches are dealt before the first forward): the loss is then the mean of each group's
-        # loss, as if each group were a micro-batch of its own (the check's reference: its forward of one
-        # of the run's micro-batches stands for that micro-batch's sequence slices); empty: one group
-        self.token_groups: collections.deque[torch.Tensor] = collections.deque()
+        # `(B, S)`: which tokens the run routed (False: the padding of an unpacked row), one per forward
+        # to come, in forward order (a step's micro-batches are dealt before the first forward): the
+        # check's reference, whose rows hold the run's packed examples one to a row; empty: every token
+        self.routed_tokens: collections.deque[torch.Tensor] = collections.deque()
 
-    def attach(self, model: nn.Module) -> str | None:
+    def attach(self, model: nn.Module, sequence_group: dist.ProcessGroup | None = None) -> str | None:
         """Resolve the coefficient from the built model (its family, its config, whether a router
         trains); ConfigError for a coefficient written where transformers exposes no loss. Returns
-        what the start-up line says of it (None for a model without a router)."""
+        what the start-up line says of it (None for a model without a router). `sequence_group`:
+        under sequence parallelism, the ranks whose slices make up this rank's sequences (the loss
+        is then the whole sequences' balance, `__call__`)."""
+        self.sequence_group = sequence_group
         if (refusal := router_refusal(model, self.written)) is not None:
             raise ConfigError(refusal)
         target = router_class(model)
@@ -160,19 +184,20 @@ class RouterLoss:
         coefficient is 0), its loss and expert counts recorded for `pop`."""
         logits = tuple(router_logits)
         assert self._loss_func is not None and len(logits) == len(self.layers), (len(logits), self.layers)
+        local = logits
         device = logits[0].device
-        groups = self.token_groups.popleft().to(device) if self.token_groups else None
+        routed = self.routed_tokens.popleft().to(device) if self.routed_tokens else None
+        if routed is not None:  # the padding is not the run's: a mask the families' functions weight by
+            attention_mask = routed.float()
+        local_mask = attention_mask
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.coef > 0):
-            if groups is None:
-                aux = self._loss_func(logits, self.num_experts, self.top_k, attention_mask)
-            else:  # each group's balance over its own tokens (a mask the families' functions weight by)
-                ids = range(int(groups.max()) + 1)
-                aux = torch.stack([self._loss_func(logits, self.num_experts, self.top_k, (groups == g).float()) for g in ids]).mean()
+            if self.sequence_group is not None:  # the whole sequences' tokens, as one process routes them
+                logits, attention_mask = whole_sequences(logits, attention_mask, self.sequence_group)
+            aux = self._loss_func(logits, self.num_experts, self.top_k, attention_mask)
         with torch.no_grad():
             counts = torch.zeros(len(logits), self.num_experts, dtype=torch.float64, device=aux.device)
-            mask = attention_mask if groups is None else groups >= 0
-            weight = None if mask is None else mask.reshape(-1, 1).to(aux.device, torch.float64)
-            for layer, gate in enumerate(logits):
+            weight = None if local_mask is None else local_mask.reshape(-1, 1).to(aux.device, torch.float64)
+            for layer, gate in enumerate(local):  # this rank's tokens: the ranks' counts are summed
                 chosen = torch.topk(gate.to(aux.device), self.top_k, dim=-1).indices
                 ones = torch.ones(chosen.shape, dtype=torch.float64, device=aux.device)
                 counts[layer].scatter_add_(0, chosen.reshape(-1), (ones if weight is None else ones * weight).reshape(-1))

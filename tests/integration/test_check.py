@@ -17,8 +17,11 @@ the config's 0.001): a correct run under expert parallelism (DDP, `parallel.expe
 all-to-all to their experts' ranks and back) passes with the aux loss compared each step, and so
 does the same split under FSDP2 in bf16 (each rank's experts sharded as their own group, cast by
 FSDP2's mixed precision); so does
-the same twin at world 4 as 2 sequence-parallel groups of 2 under FSDP2 (data x sequence with
-accumulation against one process, each rank's aux loss its slice's balance); and the aux loss
+the same twin at world 4 as 2 sequence-parallel groups of 2 under DDP with the experts split in
+two (data x sequence x expert with accumulation against one process: each slice's tokens sent to
+their experts' ranks, the router balanced over the whole sequences, its logits gathered over the
+sequence group, each expert range held by 2 ranks; under FSDP2 the same layout is held to one
+process by tests/integration/test_expert_parallel.py); and the aux loss
 added after the division by the accumulation steps is named at step 1, in a router's gradient
 (measured 0.042 against a bound of 0.0015), under FSDP2: every parameter before it in the model's
 order (the embedding, the first block's attention) within its fp32 bound."""
@@ -90,13 +93,15 @@ MOE_CASES = {  # case: (ranks, plant, overrides, what the check must name)
     # FSDP2 in bf16: each rank's expert range its own group, gathered in bf16 over fp32 shards, as the rest
     "moe-ep-fsdp-bf16-none": (2, "none", ["strategy=fsdp", "parallel.expert=2", "precision=bf16"], None),
     "moe-aux_unweighted": (2, "aux_unweighted", ["strategy=fsdp"], "step 1 gradient of model.layers.0.mlp.gate.weight"),
-    # 2 sequence groups of 2 ranks: data x sequence, each rank's aux loss its slice's balance
-    "moe-sp2x2-none": (4, "none", ["strategy=fsdp", "parallel.sequence=2"], None),
+    # 2 sequence groups of 2 ranks, the experts split over ranks 0/2 and 1/3: data x sequence x expert
+    "moe-sp2x2-ep-none": (4, "none", ["strategy=ddp", "parallel.sequence=2", "parallel.expert=2"], None),
 }
 PASSED = {
     "moe-ep-none": "ddp (ddp) x2, fp32, micro-batch 2 x grad_accum 2, expert parallel 2, instruction data packed, router aux loss x0.001",
     "moe-ep-fsdp-bf16-none": "fsdp (fsdp) x2, bf16, micro-batch 2 x grad_accum 2, expert parallel 2, instruction data packed, router aux",
-    "moe-sp2x2-none": "fsdp (fsdp) x4, fp32, micro-batch 2 x grad_accum 2, sequence parallel 2, instruction data packed, router aux loss",
+    "moe-sp2x2-ep-none": (
+        "ddp (ddp) x4, fp32, micro-batch 2 x grad_accum 2, sequence parallel 2, expert parallel 2, instruction data packed, router aux"
+    ),
 }
 
 

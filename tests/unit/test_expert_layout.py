@@ -30,6 +30,10 @@ def test_experts_are_carved_out_of_the_data_ranks():
     whole = ParallelLayout(world=2, expert=2)  # expert = world: no replicas, expert gradients reduced nowhere
     assert whole.expert_replicas == 1 and whole.expert_replica_ranks(1) == [1]
     assert not ParallelLayout(world=2).splits_experts
+    both = ParallelLayout(world=4, sequence=2, expert=2)  # sequence groups {0,1} {2,3}; expert ranges over the world
+    assert both.data == 2 and [both.data_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [both.expert_rank(r) for r in range(4)] == [0, 1, 0, 1] and both.expert_replica_ranks(0) == [0, 2]
+    assert both.describe() == "each sequence split over 2 ranks, experts split over 2 ranks"
 
 
 @pytest.mark.parametrize(
@@ -37,7 +41,7 @@ def test_experts_are_carved_out_of_the_data_ranks():
     [
         (2, 3, 1, r"parallel.expert=3 must divide the world size \(2\)"),
         (4, 0, 1, r"parallel.expert=0 must divide"),
-        (4, 2, 2, r"parallel.expert=2 with parallel.sequence=2: experts and sequences split together are not supported"),
+        (6, 4, 2, r"parallel.expert=4 must divide the world size \(6\)"),
     ],
 )
 def test_a_layout_the_experts_cannot_take_is_refused(world, expert, sequence, message):

@@ -150,31 +150,26 @@ def test_bad_coefficients_are_refused_when_the_config_is_read(value):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_token_groups_give_the_mean_of_the_groups_run_as_micro_batches(family):
+def test_the_tokens_the_run_never_routed_are_left_out_of_the_balance(family):
+    """`--check`'s reference holds each packed example in a row of its own, padded: the router is told
+    which tokens the run routed, and its loss, gradients and expert counts are those of those tokens
+    alone (here the first 12 of each row's 16, picked out of the same forward's logits)."""
     model, ids = tiny(family), torch.randint(0, SMALL["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(2))
     router = RouterLoss(1.0)  # a large coefficient: the aux term's gradient is not lost under the LM's
     router.attach(model)
-    # two micro-batches of two rows, each split into two sequence slices of 8 tokens: four groups
-    groups = (torch.arange(4).view(4, 1) // 2) * 2 + (torch.arange(16).view(1, 16) // 8)
-    terms, counts = [], 0
-    for rows in (slice(0, 2), slice(2, 4)):
-        for cols in (slice(0, 8), slice(8, 16)):
-            out = model(input_ids=ids, output_router_logits=True, use_cache=False)  # the same tokens' router logits
-            picked = [g.view(4, 16, -1)[rows, cols].reshape(-1, g.shape[-1]) for g in out.router_logits]
-            terms.append(router(picked))
-            counts = counts + router.pop()[1:]
-    expected = torch.stack(terms).mean()
+    out = model(input_ids=ids, output_router_logits=True, use_cache=False)
+    expected = router([g.view(4, 16, -1)[:, :12].reshape(-1, g.shape[-1]) for g in out.router_logits])
+    counts = router.pop()[1:]
     expected.backward()
     want = router_grads(model)
-    router.token_groups.append(groups)
-    out = model(input_ids=ids, output_router_logits=True, use_cache=False)
-    got = router(out.router_logits)
+    model.zero_grad()
+    router.routed_tokens.append(torch.arange(16).expand(4, 16) < 12)
+    got = router(model(input_ids=ids, output_router_logits=True, use_cache=False).router_logits)
     assert float(got.detach()) == pytest.approx(float(expected), rel=1e-6)
     got.backward()
     for name, grad in router_grads(model).items():
         torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-8)
     recorded = router.pop()
     assert float(recorded[0]) == pytest.approx(float(expected), rel=1e-6) and torch.equal(recorded[1:], counts)
-    whole = RouterLoss(1.0)  # one group of all the tokens: another number (the balance is not additive)
-    whole.attach(model)
-    assert abs(float(whole(model(input_ids=ids, output_router_logits=True, use_cache=False).router_logits)) - float(expected)) > 1e-4
+    everything = router(model(input_ids=ids, output_router_logits=True, use_cache=False).router_logits)
+    assert abs(float(everything) - float(expected)) > 1e-4  # the padding's routing would move it

@@ -26,7 +26,7 @@ import torch
 
 from harness.config import CheckpointConfig, DataConfig
 from harness.data import cache_dir_for, is_complete, load_packed, prepare_data, stop_preparation_when
-from harness.data.documents import data_files
+from harness.data.documents import data_files, open_documents
 from harness.engine.extension_lock import build_locks, clear_build_locks, guarded_builds
 from harness.errors import ConfigError, NonFiniteError, StopRequested
 from harness.reliability import signals
@@ -483,18 +483,29 @@ def test_class3_bytes_not_utf8_past_the_sample_are_one_line(tmp_path, tokenizer_
     assert not list((tmp_path / "cache").glob("*.tmp-*"))
 
 
-def test_class3_a_full_disk_while_preparing_is_one_line(tmp_path, corpus):
-    """The file-size limit makes every write past 64 KiB fail as a full disk would (EFBIG for ENOSPC)."""
+def test_class3_a_full_disk_while_preparing_is_one_line(tmp_path, corpus, monkeypatch):
+    """The file-size limit makes every write past 64 KiB fail as a full disk would (EFBIG for ENOSPC).
+    Two writes can meet it: the datasets library's conversion of the file into its own cache (a
+    source it has not seen, here in a cache of this test's own), then harness's data cache (the
+    conversion found in the datasets cache, a second time). Each is named, with what to free or set."""
+    import datasets
+
     source, tok = corpus
     cfg = _cfg(tmp_path, source, tok)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, hard))
     try:
-        with pytest.raises(ConfigError, match="could not be written .*free space or set data.cache_dir"):
-            prepare_data("tiny-llama", cfg, progress=False)
+        for conversion_cached, named in ((False, "could not be converted: the datasets cache .*hf-datasets"), (True, "data cache")):
+            if conversion_cached:
+                open_documents(cfg)  # converted with room to spare
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, hard))
+            try:
+                with pytest.raises(ConfigError, match=f"{named}.* could not be written .*free space or set"):
+                    prepare_data("tiny-llama", cfg, progress=False)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old)
     assert not list((tmp_path / "cache").glob("*.tmp-*"))
 
