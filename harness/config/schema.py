@@ -198,7 +198,7 @@ class ParallelConfig(Section):
     # global batch is unchanged), tokens travel to their experts' ranks and back. Expert gradients are summed over
     # the ranks holding the same experts, the rest over the world. Must divide the world and the model's experts;
     # strategy=ddp or fsdp (each expert range sharded over the ranks holding it, the rest over the world, one
-    # mixed precision for both), in fp32 or bf16, not DeepSpeed; refused with parallel.sequence, LoRA, pruning,
+    # mixed precision for both), in fp32 or bf16, not DeepSpeed; with parallel.sequence too; refused with LoRA, pruning,
     # optimizer-in-backward and a model without an expert plan. Measured: notes/moe.md
     expert: int = 1
 

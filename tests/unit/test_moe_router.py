@@ -10,9 +10,9 @@ branch's loader reads gpt-oss's fused experts, not the per-expert files of the o
 - a coefficient written for a dense model or a family whose loss transformers does not expose is
   refused in one line; auto says so instead;
 - `moe.aux_loss_coef` values are checked when the config is read;
-- told which tokens were which micro-batch (`token_groups`: the check's reference, one forward for a
-  split run), the loss, its gradient and the recorded expert counts are those of the groups run as
-  micro-batches of their own, averaged.
+- told which tokens the run routed (`routed_tokens`: the check's reference, whose rows hold packed
+  examples one to a row, padded), the loss, its gradient and the recorded expert counts are those
+  of those tokens alone.
 
 Split-invariance through the user's entry point (world 2 x accum 1 = world 1 x accum 2):
 tests/integration/test_moe_router_runs.py.
