@@ -77,6 +77,10 @@ class Engine:
         # `register_post_step_hook`'s, run by `step` (an OrderedDict: the handle keeps a weak reference to it)
         self._post_step_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._offloader: ActivationOffload | None = None  # `_offload`'s, once built
+        # the ranks holding slices of this rank's sequences (None: whole sequences), the one group every
+        # consumer of the split uses (Ulysses' attention, the router's balance): a second group of the same
+        # ranks would be a second communicator on a GPU
+        self.sequence_group: dist.ProcessGroup | None = None
         # what must have happened in the first forward (Ulysses' exchange ran), checked once after it
         self._after_first_forward: list[Callable[[], None]] = []
         memory = plan.config.memory

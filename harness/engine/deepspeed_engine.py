@@ -224,7 +224,9 @@ class DeepSpeedEngine(Engine):
             dist_init_required=False,
         )
         startup = {"load": loaded - started, "engine_init": time.perf_counter() - loaded}
-        return cls(plan, engine, loss_fn, cfg.grad_accum, info.device, startup)
+        built = cls(plan, engine, loss_fn, cfg.grad_accum, info.device, startup)
+        built.sequence_group = mpu.get_sequence_parallel_group() if mpu is not None else None  # ALST's
+        return built
 
     @property
     def optimizer(self) -> Any:

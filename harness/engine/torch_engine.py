@@ -150,6 +150,7 @@ class TorchEngine(Engine):
         self._oib = optimizer_in_backward  # steps each parameter inside backward, or None
         self.scaler = torch.amp.GradScaler(device.type) if self.policy.uses_scaler else None
         self._norm: torch.Tensor | None = None  # this step's clipped gradient norm, from `grad_norm()`
+        self.sequence_group = getattr(module, "harness_sequence_group", None)
         calls = getattr(module, "harness_ulysses_calls", None)
         if calls is not None:
             self._after_first_forward.append(lambda: calls.check_ran(module))
@@ -165,8 +166,9 @@ class TorchEngine(Engine):
         linears are bitsandbytes' quantized ones, each weight quantized whole from the checkpoint
         and only this rank's part of its codes kept."""
         model = empty_model_to_train(spec, cfg.lora, plan.precision)
-        if plan.layout.splits_sequences:  # its call count travels with the model to the engine, which checks it
-            model.harness_ulysses_calls = use_ulysses(model, plan.layout.sequence_group(info.device.type), cfg.data.packs_examples)
+        if plan.layout.splits_sequences:  # the group and the call count travel with the model to the engine
+            model.harness_sequence_group = plan.layout.sequence_group(info.device.type)
+            model.harness_ulysses_calls = use_ulysses(model, model.harness_sequence_group, cfg.data.packs_examples)
         if plan.layout.splits_experts:  # on the meta model: each rank then allocates and fills only its experts
             model.harness_experts = split_for(model, plan.layout, info.device.type)
         cls._prepare_and_fill(model, WeightsToLoad(spec, lora=cfg.lora.enabled, model=model), cfg, plan, info)

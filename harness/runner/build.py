@@ -114,8 +114,8 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
         log.info(f"accelerate launch settings harness does its own way: {'; '.join(plan.launcher_said)}")
     entering(f"building the {plan.kind} engine and loading the model (any extension build lock included)")
     engine = build_engine(spec, cfg, plan, info, loss_fn)  # built, sharded and filled (LoRA: adapters) inside
-    sequences = plan.layout.sequence_group(info.device.type) if plan.layout.splits_sequences else None
-    routing = router.attach(engine.module, sequences)  # the coefficient (auto: the model config's where a router trains), or a refusal
+    # the coefficient (auto: the model config's where a router trains), or a refusal; the balance over the engine's sequence group
+    routing = router.attach(engine.module, engine.sequence_group)
     sampler = make_sampler(cfg, data, plan.layout, info)
     ckpt = CheckpointManager(cfg, strategy, info, engine, tokenizer_dir=data.tokenizer_dir, per_rank={"data": sampler})
     entering("restoring the checkpoint")

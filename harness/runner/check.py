@@ -356,7 +356,7 @@ class ReferenceSampler:
         packed = self.inner.batch(step, micro_index)
         rows, origin = unpack_with_origin(packed, every_segment=self.router is not None)
         if self.router is not None:
-            self.router.routed_tokens.append(origin >= 0)  # -1: a row's padding, never routed in the run
+            self.router.routed_tokens.append(origin >= 0)  # origin -1: a row's padding, never routed in the run
         return rows
 
 

@@ -184,20 +184,17 @@ class RouterLoss:
         coefficient is 0), its loss and expert counts recorded for `pop`."""
         logits = tuple(router_logits)
         assert self._loss_func is not None and len(logits) == len(self.layers), (len(logits), self.layers)
-        local = logits
-        device = logits[0].device
-        routed = self.routed_tokens.popleft().to(device) if self.routed_tokens else None
-        if routed is not None:  # the padding is not the run's: a mask the families' functions weight by
-            attention_mask = routed.float()
-        local_mask = attention_mask
+        if self.routed_tokens:  # the padding is not the run's: a mask the families' functions weight by
+            attention_mask = self.routed_tokens.popleft().to(logits[0].device).float()
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.coef > 0):
+            gates, mask = logits, attention_mask
             if self.sequence_group is not None:  # the whole sequences' tokens, as one process routes them
-                logits, attention_mask = whole_sequences(logits, attention_mask, self.sequence_group)
-            aux = self._loss_func(logits, self.num_experts, self.top_k, attention_mask)
+                gates, mask = whole_sequences(logits, attention_mask, self.sequence_group)
+            aux = self._loss_func(gates, self.num_experts, self.top_k, mask)
         with torch.no_grad():
             counts = torch.zeros(len(logits), self.num_experts, dtype=torch.float64, device=aux.device)
-            weight = None if local_mask is None else local_mask.reshape(-1, 1).to(aux.device, torch.float64)
-            for layer, gate in enumerate(local):  # this rank's tokens: the ranks' counts are summed
+            weight = None if attention_mask is None else attention_mask.reshape(-1, 1).to(aux.device, torch.float64)
+            for layer, gate in enumerate(logits):  # this rank's tokens: the ranks' counts are summed
                 chosen = torch.topk(gate.to(aux.device), self.top_k, dim=-1).indices
                 ones = torch.ones(chosen.shape, dtype=torch.float64, device=aux.device)
                 counts[layer].scatter_add_(0, chosen.reshape(-1), (ones if weight is None else ones * weight).reshape(-1))
