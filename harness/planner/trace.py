@@ -268,11 +268,11 @@ def build_fake_model(
     return model
 
 
-def _split_experts(model: nn.Module, spec: TraceSpec, moe: MoeFacts, world: int) -> tuple[ExpertGradients, PlannedExchange]:
-    """Rank 0's experts, split as the trainer splits them (`harness.engine.split_for`, inside the
-    fake group of `world` ranks): their keeper, and the exchange's split sizes for the traced routing
-    case (each rank routes its slice of every sequence)."""
-    experts = split_for(model, ParallelLayout(world, spec.sequence, spec.expert), "cpu")
+def _split_experts(model: nn.Module, spec: TraceSpec, moe: MoeFacts, layout: ParallelLayout) -> tuple[ExpertGradients, PlannedExchange]:
+    """Rank 0's experts, split as the trainer splits them (`harness.engine.split_for`, over the fake
+    group's `layout`): their keeper, and the exchange's split sizes for the traced routing case (each
+    rank routes its slice of every sequence)."""
+    experts = split_for(model, layout, "cpu")
     tokens = spec.micro_batch * (spec.seq_len // spec.sequence)
     return experts, PlannedExchange(*exchange_sizes(spec.routing, tokens, moe.top_k, moe.experts, spec.expert))
 
@@ -280,7 +280,7 @@ def _split_experts(model: nn.Module, spec: TraceSpec, moe: MoeFacts, world: int)
 # ----------------------------------------------------------------------------- the trace
 
 
-def _wrap_fsdp(model: nn.Module, spec: TraceSpec, experts: ExpertGradients | None) -> nn.Module:
+def _wrap_fsdp(model: nn.Module, spec: TraceSpec, layout: ParallelLayout, experts: ExpertGradients | None) -> nn.Module:
     """The trainer's own FSDP2 wrapping (same groups, same mixed precision) over the fake group;
     `experts`: the experts split over ranks, each range sharded over its replicas as the trainer does."""
 
@@ -293,7 +293,7 @@ def _wrap_fsdp(model: nn.Module, spec: TraceSpec, experts: ExpertGradients | Non
         reduce_dtype=spec.fsdp_reduce_dtype,
     )
     policy = precision_policy(spec.precision, torch.device("cpu"), "fsdp")
-    return fsdp_wrap(model, strategy, policy, ParallelLayout(spec.world_size, spec.sequence).shard_mesh("cpu"), experts)
+    return fsdp_wrap(model, strategy, policy, layout.shard_mesh("cpu"), experts)
 
 
 def _step_input(spec: TraceSpec, vocab: int) -> torch.Tensor:
@@ -340,18 +340,19 @@ def trace_step(spec: TraceSpec) -> TraceResult:
     Timeline = tracker_class()
     # plain wrap: the engine is laid over afterwards, but Ulysses' and the experts' exchanges need their groups
     world = spec.world_size if spec.wrap == "fsdp" else math.lcm(spec.sequence, spec.expert)
+    layout = ParallelLayout(world, spec.sequence, spec.expert)
     exchange: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     try:
         with fake_process_group(world):
             if spec.sequence > 1:  # as the trainer: attention swapped before AC, tiling and sharding
-                use_ulysses(model, ParallelLayout(world, spec.sequence).sequence_group("cpu"), spec.packed)
+                use_ulysses(model, layout.sequence_group("cpu"), spec.packed)
             experts: ExpertGradients | None = None
             if spec.expert > 1 and moe is not None:  # as the trainer: experts split on the model before it is prepared
-                experts, exchange = _split_experts(model, spec, moe, world)
+                experts, exchange = _split_experts(model, spec, moe, layout)
                 info = replace(param_info(model), split_names=frozenset(experts.names))
             prepare_model(model, spec.memory())  # the engines' own preparation, in its order
             if spec.wrap == "fsdp":
-                model = _wrap_fsdp(model, spec, experts.bind(model) if experts is not None else None)
+                model = _wrap_fsdp(model, spec, layout, experts.bind(model) if experts is not None else None)
             split_ids = {id(p) for p in experts.bind(model).params} if experts is not None else set()
             held = sum(local_tensor(p).untyped_storage().nbytes() for p in model.parameters())
             tracker: Any = Timeline()
