@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -24,26 +25,28 @@ if __package__ in (None, ""):  # run as a file by a launcher: make `harness` imp
 from harness import imports_done  # the package first: as the program, the imports below run with the collector held
 
 # isort: split
-from safetensors import safe_open
-
 from harness.config import PRUNE_METHOD_FACTS, RunConfig, load_config, load_strategy
 from harness.distributed import Collectives, DistInfo, exit_process
 from harness.engine import EnginePlan
 from harness.errors import ConfigError
-from harness.models import EXPERT_COUNT_ATTRS
+from harness.models import EXPERT_COUNT_ATTRS, CheckpointWeights, empty_model, model_config
 from harness.runner import parse_command_line, preflight, run_command, run_recipe
 
 
-def exported_zeros(hf_dir: str, names: list[str]) -> dict[str, int]:
-    """Exact zeros per target weight in an exported model's safetensors (the proof it is sparse)."""
-    wanted = {f"{n}.weight" for n in names}
+def exported_zeros(hf_dir: str, params: list[str]) -> dict[str, int]:
+    """Exact zeros per pruned parameter in an exported model (the proof it is sparse), read as
+    transformers loads it: a stacked expert tensor is made from the family's per-expert files by
+    transformers' own conversion (`CheckpointWeights.follow_conversions`), one tensor at a time."""
+    template = empty_model(model_config(hf_dir))
+    shapes = {name: tuple(p.shape) for name, p in template.named_parameters()}
+    weights = CheckpointWeights(hf_dir)
+    weights.follow_conversions(template)
     out: dict[str, int] = {}
-    for name in sorted(os.listdir(hf_dir)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(hf_dir, name), framework="pt") as f:
-                for key in f.keys():
-                    if key in wanted:
-                        out[key[: -len(".weight")]] = int((f.get_tensor(key) == 0).sum())
+    for name in params:
+        if name in shapes:
+            tensor = weights.read([name], shapes[name], 0, math.prod(shapes[name]))
+            if tensor is not None:
+                out[name] = int((tensor == 0).sum())
     return out
 
 
@@ -74,8 +77,8 @@ def prune_model(cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> dict[str, A
         summary["prune_experts_kept_per_layer"] = experts["kept_per_layer"]
     short: list[str] = []
     if info.is_main:  # one reader; every rank learns the verdict so all of them stop together
-        zeros = exported_zeros(hf_dir, [x["name"] for x in stats["layers"]])
-        short = [x["name"] for x in stats["layers"] if zeros.get(x["name"], -1) < x["pruned"]]
+        zeros = exported_zeros(hf_dir, [x["param"] for x in stats["layers"]])
+        short = [x["param"] for x in stats["layers"] if zeros.get(x["param"], -1) < x["pruned"]]
         if experts and (written := exported_expert_count(hf_dir)) != experts["kept_per_layer"]:
             short.append(f"experts: {written} per layer in config.json, {experts['kept_per_layer']} kept")
         summary["exported_zeros"] = sum(zeros.values())

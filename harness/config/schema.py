@@ -252,6 +252,9 @@ class PruneConfig(Section):
     # low-memory streaming veto. prune.base, pool, threshold, reduction, stat_dtype, group_size: gradprobe's only.
     decision: PruneDecision = "veto"
     scope: PruneScope | None = None
+    # decoder_linears: the Linears of the decoder blocks and their MoE layers' stacked expert tensors (each expert's
+    # rows pruned as a Linear's, by its own tokens' inputs; SparseGPT, RIA and per-row or N:M rules on gpt-oss's
+    # [experts, in, out] tensors leave them whole, said in the report); all_linears: the LM head too
     targets: PruneTargets = "decoder_linears"
     pool: float = 0.25  # exact-target GradProbe: probe (1 + pool) x target candidates
     sequential: bool | None = None  # measure each block (gradprobe: group) on the outputs of those already pruned

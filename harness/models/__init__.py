@@ -26,7 +26,6 @@ from harness.models.experts import (
     drop_experts,
     expert_count,
     expert_parallel_problem,
-    expert_parameter_count,
     expert_tensors,
     split_experts,
 )
@@ -65,7 +64,6 @@ __all__ = [
     "EXPERT_COUNT_ATTRS",
     "declares_experts",
     "drop_experts",
-    "expert_parameter_count",
     "AdapterTargets",
     "ULYSSES",
     "expert_count",

@@ -41,12 +41,6 @@ def expert_tensors(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: params[name] for name, style in expert_plan(model).items() if style == EXPERT_STYLE and name in params}
 
 
-def expert_parameter_count(model: nn.Module) -> int:
-    """Elements of the model's stacked expert tensors (however sharded): what weight pruning, which
-    prunes Linear layers, leaves whole."""
-    return sum(int(getattr(p, "ds_numel", p.numel())) for p in expert_tensors(model).values())
-
-
 def expert_count(model: nn.Module) -> int | None:
     """How many experts each MoE layer has (dim 0 of its stacked tensors); None without an expert plan."""
     counts = {p.shape[0] for p in expert_tensors(model).values()}

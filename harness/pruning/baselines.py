@@ -57,7 +57,7 @@ def wanda(run: MethodRun) -> MaskSet:
     masks: dict[str, torch.Tensor] = {}
 
     def prune(views: list[ShardView], stats: InputStats) -> dict[str, torch.Tensor]:
-        keys = [score_keys(wanda_scores(v.weight(), v.layout, stats.norms(v.name)), forced.get(v.name)) for v in views]
+        keys = [score_keys(wanda_scores(v.weight(), v.features(v.lp().device), stats.norms(v.name)), forced.get(v.name)) for v in views]
         _select_group(views, keys, rule, comm, alloc, masks, run.sequential)
         return {v.name: masks[v.name] for v in views}
 

@@ -1,7 +1,8 @@
 """Calibration passes through the trainer's own model or engine, and the statistics they feed.
 
 Three statistics, all gathered with hooks or from the engine's own reduced gradients:
-- input-activation norms ||X_j||_2 per input feature (Wanda), from forward pre-hooks;
+- input-activation norms ||X_j||_2 per input feature (Wanda), from forward pre-hooks; a
+  stacked expert tensor's per expert, over the tokens routed to it (`ExpertInputs`);
 - input Hessians H = X^T X (SparseGPT), from the same hooks, all-reduced across ranks;
 - G = element-wise max over probe steps of |dL/dW| (GradProbe), read from each rank's
   gradient shard after the engine's backward (already reduce-scattered), stored in bf16.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -185,11 +187,42 @@ class Runner:
         self.probe.zero_grad()
 
 
+class ExpertInputs:
+    """The inputs each expert of a transformers experts module sees, from its call's arguments
+    (hidden states, each token's top-k experts): its projection's input is the tokens routed to
+    it, and its down projection's is the gated activation of those, recomputed here with the
+    module's own weights and gate (`_apply_gate`, `is_transposed`, biases) as transformers'
+    implementations compute it. Read-only: the forward itself is untouched."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.signature = inspect.signature(module.forward)  # transformers' wrapper keeps the family's (__wrapped__)
+
+    def routed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens x hidden, tokens x experts bool: which experts each token is routed to)."""
+        hidden, index = list(self.signature.bind(*args, **kwargs).arguments.values())[:2]
+        x = hidden.detach().reshape(-1, hidden.shape[-1])
+        experts = self.module.num_experts
+        picked = torch.nn.functional.one_hot(index.detach().reshape(x.shape[0], -1).clamp(max=experts), experts + 1)
+        return x, picked[..., :experts].sum(1) > 0
+
+    @torch.no_grad()
+    def gated(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """The down projection's input for `x`, tokens routed to `expert`."""
+        m = self.module
+        w = (m.gate_up_proj if m.has_gate else m.up_proj)[expert]
+        h = x @ w if m.is_transposed else x @ w.T
+        if m.has_bias:
+            h = h + (m.gate_up_proj_bias if m.has_gate else m.up_proj_bias)[expert]
+        return m._apply_gate(h) if m.has_gate else m.act_fn(h)
+
+
 class InputStats:
     """Forward pre-hooks accumulating, per target, sum_t x_tj^2 and optionally X^T X (fp64).
 
     Linears fed the very same input tensor (q/k/v, gate/up) share one accumulator, which
-    cuts Hessian memory by up to 3x on transformer blocks.
+    cuts Hessian memory by up to 3x on transformer blocks. A stacked expert tensor's sums are
+    per expert (`experts x inputs`, the order `ShardView.features` indexes); no Hessian.
     """
 
     def __init__(self, views: list[ShardView], hessian: bool, ledger: Ledger | None = None) -> None:
@@ -226,9 +259,34 @@ class InputStats:
 
         return hook
 
+    def _experts_hook(self, views: list[ShardView]) -> Callable[..., None]:
+        inputs = ExpertInputs(views[0].target.module)
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x, routed = inputs.routed(args, kwargs)
+            for v in views:
+                size = v.rows if v.target.transposed else v.target.experts * v.cols  # experts x inputs
+                acc = self.sumsq.setdefault(v.name, torch.zeros(size, dtype=torch.float64, device=x.device))
+                per_expert = acc.view(v.target.experts, -1)
+                if v.target.attr != "down_proj":
+                    per_expert += routed.T.double() @ x.double().square()
+                    continue
+                for e in routed.any(0).nonzero().flatten().tolist():
+                    per_expert[e] += inputs.gated(x[routed[:, e]], e).double().square().sum(0)
+
+        return hook
+
     def __enter__(self) -> InputStats:
+        experts: dict[int, list[ShardView]] = {}
         for v in self.views:
+            if v.target.experts:
+                if self.hessian:
+                    raise ValueError(f"{v.name}: input Hessians of stacked expert tensors are not collected")
+                experts.setdefault(id(v.target.module), []).append(v)
+                continue
             self._handles.append(v.target.module.register_forward_pre_hook(self._hook(v.name)))
+        for group in experts.values():
+            self._handles.append(group[0].target.module.register_forward_pre_hook(self._experts_hook(group), with_kwargs=True))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -252,7 +310,7 @@ class InputStats:
                     self.H[n] = comm.all_reduce_sum(self.H[n])
 
     def norms(self, name: str) -> torch.Tensor:
-        """||X_j||_2 per input feature j (fp64)."""
+        """||X_j||_2 per input feature j (fp64; a stacked expert tensor's per expert and input)."""
         return self.sumsq[self.alias.get(name, name)].sqrt()
 
     def hessian_of(self, name: str) -> torch.Tensor:

@@ -99,9 +99,9 @@ def _base_scores(v: ShardView, base: str, stats: InputStats | None, grad_sumsq: 
         return magnitude_scores(w)
     norms = stats.norms(v.name) if stats is not None else None
     if base == "wanda":
-        assert norms is not None and v.layout is not None
-        return wanda_scores(w, v.layout, norms)
-    return base_scores(base, w, v.layout, norms, grad_sumsq.get(v.name), comm)
+        assert norms is not None
+        return wanda_scores(w, v.features(w.device), norms)
+    return base_scores(base, w, v.layout, v.features(w.device), norms, grad_sumsq.get(v.name), comm)
 
 
 @torch.no_grad()

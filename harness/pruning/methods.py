@@ -112,10 +112,10 @@ def magnitude_scores(weight: torch.Tensor) -> torch.Tensor:
     return weight.abs()
 
 
-def wanda_scores(weight: torch.Tensor, layout: Layout, norms: torch.Tensor) -> torch.Tensor:
-    """|W_ij| * ||X_j||_2 for this rank's flat range (column j = flat index mod cols)."""
-    cols = local_columns(layout, weight.device)
-    return (weight.double().abs() * norms.to(weight.device)[cols]).float()
+def wanda_scores(weight: torch.Tensor, features: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """|W_ij| * ||X_j||_2 for this rank's flat range; `features[k]`: weight k's input feature,
+    its index in `norms` (`ShardView.features`: a Linear's column, an expert's own input)."""
+    return (weight.double().abs() * norms.to(weight.device)[features]).float()
 
 
 def local_columns(layout: Layout, device: torch.device) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from harness.config import PruneConfig, check_method_keys, check_original, decision_facts, is_original, resolve_prune
+from harness.config import PruneConfig, check_method_keys, check_original, decision_facts, is_original, method_facts, resolve_prune
 from harness.distributed import Collectives
 from harness.pruning.calibration import InputStats, Ledger, LossFn, Runner, default_group_size, forward_pass
 from harness.pruning.experimental import owl_sparsities
@@ -47,6 +47,10 @@ class LayerReport:
     name: str
     numel: int
     pruned: int
+    param: str = ""  # the parameter pruned (`Target.param_name`): where an export holds it
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "param": self.param, "numel": self.numel, "pruned": self.pruned, "sparsity": self.sparsity}
 
     @property
     def sparsity(self) -> float:
@@ -75,10 +79,13 @@ class PruneReport:
     # Of the fwd+bwd passes, the share whose blocks below the probed ones were replayed, not computed.
     replayed_passes: float = 0.0
     details: dict[str, Any] = field(default_factory=dict)  # the method's own (sparsegpt_fit: the guard's verdict per block)
+    # Stacked expert tensors this method and rule cannot prune, left whole: their elements, and why.
+    unpruned_expert_parameters: int = 0
+    unpruned_experts_reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k not in ("masks", "layers")}
-        out["layers"] = [{"name": x.name, "numel": x.numel, "pruned": x.pruned, "sparsity": x.sparsity} for x in self.layers]
+        out["layers"] = [x.to_dict() for x in self.layers]
         return out
 
     def _replayed(self) -> str:
@@ -91,13 +98,36 @@ class PruneReport:
         kept = sum(f["kept"] == "fit" for f in fits)
         return f", fit kept on {kept}/{len(fits)} blocks (SparseGPT's weights on the others)"
 
+    def _left_whole(self) -> str:
+        if not self.unpruned_expert_parameters:
+            return ""
+        return f"; stacked expert tensors left whole ({self.unpruned_expert_parameters:,} parameters): {self.unpruned_experts_reason}"
+
     def summary(self) -> str:
         return (
             f"pruned {self.method} {self.pattern}: sparsity {self.achieved_sparsity:.4f} (target {self.target_sparsity:g}) "
             f"over {len(self.layers)} matrices, K={self.group_size} ({self.groups} groups), "
             f"passes fwd {self.fwd_passes:g} fwd+bwd {self.fwd_bwd_passes:g}{self._replayed()}, {self.wall_time_s:.2f}s, "
-            f"probe memory {self.peak_probe_bytes / 2**20:.2f} MiB/rank{self._fitted()}"
+            f"probe memory {self.peak_probe_bytes / 2**20:.2f} MiB/rank{self._fitted()}{self._left_whole()}"
         )
+
+
+def stacked_experts_problem(cfg: PruneConfig, rule: Rule, view: ShardView) -> str | None:
+    """Why this method and rule cannot prune a stacked expert tensor (None: it prunes each expert's
+    rows as a Linear's). Every other score is per weight, or per row with each expert's own inputs."""
+    t = view.target
+    if not t.experts:
+        return None
+    if method_facts(cfg).rewrites_weights:
+        return f"prune.method={cfg.method} updates kept weights from each matrix's input Hessian, which is not collected per expert"
+    if cfg.method == "gradprobe" and cfg.base == "ria":
+        return "prune.base=ria normalises by a matrix's column sums, which are not defined per expert"
+    if rule.kind in ("per_row", "nm") and not t.rows_are_outputs:
+        return (
+            f"a {'per-row' if rule.kind == 'per_row' else 'N:M'} selection needs an output's weights in one row, and this family stores "
+            "its experts as [experts, in, out]; prune.method=magnitude or prune.base=magnitude with prune.scope=per_matrix prunes them"
+        )
+    return None
 
 
 def run_pruning(
@@ -133,11 +163,17 @@ def run_pruning(
     comm.barrier()
     start, peak = time.perf_counter(), _DevicePeak(comm)
     runner = Runner(model_or_engine, loss_fn, grad_accum, comm, should_stop=should_stop)
-    views = build_views(model_or_engine, cfg.targets, comm)
+    rule = make_rule(cfg)
+    views, whole = [], {}
+    for v in build_views(model_or_engine, cfg.targets, comm):
+        problem = stacked_experts_problem(cfg, rule, v)
+        if problem is None:
+            views.append(v)
+        else:
+            whole[problem] = whole.get(problem, 0) + v.numel
     if not views:
         raise ValueError(f"no Linear layers match targets={cfg.targets}")
     batches = _checked_inputs(list(calib_batches), method, cfg, comm)
-    rule = make_rule(cfg)
     if comm.rank == 0 and filled and is_original(cfg):
         log.info(f"prune: decision=original filled what the config left unset: {', '.join(filled)}")
     k, groups = _groups(cfg, method, views, comm)
@@ -150,7 +186,7 @@ def run_pruning(
     if not cfg.sequential:  # a sequential run applied each group before measuring the next
         masks.apply(views, comm)
     masks.meta.update(method=cfg.method, pattern=cfg.pattern, sparsity=cfg.sparsity, base=cfg.base)
-    layers = [LayerReport(name, numel, pruned) for name, pruned, numel in masks.counts(views, comm)]
+    layers = [LayerReport(name, numel, pruned, v.target.param_name) for v, (name, pruned, numel) in zip(views, masks.counts(views, comm))]
     n, peak_device = max(1, len(batches)), peak.read()
     comm.barrier()
     report = PruneReport(
@@ -171,6 +207,8 @@ def run_pruning(
         masks=masks,
         replayed_passes=runner.prefix.replays / n,
         details=run.details,
+        unpruned_expert_parameters=sum(whole.values()),
+        unpruned_experts_reason="; ".join(whole),
     )
     if comm.rank == 0:
         log.info(report.summary())

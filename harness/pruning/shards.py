@@ -1,4 +1,10 @@
-"""A uniform view of each target Linear's local weight shard and gradient shard.
+"""A uniform view of each target weight's local shard and gradient shard.
+
+A target is a Linear's weight, or a mixture-of-experts layer's stacked expert tensor
+(transformers 5 holds a layer's experts as one `[experts, out, in]` parameter per projection,
+gpt-oss as `[experts, in, out]`): pruned as the matrix `[experts x out, in]` it is in memory,
+so each expert's rows are pruned like a Linear's, and every engine's flat range of it (FSDP2's
+whole experts, ZeRO's cut anywhere) is a range of that matrix.
 
 The pruning algorithms are written once against `ShardView`: "this rank holds the flat
 range [start, end) of the row-major weight; here are those weights (and the fp32 master
@@ -18,6 +24,7 @@ engines. Both call the engine's `shard_of`, the one place that knows the storage
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,13 +40,48 @@ from harness.pruning.layout import FlatRange, Layout, even_ranges, gather_ranges
 
 @dataclass
 class Target:
-    name: str  # qualified name under the unwrapped model, identical for every strategy
-    module: nn.Linear
+    name: str  # a Linear's qualified name, or a stacked expert tensor's, under the unwrapped model (every strategy's)
+    module: nn.Module  # the Linear, or the experts module holding the tensor
     unit: int  # decoder block index (non-block linears: one extra unit after the last block)
+    attr: str = "weight"  # the parameter's name on `module`
+    experts: int = 0  # a stacked expert tensor's expert count (dim 0); 0: a Linear's weight
+    transposed: bool = False  # stacked as [experts, in, out] (transformers' `is_transposed`): rows are inputs
+
+    @property
+    def param(self) -> nn.Parameter:
+        return getattr(self.module, self.attr)
+
+    @property
+    def param_name(self) -> str:
+        """The parameter's qualified name (the Linear's `<name>.weight`, the stacked tensor's own)."""
+        return f"{self.name}.weight" if not self.experts else self.name
+
+    @property
+    def rows_are_outputs(self) -> bool:
+        """Whether a row of the matrix in memory is one output's weights (per-row and N:M rules need it)."""
+        return not self.transposed
+
+
+STACKED_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # transformers' expert weight names (biases are not pruned)
+
+
+def stacked_experts(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(qualified name, experts module, attribute) of every stacked expert weight: the modules
+    transformers' `use_experts_implementation` made (it sets `is_transposed`), their 3-D projections."""
+    out = []
+    for name, m in module.named_modules():
+        if not hasattr(m, "is_transposed"):
+            continue
+        for attr in STACKED_PROJECTIONS:
+            p = getattr(m, attr, None)
+            if isinstance(p, nn.Parameter) and len(getattr(p, "ds_shape", p.shape)) == 3:
+                out.append((clean_fqn(f"{name}.{attr}"), m, attr))
+    return out
 
 
 def find_targets(module: nn.Module, targets: str) -> list[Target]:
-    """The Linear layers to prune: those inside decoder blocks, or every Linear.
+    """The weights to prune: the Linears (and stacked expert tensors) inside decoder blocks, or
+    every Linear as well.
 
     Embeddings are never targets (they are not Linear). A Linear whose weight is shared
     with another module (a tied LM head) is refused rather than silently pruning the
@@ -67,6 +109,15 @@ def find_targets(module: nn.Module, targets: str) -> list[Target]:
         if owners.get(id(m.weight), 0) > 1:
             raise ValueError(f"{name}.weight is shared with another module (tied weights); prune with targets=decoder_linears")
         out.append(Target(clean_fqn(name), m, len(blocks) if unit is None else unit))  # as if no AC/compile wrapper
+    unit_by_name = {clean_fqn(prefix): u for prefix, u in block_prefixes.items()}
+    for name, m, attr in stacked_experts(module):
+        unit = next((u for prefix, u in unit_by_name.items() if name.startswith(prefix)), None)
+        if unit is not None:  # experts live in decoder blocks
+            p = getattr(m, attr)
+            experts = int(getattr(p, "ds_shape", p.shape)[0])  # ZeRO-3 holds a placeholder: its full shape is ds_shape
+            out.append(Target(name, m, unit, attr, experts=experts, transposed=bool(m.is_transposed)))
+    if any(t.experts for t in out):  # block by block (stable: a block's Linears, then its experts)
+        out.sort(key=lambda t: t.unit)
     return out
 
 
@@ -84,7 +135,7 @@ class ShardView(FlatRange):
 
     @property
     def param(self) -> nn.Parameter:
-        return self.target.module.weight
+        return self.target.param
 
     @property
     def storage(self) -> str:
@@ -93,11 +144,12 @@ class ShardView(FlatRange):
 
     @property
     def rows(self) -> int:
-        return self.shard.shape[0]
+        """Rows of the matrix in memory (a stacked expert tensor's: experts x its dim 1)."""
+        return math.prod(self.shard.shape[:-1])
 
     @property
     def cols(self) -> int:
-        return self.shard.shape[1]
+        return self.shard.shape[-1]
 
     @property
     def start(self) -> int:
@@ -137,6 +189,19 @@ class ShardView(FlatRange):
         if g.numel() != self.local_numel:
             raise RuntimeError(f"{self.name}: local gradient has {g.numel()} elements, range has {self.local_numel}")
         return g.detach().float()
+
+    def features(self, device: torch.device) -> torch.Tensor:
+        """For each weight of this rank's range, its input feature's index in the target's flat
+        input statistics (`InputStats.sumsq`): a Linear's column; a stacked expert tensor's
+        (expert, input) pair, `expert x inputs + input`, since each expert sees its own tokens."""
+        flat = torch.arange(self.start, self.end, device=device)
+        t = self.target
+        if not t.experts:
+            return flat % self.cols
+        per_expert = self.numel // t.experts
+        if t.transposed:  # [experts, in, out]: a row is one input of one expert
+            return flat // self.cols
+        return (flat // per_expert) * self.cols + flat % self.cols
 
     # ------------------------------------------------------------------ writing
 
@@ -185,9 +250,10 @@ def build_views(model_or_engine: Any, targets: str, comm: Collectives) -> list[S
     views = []
     split = lambda numel: even_ranges(numel, comm.world)[comm.rank]  # replicas: the ranks share the scoring
     for t in find_targets(module, targets):
-        shard = shard_of(t.module.weight, f"{t.name}.weight", comm.world, split)
-        if len(shard.shape) != 2:
-            raise ValueError(f"expected a 2-D Linear weight, got shape {shard.shape}")
+        shard = shard_of(t.param, t.param_name, comm.world, split)
+        if len(shard.shape) != (3 if t.experts else 2):
+            kind = "3-D stacked expert" if t.experts else "2-D Linear"
+            raise ValueError(f"{t.param_name}: expected a {kind} weight, got shape {shard.shape}")
         views.append(ShardView(t, shard))
     for v, ranges in zip(views, gather_ranges([(v.start, v.end) for v in views], comm)):
         v.layout = Layout(v.rows, v.cols, v.start, v.end, ranges)

@@ -23,14 +23,14 @@ import torch
 from harness.checkpoint import CheckpointManager, ResumeState
 from harness.config import RunConfig, needs_calibration
 from harness.data import PackedData
-from harness.distributed import Collectives, DistInfo, unwrap
+from harness.distributed import Collectives, DistInfo
 from harness.engine import Engine
 from harness.errors import ConfigError, StopRequested
 from harness.log import get_logger
-from harness.models import expert_parameter_count
 from harness.observability import Observer
 from harness.pruning import (
     ExpertReport,
+    LayerReport,
     MaskEnforcer,
     MaskSet,
     PruneReport,
@@ -181,12 +181,6 @@ def prune_and_measure(
             }
         elif p.prunes_weights:
             report = run_pruning(engine, batches, p, loss_fn, **kwargs)
-    if p.prunes_weights and (whole := expert_parameter_count(unwrap(engine.module))):
-        extra["unpruned_expert_parameters"] = whole
-        log.info(
-            f"prune.method={p.method} pruned Linear layers; the mixture-of-experts layers' stacked expert tensors "
-            f"({whole:,} of {engine.num_parameters():,} parameters) are left whole: prune.experts drops whole experts"
-        )
     after = evaluate(engine, data, cfg, info)
     stats: dict[str, Any] = report.to_dict() if report is not None else {"method": p.method, "achieved_sparsity": 0.0, "layers": []}
     stats.update(extra)
@@ -238,7 +232,7 @@ def _restore(
 ) -> PruneStats:
     """Masks from a resumed checkpoint: enforce them again rather than pruning twice. A mask
     saved at world 1 is whole; at another world size each rank takes its range of it."""
-    views = build_views(engine, cfg.prune.targets, comm)
+    views = [v for v in build_views(engine, cfg.prune.targets, comm) if v.name in saved]  # what the run pruned
     masks = MaskSet.from_state(saved, views)
     counts = masks.counts(views, comm)
     total = sum(n for _, _, n in counts)
@@ -246,7 +240,7 @@ def _restore(
         "method": cfg.prune.method,
         "resumed": True,
         "achieved_sparsity": sum(k for _, k, _ in counts) / max(1, total),
-        "layers": [{"name": name, "numel": n, "pruned": k, "sparsity": k / n} for name, k, n in counts],
+        "layers": [LayerReport(name, n, k, v.target.param_name).to_dict() for v, (name, k, n) in zip(views, counts)],
     }
     hook = _enforce(engine, masks, cfg.prune.targets, comm, now=True)  # the checkpoint's weights are zero there already: by construction
     _hand_to_checkpoints(ckpt, masks, comm)

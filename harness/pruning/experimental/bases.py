@@ -31,12 +31,14 @@ def taylor_scores(weight: torch.Tensor, grad_sumsq: torch.Tensor) -> torch.Tenso
     return (weight.double().abs() * grad_sumsq.to(weight.device).double().sqrt()).float()
 
 
-def gblm_scores(weight: torch.Tensor, layout: Layout, norms: torch.Tensor, grad_sumsq: torch.Tensor, comm: Collectives) -> torch.Tensor:
+def gblm_scores(
+    weight: torch.Tensor, features: torch.Tensor, norms: torch.Tensor, grad_sumsq: torch.Tensor, comm: Collectives
+) -> torch.Tensor:
     """GBLM-Pruner's |W|*||X_j|| + alpha*|W|*||G_ij||_2. The paper fixes alpha for its gradient
     scale (per-sample gradients of a mean loss); ours are per probe step, so the gradient term
     is rescaled per matrix to the mean of the Wanda term (alpha = 1 after that): neither term
     dominates by an accident of units. The means are over the whole matrix (one all-reduce)."""
-    wanda = wanda_scores(weight, layout, norms).double()
+    wanda = wanda_scores(weight, features, norms).double()
     grad = taylor_scores(weight, grad_sumsq).double()
     sums = comm.all_reduce_sum(torch.stack([wanda.sum(), grad.sum()]))
     # Rounded to fp32: partial sums added in another order at another world size differ in
@@ -62,7 +64,13 @@ def ria_scores(weight: torch.Tensor, layout: Layout, norms: torch.Tensor, comm: 
 
 
 def base_scores(
-    base: str, weight: torch.Tensor, layout: Layout | None, norms: torch.Tensor | None, grad_sumsq: torch.Tensor | None, comm: Collectives
+    base: str,
+    weight: torch.Tensor,
+    layout: Layout | None,
+    features: torch.Tensor,
+    norms: torch.Tensor | None,
+    grad_sumsq: torch.Tensor | None,
+    comm: Collectives,
 ) -> torch.Tensor:
     """The experimental `base`'s scores of this rank's piece (lowest pruned first). Collective
     for gblm and ria, which normalise over the whole matrix: every rank calls it per matrix."""
@@ -74,5 +82,5 @@ def base_scores(
     assert layout is not None and norms is not None
     if base == "gblm":
         assert grad_sumsq is not None
-        return gblm_scores(weight, layout, norms, grad_sumsq, comm)
+        return gblm_scores(weight, features, norms, grad_sumsq, comm)
     return ria_scores(weight, layout, norms, comm)

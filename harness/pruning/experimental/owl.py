@@ -26,7 +26,7 @@ def owl_sparsities(views: list[ShardView], stats: InputStats, target: float, lam
     scores = {}
     for v in views:
         assert v.layout is not None
-        scores[v.name] = wanda_scores(v.weight(), v.layout, stats.norms(v.name)).double().cpu()
+        scores[v.name] = wanda_scores(v.weight(), v.features(v.lp().device), stats.norms(v.name)).double().cpu()
         sums[2 * index[v.target.unit]] += scores[v.name].sum()
         sums[2 * index[v.target.unit] + 1] += scores[v.name].numel()
     # fp32 rounding: the same means whatever order the ranks' partial sums were added in
