@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from harness.config import (
     RunConfig,
     Strategy,
+    aux_loss_coefficient,
     check_run,
     check_sequence_heads,
     engine_kind,
@@ -135,6 +136,7 @@ def specs_for(
         sequence=plan.layout.sequence,
         packed=cfg.data.packs_examples,
         expert=plan.layout.expert,
+        aux_loss_coef=aux_loss_coefficient(cfg.moe),
     )
     common = dict(
         kind=kind,

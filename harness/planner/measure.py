@@ -44,14 +44,14 @@ from harness import imports_done  # the package first: as the program, the impor
 import torch
 import torch.distributed as dist
 
-from harness.config import ParallelLayout, load_config, load_strategy
+from harness.config import ParallelLayout, aux_loss_coefficient, load_config, load_strategy
 from harness.data import SequenceSlice
 from harness.distributed import CollectiveBytes, free_port, init_distributed, teardown
 from harness.engine import build_engine, hidden_size_of, plan_engine
 from harness.memory import CATEGORIES as CATS
 from harness.memory import AllocatorTrace, FrozenAwareMemTracker, StepMemoryTracker, category_of
 from harness.models import model_spec
-from harness.training import IGNORE_INDEX, loss_for, name_compiles_step
+from harness.training import IGNORE_INDEX, RouterLoss, loss_for, name_compiles_step
 
 
 def cpu_categories(snap: dict[Any, dict[Any, int]]) -> dict[str, int]:
@@ -108,8 +108,10 @@ def measure_config(
             cfg = plan.config  # as the run resolves it (a DeepSpeed file's own numbers taken in)
             packed = cfg.data.packs_examples
             base_loss = loss_for(plan.layout.splits_sequences, packed)
-            loss_fn = lambda m, ids: base_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size)
+            router = RouterLoss(aux_loss_coefficient(cfg.moe))  # the trainer's router loss (`harness.runner.build`)
+            loss_fn = lambda m, ids: base_loss(m, ids, chunk_size=cfg.memory.loss_chunk_size, router=router)
             engine = build_engine(spec, cfg, plan, info, loss_fn)
+            router.attach(engine.module, engine.sequence_group)
             make = packed_rows if packed else lambda b, s, v, g: torch.randint(0, v, (b, s), generator=g)
             batches = [piece(make(cfg.micro_batch_size, cfg.data.seq_len, vocab, gen)) for _ in range(cfg.grad_accum)]
         # The trainer's split of a compiling step (saved tensors, gradient hooks, state counted), every step.

@@ -53,7 +53,7 @@ from harness.planner.moe import GroupedMMAsRun, MoeFacts, PlannedExchange, excha
 from harness.planner.packed import pack_block_linears
 from harness.planner.params import ParamInfo, param_info
 from harness.planner.timeline import CAT_INDEX, CATS, tracker_class
-from harness.training import DTYPES, loss_for, precision_policy
+from harness.training import DTYPES, RouterLoss, loss_for, precision_policy
 
 
 class PlanError(ValueError):
@@ -90,6 +90,7 @@ class TraceSpec:
     expert: int = 1  # expert parallelism: each MoE layer's experts split over this many ranks; the trace is rank 0's
     routing: str = "worst"  # under expert parallelism, the routing case traced (harness.planner.moe.ROUTINGS)
     layers: int | None = None  # the model's first `layers` decoder blocks only (`--check`'s twin); None: all of them
+    aux_loss_coef: float | None = None  # `moe.aux_loss_coef` read (None: auto): the router's loss, as the trainer adds it
 
     def memory(self) -> MemoryConfig:
         """The memory section whose techniques the traced model is prepared with (compile is not traced)."""
@@ -307,9 +308,11 @@ def _step_input(spec: TraceSpec, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
 
 
-def _loss(model: nn.Module, batch: torch.Tensor, spec: TraceSpec) -> torch.Tensor:
-    """The trainer's loss for this input (unpacked instruction rows cost what text does)."""
-    return loss_for(spec.sequence > 1, spec.packed)(model, batch, chunk_size=spec.loss_chunk_size)
+def _loss(model: nn.Module, batch: torch.Tensor, spec: TraceSpec, router: RouterLoss) -> torch.Tensor:
+    """The trainer's loss for this input (unpacked instruction rows cost what text does), with a
+    mixture-of-experts router's loss as the trainer adds it (its logits kept for the backward, and
+    under sequence parallelism gathered over the sequence group)."""
+    return loss_for(spec.sequence > 1, spec.packed)(model, batch, chunk_size=spec.loss_chunk_size, router=router)
 
 
 def trace_step(spec: TraceSpec) -> TraceResult:
@@ -353,6 +356,8 @@ def trace_step(spec: TraceSpec) -> TraceResult:
             prepare_model(model, spec.memory())  # the engines' own preparation, in its order
             if spec.wrap == "fsdp":
                 model = _wrap_fsdp(model, spec, layout, experts.bind(model) if experts is not None else None)
+            router = RouterLoss(spec.aux_loss_coef)  # the trainer's: attached to the prepared model, over its sequence group
+            router.attach(model, layout.sequence_group("cpu") if spec.sequence > 1 else None)
             split_ids = {id(p) for p in experts.bind(model).params} if experts is not None else set()
             held = sum(local_tensor(p).untyped_storage().nbytes() for p in model.parameters())
             tracker: Any = Timeline()
@@ -379,7 +384,7 @@ def trace_step(spec: TraceSpec) -> TraceResult:
                         if micro:
                             tracker.reset_mod_stats()
                         with autocast, offload if spec.offload_checkpoint_inputs else contextlib.nullcontext():
-                            loss = _loss(model, batch, spec)
+                            loss = _loss(model, batch, spec, router)
                         (loss / max(1, spec.micro_batches)).backward()
                         sent.append({k: v - before.get(k, 0) for k, v in traffic.sent.items() if v - before.get(k, 0)})
                         del loss
