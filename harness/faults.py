@@ -4,6 +4,7 @@
 `oom@STEP[:RANK]` (a real `torch.OutOfMemoryError` raised in that step's forward),
 `signal@STEP[:RANK]` (the process sends itself SIGUSR1 in that step's forward),
 `kill@STEP[:RANK]` (the process sends itself SIGKILL in that step's forward: a lost worker),
+`error@STEP[:RANK]` (a RuntimeError raised in that step's forward: a bug on that rank alone),
 `save_pause=SECONDS[@STEP]` (a checkpoint is fully written but not committed for that long, or
 until the file named by `HARNESS_FAULT_RELEASE` exists: a test ends the window when done with it),
 `save_error@STEP[:RANK]` (writing that step's checkpoint fails as a full disk would: ENOSPC),

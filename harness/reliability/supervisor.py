@@ -77,12 +77,23 @@ class PeerMonitor:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, failure: str | None = None) -> None:
+        """Stop beating; `failure`: this rank ends on an error of its own (a bug), which the peers'
+        `probe` then names instead of their own collective's closed connection."""
         self._stop.set()
         try:
+            if failure is not None:
+                self.store.set(f"{self.prefix}failed/{self.info.rank}", failure)
             self.store.set(f"{self.prefix}done/{self.info.rank}", "1")
         except Exception:
             pass
+
+    def _failed(self, peers: list[int]) -> str | None:
+        failed = [r for r in peers if self.store.check([f"{self.prefix}failed/{r}"])]
+        if not failed:
+            return None
+        first = self.store.get(f"{self.prefix}failed/{failed[0]}").decode()
+        return f"rank {failed[0]} failed ({first}; its traceback is in its output)"
 
     def _beat(self) -> int:
         return self.store.add(f"{self.prefix}{self.info.rank}", 1)
@@ -133,6 +144,8 @@ class PeerMonitor:
             peers = [r for r in range(self.info.world_size) if r != self.info.rank]
             first = {r: self._count(r) for r in peers}
             time.sleep(3 * self.interval)
+            if (failed := self._failed(peers)) is not None:
+                return failed
             dead = [r for r in peers if self._count(r) == first[r] and not self._done(r)]
         except Exception:
             return self._store_lost()
@@ -184,7 +197,7 @@ class Supervisor:
                     flush=True,
                 )
                 self._hard_exit(EXIT_PEER_LOST)
-            self.monitor.stop()
+            self.monitor.stop(failure=f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}")
         return False  # an ordinary bug: the traceback
 
     @staticmethod

@@ -44,7 +44,7 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
     @command_errors(prog)
     def run() -> int:
         allocator = configure_cuda_allocator()  # before anything can initialise CUDA
-        info, lock, stopped, result = None, None, False, None
+        info, lock, stopped, failed, result = None, None, False, False, None
         with stop_requests("checking the run config"):  # a stop before the first step ends the run at once
             try:
                 _, plan = load()
@@ -60,10 +60,17 @@ def run_command(prog: str, load: Callable[[], tuple[RunConfig, EnginePlan]], bod
             except StopRequested as stop:  # nothing to save (before the first step, or pruning): exit 0 so the job may requeue
                 stopped = True
                 log.info(f"{stop}; exiting", extra=ALL_RANKS)
+            except BaseException:
+                # This rank fails on its own, its peers may be inside a collective that waits for it (a
+                # step's all-reduce): a barrier would wait with them until the collective timeout. Leaving
+                # at once lets the launcher end them and their collectives fail on the closed connection.
+                # An agreed refusal has every rank here, past the collective that agreed: nothing to wait for.
+                failed = True
+                raise
             finally:
                 if lock is not None:
                     lock.release()
-                teardown(wait_for_peers=not stopped)
+                teardown(wait_for_peers=not (stopped or failed))
         return result if isinstance(result, int) else EXIT_OK  # a body may end with a code of its own (the check)
 
     return run()

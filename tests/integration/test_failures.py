@@ -236,9 +236,18 @@ def one_process(ws, tiny_data) -> dict[str, tuple[subprocess.CompletedProcess, P
         ),
     }
 
+    # rank 1 alone raises in step 3 while rank 0 waits in that step's all-reduce (the collective timeout
+    # raised to the test's own, so only leaving without a barrier ends the run in time)
+    runs["bug_on_one_rank"] = (config(ws, "bug_on_one_rank", steps=4), ["strategy=ddp"], "error@3:1")
+
     def job(name: str):
         (cfg, out), overrides, fault = runs[name]
-        return _run(launch_command("python", 1, cfg, overrides), {"HARNESS_FAULT": fault}, ok=False), out
+        world, timeout = (2, {"HARNESS_COLLECTIVE_TIMEOUT_S": "1000"}) if name == "bug_on_one_rank" else (1, {})
+        started = time.monotonic()
+        launcher = "torchrun" if world > 1 else "python"
+        proc = _run(launch_command(launcher, world, cfg, overrides), {"HARNESS_FAULT": fault, **timeout}, ok=False)
+        proc.wall_s = time.monotonic() - started  # type: ignore[attr-defined]
+        return proc, out
 
     with ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(job, name) for name in runs}
@@ -299,6 +308,18 @@ def test_oom_prints_memory_by_category_and_the_planner_change(one_process):
     assert "peak of the largest measured step" in err and "activations" in err
     assert "the planner would change: memory.activation_checkpointing=full (estimated peak" in err, err[-3000:]
     assert "Traceback" not in err
+    assert max(losses(out)) == 2
+
+
+def test_a_bug_on_one_rank_ends_every_rank_without_waiting_for_the_collective_timeout(one_process):
+    """The failing rank leaves without the teardown barrier its peer could never join (it waits in
+    the step's all-reduce), and says so in the rendezvous store: the peer's collective fails on the
+    closed connection and it names rank 1's error in one line (exit 5). Before, both waited out the
+    collective timeout (600 s by default) and the peer printed gloo's traceback."""
+    proc, out = one_process["bug_on_one_rank"]
+    assert proc.returncode != 0 and "injected by HARNESS_FAULT=error@3" in proc.stderr, proc.stderr[-3000:]
+    assert "harness: error: rank 0: rank 1 failed (RuntimeError: injected by HARNESS_FAULT=error@3" in proc.stderr, proc.stderr[-3000:]
+    assert proc.wall_s < 240, proc.wall_s  # the subprocess's own bound is 300 s; the timeout would be 1,000
     assert max(losses(out)) == 2
 
 
