@@ -88,12 +88,15 @@ class PeerMonitor:
         except Exception:
             pass
 
-    def _failed(self, peers: list[int]) -> str | None:
-        failed = [r for r in peers if self.store.check([f"{self.prefix}failed/{r}"])]
-        if not failed:
-            return None
-        first = self.store.get(f"{self.prefix}failed/{failed[0]}").decode()
-        return f"rank {failed[0]} failed ({first}; its traceback is in its output)"
+    def _failed(self, peers: list[int], own: str | None) -> str | None:
+        """A peer that ended on an error other than `own`: an error every rank raised alike (a
+        refused input) is this rank's own to report, not a peer's failure."""
+        for rank in peers:
+            if self.store.check([f"{self.prefix}failed/{rank}"]):
+                theirs = self.store.get(f"{self.prefix}failed/{rank}").decode()
+                if theirs != own:
+                    return f"rank {rank} failed ({theirs}; its traceback is in its output)"
+        return None
 
     def _beat(self) -> int:
         return self.store.add(f"{self.prefix}{self.info.rank}", 1)
@@ -136,15 +139,16 @@ class PeerMonitor:
                     return
                 self._exit(self._store_lost())
 
-    def probe(self) -> str | None:
-        """After a failed collective: which ranks stopped beating (a few intervals' watch), or None."""
+    def probe(self, own: str | None = None) -> str | None:
+        """After this rank's error `own` (a failed collective, or an error of its own): a peer that
+        failed otherwise, or the ranks that stopped beating (a few intervals' watch), or None."""
         try:
             if self.store.check([f"{self.prefix}dead"]):
                 return self.store.get(f"{self.prefix}dead").decode()
             peers = [r for r in range(self.info.world_size) if r != self.info.rank]
             first = {r: self._count(r) for r in peers}
             time.sleep(3 * self.interval)
-            if (failed := self._failed(peers)) is not None:
+            if (failed := self._failed(peers, own)) is not None:
                 return failed
             dead = [r for r in peers if self._count(r) == first[r] and not self._done(r)]
         except Exception:
@@ -188,16 +192,16 @@ class Supervisor:
                 print(f"harness: error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_NONFINITE if isinstance(exc, NonFiniteError) else EXIT_CHECKPOINT)
         if self.monitor is not None:
-            verdict = self.monitor.probe()
+            own = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+            verdict = self.monitor.probe(own)
             if verdict:
-                detail = (str(exc).splitlines() or [""])[0][:160]
                 print(
-                    f"harness: error: rank {self.info.rank}: {verdict}; exiting ({type(exc).__name__}: {detail})",
+                    f"harness: error: rank {self.info.rank}: {verdict}; exiting ({own})",
                     file=sys.stderr,
                     flush=True,
                 )
                 self._hard_exit(EXIT_PEER_LOST)
-            self.monitor.stop(failure=f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}")
+            self.monitor.stop(failure=own)
         return False  # an ordinary bug: the traceback
 
     @staticmethod

@@ -610,3 +610,27 @@ def test_class1_a_fresh_run_keeps_an_earlier_runs_metrics(tmp_path):
     writer.close()
     assert (tmp_path / "metrics.superseded.jsonl").read_text() == old
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["train/loss"] == 3.0
+
+
+# ------------------------------------------------------------------ class 4: a peer's own error, named or not
+
+
+def test_a_peers_error_is_named_unless_this_rank_raised_the_same(monkeypatch):
+    """A rank that ends on an error writes it to the rendezvous store; a peer whose collective then
+    fails names it (exit 5). A peer that raised the same error itself (a refused input, seen by every
+    rank at its own time) reports its own instead: it must not turn a config error's exit 2 into 5."""
+    import torch.distributed as dist
+
+    from harness.distributed import DistInfo
+    from harness.reliability.supervisor import PeerMonitor
+
+    store = dist.HashStore()
+    monkeypatch.setattr(PeerMonitor, "_connect", lambda self: store)
+    info = lambda rank: DistInfo(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), backend="gloo")  # noqa: E731
+    first, late = PeerMonitor(info(1), interval=0.01), PeerMonitor(info(0), interval=0.01)
+    first._beat(), late._beat()
+    refusal = "ConfigError: the global batch of 64 sequences is larger than the data (12)"
+    first.stop(failure=refusal)
+    assert late.probe(own=refusal) is None
+    verdict = late.probe(own="RuntimeError: gloo: Connection closed by peer")
+    assert verdict == f"rank 1 failed ({refusal}; its traceback is in its output)", verdict
