@@ -28,6 +28,7 @@ from harness.models.experts import (
     expert_parallel_problem,
     expert_tensors,
     split_experts,
+    stacked_expert_weights,
 )
 from harness.models.lora import (
     AdapterTargets,
@@ -69,6 +70,7 @@ __all__ = [
     "expert_count",
     "expert_parallel_problem",
     "expert_tensors",
+    "stacked_expert_weights",
     "split_experts",
     "attention_is_swappable",
     "use_ulysses",

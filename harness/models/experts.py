@@ -41,6 +41,21 @@ def expert_tensors(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: params[name] for name, style in expert_plan(model).items() if style == EXPERT_STYLE and name in params}
 
 
+def stacked_expert_weights(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(module name, module, attribute) of every stacked expert weight under `module`: a 3-D
+    parameter, one matrix per expert along dim 0 (transformers 5 holds a MoE layer's experts so:
+    `experts.gate_up_proj`, `experts.down_proj`; under ZeRO-3 a placeholder whose shape is its
+    `ds_shape`). Found by shape, not by the expert plan (`expert_tensors`): a family without a plan
+    has stacked experts all the same. Expert biases are 2-D and are not among them. Names are as
+    `named_modules` gives them (wrappers included): the caller cleans them for its own use."""
+    return [
+        (name, m, attr)
+        for name, m in module.named_modules()
+        for attr, p in m.named_parameters(recurse=False)
+        if len(getattr(p, "ds_shape", p.shape)) == 3
+    ]
+
+
 def expert_count(model: nn.Module) -> int | None:
     """How many experts each MoE layer has (dim 0 of its stacked tensors); None without an expert plan."""
     counts = {p.shape[0] for p in expert_tensors(model).values()}

@@ -29,6 +29,7 @@ from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.models.blocks import decoder_blocks
 from harness.models.build import ModelSpec, build_spec_model, count_parameters, model_spec
+from harness.models.experts import stacked_expert_weights
 from harness.models.weights import clean_name, module_seed, strip_base_layer
 
 log = get_logger(__name__)
@@ -50,19 +51,17 @@ def default_target_modules(model: nn.Module) -> list[str]:
 
 
 def stacked_expert_parameters(model: nn.Module) -> list[str]:
-    """`<module>.<parameter>` of every stacked expert weight in the decoder blocks: a 3-D tensor,
-    one matrix per expert along dim 0 (transformers 5 holds a MoE layer's experts so:
-    `experts.gate_up_proj`, `experts.down_proj`). peft adapts such a tensor with one rank-r pair
-    per expert (`target_parameters`, its `ParamWrapper`); no linear-layer name reaches it. Expert
-    biases are 2-D and stay frozen, as a linear's bias does. Found by shape, not by the expert-parallel
-    plan (`experts.expert_tensors`): a family without a plan has stacked experts all the same."""
-    names = set()
-    for block in decoder_blocks(model):
-        for module_name, module in block.named_modules():
-            for param_name, param in module.named_parameters(recurse=False):
-                if param.dim() == 3:
-                    names.add(f"{strip_base_layer(module_name).rsplit('.', 1)[-1]}.{param_name}")
-    return sorted(names)
+    """`<module>.<parameter>` of every stacked expert weight in the decoder blocks
+    (`experts.stacked_expert_weights`). peft adapts such a tensor with one rank-r pair per expert
+    (`target_parameters`, its `ParamWrapper`); no linear-layer name reaches it. Expert biases stay
+    frozen, as a linear's bias does."""
+    return sorted(
+        {
+            f"{strip_base_layer(module_name).rsplit('.', 1)[-1]}.{attr}"
+            for block in decoder_blocks(model)
+            for module_name, _, attr in stacked_expert_weights(block)
+        }
+    )
 
 
 @dataclass(frozen=True)

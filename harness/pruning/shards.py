@@ -34,7 +34,7 @@ from torch import nn
 from harness.distributed import Collectives
 from harness.engine import ParamShard, gradient_probe, shard_of
 from harness.memory import clean_fqn
-from harness.models import decoder_blocks
+from harness.models import decoder_blocks, stacked_expert_weights
 from harness.pruning.layout import FlatRange, Layout, even_ranges, gather_ranges
 
 
@@ -62,21 +62,10 @@ class Target:
         return not self.transposed
 
 
-STACKED_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # transformers' expert weight names (biases are not pruned)
-
-
 def stacked_experts(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(qualified name, experts module, attribute) of every stacked expert weight: the modules
-    transformers' `use_experts_implementation` made (it sets `is_transposed`), their 3-D projections."""
-    out = []
-    for name, m in module.named_modules():
-        if not hasattr(m, "is_transposed"):
-            continue
-        for attr in STACKED_PROJECTIONS:
-            p = getattr(m, attr, None)
-            if isinstance(p, nn.Parameter) and len(getattr(p, "ds_shape", p.shape)) == 3:
-                out.append((clean_fqn(f"{name}.{attr}"), m, attr))
-    return out
+    """(qualified name, experts module, attribute) of every stacked expert weight whose layout is
+    known: the modules transformers' `use_experts_implementation` made (it sets `is_transposed`)."""
+    return [(clean_fqn(f"{name}.{attr}"), m, attr) for name, m, attr in stacked_expert_weights(module) if hasattr(m, "is_transposed")]
 
 
 def find_targets(module: nn.Module, targets: str) -> list[Target]:
