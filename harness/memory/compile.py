@@ -18,7 +18,9 @@ forward (`kernels`' `use_kernelized_func`, transformers 5.25) and its output cap
 lists from hooks, so with AC nothing compiled at all. ``apply_compile`` sets
 ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` (as torchtitan does when
 it compiles): the forward's side effects happen once, in the forward, which is what these
-set-and-reset routings and captures mean. Process-wide, like the budget below.
+set-and-reset routings and captures mean. Process-wide, like the budget below. A mixture-of-experts
+block is the exception: its router's capture hook cannot be traced at all, so a checkpointed MoE
+block is compiled below the checkpoint instead (`compile_around`).
 
 The activation memory budget is ``torch._functorch.config.activation_memory_budget``: the
 min-cut partitioner saves the activations that fit into ``budget`` x (what would be
@@ -40,9 +42,12 @@ import torch
 import torch._functorch.config as functorch_config
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from harness.config import COMPILE_MODES
+from harness.distributed import wrapper_chain
 from harness.models import decoder_block_list
+from harness.training import router_class
 
 
 def set_activation_memory_budget(budget: float | None) -> None:
@@ -75,9 +80,30 @@ def apply_compile(
         model.compile(backend=backend, fullgraph=fullgraph)
         return mode
 
+    router = router_class(model)
     for block in decoder_block_list(model):
-        block.compile(backend=backend, fullgraph=fullgraph)
+        if router is not None and any(isinstance(m, CheckpointWrapper) for m in wrapper_chain(block)):
+            compile_around(block, router, backend=backend, fullgraph=fullgraph)
+        else:
+            block.compile(backend=backend, fullgraph=fullgraph)
     return mode
+
+
+def compile_around(module: nn.Module, keep_eager: type, *, backend: str, fullgraph: bool) -> None:
+    """Compile the largest submodules of `module` that hold no `keep_eager` module, each in place.
+
+    A checkpointed MoE block compiled whole runs eagerly: its router's output-capture hook reads
+    transformers' collector `ContextVar`, which dynamo cannot trace, and a graph break inside the
+    checkpoint gives up the whole checkpointed region. Compiled below the checkpoint, attention and
+    the experts are graphs of their own (a hook of theirs breaks after their forward), called by the
+    eager checkpoint in the forward and again in its recompute; the router stays eager."""
+    for child in module.children():
+        if isinstance(child, keep_eager):
+            continue
+        if any(isinstance(m, keep_eager) for m in child.modules()):
+            compile_around(child, keep_eager, backend=backend, fullgraph=fullgraph)
+        elif any(True for _ in child.parameters()):
+            child.compile(backend=backend, fullgraph=fullgraph)
 
 
 def _graphs_compiled() -> int:

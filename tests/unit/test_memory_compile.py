@@ -136,3 +136,45 @@ def test_a_compile_that_ran_eagerly_is_said_after_the_first_forward() -> None:
     assert line is not None and line.startswith("memory.compile=block: the first forward compiled no graph, so the model runs eagerly")
     torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2))
     assert check.fell_back() is None
+
+
+def test_checkpointed_moe_blocks_compile_below_the_checkpoint_and_match_eager() -> None:
+    """A MoE block compiled whole under activation checkpointing ran eagerly: its router's
+    output-capture hook reads a ContextVar dynamo cannot trace, and a graph break inside a checkpoint
+    gives up the whole region. Compiled below the checkpoint (attention and experts, the router
+    eager), the first forward compiles graphs, and the losses, router aux losses and gradients are
+    eager's, through the trainer's own loss with its router term."""
+    from model_families import moe_configs
+    from transformers import AutoModelForCausalLM
+
+    from harness.memory import CompiledCheck
+    from harness.training import RouterLoss
+
+    def run(compiled: bool) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(moe_configs(4)["qwen3_moe"])
+        router = RouterLoss(None)
+        router.attach(model)
+        apply_activation_checkpointing(model, "full")
+        if compiled:
+            assert apply_compile(model, "block", None, backend=FAST) == "block"
+        check, opt, losses, aux = CompiledCheck("block"), torch.optim.SGD(model.parameters(), lr=0.1), [], []
+        for step in range(2):
+            ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(step))
+            loss = causal_lm_loss(model, ids, router=router)
+            if compiled and step == 0:
+                assert check.fell_back() is None, check.fell_back()
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            aux.append(float(router.pop()[0]))
+        return losses, aux, grads
+
+    eager, compiled = run(False), run(True)
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-6) and compiled[1] == pytest.approx(eager[1], rel=1e-6)
+    assert compiled[2].keys() == eager[2].keys() and any(".experts." in n for n in eager[2])
+    for name, grad in eager[2].items():
+        torch.testing.assert_close(compiled[2][name], grad, rtol=1e-5, atol=1e-7, msg=name)
