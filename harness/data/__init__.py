@@ -20,7 +20,7 @@ from harness.data.sampling import (
     unpack_examples,
     unpack_with_origin,
 )
-from harness.data.tokenizer import eos_id, given_tokenizer, load_tokenizer
+from harness.data.tokenizer import eos_id, given_tokenizer, has_own_tokenizer, load_tokenizer
 
 __all__ = [
     "EMBEDDED_SOURCES",
@@ -42,6 +42,7 @@ __all__ = [
     "embedded_documents",
     "eos_id",
     "given_tokenizer",
+    "has_own_tokenizer",
     "is_complete",
     "load_packed",
     "load_tokenizer",

@@ -44,13 +44,18 @@ def _capped(batches: Iterable[list[str]], max_chars: int) -> Iterator[str]:
             yield text
 
 
+def has_own_tokenizer(model_name: str) -> bool:
+    """A model directory that ships its tokenizer (read instead of training one)."""
+    return os.path.isdir(model_name) and bool(glob.glob(os.path.join(model_name, "tokenizer*")))
+
+
 def given_tokenizer(model_name: str, cfg: DataConfig) -> PreTrainedTokenizerFast | None:
     """`data.tokenizer`, else the model directory's own tokenizer, else None (train one)."""
     from transformers import AutoTokenizer  # lazily, see harness.data.documents
 
     if cfg.tokenizer:
         return AutoTokenizer.from_pretrained(cfg.tokenizer)
-    if os.path.isdir(model_name) and glob.glob(os.path.join(model_name, "tokenizer*")):
+    if has_own_tokenizer(model_name):
         return AutoTokenizer.from_pretrained(model_name)
     return None
 

@@ -30,9 +30,10 @@ from harness.engine import EnginePlan, build_engine
 from harness.errors import ConfigError
 from harness.log import get_logger
 from harness.memory import StepMemoryTracker
-from harness.models import model_spec, twin_spec
+from harness.models import ModelSpec, model_spec, twin_spec
 from harness.observability import Observer
 from harness.reliability import StepGuard, entering, signal_received
+from harness.runner.data_checks import vocabulary_problem
 from harness.runner.trainer import Trainer
 from harness.training import RouterLoss, loss_for
 
@@ -93,6 +94,15 @@ def describe_lr(cfg: RunConfig) -> str:
     return f"lr {cfg.optim.lr:g}" + (f" (optim.lr's default for {why})" if cfg.optim.lr == value else "")
 
 
+def check_vocabulary(spec: ModelSpec, data_vocab: int) -> None:
+    """A checkpoint's embedding must hold every token id of the data (a preset's is sized to the
+    data): else the first forward ends in an IndexError on every rank. Pre-flight refuses what it
+    can know before tokenizing (`data_checks.vocabulary_problem`); a tokenizer's size is known here."""
+    rows = getattr(spec.config.get_text_config(), "vocab_size", None)
+    if spec.directory is not None and (problem := vocabulary_problem(spec.name, rows, data_vocab)) is not None:
+        raise ConfigError(problem)
+
+
 def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int | None = None) -> tuple[Trainer, ResumeState]:
     """Data, model, engine, checkpoint restore, observer: everything before the first step
     (shared with `python -m harness.prune`), the engine from pre-flight's plan. Returns the trainer and the restored state.
@@ -103,6 +113,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
     check_eval_split(cfg, data, info)
     started = time.perf_counter()
     spec = model_spec(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
+    check_vocabulary(spec, data.vocab_size)
     if twin_layers is not None:
         spec = twin_spec(spec, twin_layers)
     labelled = cfg.data.format in INSTRUCTION_FORMATS  # blocks carry (input_ids, labels): loss on the responses only

@@ -7,11 +7,12 @@ from __future__ import annotations
 import codecs
 import json
 import os
+from typing import Any
 
 import numpy as np
 from huggingface_hub import constants
 
-from harness.config import INSTRUCTION_FORMATS, DataConfig, RunConfig
+from harness.config import INSTRUCTION_FORMATS, DataConfig, RunConfig, is_preset
 from harness.data import (
     EMBEDDED_SOURCES,
     cache_dir_for,
@@ -21,6 +22,7 @@ from harness.data import (
     data_files,
     folder_layout,
     format_hint,
+    has_own_tokenizer,
     is_complete,
     read_records,
 )
@@ -39,6 +41,27 @@ def looks_like_path(name: str) -> bool:
 def offline() -> bool:
     """HF_HUB_OFFLINE set: nothing may come from the Hub."""
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def vocabulary_problem(model_name: str, rows: Any, data_vocab: int) -> str | None:
+    """Why a checkpoint that embeds `rows` tokens cannot read data of `data_vocab` (None: it can)."""
+    if not isinstance(rows, int) or data_vocab <= rows:
+        return None
+    return (
+        f"the data's vocabulary has {data_vocab:,} tokens but model.name '{model_name}' embeds {rows:,}: tokenize with "
+        f"the model's own tokenizer (data.tokenizer), or, for the embedded corpus, set data.vocab_size <= {rows:,}"
+    )
+
+
+def check_vocabulary(cfg: RunConfig, shape: dict[str, Any]) -> None:
+    """A checkpoint without a tokenizer (and no data.tokenizer) reads data tokenized by the
+    tokenizer harness trains, of `data.vocab_size` tokens: it must fit the embedding. With a
+    tokenizer, its size is checked once it is read (`harness.runner.build.check_vocabulary`)."""
+    if is_preset(cfg.model.name) or cfg.data.tokenizer or has_own_tokenizer(cfg.model.name):
+        return
+    rows = shape.get("vocab_size", (shape.get("text_config") or {}).get("vocab_size"))
+    if (problem := vocabulary_problem(cfg.model.name, rows, cfg.data.vocab_size)) is not None:
+        raise ConfigError(problem)
 
 
 def check_data(cfg: RunConfig) -> None:

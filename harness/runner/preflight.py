@@ -63,7 +63,7 @@ from harness.models import (
     resolve_targets,
 )
 from harness.pruning import experts_to_drop
-from harness.runner.data_checks import check_data, looks_like_path, offline
+from harness.runner.data_checks import check_data, check_vocabulary, looks_like_path, offline
 from harness.runner.inputs import check_environment, check_index
 from harness.runner.run_dir import check_not_in_use
 from harness.training import router_refusal
@@ -340,6 +340,7 @@ def preflight(user: RunConfig, strategy: Strategy, world: int | None = None) -> 
     check_experts(cfg, plan.layout)
     check_wrap_classes(cfg, dict(os.environ))
     check_data(cfg)
+    check_vocabulary(cfg, model_shape(cfg.model.name) or {})
     check_output_and_resume(cfg, strategy, plan.layout)
     freeze(cfg)
     return plan

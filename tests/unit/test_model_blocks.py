@@ -146,6 +146,7 @@ def test_a_config_that_disagrees_with_its_weights_is_one_line_exit_2_before_laun
 
     directory = _config_other_than_its_weights(tmp_path)
     argv = [f"model.name={directory}", f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}", "data.seq_len=32"]
+    argv.append("data.vocab_size=512")  # the saved model's: the one problem is its config
     code, err, _ = call_entry_point(harness.train.main, argv, env(), monkeypatch, capfd)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err

@@ -141,3 +141,19 @@ def test_an_expert_count_other_than_the_configs_is_one_line_exit_2_nothing_writt
     assert "holds 4 checkpoint tensors" in lines[0] and "config.json makes 6" in lines[0], lines
     assert "model.layers.0.mlp.experts." in lines[0], lines
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_data_whose_vocabulary_the_checkpoint_does_not_embed_is_one_line_exit_2(moe_dirs, tmp_path, monkeypatch, capfd):
+    """The embedded corpus at its default vocabulary on a checkpoint that embeds 512 tokens (these
+    tiny families, saved without a tokenizer): one line naming both sizes, before the first forward's
+    IndexError on every rank."""
+    from launching import call_entry_point, env
+
+    import harness.train
+
+    argv = [f"model.name={moe_dirs['qwen3_moe']}", f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}"]
+    argv += ["data.seq_len=32", "data.max_tokens=20000", "logging.wandb=false"]
+    code, err, _ = call_entry_point(harness.train.main, argv, env(), monkeypatch, capfd)
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("harness: error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert f"model.name '{moe_dirs['qwen3_moe']}' embeds 512" in lines[0] and "data.vocab_size <= 512" in lines[0], lines
