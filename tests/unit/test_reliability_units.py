@@ -626,7 +626,7 @@ def test_a_peers_error_is_named_unless_this_rank_raised_the_same(monkeypatch):
 
     store = dist.HashStore()
     monkeypatch.setattr(PeerMonitor, "_connect", lambda self: store)
-    info = lambda rank: DistInfo(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), backend="gloo")  # noqa: E731
+    info = lambda rank: DistInfo(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     first, late = PeerMonitor(info(1), interval=0.01), PeerMonitor(info(0), interval=0.01)
     first._beat(), late._beat()
     refusal = "ConfigError: the global batch of 64 sequences is larger than the data (12)"
