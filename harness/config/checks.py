@@ -14,7 +14,7 @@ import math
 from harness.config.layout import ParallelLayout
 from harness.config.prune_methods import needs_calibration
 from harness.config.prune_modes import check_prune_mode
-from harness.config.schema import RENAMED, MoeConfig, RunConfig
+from harness.config.schema import RENAMED, LoraConfig, MemoryConfig, MoeConfig, OptimConfig, RunConfig
 from harness.config.sequence_checks import check_sequence_engine, check_sequence_parallel
 from harness.config.strategies import Strategy
 from harness.config.vocabulary import BF16_WEIGHT_OPTIMIZERS, EMBEDDED_CORPORA, INSTRUCTION_FORMATS, OPTIMIZER_LIBRARY, choice_fields
@@ -67,7 +67,7 @@ def check_values(cfg: RunConfig) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
-    check_optimizer_values(cfg)
+    check_optimizer_values(cfg.optim)
     at_least = {
         "memory.ac_every": (cfg.memory.ac_every, 1),
         "memory.track_every": (cfg.memory.track_every, 0),
@@ -127,7 +127,7 @@ def check_values(cfg: RunConfig) -> None:
         )
     if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
         raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1 (or unset: the machine's cores)")
-    check_lora_values(cfg)
+    check_lora_values(cfg.lora)
     aux_loss_coefficient(cfg.moe)
     if cfg.data.format in INSTRUCTION_FORMATS and (cfg.data.source in EMBEDDED_CORPORA or cfg.data.streaming):
         raise ConfigError(
@@ -162,9 +162,8 @@ def aux_loss_coefficient(moe: MoeConfig) -> float | None:
     return value
 
 
-def check_lora_values(cfg: RunConfig) -> None:
+def check_lora_values(lo: LoraConfig) -> None:
     """LoRA values peft would reject later (or misuse silently), refused on load."""
-    lo = cfg.lora
     if lo.r < 1:
         raise ConfigError(f"lora.r={lo.r} must be >= 1")
     if not lo.alpha > 0:
@@ -214,9 +213,9 @@ def check_lora(cfg: RunConfig, strategy_kind: str, zero_stage: int = 0) -> None:
         )
 
 
-def check_optimizer_in_backward_engine(cfg: RunConfig, strategy_kind: str, strategy_name: str = "") -> None:
+def check_optimizer_in_backward_engine(memory: MemoryConfig, strategy_kind: str, strategy_name: str = "") -> None:
     """The optimizer-in-backward/DeepSpeed rule, defined once: DeepSpeed owns the optimizer step."""
-    if cfg.memory.optimizer_in_backward and strategy_kind == "deepspeed":
+    if memory.optimizer_in_backward and strategy_kind == "deepspeed":
         named = f" ({strategy_name})" if strategy_name else ""
         raise ConfigError(
             f"memory.optimizer_in_backward=true cannot run under DeepSpeed{named}: DeepSpeed owns the optimizer "
@@ -238,7 +237,7 @@ def check_optimizer_in_backward(cfg: RunConfig, strategy_kind: str, world_size: 
             "memory.optimizer_in_backward=true cannot run with precision=fp16: the loss scaler must check every "
             "gradient for inf/nan before any parameter steps; use bf16 or fp32"
         )
-    check_optimizer_in_backward_engine(cfg, strategy_kind)
+    check_optimizer_in_backward_engine(cfg.memory, strategy_kind)
     if strategy_kind == "ddp" and world_size > 1:
         raise ConfigError(
             "memory.optimizer_in_backward=true cannot run with DDP at world>1: the per-parameter hooks fire before "
@@ -273,7 +272,7 @@ def check_prune_config(cfg: RunConfig, world: int) -> None:
 
 def check_strategy_against_run(strategy: Strategy, cfg: RunConfig, has_accelerator: bool) -> None:
     """Cross-checks between a strategy and the run config, before any process group starts."""
-    check_optimizer_in_backward_engine(cfg, strategy.kind, strategy.name)
+    check_optimizer_in_backward_engine(cfg.memory, strategy.kind, strategy.name)
     check_optimizer_engine(cfg, strategy.kind, strategy.name, has_accelerator)
     check_sequence_engine(cfg, strategy)
     if cfg.precision == "fp16" and strategy.kind == "fsdp" and not has_accelerator:
@@ -332,9 +331,9 @@ def check_optimizer_engine(cfg: RunConfig, strategy_kind: str, strategy_name: st
             )
 
 
-def check_cpu_offload_world(cfg: RunConfig, strategy_kind: str, world: int) -> None:
+def check_cpu_offload_world(optim: OptimConfig, strategy_kind: str, world: int) -> None:
     """torchao's CPUOffloadOptimizer is written for one GPU (its state dict is its own, per process)."""
-    if cfg.optim.cpu_offload and world > 1:
+    if optim.cpu_offload and world > 1:
         raise ConfigError(
             f"optim.cpu_offload=true runs on one GPU (torchao's CPUOffloadOptimizer), not {strategy_kind} x{world}; "
             "use fsdp_offload.json or zero2_offload.json for several"
@@ -363,7 +362,7 @@ def check_run(cfg: RunConfig, strategy: Strategy, world: int, has_accelerator: b
     """Every config-only rule for this strategy at this world size (values were checked on load)."""
     check_strategy_against_run(strategy, cfg, has_accelerator)
     check_optimizer_in_backward(cfg, strategy.kind, world)
-    check_cpu_offload_world(cfg, strategy.kind, world)
+    check_cpu_offload_world(cfg.optim, strategy.kind, world)
     check_sequence_parallel(cfg, strategy, world)
     check_expert_parallel(cfg, strategy, world)
     check_batch(cfg, ParallelLayout.of(cfg.parallel, world).data)
@@ -398,10 +397,9 @@ def check_expert_parallel(cfg: RunConfig, strategy: Strategy, world: int) -> Non
             )
 
 
-def check_optimizer_values(cfg: RunConfig) -> None:
+def check_optimizer_values(o: OptimConfig) -> None:
     """The values torch's optimizers and schedules would reject (or silently misuse), refused
     before launch instead of as a traceback after the model is built."""
-    o = cfg.optim
     if not o.lr > 0:
         raise ConfigError(f"optim.lr={o.lr} must be > 0")
     if o.eps < 0 or o.weight_decay < 0 or o.grad_clip < 0:

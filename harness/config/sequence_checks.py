@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from harness.config.layout import ParallelLayout
-from harness.config.schema import RunConfig
+from harness.config.schema import ModelConfig, ParallelConfig, RunConfig
 from harness.config.strategies import Strategy
 from harness.errors import ConfigError
 
@@ -94,14 +94,14 @@ class SequenceLimit:
         return f"data.seq_len={seq} exceeds the model's {self.tokens} positions ({self.source}); set data.seq_len <= {self.tokens}"
 
 
-def sequence_limit(cfg: RunConfig, shape: dict) -> SequenceLimit | None:
+def sequence_limit(model: ModelConfig, shape: dict) -> SequenceLimit | None:
     """The tighter of `model.max_seq_len` and the model's positions (`shape`: its config's values);
     None when neither is known. The positions are the config's `max_position_embeddings` as written:
     a model extended by RoPE scaling (`rope_scaling`, `rope_parameters`) states its extended length
     there (Llama 3.1's 131,072), so that key, not the scaling factor, is what a longer run raises."""
     limits = []
-    if cfg.model.max_seq_len is not None:
-        limits.append(SequenceLimit(cfg.model.max_seq_len, "model.max_seq_len"))
+    if model.max_seq_len is not None:
+        limits.append(SequenceLimit(model.max_seq_len, "model.max_seq_len"))
     key = next((k for k in ("max_position_embeddings", "n_positions") if shape.get(k)), None)
     if key is not None:
         limits.append(SequenceLimit(int(shape[key]), key))
@@ -110,18 +110,18 @@ def sequence_limit(cfg: RunConfig, shape: dict) -> SequenceLimit | None:
 
 def check_sequence_length(cfg: RunConfig, shape: dict) -> None:
     """`data.seq_len` within the model's `sequence_limit`."""
-    limit = sequence_limit(cfg, shape)
+    limit = sequence_limit(cfg.model, shape)
     if limit is not None and cfg.data.seq_len > limit.tokens:
         raise ConfigError(limit.refusal(cfg.data.seq_len))
 
 
-def check_sequence_heads(cfg: RunConfig, shape: dict) -> None:
+def check_sequence_heads(parallel: ParallelConfig, shape: dict) -> None:
     """Ulysses gives each rank of a sequence group a whole share of the attention heads; the
     key/value heads of grouped-query attention are shared too, or, when fewer than the group,
     replicated over it (harness's Ulysses and DeepSpeed's alike: the group must be a multiple of
     them); and runs them with sdpa: a model whose attention windows slide cannot (sdpa is given a
     plain causal mask)."""
-    n = cfg.parallel.sequence
+    n = parallel.sequence
     if n == 1:
         return
     heads = shape.get("num_attention_heads")

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.config import RunConfig
+from harness.config import MemoryConfig, RunConfig
 from harness.distributed import DistInfo, local_tensor
 from harness.engine.base import Engine, LossFn, StepResult
 from harness.engine.experts import ExpertGradients, split_for
@@ -171,14 +171,14 @@ class TorchEngine(Engine):
             model.harness_ulysses_calls = use_ulysses(model, model.harness_sequence_group, cfg.data.packs_examples)
         if plan.layout.splits_experts:  # on the meta model: each rank then allocates and fills only its experts
             model.harness_experts = split_for(model, plan.layout, info.device.type)
-        cls._prepare_and_fill(model, WeightsToLoad(spec, lora=cfg.lora.enabled, model=model), cfg, plan, info)
+        cls._prepare_and_fill(model, WeightsToLoad(spec, lora=cfg.lora.enabled, model=model), cfg.memory, plan, info)
         return model
 
     @classmethod
-    def _prepare_and_fill(cls, model: nn.Module, weights: WeightsToLoad, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> None:
+    def _prepare_and_fill(cls, model: nn.Module, weights: WeightsToLoad, memory: MemoryConfig, plan: EnginePlan, info: DistInfo) -> None:
         """Whole parameters on every rank: allocated and filled, then the memory techniques applied."""
         weights.fill(materialize(model, info.device))
-        prepare_model(model, cfg.memory)
+        prepare_model(model, memory)
 
     @classmethod
     def _wrap(cls, model: nn.Module, info: DistInfo) -> nn.Module:
@@ -314,10 +314,10 @@ class FSDPEngine(TorchEngine):
                     module.reshard()
 
     @classmethod
-    def _prepare_and_fill(cls, model: nn.Module, weights: WeightsToLoad, cfg: RunConfig, plan: EnginePlan, info: DistInfo) -> None:
+    def _prepare_and_fill(cls, model: nn.Module, weights: WeightsToLoad, memory: MemoryConfig, plan: EnginePlan, info: DistInfo) -> None:
         """On the meta model: the memory techniques, then the shards; each rank then allocates and
         fills only its own."""
-        prepare_model(model, cfg.memory)
+        prepare_model(model, memory)
         experts: ExpertGradients | None = getattr(model, "harness_experts", None)
         fsdp_wrap(model, plan.strategy, plan.precision, plan.layout.shard_mesh(info.device.type), experts)
         weights.fill(materialize(model, info.device))

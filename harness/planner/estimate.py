@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.config import (
+    LoraConfig,
     RunConfig,
     Strategy,
     aux_loss_coefficient,
@@ -87,13 +88,13 @@ def deepspeed_zero(plan: EnginePlan) -> Any:
     return DeepSpeedZeroConfig(**(plan.deepspeed or {}).get("zero_optimization", {}))
 
 
-def check_modelled(cfg: RunConfig, strategy: Strategy, world: int) -> str:
+def check_modelled(lora: LoraConfig, strategy: Strategy, world: int) -> str:
     """The engine kind, or PlanError where the planner does not model the strategy (ZeRO-0, LoRA
     under DeepSpeed)."""
     kind = engine_kind(strategy.kind, world)
     if kind == "deepspeed" and strategy.zero_stage == 0:
         raise PlanError(f"{strategy.name}: DeepSpeed ZeRO stage 0 is not modelled by the planner; use ddp.json")
-    if cfg.lora.enabled and kind == "deepspeed":
+    if lora.enabled and kind == "deepspeed":
         raise PlanError(f"lora.enabled=true under {strategy.name}: LoRA is planned under ddp or fsdp (torch's engines) only")
     return kind
 
@@ -103,7 +104,7 @@ def specs_for(
 ) -> tuple[TraceSpec, EngineSpec]:
     """What is traced and what the engine formulas take, for the run config as the run resolves it
     (`plan`'s config; default: planned here, as pre-flight plans it)."""
-    kind = check_modelled(user, strategy, world)
+    kind = check_modelled(user.lora, strategy, world)
     lora = user.lora
     plan = plan or plan_for(user, strategy, world, info_hidden)
     cfg = plan.config
@@ -351,8 +352,8 @@ def estimate(
     shape = build_fake_model(cfg.model.name, vocab, FakeTensorMode()).config.to_dict()  # the hidden size sizes DeepSpeed's "auto" buckets
     hidden = int(shape.get("hidden_size") or 0)
     try:
-        check_modelled(cfg, strategy, world_size)
-        check_sequence_heads(cfg, shape)  # pre-flight's, where the model's shape is known
+        check_modelled(cfg.lora, strategy, world_size)
+        check_sequence_heads(cfg.parallel, shape)  # pre-flight's, where the model's shape is known
         plan = plan_for(cfg, strategy, world_size, hidden)
         tspec, espec = specs_for(cfg, strategy, world_size, hidden, target, vocab, plan)
     except ConfigError as exc:
@@ -363,11 +364,11 @@ def estimate(
         tspec = replace(tspec, routing=routing)  # each routing case its own trace: this rank computes what it is sent
     trace = cached_trace(tspec)
     info: ParamInfo = trace.params
-    peak, moments, em, rank = _peak_rank(trace, espec, cfg, target)
+    peak, moments, em, rank = _peak_rank(trace, espec, cfg.lora, target)
     peaks: tuple[tuple[str, int], ...] = ()
     if splits_experts and trace.moe is not None:
         other = next(case for case in ROUTINGS if case != routing)
-        peaks = ((routing, peak.total), (other, _peak_rank(cached_trace(replace(tspec, routing=other)), espec, cfg, target)[0].total))
+        peaks = ((routing, peak.total), (other, _peak_rank(cached_trace(replace(tspec, routing=other)), espec, cfg.lora, target)[0].total))
     load_device, load_host = load_phase_bytes(espec, info)
     if cfg.lora.enabled and cfg.lora.quantize != "none":
         # bitsandbytes quantizes on load, a tensor at a time onto the device: the quantized base and one bf16 tensor
@@ -409,16 +410,16 @@ def estimate(
     )
 
 
-def _peak_rank(trace: TraceResult, espec: EngineSpec, cfg: RunConfig, target: str) -> tuple[Moment, list[Moment], EngineModel, int]:
+def _peak_rank(trace: TraceResult, espec: EngineSpec, lora: LoraConfig, target: str) -> tuple[Moment, list[Moment], EngineModel, int]:
     """The engine laid over the trace on the rank that peaks highest: its peak, moments, model and rank."""
     info = trace.params
     best: tuple[Moment, list[Moment], EngineModel, int] | None = None
     for rank in _worst_ranks(espec, info):
         em = engine_model(espec, info, rank)
-        if cfg.lora.enabled and cfg.lora.quantize != "none":
+        if lora.enabled and lora.quantize != "none":
             # the rest of the base (embeddings, head, norms) is held in the frozen dtype
             shard = espec.world if espec.kind == "fsdp" else 1
-            em = quantized_base(em, info, cfg.lora.quantize, shard, espec.frozen_param_bytes, espec.torch_param_bytes)
+            em = quantized_base(em, info, lora.quantize, shard, espec.frozen_param_bytes, espec.torch_param_bytes)
         moments = walk(trace, em, cpu_run=target == "cpu")
         peak = max(moments, key=lambda m: m.total)
         if best is None or peak.total > best[0].total:

@@ -57,7 +57,7 @@ def sequence_degree(cfg: RunConfig, world: int, vocab_size: int | None = None) -
         trial = copy.deepcopy(cfg)
         trial.parallel.sequence = n
         try:
-            check_sequence_heads(trial, shape)
+            check_sequence_heads(trial.parallel, shape)
         except ConfigError:
             continue
         return n
@@ -103,7 +103,7 @@ def trainer_limit(cfg: RunConfig, vocab_size: int | None = None) -> SequenceLimi
         shape = model_config(cfg.model.name, vocab_size=vocab_size).to_dict()
     except Exception:
         return None
-    return sequence_limit(cfg, shape)
+    return sequence_limit(cfg.model, shape)
 
 
 def _margin(p: Probe, gpu_mem: int, cpu_mem: int | None) -> float:

@@ -108,7 +108,7 @@ def recommend(
 
     per_node = gpus_per_node or world
     vocab = vocab_size or resolve_vocab(cfg)
-    info = info or _param_info(cfg, vocab)
+    info = info or _param_info(cfg.model.name, vocab)
     results: dict[Candidate, Evaluated] = {}
     fits: list[Evaluated] = []
     traced = 0
@@ -251,8 +251,8 @@ def explain(cfg: RunConfig, chosen: Candidate, evaluate: Any) -> list[str]:
     return reasons
 
 
-def _param_info(cfg: RunConfig, vocab: int | None) -> ParamInfo:
-    return param_info(build_fake_model(cfg.model.name, vocab, FakeTensorMode()))
+def _param_info(model_name: str, vocab: int | None) -> ParamInfo:
+    return param_info(build_fake_model(model_name, vocab, FakeTensorMode()))
 
 
 def recommended_config(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

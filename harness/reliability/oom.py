@@ -46,13 +46,13 @@ def _variant(cfg: RunConfig, change: list[tuple[str, Any]]) -> RunConfig:
     return variant
 
 
-def resolved_strategy(cfg: RunConfig, guard: StepGuard | None = None) -> Strategy | None:
+def resolved_strategy(strategy: str, guard: StepGuard | None = None) -> Strategy | None:
     """The strategy the run trains with: the engine's own plan where a guard knows the engine, else
     the config's (or the `accelerate launch` flags') resolved as the trainer resolves it."""
     if guard is not None:
         return guard.engine.plan.strategy
     try:
-        return load_strategy(cfg.strategy)
+        return load_strategy(strategy)
     except ConfigError:
         return None
 
@@ -99,9 +99,9 @@ def planner_suggestion(
     cfg: RunConfig, world: int, capacity: int | None, target: str, budget_s: float = 60.0, strategy: Strategy | None = None
 ) -> str:
     """The first single change whose estimated per-rank peak fits `capacity` (harness.planner), as overrides.
-    `strategy`: the run's resolved strategy (default: `resolved_strategy(cfg)`); every change is costed
+    `strategy`: the run's resolved strategy (default: `resolved_strategy(cfg.strategy)`); every change is costed
     under it, a change of strategy under the shipped strategy it names."""
-    strategy = strategy or resolved_strategy(cfg)
+    strategy = strategy or resolved_strategy(cfg.strategy)
     t0, best = time.monotonic(), None
     candidates = candidate_changes(cfg, strategy, activations_dominate(cfg, world, target, strategy), world, target)
     for change in candidates:
@@ -158,6 +158,6 @@ def oom_report(exc: BaseException, cfg: RunConfig, info: DistInfo, guard: StepGu
             lines.append(f"  host memory per local rank: {_fmt(capacity)}")
         except (ValueError, OSError):
             pass
-    strategy = resolved_strategy(cfg, guard)
+    strategy = resolved_strategy(cfg.strategy, guard)
     lines.append("  the planner would change: " + planner_suggestion(cfg, info.world_size, capacity, target, strategy=strategy))
     return "\n".join(lines)

@@ -219,12 +219,12 @@ def check_experts(cfg: RunConfig, layout: ParallelLayout) -> None:
         raise ConfigError(f"model.name '{cfg.model.name}': {problem}")
 
 
-def check_wrap_classes(cfg: RunConfig, env: dict[str, str]) -> None:
+def check_wrap_classes(model_name: str, env: dict[str, str]) -> None:
     """`accelerate launch --fsdp_transformer_layer_cls_to_wrap` names classes of this model: its
     decoder block, which harness wraps (built on the meta device: no memory)."""
     if not env.get("FSDP_TRANSFORMER_CLS_TO_WRAP"):
         return
-    template = empty_model(model_config(cfg.model.name))
+    template = empty_model(model_config(model_name))
     try:
         blocks = {type(block).__name__ for block in decoder_block_list(template)}
     except BlocksNotFound:
@@ -338,7 +338,7 @@ def preflight(user: RunConfig, strategy: Strategy, world: int | None = None) -> 
     check_model(cfg)
     check_architecture(cfg, strategy, plan.layout)
     check_experts(cfg, plan.layout)
-    check_wrap_classes(cfg, dict(os.environ))
+    check_wrap_classes(cfg.model.name, dict(os.environ))
     check_data(cfg)
     check_vocabulary(cfg, model_shape(cfg.model.name) or {})
     check_output_and_resume(cfg, strategy, plan.layout)

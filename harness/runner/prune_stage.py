@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from harness.checkpoint import CheckpointManager, ResumeState
-from harness.config import RunConfig, needs_calibration
+from harness.config import PruneConfig, RunConfig, needs_calibration
 from harness.data import PackedData
 from harness.distributed import Collectives, DistInfo
 from harness.engine import Engine
@@ -120,7 +120,7 @@ def run_prune_stage(
     steps_begin()  # a stop from here ends the pruning at a calibration step all ranks agree on
     comm = Collectives()
     if resumed is not None and resumed.masks:
-        return _restore(engine, cfg, info, resumed.masks, ckpt, comm)
+        return _restore(engine, cfg.prune, info, resumed.masks, ckpt, comm)
     before = evaluate(engine, data, cfg, info)
     with _stopped_with_advice(ckpt, step):
         stats, report, experts = prune_and_measure(engine, data, cfg, info, before, comm)
@@ -228,21 +228,21 @@ def _hand_to_checkpoints(ckpt: CheckpointManager | None, masks: MaskSet, comm: C
 
 
 def _restore(
-    engine: Engine, cfg: RunConfig, info: DistInfo, saved: dict[str, torch.Tensor], ckpt: CheckpointManager | None, comm: Collectives
+    engine: Engine, prune: PruneConfig, info: DistInfo, saved: dict[str, torch.Tensor], ckpt: CheckpointManager | None, comm: Collectives
 ) -> PruneStats:
     """Masks from a resumed checkpoint: enforce them again rather than pruning twice. A mask
     saved at world 1 is whole; at another world size each rank takes its range of it."""
-    views = [v for v in build_views(engine, cfg.prune.targets, comm) if v.name in saved]  # what the run pruned
+    views = [v for v in build_views(engine, prune.targets, comm) if v.name in saved]  # what the run pruned
     masks = MaskSet.from_state(saved, views)
     counts = masks.counts(views, comm)
     total = sum(n for _, _, n in counts)
     stats = {
-        "method": cfg.prune.method,
+        "method": prune.method,
         "resumed": True,
         "achieved_sparsity": sum(k for _, k, _ in counts) / max(1, total),
         "layers": [LayerReport(name, n, k, v.target.param_name).to_dict() for v, (name, k, n) in zip(views, counts)],
     }
-    hook = _enforce(engine, masks, cfg.prune.targets, comm, now=True)  # the checkpoint's weights are zero there already: by construction
+    hook = _enforce(engine, masks, prune.targets, comm, now=True)  # the checkpoint's weights are zero there already: by construction
     _hand_to_checkpoints(ckpt, masks, comm)
     ckpt_step = ckpt.last_path if ckpt is not None else None
     log.info(f"prune: masks restored from {ckpt_step} (sparsity {stats['achieved_sparsity']:.4f}); not pruning again")

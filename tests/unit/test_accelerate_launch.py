@@ -208,13 +208,13 @@ def test_a_class_to_wrap_the_model_lacks_is_refused_naming_its_classes(monkeypat
     assert env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "BertLayer"
     plan, cfg = _plan(env, world)  # nothing else in the file is refused
     with pytest.raises(ConfigError) as exc:
-        check_wrap_classes(cfg, env)
+        check_wrap_classes(cfg.model.name, env)
     line = str(exc.value)
     assert "\n" not in line and "the model has no class BertLayer; its classes are" in line
     assert "LlamaDecoderLayer" in line and "LlamaForCausalLM" in line
-    check_wrap_classes(cfg, {**env, "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"})  # the block: accepted
+    check_wrap_classes(cfg.model.name, {**env, "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"})  # the block: accepted
     with pytest.raises(ConfigError, match=r"harness wraps each decoder block \(LlamaDecoderLayer\)"):
-        check_wrap_classes(cfg, {**env, "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaMLP"})
+        check_wrap_classes(cfg.model.name, {**env, "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaMLP"})
 
 
 def test_fsdp_settings_harness_does_its_own_way_are_said_and_the_rest_refused():

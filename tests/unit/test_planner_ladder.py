@@ -102,7 +102,7 @@ def test_the_expert_parallel_rung_splits_the_experts_until_a_rung_leaves_ddp_and
     from harness.models import empty_model, expert_tensors, model_config
     from harness.planner.recommend import _model_state_floor, _param_info
 
-    info = _param_info(cfg, None)
+    info = _param_info(cfg.model.name, None)
     experts = sum(p.numel() for p in expert_tensors(empty_model(model_config(str(tmp_path)))).values())
     assert info.split(2).total == info.total - experts // 2 and info.split(2).split_expert_numel == experts // 2
     floors = {e: _model_state_floor(with_split(cfg, 1, e), 2, "cuda", info, None) for e in (1, 2)}
@@ -231,7 +231,7 @@ def test_expert_parallelism_under_fsdp2_is_planned_and_searched():
     from harness.planner.estimate import check_modelled
 
     cfg = load_config(None, ["precision=fp32", "parallel.expert=2"])
-    assert check_modelled(cfg, load_strategy("fsdp", env={}), 2) == "fsdp"
-    assert check_modelled(cfg, load_strategy("ddp", env={}), 2) == "ddp"
+    assert check_modelled(cfg.lora, load_strategy("fsdp", env={}), 2) == "fsdp"
+    assert check_modelled(cfg.lora, load_strategy("ddp", env={}), 2) == "ddp"
     assert runs_with(cfg, "ddp", "cuda", world=2, expert=2) and runs_with(cfg, "fsdp", "cuda", world=2, expert=2)
     assert not runs_with(cfg, "zero3", "cuda", world=2, expert=2)

@@ -31,7 +31,7 @@ SMALL = ["model.name=small-llama", "data.seq_len=64", "micro_batch_size=1"]
 @pytest.fixture(scope="module")
 def setup():
     cfg = load_config(None, SMALL)
-    return cfg, _param_info(cfg, VOCAB)
+    return cfg, _param_info(cfg.model.name, VOCAB)
 
 
 def test_traced_lora_model_is_the_real_one(setup):

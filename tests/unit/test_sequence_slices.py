@@ -144,14 +144,14 @@ def test_what_it_runs_with_passes():
 )
 def test_heads_the_sequence_split_cannot_share_are_refused(shape, expected):
     with pytest.raises(ConfigError, match=expected):
-        check_sequence_heads(_cfg(), shape)
+        check_sequence_heads(_cfg().parallel, shape)
 
 
 def test_heads_it_can_share_pass():
-    check_sequence_heads(_cfg(), {"num_attention_heads": 4, "num_key_value_heads": 2})
-    check_sequence_heads(_cfg(), {"num_attention_heads": 4, "num_key_value_heads": 1})  # replicated over the group
-    check_sequence_heads(_cfg(), {"num_attention_heads": 4, "sliding_window": 512, "use_sliding_window": False})
-    check_sequence_heads(load_config(None, []), {"num_attention_heads": 3})
+    check_sequence_heads(_cfg().parallel, {"num_attention_heads": 4, "num_key_value_heads": 2})
+    check_sequence_heads(_cfg().parallel, {"num_attention_heads": 4, "num_key_value_heads": 1})  # replicated over the group
+    check_sequence_heads(_cfg().parallel, {"num_attention_heads": 4, "sliding_window": 512, "use_sliding_window": False})
+    check_sequence_heads(load_config(None, []).parallel, {"num_attention_heads": 3})
 
 
 def test_only_models_whose_attention_goes_through_transformers_registry_are_swappable():
