@@ -265,8 +265,7 @@ class InputStats:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             x, routed = inputs.routed(args, kwargs)
             for v in views:
-                size = v.rows if v.target.transposed else v.target.experts * v.cols  # experts x inputs
-                acc = self.sumsq.setdefault(v.name, torch.zeros(size, dtype=torch.float64, device=x.device))
+                acc = self.sumsq.setdefault(v.name, torch.zeros(v.feature_count, dtype=torch.float64, device=x.device))
                 per_expert = acc.view(v.target.experts, -1)
                 if v.target.attr != "down_proj":
                     per_expert += routed.T.double() @ x.double().square()

@@ -179,6 +179,15 @@ class ShardView(FlatRange):
             raise RuntimeError(f"{self.name}: local gradient has {g.numel()} elements, range has {self.local_numel}")
         return g.detach().float()
 
+    @property
+    def feature_count(self) -> int:
+        """The length of the target's flat input statistics, which `features` indexes: a Linear's
+        columns; a stacked expert tensor's experts x inputs."""
+        t = self.target
+        if not t.experts:
+            return self.cols
+        return self.rows if t.transposed else t.experts * self.cols
+
     def features(self, device: torch.device) -> torch.Tensor:
         """For each weight of this rank's range, its input feature's index in the target's flat
         input statistics (`InputStats.sumsq`): a Linear's column; a stacked expert tensor's
