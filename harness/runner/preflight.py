@@ -239,7 +239,7 @@ def check_model(cfg: RunConfig) -> None:
     if shape is None:
         return
     check_sequence_length(cfg, shape)
-    check_sequence_heads(cfg, shape)
+    check_sequence_heads(cfg.parallel, shape)
     check_prune_widths(cfg.prune, shape)
 
 
