@@ -23,6 +23,9 @@ weight's gradient is summed over the tiles and accumulated once (the hook fires 
 every engine sees the backward it expects, and the same checkpoint nests inside the
 block-level activation checkpointing and compiles.
 
+A mixture-of-experts block is tiled the same way (it routes each token alone); its router then runs
+once per tile, and `harness.training.router` joins a layer's tiles back into one.
+
 The module is changed from outside (its ``forward`` replaced on the instance): parameter
 names, state dicts and checkpoints are those of the untiled model.
 """
@@ -55,6 +58,11 @@ def mlp_tiles(seq_len: int, tiles: int = 0, tile_tokens: int = 0) -> int:
 def tiled_forward(forward: Callable[..., torch.Tensor], tiles: int, tile_tokens: int) -> Callable[..., torch.Tensor]:
     """``forward`` of an MLP (hidden states ``(..., seq, hidden)`` in, same shape out) run over sequence tiles."""
 
+    def contiguous_forward(piece: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # A tile of a batch of rows is a strided view; a mixture-of-experts block flattens its
+        # input with `view`. The copy is made inside the checkpoint: only the view is kept.
+        return forward(piece.contiguous(), *args, **kwargs)
+
     @functools.wraps(forward)
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         n = mlp_tiles(x.shape[-2], tiles, tile_tokens)
@@ -62,8 +70,8 @@ def tiled_forward(forward: Callable[..., torch.Tensor], tiles: int, tile_tokens:
             return forward(x, *args, **kwargs)
         pieces = x.chunk(n, dim=-2)
         if not torch.is_grad_enabled():  # evaluation: nothing is kept for backward, tiling alone bounds the peak
-            return torch.cat([forward(p, *args, **kwargs) for p in pieces], dim=-2)
-        return torch.cat([checkpoint(forward, p, *args, use_reentrant=False, **kwargs) for p in pieces], dim=-2)
+            return torch.cat([contiguous_forward(p, *args, **kwargs) for p in pieces], dim=-2)
+        return torch.cat([checkpoint(contiguous_forward, p, *args, use_reentrant=False, **kwargs) for p in pieces], dim=-2)
 
     return run
 

@@ -128,6 +128,26 @@ def _layer_index(name: str, position: int) -> int:
     return int(found[-1]) if found else position
 
 
+def per_layer(logits: tuple[torch.Tensor, ...], layers: int, rows: int | None) -> tuple[torch.Tensor, ...]:
+    """One `[tokens, experts]` tensor per layer. transformers records a router's logits once per
+    call, and the tiled MLP (`harness.memory.tiled_mlp`) calls each layer's router once per sequence
+    tile, a layer's tiles in turn: they are joined back in (row, position) order, the order of the
+    attention mask's `rows` x positions (without a mask the order changes nothing: the balance and
+    the expert counts are sums over tokens)."""
+    if len(logits) == layers or not layers:
+        return logits
+    tiles, rest = divmod(len(logits), layers)
+    assert not rest, (len(logits), layers)
+    out = []
+    for layer in range(layers):
+        parts = logits[layer * tiles : (layer + 1) * tiles]
+        if rows is None:
+            out.append(torch.cat(parts))
+        else:
+            out.append(torch.cat([p.reshape(rows, -1, p.shape[-1]) for p in parts], dim=1).reshape(-1, parts[0].shape[-1]))
+    return tuple(out)
+
+
 class RouterLoss:
     """The loss functions' router term (`harness.training.loss`'s `router`): built from
     `moe.aux_loss_coef` read (`harness.config.aux_loss_coefficient`: None for auto), inactive until
@@ -182,10 +202,12 @@ class RouterLoss:
     def __call__(self, router_logits: Any, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """This micro-batch's term to add to its loss (coefficient x the family's loss; None where the
         coefficient is 0), its loss and expert counts recorded for `pop`."""
-        logits = tuple(router_logits)
-        assert self._loss_func is not None and len(logits) == len(self.layers), (len(logits), self.layers)
         if self.routed_tokens:  # the padding is not the run's: a mask the families' functions weight by
-            attention_mask = self.routed_tokens.popleft().to(logits[0].device).float()
+            attention_mask = self.routed_tokens.popleft().float()
+        logits = per_layer(tuple(router_logits), len(self.layers), None if attention_mask is None else attention_mask.shape[0])
+        assert self._loss_func is not None and len(logits) == len(self.layers), (len(logits), self.layers)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(logits[0].device)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.coef > 0):
             gates, mask = logits, attention_mask
             if self.sequence_group is not None:  # the whole sequences' tokens, as one process routes them

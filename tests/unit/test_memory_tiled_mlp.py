@@ -178,3 +178,44 @@ def test_each_weight_gradient_is_accumulated_once_over_all_tiles() -> None:
         p.register_post_accumulate_grad_hook(lambda p, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
     _grads(model)
     assert calls and set(calls.values()) == {1}, calls
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_tiled_moe_block_routes_trains_and_balances_as_untiled(masked: bool) -> None:
+    """A mixture-of-experts block over sequence tiles of a batch of rows (a strided view, which
+    the block flattens with `view`): its router runs once per tile, and the router loss joins each
+    layer's tiles back in (row, position) order, the order of the mask that leaves some tokens out
+    (`routed_tokens`, here the last 10 positions of row 0). Loss, aux loss, expert counts and every
+    gradient are the untiled model's; with AC the tiles nest inside the block's checkpoint."""
+    from model_families import moe_configs
+    from transformers import AutoModelForCausalLM
+
+    from harness.memory import clean_fqn
+    from harness.training import RouterLoss
+
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 32, dtype=torch.bool)
+    mask[0, -10:] = False
+
+    def run(tiles: int, ac: str) -> tuple[float, torch.Tensor, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(moe_configs(4)["qwen3_moe"])
+        router = RouterLoss(None)
+        router.attach(model)
+        if tiles:
+            assert apply_tiled_mlp(model, tiles) == 2
+        apply_activation_checkpointing(model, ac)
+        if masked:
+            router.routed_tokens.append(mask)
+        loss = causal_lm_loss(model, ids, router=router)
+        loss.backward()
+        return loss.item(), router.pop(), {clean_fqn(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, record, grads = run(0, "none")
+    for tiles, ac in ((2, "none"), (4, "full")):
+        tiled_loss, tiled_record, tiled_grads = run(tiles, ac)
+        assert tiled_loss == pytest.approx(loss, rel=1e-6), (tiles, ac)
+        torch.testing.assert_close(tiled_record, record, rtol=1e-6, atol=1e-9)  # the aux loss, then each layer's counts
+        assert tiled_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
