@@ -64,16 +64,35 @@ def tiled_forward(forward: Callable[..., torch.Tensor], tiles: int, tile_tokens:
         return forward(piece.contiguous(), *args, **kwargs)
 
     @functools.wraps(forward)
-    def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         n = mlp_tiles(x.shape[-2], tiles, tile_tokens)
         if n == 1:
             return forward(x, *args, **kwargs)
         pieces = x.chunk(n, dim=-2)
         if not torch.is_grad_enabled():  # evaluation: nothing is kept for backward, tiling alone bounds the peak
-            return torch.cat([contiguous_forward(p, *args, **kwargs) for p in pieces], dim=-2)
-        return torch.cat([checkpoint(contiguous_forward, p, *args, use_reentrant=False, **kwargs) for p in pieces], dim=-2)
+            return join_tiles([contiguous_forward(p, *args, **kwargs) for p in pieces], pieces)
+        return join_tiles([checkpoint(contiguous_forward, p, *args, use_reentrant=False, **kwargs) for p in pieces], pieces)
 
     return run
+
+
+def join_tiles(outputs: list[Any], pieces: tuple[torch.Tensor, ...]) -> Any:
+    """The tiles' outputs as the untiled MLP's: a tensor over the tile's positions `(..., tile,
+    features)` joined along the positions; one over its flattened tokens `(rows x tile, ...)` (gpt-oss's
+    router scores beside its output) joined back in (row, position) order; tuples element by element."""
+    first = outputs[0]
+    if first is None:
+        return None
+    if isinstance(first, tuple):
+        return tuple(join_tiles([out[i] for out in outputs], pieces) for i in range(len(first)))
+    tokens = pieces[0].shape[:-1]
+    if first.shape[:-1] == tokens:
+        return torch.cat(outputs, dim=-2)
+    if first.dim() >= 1 and first.shape[0] == tokens.numel():
+        rows = tokens[:-1].numel()
+        joined = torch.cat([out.reshape(rows, -1, *out.shape[1:]) for out in outputs], dim=1)
+        return joined.reshape(-1, *first.shape[1:])
+    raise ValueError(f"a tiled MLP returned a tensor of shape {tuple(first.shape)} for a tile of {tuple(tokens)} positions")
 
 
 def apply_tiled_mlp(model: nn.Module, tiles: int = 0, tile_tokens: int = 0) -> int:
@@ -101,4 +120,4 @@ def tiled_mlps(model: nn.Module) -> int:
     return sum(getattr(m, _TILED_ATTR, None) is not None for m in model.modules())
 
 
-__all__ = ["apply_tiled_mlp", "mlp_tiles", "tiled_forward", "tiled_mlps"]
+__all__ = ["apply_tiled_mlp", "join_tiles", "mlp_tiles", "tiled_forward", "tiled_mlps"]

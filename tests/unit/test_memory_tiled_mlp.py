@@ -180,13 +180,14 @@ def test_each_weight_gradient_is_accumulated_once_over_all_tiles() -> None:
     assert calls and set(calls.values()) == {1}, calls
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_a_tiled_moe_block_routes_trains_and_balances_as_untiled(masked: bool) -> None:
+@pytest.mark.parametrize(("family", "masked"), [("qwen3_moe", False), ("qwen3_moe", True), ("gpt_oss", True)])
+def test_a_tiled_moe_block_routes_trains_and_balances_as_untiled(family: str, masked: bool) -> None:
     """A mixture-of-experts block over sequence tiles of a batch of rows (a strided view, which
     the block flattens with `view`): its router runs once per tile, and the router loss joins each
     layer's tiles back in (row, position) order, the order of the mask that leaves some tokens out
     (`routed_tokens`, here the last 10 positions of row 0). Loss, aux loss, expert counts and every
-    gradient are the untiled model's; with AC the tiles nest inside the block's checkpoint."""
+    gradient are the untiled model's; with AC the tiles nest inside the block's checkpoint. gpt-oss's
+    MLP also returns its router scores over the flattened tokens: joined in that order too."""
     from model_families import moe_configs
     from transformers import AutoModelForCausalLM
 
@@ -199,7 +200,7 @@ def test_a_tiled_moe_block_routes_trains_and_balances_as_untiled(masked: bool) -
 
     def run(tiles: int, ac: str) -> tuple[float, torch.Tensor, dict[str, torch.Tensor]]:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(moe_configs(4)["qwen3_moe"])
+        model = AutoModelForCausalLM.from_config(moe_configs(4)[family])
         router = RouterLoss(None)
         router.attach(model)
         if tiles:
@@ -219,3 +220,16 @@ def test_a_tiled_moe_block_routes_trains_and_balances_as_untiled(masked: bool) -
         assert tiled_grads.keys() == grads.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_tiles_of_a_flattened_token_output_join_in_row_then_position_order() -> None:
+    """An MLP whose output has a tensor over the positions and one over the flattened tokens (gpt-oss's
+    `(hidden, router_scores)`): tiled, both are the untiled output, element for element."""
+    from harness.memory.tiled_mlp import tiled_forward
+
+    def mlp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x.reshape(-1, x.shape[-1])[:, :3] + 1
+
+    x = torch.randn(3, 8, 5, generator=torch.Generator().manual_seed(0))
+    whole, tiled = mlp(x), tiled_forward(mlp, 4, 0)(x)
+    assert torch.equal(tiled[0], whole[0]) and torch.equal(tiled[1], whole[1])
