@@ -165,7 +165,7 @@ class MemoryConfig(Section):
     optimizer_in_backward: bool = False  # optimizer step fused into backward (DDP/FSDP2; composes with accumulation)
     loss_chunk_size: int = 0  # >0: chunked fp32 cross-entropy over the sequence (never materialises full logits); 0: plain
     # each block's MLP over this many sequence tiles (>1), recomputed in backward: its intermediates exist a tile at
-    # a time (same gradients; one more MLP forward; composes with AC, compile, FSDP2, DeepSpeed, LoRA); 0: untiled
+    # a time (same gradients; one more MLP forward; composes with AC, compile, FSDP2, DeepSpeed, LoRA, MoE); 0: untiled
     tiled_mlp: int = 0
     tiled_mlp_tokens: int = 0  # or tiles of this many tokens (the count follows the sequence); one of the two
     # every step the platform's peak (GPU: max_memory_allocated/reserved; CPU: the process's resident high-water
