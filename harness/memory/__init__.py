@@ -33,7 +33,7 @@ from harness.memory.techniques import (
     advised,
     prepare_model,
 )
-from harness.memory.tiled_mlp import apply_tiled_mlp, mlp_tiles, tiled_mlps
+from harness.memory.tiled_mlp import apply_tiled_mlp, mlp_tiles, tiled_mlps, tiling_problem
 from harness.memory.tracking import (
     COUNTER_KEYS,
     AllocatorTrace,
@@ -83,4 +83,5 @@ __all__ = [
     "pinned_bytes",
     "set_activation_memory_budget",
     "tiled_mlps",
+    "tiling_problem",
 ]

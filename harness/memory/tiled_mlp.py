@@ -95,8 +95,28 @@ def join_tiles(outputs: list[Any], pieces: tuple[torch.Tensor, ...]) -> Any:
     raise ValueError(f"a tiled MLP returned a tensor of shape {tuple(first.shape)} for a tile of {tuple(tokens)} positions")
 
 
+# The names transformers gives a decoder block's MLP: most families `mlp`; GraniteMoE, JetMoE and
+# others their mixture of experts `block_sparse_moe`; Llama 4 `feed_forward`.
+MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
+
+
+def block_mlp(block: nn.Module) -> nn.Module | None:
+    """The decoder block's MLP (per position: what tiling may split), or None."""
+    return next((m for name in MLP_NAMES if isinstance(m := getattr(block, name, None), nn.Module)), None)
+
+
+def tiling_problem(model: nn.Module) -> str | None:
+    """Why the tiled MLP cannot tile this model's decoder blocks (None: it can)."""
+    if all(block_mlp(block) is not None for block in decoder_blocks(model)):
+        return None
+    return (
+        f"memory.tiled_mlp: {type(model).__name__}'s decoder blocks hold no MLP by a name harness tiles "
+        f"({', '.join(MLP_NAMES)}); set memory.tiled_mlp=0 and memory.tiled_mlp_tokens=0"
+    )
+
+
 def apply_tiled_mlp(model: nn.Module, tiles: int = 0, tile_tokens: int = 0) -> int:
-    """Make every decoder block's MLP (its ``mlp`` child) run over sequence tiles, in place.
+    """Make every decoder block's MLP (`block_mlp`) run over sequence tiles, in place.
 
     ``tiles``: a fixed tile count; ``tile_tokens``: tokens per tile (the count follows the
     sequence). Apply before activation checkpointing, compile and sharding wrap the blocks.
@@ -104,9 +124,9 @@ def apply_tiled_mlp(model: nn.Module, tiles: int = 0, tile_tokens: int = 0) -> i
     """
     if tiles < 0 or tile_tokens < 0 or bool(tiles) == bool(tile_tokens):
         raise ValueError(f"tiled MLP needs exactly one of a tile count or a tile size > 0 (got {tiles}, {tile_tokens})")
-    mlps = [getattr(block, "mlp", None) for block in decoder_blocks(model)]
-    if any(m is None for m in mlps):
-        raise ValueError(f"{type(model).__name__}'s decoder blocks have no `mlp` module to tile")
+    if (problem := tiling_problem(model)) is not None:
+        raise ValueError(problem)
+    mlps = [block_mlp(block) for block in decoder_blocks(model)]
     for mlp in mlps:
         if getattr(mlp, _TILED_ATTR, None) is not None:
             raise ValueError("the MLPs of this model are already tiled")
@@ -120,4 +140,4 @@ def tiled_mlps(model: nn.Module) -> int:
     return sum(getattr(m, _TILED_ATTR, None) is not None for m in model.modules())
 
 
-__all__ = ["apply_tiled_mlp", "join_tiles", "mlp_tiles", "tiled_forward", "tiled_mlps"]
+__all__ = ["MLP_NAMES", "apply_tiled_mlp", "block_mlp", "join_tiles", "mlp_tiles", "tiled_forward", "tiled_mlps", "tiling_problem"]

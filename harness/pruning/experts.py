@@ -45,7 +45,7 @@ from torch import nn
 from harness.config import PruneConfig
 from harness.distributed import Collectives
 from harness.errors import ConfigError
-from harness.models import EXPERT_COUNT_ATTRS, clean_name, declares_experts
+from harness.models import EXPERT_COUNT_ATTRS, clean_name, declares_experts, stacked_expert_weights
 from harness.pruning.calibration import Runner
 from harness.training import base_model, model_class, router_class
 
@@ -205,9 +205,13 @@ def experts_to_drop(model: nn.Module, p: PruneConfig) -> tuple[list[MoELayer], i
     them or a fraction that leaves none to drop or too few to route (pre-flight asks on the meta model)."""
     layers = moe_layers(model)
     if not layers:
-        raise ConfigError(
-            f"prune.experts={p.experts:g}: {model_class(base_model(model)).__name__} has no mixture-of-experts layers; unset it"
-        )
+        name = model_class(base_model(model)).__name__
+        if stacked_expert_weights(model):  # experts, but no router transformers records (Llama 4's)
+            raise ConfigError(
+                f"prune.experts={p.experts:g}: {name}'s routers are not among the outputs transformers records (router_logits), "
+                "so harness cannot score its experts or route around them; unset it"
+            )
+        raise ConfigError(f"prune.experts={p.experts:g}: {name} has no mixture-of-experts layers; unset it")
     return layers, drop_count(p, layers[0].count, int(getattr(layers[0].router, "top_k", 1)))
 
 

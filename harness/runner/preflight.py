@@ -50,6 +50,7 @@ from harness.config import (
 from harness.engine import EnginePlan, hidden_size_of, plan_engine
 from harness.errors import ConfigError
 from harness.log import get_logger
+from harness.memory import TILED_MLP, tiling_problem
 from harness.models import (
     PRESETS,
     BlocksNotFound,
@@ -191,6 +192,8 @@ def check_architecture(cfg: RunConfig, strategy: Strategy, layout: ParallelLayou
                 f"fsdp, not DeepSpeed (its checkpoints miss peft's per-expert adapters); set strategy=fsdp, or "
                 "lora.target_parameters=[] to adapt attention only"
             )
+    if TILED_MLP.is_on(cfg.memory) and (problem := tiling_problem(template)) is not None:
+        raise ConfigError(f"model.name '{name}': {problem}")
     weights = CheckpointWeights(name, getattr(template, "base_model_prefix", ""))
     weights.follow_conversions(template)
     weights.check_shapes(template)

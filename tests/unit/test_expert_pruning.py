@@ -203,6 +203,18 @@ def test_preflight_refuses_in_one_line(tmp_path, overrides: list[str], message: 
     assert drop_count(PruneConfig(experts=0.5), 8, 2) == 4
 
 
+def test_experts_whose_router_transformers_does_not_record_are_named(tmp_path) -> None:
+    """Llama 4 has experts, but its router is not among the outputs transformers records: the refusal
+    says so, not that the model has no mixture-of-experts layers."""
+    from transformers import AutoConfig
+
+    small = dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, vocab_size=512, intermediate_size=64)
+    AutoConfig.for_model("llama4_text", **small, intermediate_size_mlp=64, num_local_experts=4).save_pretrained(tmp_path)
+    cfg = load_config(None, [f"model.name={tmp_path}", "prune.experts=0.5"])
+    with pytest.raises(ConfigError, match=r"Llama4ForCausalLM's routers are not among the outputs transformers records \(router_logits\)"):
+        check_experts(cfg, ParallelLayout.of(cfg.parallel, 1))
+
+
 class _NoComm:
     """One process: sums are the values."""
 

@@ -233,3 +233,40 @@ def test_tiles_of_a_flattened_token_output_join_in_row_then_position_order() -> 
     x = torch.randn(3, 8, 5, generator=torch.Generator().manual_seed(0))
     whole, tiled = mlp(x), tiled_forward(mlp, 4, 0)(x)
     assert torch.equal(tiled[0], whole[0]) and torch.equal(tiled[1], whole[1])
+
+
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [
+        ("granitemoe", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        ("llama4_text", {"num_local_experts": 4, "intermediate_size_mlp": 64}),
+    ],
+)
+def test_mlps_by_their_other_names_tile_to_the_same_gradients(family: str, extra: dict) -> None:
+    """GraniteMoE's MLP is `block_sparse_moe`, Llama 4's `feed_forward`: found by `block_mlp`, tiled to
+    the untiled loss and gradients. A block with no MLP module (OPT's `fc1`/`fc2`) is named in one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from harness.memory import clean_fqn, tiling_problem
+
+    small = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512, hidden_size=64, intermediate_size=64)
+    config = AutoConfig.for_model(family, **small, **extra)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for tiles in (0, 2):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        if tiles:
+            assert apply_tiled_mlp(model, tiles) == 2
+        loss = causal_lm_loss(model, ids)
+        loss.backward()
+        results.append((loss.item(), {clean_fqn(n): p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (tiled_loss, tiled_grads) = results
+    assert tiled_loss == pytest.approx(loss, rel=1e-6) and tiled_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-5, atol=1e-7)
+    opt = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("opt", num_hidden_layers=1, hidden_size=32, num_attention_heads=4, ffn_dim=32, vocab_size=64)
+    )
+    problem = tiling_problem(opt)
+    assert problem is not None and "OPTForCausalLM's decoder blocks hold no MLP" in problem and "memory.tiled_mlp=0" in problem
