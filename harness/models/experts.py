@@ -84,6 +84,11 @@ def split_experts(model: nn.Module, expert_mesh: DeviceMesh, same_batch_mesh: De
 
     plan = expert_plan(model)
     names = list(expert_tensors(model))
+    if not names:  # the plan would apply to nothing and every rank keep every expert, silently
+        raise ValueError(
+            f"{type(model).__name__}: its expert plan names none of its parameters (a wrapper, such as peft's, renamed "
+            "them): no expert would be split"
+        )
     apply_expert_parallelism(model, expert_mesh, same_batch_mesh, plan)
     return names
 

@@ -94,3 +94,21 @@ def test_preflight_refuses_a_model_without_experts():
     with pytest.raises(ConfigError, match=r"model.name 'tiny-llama': parallel.expert=2: LlamaForCausalLM has no expert plan"):
         check_experts(cfg, ParallelLayout(world=2, expert=2))
     check_experts(load_config(None, ["model.name=tiny-llama"]), ParallelLayout(world=2))  # nothing split: nothing asked
+
+
+def test_a_split_that_would_split_nothing_is_refused_not_run():
+    """peft's adapters rename the experts' parameters (`...experts.base_layer.gate_up_proj`), so
+    transformers' expert plan names none of them: applied, every rank would keep every expert while
+    the run says they are split (found with LoRA's refusal lifted by hand). `split_experts` refuses
+    before any mesh is touched."""
+    import peft
+
+    from harness.models import split_experts
+
+    model = empty_model(moe_configs(experts=4)["qwen3_moe"])
+    assert expert_tensors(model)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    wrapped = peft.get_peft_model(model, lora)
+    assert wrapped.base_model.model.ep_plan  # the plan is there; its names are not the wrapped model's
+    with pytest.raises(ValueError, match=r"its expert plan names none of its parameters .* no expert would be split"):
+        split_experts(wrapped, None, None)  # type: ignore[arg-type]
