@@ -102,7 +102,7 @@ def compile_around(module: nn.Module, keep_eager: type, *, backend: str, fullgra
             continue
         if any(isinstance(m, keep_eager) for m in child.modules()):
             compile_around(child, keep_eager, backend=backend, fullgraph=fullgraph)
-        elif any(True for _ in child.parameters()):
+        elif next(child.parameters(), None) is not None:
             child.compile(backend=backend, fullgraph=fullgraph)
 
 

@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from harness.models import decoder_blocks
+from harness.training import join_token_tiles
 
 _TILED_ATTR = "_harness_mlp_tiles"
 
@@ -89,9 +90,7 @@ def join_tiles(outputs: list[Any], pieces: tuple[torch.Tensor, ...]) -> Any:
     if first.shape[:-1] == tokens:
         return torch.cat(outputs, dim=-2)
     if first.dim() >= 1 and first.shape[0] == tokens.numel():
-        rows = tokens[:-1].numel()
-        joined = torch.cat([out.reshape(rows, -1, *out.shape[1:]) for out in outputs], dim=1)
-        return joined.reshape(-1, *first.shape[1:])
+        return join_token_tiles(outputs, tokens[:-1].numel())
     raise ValueError(f"a tiled MLP returned a tensor of shape {tuple(first.shape)} for a tile of {tuple(tokens)} positions")
 
 

@@ -94,7 +94,7 @@ def describe_lr(cfg: RunConfig) -> str:
     return f"lr {cfg.optim.lr:g}" + (f" (optim.lr's default for {why})" if cfg.optim.lr == value else "")
 
 
-def check_vocabulary(spec: ModelSpec, data_vocab: int) -> None:
+def check_tokenized_vocabulary(spec: ModelSpec, data_vocab: int) -> None:
     """A checkpoint's embedding must hold every token id of the data (a preset's is sized to the
     data): else the first forward ends in an IndexError on every rank. Pre-flight refuses what it
     can know before tokenizing (`data_checks.vocabulary_problem`); a tokenizer's size is known here."""
@@ -113,7 +113,7 @@ def build_run(cfg: RunConfig, plan: EnginePlan, info: DistInfo, twin_layers: int
     check_eval_split(cfg, data, info)
     started = time.perf_counter()
     spec = model_spec(cfg.model.name, vocab_size=data.vocab_size, seed=cfg.model.seed)
-    check_vocabulary(spec, data.vocab_size)
+    check_tokenized_vocabulary(spec, data.vocab_size)
     if twin_layers is not None:
         spec = twin_spec(spec, twin_layers)
     labelled = cfg.data.format in INSTRUCTION_FORMATS  # blocks carry (input_ids, labels): loss on the responses only

@@ -56,7 +56,7 @@ def vocabulary_problem(model_name: str, rows: Any, data_vocab: int) -> str | Non
 def check_vocabulary(cfg: RunConfig, shape: dict[str, Any]) -> None:
     """A checkpoint without a tokenizer (and no data.tokenizer) reads data tokenized by the
     tokenizer harness trains, of `data.vocab_size` tokens: it must fit the embedding. With a
-    tokenizer, its size is checked once it is read (`harness.runner.build.check_vocabulary`)."""
+    tokenizer, its size is checked once it is read (`harness.runner.build.check_tokenized_vocabulary`)."""
     if is_preset(cfg.model.name) or cfg.data.tokenizer or has_own_tokenizer(cfg.model.name):
         return
     rows = shape.get("vocab_size", (shape.get("text_config") or {}).get("vocab_size"))

@@ -26,7 +26,16 @@ from harness.training.optim import (
     optimizer_step_bytes,
 )
 from harness.training.precision import DTYPE_BYTES, DTYPE_NAMES, DTYPES, PrecisionPolicy, bf16_supported, precision_policy
-from harness.training.router import AUX_LOSS, EXPERT_LOAD, RouterLoss, base_model, model_class, router_class, router_refusal
+from harness.training.router import (
+    AUX_LOSS,
+    EXPERT_LOAD,
+    RouterLoss,
+    base_model,
+    join_token_tiles,
+    model_class,
+    router_class,
+    router_refusal,
+)
 
 __all__ = [
     "AUX_LOSS",
@@ -39,6 +48,7 @@ __all__ = [
     "OPTIMIZER_NAMES",
     "PrecisionPolicy",
     "RouterLoss",
+    "join_token_tiles",
     "base_model",
     "bf16_supported",
     "build_optimizer",

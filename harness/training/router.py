@@ -128,6 +128,12 @@ def _layer_index(name: str, position: int) -> int:
     return int(found[-1]) if found else position
 
 
+def join_token_tiles(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], rows: int) -> torch.Tensor:
+    """Sequence tiles of `rows` rows' flattened tokens, each `(rows x tile, ...)`, as the untiled
+    `(rows x positions, ...)`: row after row, each row's positions in order."""
+    return torch.cat([p.reshape(rows, -1, *p.shape[1:]) for p in parts], dim=1).reshape(-1, *parts[0].shape[1:])
+
+
 def per_layer(logits: tuple[torch.Tensor, ...], layers: int, rows: int | None) -> tuple[torch.Tensor, ...]:
     """One `[tokens, experts]` tensor per layer. transformers records a router's logits once per
     call, and the tiled MLP (`harness.memory.tiled_mlp`) calls each layer's router once per sequence
@@ -138,14 +144,7 @@ def per_layer(logits: tuple[torch.Tensor, ...], layers: int, rows: int | None) -
         return logits
     tiles, rest = divmod(len(logits), layers)
     assert not rest, (len(logits), layers)
-    out = []
-    for layer in range(layers):
-        parts = logits[layer * tiles : (layer + 1) * tiles]
-        if rows is None:
-            out.append(torch.cat(parts))
-        else:
-            out.append(torch.cat([p.reshape(rows, -1, p.shape[-1]) for p in parts], dim=1).reshape(-1, parts[0].shape[-1]))
-    return tuple(out)
+    return tuple(join_token_tiles(logits[layer * tiles : (layer + 1) * tiles], rows or 1) for layer in range(layers))
 
 
 class RouterLoss:
